@@ -1,0 +1,101 @@
+"""Attention dispatch on `[batch, seq, heads, head_dim]`: flash-attn on CUDA when installed, else SDPA.
+
+GQA (fewer kv heads than query heads) is handled by every backend. `reference_attention` is the plain
+softmax(QK^T)V implementation the other paths are tested against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional: only on CUDA machines with the `cuda` extra installed
+    from flash_attn import flash_attn_func as _flash_attn_func
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    _flash_attn_func = None
+
+BACKENDS = ("auto", "flash", "sdpa", "reference")
+
+
+def flash_available(q: torch.Tensor) -> bool:
+    return _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"attention expects [batch, seq, heads, head_dim] tensors, got q{tuple(q.shape)} "
+            f"k{tuple(k.shape)} v{tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k{tuple(k.shape)} and v{tuple(v.shape)} must have the same shape")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q{tuple(q.shape)} and k{tuple(k.shape)} differ in batch or head_dim")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) for grouped-query attention"
+        )
+
+
+def _causal_mask(s_q: int, s_k: int, device) -> torch.Tensor:
+    # Bottom-right aligned, as flash-attn does: query i attends to keys <= i + (s_k - s_q).
+    i = torch.arange(s_q, device=device)[:, None]
+    j = torch.arange(s_k, device=device)[None, :]
+    return j <= i + (s_k - s_q)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                        scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v computed in fp32, GQA by repeating kv heads."""
+    _check(q, k, v)
+    rep = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(rep, dim=2)
+    v = v.repeat_interleave(rep, dim=2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # [b, s, h, d] -> scores [b, h, s_q, s_k]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    if causal:
+        scores = scores.masked_fill(~_causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v.float()).to(q.dtype)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                   scale: float | None = None) -> torch.Tensor:
+    _check(q, k, v)
+    gqa = q.shape[2] != k.shape[2]
+    # SDPA wants [b, h, s, d]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if causal and q.shape[1] != k.shape[1]:
+        mask = _causal_mask(q.shape[1], k.shape[1], q.device)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    scale: float | None = None) -> torch.Tensor:
+    if not flash_available(q):
+        raise RuntimeError(
+            "flash-attn backend needs the flash_attn package, a CUDA tensor and fp16/bf16 inputs; "
+            f"got package={'yes' if _flash_attn_func else 'no'}, device={q.device}, dtype={q.dtype}"
+        )
+    _check(q, k, v)
+    return _flash_attn_func(q, k, v, causal=causal, softmax_scale=scale)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Multi-head attention on `[batch, seq, heads, head_dim]`; k/v may have fewer heads (GQA)."""
+    if backend == "auto":
+        backend = "flash" if flash_available(q) else "sdpa"
+    if backend == "flash":
+        return flash_attention(q, k, v, causal=causal, scale=scale)
+    if backend == "sdpa":
+        return sdpa_attention(q, k, v, causal=causal, scale=scale)
+    if backend == "reference":
+        return reference_attention(q, k, v, causal=causal, scale=scale)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")

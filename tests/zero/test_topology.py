@@ -1,0 +1,70 @@
+import pytest
+import torch.distributed as dist
+
+from tests.multirank import MultiRankError, run_multirank
+from zero.topology import LayoutError, ParallelDims
+
+
+def _members(group):
+    return None if group is None else sorted(dist.get_process_group_ranks(group))
+
+
+def _groups(dp, tp, pp, sp, ep):
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep)
+    return {
+        "coord": dims.coordinate(),
+        "dp": _members(dims.dp_group), "sp": _members(dims.sp_group), "tp": _members(dims.tp_group),
+        "pp": _members(dims.pp_group), "dp_sp": _members(dims.dp_sp_group), "ep": _members(dims.ep_group),
+        "edp": _members(dims.expert_data_parallel_group),
+    }
+
+
+def test_layout_validation_world_1():
+    dims = ParallelDims()
+    assert dims.world_size == 1 and dims.dp_group is None and dims.ep_group is None
+    with pytest.raises(LayoutError, match="does not match the world size 1"):
+        ParallelDims(dp=2)
+    with pytest.raises(LayoutError, match="must divide dp \\* sp"):
+        ParallelDims(dp=2, ep=3, world_size=2)
+    with pytest.raises(LayoutError, match="int >= 1"):
+        ParallelDims(dp=0)
+
+
+def test_groups_dp2_sp2_ep4():
+    res = run_multirank(_groups, 4, 2, 1, 1, 2, 4)
+    for r, g in enumerate(res):
+        assert g["sp"] == ([0, 1] if r < 2 else [2, 3])
+        assert g["dp"] == ([0, 2] if r % 2 == 0 else [1, 3])
+        assert g["dp_sp"] == [0, 1, 2, 3]
+        assert g["ep"] == [0, 1, 2, 3]
+        assert g["edp"] is None and g["tp"] is None and g["pp"] is None
+        assert g["coord"]["ep"] == r
+
+
+def test_groups_dp4_ep2():
+    res = run_multirank(_groups, 4, 4, 1, 1, 1, 2)
+    for r, g in enumerate(res):
+        assert g["dp"] == [0, 1, 2, 3]
+        assert g["ep"] == ([0, 1] if r < 2 else [2, 3])
+        assert g["edp"] == ([0, 2] if r % 2 == 0 else [1, 3])
+        assert g["coord"] == {"pp": 0, "dp": r, "sp": 0, "tp": 0, "ep": r % 2, "edp": r // 2}
+
+
+def test_groups_pp2_tp2():
+    res = run_multirank(_groups, 4, 1, 2, 2, 1, 1)
+    for r, g in enumerate(res):
+        assert g["tp"] == ([0, 1] if r < 2 else [2, 3])
+        assert g["pp"] == ([0, 2] if r % 2 == 0 else [1, 3])
+        assert g["dp"] is None and g["dp_sp"] is None
+
+
+def test_groups_dp2_sp2_ep2():
+    res = run_multirank(_groups, 4, 2, 1, 1, 2, 2)
+    for r, g in enumerate(res):
+        assert g["ep"] == ([0, 1] if r < 2 else [2, 3])
+        assert g["edp"] == ([0, 2] if r % 2 == 0 else [1, 3])
+
+
+def test_bad_layout_under_distributed_reports_rank():
+    with pytest.raises(MultiRankError, match="does not match the world size 2"):
+        run_multirank(_groups, 2, 1, 1, 1, 1, 1)

@@ -1,0 +1,182 @@
+"""Parallel layout: `ParallelDims(dp, tp, pp, sp, ep)` validated against the world size.
+
+It builds one DeviceMesh over the world and exposes every process group the layers need. Expert
+parallelism borrows its ranks from the dense data x sequence region: ep divides dp * sp, and the
+remaining factor of that region is the expert-data-parallel group over which expert gradients reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+_AXES = ("dp", "tp", "pp", "sp", "ep")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot be built on the given world."""
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of each parallelism; their product (dp * tp * pp * sp) must equal the world size.
+
+    Rank order, outermost to innermost: pp, dp, sp, tp. Tensor parallel ranks are the closest
+    neighbours (they talk most), pipeline stages the farthest. The ep ranks are the innermost
+    `ep` ranks of the flattened dp x sp region.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    ep: int = 1
+    world_size: int | None = None
+    device_type: str = "cpu"
+    _mesh: object = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in _AXES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"parallel.{name}={value!r} is invalid: every degree must be an int >= 1")
+        if self.world_size is None:
+            self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        product = self.dp * self.tp * self.pp * self.sp
+        if product != self.world_size:
+            raise LayoutError(
+                f"parallel layout dp={self.dp} x tp={self.tp} x pp={self.pp} x sp={self.sp} = {product} "
+                f"does not match the world size {self.world_size}: the degrees must multiply to the number "
+                f"of processes (e.g. torchrun --nproc_per_node {product})"
+            )
+        if (self.dp * self.sp) % self.ep != 0:
+            raise LayoutError(
+                f"parallel.ep={self.ep} must divide dp * sp = {self.dp * self.sp}: expert parallel ranks are "
+                f"borrowed from the data x sequence parallel region"
+            )
+
+    # ---------------------------------------------------------------- sizes
+    @property
+    def dp_sp(self) -> int:
+        return self.dp * self.sp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: replicas of each expert."""
+        return self.dp * self.sp // self.ep
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    # ---------------------------------------------------------------- mesh
+    @property
+    def mesh(self):
+        """The world DeviceMesh with dims (pp, dp, sp, tp), built on first use (None for world size 1)."""
+        if self._mesh is None and self.distributed:
+            if not dist.is_initialized():
+                raise LayoutError(
+                    f"world size {self.world_size} needs torch.distributed to be initialised "
+                    "(launch with torchrun)"
+                )
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(
+                self.device_type,
+                (self.pp, self.dp, self.sp, self.tp),
+                mesh_dim_names=("pp", "dp", "sp", "tp"),
+            )
+            dp_sp = mesh["dp", "sp"]._flatten("dp_sp")
+            # The expert view of the same ranks: dp x sp re-factored as (edp, ep), ep innermost.
+            dp_sp._unflatten(0, (self.edp, self.ep), ("edp", "ep"))
+            self._mesh = mesh
+        return self._mesh
+
+    def _group(self, name: str) -> ProcessGroup | None:
+        """The process group of one mesh axis, or None where it has a single rank (no communication)."""
+        size = {
+            "dp": self.dp, "sp": self.sp, "tp": self.tp, "pp": self.pp,
+            "dp_sp": self.dp_sp, "ep": self.ep, "edp": self.edp,
+        }[name]
+        if size == 1:
+            return None
+        mesh = self.mesh
+        if name in ("dp", "sp", "tp", "pp"):
+            return mesh[name].get_group()
+        if name == "dp_sp":
+            return mesh["dp", "sp"]._flatten("dp_sp").get_group()
+        sub = mesh["dp", "sp"]._flatten("dp_sp")._unflatten(0, (self.edp, self.ep), ("edp", "ep"))
+        return sub[name].get_group()
+
+    @property
+    def dp_group(self) -> ProcessGroup | None:
+        return self._group("dp")
+
+    @property
+    def sp_group(self) -> ProcessGroup | None:
+        return self._group("sp")
+
+    @property
+    def tp_group(self) -> ProcessGroup | None:
+        return self._group("tp")
+
+    @property
+    def pp_group(self) -> ProcessGroup | None:
+        return self._group("pp")
+
+    @property
+    def dp_sp_group(self) -> ProcessGroup | None:
+        """Dense-parameter gradient reduction group (data x sequence parallel ranks)."""
+        return self._group("dp_sp")
+
+    @property
+    def ep_group(self) -> ProcessGroup | None:
+        return self._group("ep")
+
+    @property
+    def expert_data_parallel_group(self) -> ProcessGroup | None:
+        """Expert-parameter gradient reduction group (replicas of the same experts)."""
+        return self._group("edp")
+
+    # ---------------------------------------------------------------- coordinates
+    def coordinate(self, rank: int | None = None) -> dict[str, int]:
+        """This rank's index along each axis (pp, dp, sp, tp, ep, edp)."""
+        if rank is None:
+            rank = dist.get_rank() if self.distributed else 0
+        tp_i = rank % self.tp
+        sp_i = (rank // self.tp) % self.sp
+        dp_i = (rank // (self.tp * self.sp)) % self.dp
+        pp_i = rank // (self.tp * self.sp * self.dp)
+        dp_sp_i = dp_i * self.sp + sp_i
+        return {"pp": pp_i, "dp": dp_i, "sp": sp_i, "tp": tp_i, "ep": dp_sp_i % self.ep, "edp": dp_sp_i // self.ep}
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinate()["dp"]
+
+    @property
+    def sp_rank(self) -> int:
+        return self.coordinate()["sp"]
+
+    @property
+    def ep_rank(self) -> int:
+        return self.coordinate()["ep"]
+
+    def __str__(self) -> str:
+        return f"ParallelDims(dp={self.dp}, tp={self.tp}, pp={self.pp}, sp={self.sp}, ep={self.ep}, world={self.world_size})"
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Size of a group, where None means a single rank (no communication needed)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
