@@ -1,0 +1,69 @@
+"""Checks on the recipe's Hydra config, run before any work starts, so bad input fails in one line."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key, the rule and the fix."""
+
+
+def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> int:
+    value = OmegaConf.select(cfg, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{key}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Validate the keys the recipe reads; raise ConfigError on the first bad value."""
+    for key in ("train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum"):
+        _positive_int(cfg, key)
+    for key in ("train.eval_every", "train.ckpt_every", "train.eval_batches", "train.sample_tokens",
+                "train.tiled_mlp", "optim.warmup_steps"):
+        _positive_int(cfg, key, minimum=0)
+    if not isinstance(cfg.train.seed, int):
+        raise ConfigError(f"train.seed={cfg.train.seed!r} must be an integer")
+    if not cfg.optim.lr > 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr!r} must be > 0")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio!r} must be in [0, 1]")
+    if cfg.optim.grad_clip < 0:
+        raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip!r} must be >= 0 (0 turns clipping off)")
+    if cfg.wandb.mode not in ("offline", "online", "disabled"):
+        raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} must be one of offline, online, disabled")
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} does not fit the model: model.max_seq_len={cfg.model.max_seq_len}; "
+            "lower train.seq_len or raise model.max_seq_len"
+        )
+    if cfg.parallel.tp > 1:
+        raise NotImplementedError("tensor parallelism (parallel.tp > 1) is not implemented yet; use tp=1")
+    if cfg.parallel.pp > 1:
+        raise NotImplementedError("pipeline parallelism (parallel.pp > 1) is not implemented yet; use pp=1")
+    if cfg.parallel.ep > 1 and cfg.model.moe.num_experts == 0:
+        raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model.moe.num_experts > 0)")
+
+
+def check_run_dir(run_dir: str) -> Path:
+    """Create run_dir and prove it is writable, or fail now rather than at the first checkpoint."""
+    path = Path(run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"run_dir={run_dir!r} cannot be written ({e.strerror}); choose another run_dir") from None
+    return path
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small file so a crash never leaves it half-written."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,242 @@
+"""Llama-style decoder: RMSNorm, RoPE with explicit position ids, GQA, SwiGLU or MoE feed-forward.
+
+Plain PyTorch with no parallel logic: sequence parallelism swaps each `Attention.attn_fn`, expert
+parallelism converts the `MoELayer`s, and the runtime wraps the whole module, all from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.attention import attention
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-Experts feed-forward settings (used when `num_experts > 0`)."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    ffn_dim: int = 0  # per-expert hidden width; 0 means the dense ffn_dim
+    every: int = 1  # an MoE FFN on every k-th layer ...
+    first_dense: int = 0  # ... after the first n layers, which stay dense
+    capacity_factor: float | None = None  # None = dropless
+    router: str = "softmax"
+    renormalize: bool = True
+    activation: str = "swiglu"
+    aux_loss_coef: float = 1e-2
+    seq_aux: bool = False
+    z_loss_coef: float = 1e-3
+    jitter_eps: float = 0.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    bias_update_rate: float = 0.0  # > 0 turns on aux-loss-free balancing
+    num_shared_experts: int = 0
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 0  # 0 = round(8/3 * dim) up to a multiple of 64, the SwiGLU width of Llama
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
+        if self.ffn_dim == 0:
+            self.ffn_dim = 64 * math.ceil(8 * self.dim / 3 / 64)
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads} (GQA)"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        m = self.moe
+        return m.num_experts > 0 and layer_id >= m.first_dense and (layer_id - m.first_dense) % m.every == 0
+
+    def num_params(self) -> int:
+        """Parameters of the full (unsharded) model, counting a tied embedding once."""
+        return sum(p.numel() for p in Transformer(self, device="meta").parameters())
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: bf16 sums of squares lose precision over wide dims.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for explicit positions: [b, s] -> [b, s, 1, head_dim/2] each."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    angles = position_ids.float()[..., None] * inv_freq  # [b, s, head_dim/2]
+    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x [b, s, h, head_dim] by the position's angles."""
+    xf = x.float().unflatten(-1, (-1, 2))  # [b, s, h, head_dim/2, 2]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False, device=device)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False, device=device)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False, device=device)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False, device=device)
+        # The seam for sequence parallelism: UlyssesAttention replaces this callable.
+        self.attn_fn = attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attn_fn(q, k, v, causal=True)  # [b, s, h, head_dim]
+        return self.wo(out.reshape(b, s, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, ffn_dim: int, device=None) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False, device=device)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False, device=device)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def build_moe(cfg: ModelConfig, device=None) -> nn.Module:
+    from moe import MoELayer
+
+    m = cfg.moe
+    return MoELayer(
+        cfg.dim, m.ffn_dim or cfg.ffn_dim, m.num_experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
+        router=m.router, aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef,
+        num_shared_experts=m.num_shared_experts, activation=m.activation, renormalize=m.renormalize,
+        jitter_eps=m.jitter_eps, num_groups=m.num_groups, topk_groups=m.topk_groups,
+        bias_update_rate=m.bias_update_rate, seq_aux=m.seq_aux, device=device,
+    )
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, device=None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.attention = Attention(cfg, device=device)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        if cfg.is_moe_layer(layer_id):
+            self.feed_forward = build_moe(cfg, device=device)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, device=device)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i, device=device) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)
+        if torch.device(device or "cpu").type != "meta":
+            self.reset_parameters()
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 style init: N(0, 0.02), output projections of residual branches scaled by 1/sqrt(2L)
+        so the residual stream's variance does not grow with depth."""
+        std = self.cfg.init_std
+        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        # MoE layers (recognised by their router) initialise their router and experts themselves.
+        moe_params = {id(p) for m in self.modules() if hasattr(m, "router") for p in m.parameters()}
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or id(p) in moe_params:
+                continue  # RMSNorm gains stay at 1
+            if name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, 0.0, resid_std)
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def forward_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> final-normed hidden states [b, s, dim]."""
+        b, s = tokens.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=tokens.device).expand(b, s)
+        elif position_ids.dim() == 1:
+            position_ids = position_ids.expand(b, s)
+        if position_ids.shape != tokens.shape:
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} must match tokens {tuple(tokens.shape)}")
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab]."""
+        return F.linear(self.forward_hidden(tokens, position_ids), self.output_weight)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 40, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample continuation tokens for prompt [b, s] (no KV cache: for short samples at the end of a run)."""
+        tokens = prompt
+        for _ in range(max_new_tokens):
+            context = tokens[:, -self.cfg.max_seq_len:]
+            logits = self(context)[:, -1, :].float() / max(temperature, 1e-5)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens[:, prompt.shape[1]:]

@@ -1,0 +1,273 @@
+"""Pretraining recipe: `python -m recipes.pretrain [key=value ...]` or under `torchrun`.
+
+Reads top to bottom: config checks, process groups, data, model, parallelism applied from outside,
+the runtime engine, then the training loop with evaluation, checkpoints, metrics and a final sample.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+import zero
+from recipes.config import ConfigError, atomic_write_text, check_config, check_run_dir
+from recipes.data import BatchSpec, DataError, build_streams
+from recipes.models.llama import ModelConfig, MoEConfig, Transformer
+from recipes.tracking import MetricsLogger
+from zero import comm
+
+IGNORE_INDEX = -100
+
+
+def init_distributed() -> None:
+    """Join the torchrun process group when launched with several processes."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+
+
+def lr_at(step: int, cfg: DictConfig) -> float:
+    """Linear warmup to optim.lr, then cosine decay to lr * min_lr_ratio at the last step."""
+    o, total = cfg.optim, cfg.train.steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> Transformer:
+    """The full model, identically initialised on every rank, then parallelised from outside."""
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    moe_cfg = MoEConfig(**model_cfg.pop("moe", {}))
+    model = Transformer(ModelConfig(**model_cfg, moe=moe_cfg))
+    if dims.ep > 1:
+        from moe import apply_expert_parallel
+
+        apply_expert_parallel(model, dims.ep_group)
+    if dims.sp > 1:
+        from sequence_parallel import apply_ulysses
+
+        apply_ulysses(model, dims.sp_group)
+    if cfg.train.tiled_mlp:
+        from sequence_parallel import apply_tiled_mlp
+
+        apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp)
+    if cfg.train.activation_checkpointing:
+        from sequence_parallel import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, offload=cfg.train.offload_activations)
+    return model
+
+
+def lm_loss(model: Transformer, tokens: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
+            dims: zero.ParallelDims) -> torch.Tensor:
+    """Mean next-token cross-entropy of this data shard (over the whole sequence when sp > 1)."""
+    position_ids = None
+    if dims.sp > 1:
+        from sequence_parallel import shard_sequence
+
+        tokens, labels, position_ids = shard_sequence(tokens, labels, dims.sp_group, ignore_index=IGNORE_INDEX)
+    if cfg.train.tiled_loss:
+        from sequence_parallel import tiled_cross_entropy
+
+        hidden = model.forward_hidden(tokens, position_ids)
+        loss_sum, count = tiled_cross_entropy(hidden.flatten(0, 1), model.output_weight, labels.flatten(),
+                                              ignore_index=IGNORE_INDEX)
+    else:
+        logits = model(tokens, position_ids)
+        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        count = (labels != IGNORE_INDEX).sum()
+    if dims.sp > 1:
+        from sequence_parallel import sp_loss
+
+        return sp_loss(loss_sum, count, dims.sp_group)
+    return loss_sum / count.clamp(min=1)
+
+
+def mean_over_dp(value: float, dims: zero.ParallelDims) -> float:
+    """Average a per-data-shard scalar over data-parallel ranks (for logging the global-batch loss)."""
+    if dims.dp == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    comm.all_reduce(t, dims.dp_group)
+    return t.item() / dims.dp
+
+
+@torch.no_grad()
+def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims) -> float:
+    """Mean loss over `train.eval_batches` fixed held-out global batches."""
+    engine.module.eval()
+    total = 0.0
+    for i in range(cfg.train.eval_batches):
+        for micro in range(cfg.train.grad_accum):
+            x, y = val_stream.batch(i, micro, dims.dp_rank)
+            total += lm_loss(engine.module, x, y, cfg, dims).item()
+    engine.module.train()
+    return mean_over_dp(total / (cfg.train.eval_batches * cfg.train.grad_accum), dims)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.exists():
+        return None
+    path = run_dir / "checkpoints" / pointer.read_text().strip()
+    return path if path.exists() else None
+
+
+def save_checkpoint(engine, run_dir: Path, step: int, is_rank0: bool) -> None:
+    name = f"step_{step:07d}"
+    engine.save_checkpoint(run_dir / "checkpoints" / name,
+                           client_state={"step": step, "rng": torch.get_rng_state()})
+    if is_rank0:  # the pointer moves only after the checkpoint is complete
+        atomic_write_text(run_dir / "checkpoints" / "latest", name)
+    comm.barrier()
+
+
+def moe_metrics(model) -> dict:
+    try:
+        from moe import collect_moe_stats
+    except ImportError:
+        return {}
+    return {k: v for k, v in collect_moe_stats(model).items() if isinstance(v, (int, float))}
+
+
+def sample(engine, cfg: DictConfig, dims: zero.ParallelDims) -> str:
+    """Generate bytes from the prompt. Every rank runs it in lockstep (same generator), so sharded
+    experts and parameters take part; under sp the attention runs locally on the full sequence."""
+    model = engine.module
+    restore = []
+    for m in model.modules():
+        inner = getattr(getattr(m, "attn_fn", None), "attn_fn", None)
+        if inner is not None:  # a sequence-parallel wrapper: use the wrapped function directly
+            restore.append((m, m.attn_fn))
+            m.attn_fn = inner
+    prompt = torch.tensor([list(cfg.train.sample_prompt.encode())], dtype=torch.long)
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    model.eval()
+    out = model.generate(prompt, cfg.train.sample_tokens, generator=gen)
+    model.train()
+    for m, fn in restore:
+        m.attn_fn = fn
+    return (cfg.train.sample_prompt.encode() + bytes(out[0].clamp(max=255).tolist())).decode("utf-8", "replace")
+
+
+def train(cfg: DictConfig) -> dict:
+    check_config(cfg)
+    init_distributed()
+    dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")})
+    is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    # Every rank writes to rank 0's run_dir (its timestamp may differ by a second on other ranks).
+    run_dir = check_run_dir(comm.all_gather_object(str(cfg.run_dir), None if dims.world_size == 1 else
+                                                   dist.group.WORLD)[0])
+    torch.manual_seed(cfg.train.seed)
+
+    t = cfg.train
+    spec = BatchSpec(t.micro_batch_size, t.grad_accum, dims.dp, t.seq_len)
+    train_stream, val_stream = build_streams(cfg.data, spec, t.seed, cfg.model.vocab_size)
+
+    model = build_model(cfg, dims)
+    engine = zero.initialize(
+        model,
+        optimizer=functools.partial(torch.optim.AdamW, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                    eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay),
+        config=zero.ZeroConfig(grad_accum_steps=t.grad_accum, clip_grad_norm=cfg.optim.grad_clip,
+                               **OmegaConf.to_container(cfg.zero, resolve=True)),
+        dims=dims,
+    )
+
+    start_step = 0
+    ckpt = latest_checkpoint(run_dir) if t.resume else None
+    if ckpt is not None:
+        client_state = engine.load_checkpoint(ckpt)
+        start_step = client_state["step"]
+        torch.set_rng_state(client_state["rng"])
+    if is_rank0:
+        atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    logger = MetricsLogger(run_dir, is_rank0, OmegaConf.to_container(cfg.wandb),
+                           OmegaConf.to_container(cfg, resolve=True), resume_step=start_step)
+    n_params = sum(p.numel() for p in model.parameters())
+    if is_rank0:
+        print(f"{dims} | model {n_params / 1e6:.2f}M params on rank 0 | run_dir {run_dir}"
+              + (f" | resumed at step {start_step}" if start_step else ""), flush=True)
+
+    tokens_per_step = spec.global_batch * t.seq_len
+    progress = None
+    if is_rank0 and t.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+    val_loss = None
+    for step in range(start_step, t.steps):
+        t0 = time.perf_counter()
+        comm.stats.reset()
+        lr = lr_at(step, cfg)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        loss_total = 0.0
+        for micro in range(t.grad_accum):
+            x, y = train_stream.batch(step, micro, dims.dp_rank)
+            loss = lm_loss(engine.module, x, y, cfg, dims)
+            engine.backward(loss)
+            loss_total += loss.item()
+        engine.step()
+        from_moe = moe_metrics(engine.module)
+        loss_value = mean_over_dp(loss_total / t.grad_accum, dims)
+        dt = time.perf_counter() - t0
+        record = {"loss": loss_value, "lr": lr, "grad_norm": float(engine.global_grad_norm),
+                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                  "comm_bytes": comm.stats.total_bytes, **from_moe}
+        done = step + 1
+        if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+            val_loss = evaluate(engine, val_stream, cfg, dims)
+            record["val_loss"] = val_loss
+        logger.log(done, record)
+        if (t.ckpt_every and done % t.ckpt_every == 0) or done == t.steps:
+            save_checkpoint(engine, run_dir, done, is_rank0)
+        if progress is not None:
+            progress.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 **({"val": f"{val_loss:.3f}"} if val_loss is not None else {}))
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+
+    result = {"val_loss": val_loss, "steps": t.steps, "run_dir": str(run_dir)}
+    if t.sample_tokens and t.steps > start_step:
+        text = sample(engine, cfg, dims)
+        if is_rank0:
+            atomic_write_text(run_dir / "sample.txt", text)
+            print("---- sample ----\n" + text + "\n----------------", flush=True)
+    if is_rank0:
+        logger.summary({"final_val_loss": val_loss})
+        atomic_write_text(run_dir / "result.json", json.dumps(result))
+    logger.finish()
+    return result
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except (ConfigError, DataError, zero.LayoutError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from recipes.models.llama import ModelConfig, Transformer, apply_rope, rope_cos_sin
+
+
+def _tiny(**kw):
+    cfg = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
+    cfg.update(kw)
+    return ModelConfig(**cfg)
+
+
+def test_shapes_and_tied_weights():
+    torch.manual_seed(0)
+    model = Transformer(_tiny())
+    tokens = torch.randint(0, 64, (3, 10))
+    assert model(tokens).shape == (3, 10, 64)
+    assert model.forward_hidden(tokens).shape == (3, 10, 32)
+    assert model.output_weight is model.tok_embeddings.weight
+    untied = Transformer(_tiny(tie_embeddings=False))
+    assert untied.output_weight is untied.output.weight
+    n = sum(p.numel() for p in untied.parameters())
+    assert n - sum(p.numel() for p in model.parameters()) == 64 * 32
+    assert _tiny().num_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_rope_is_relative():
+    # Rotating q and k by positions p and p+c gives the same dot products for every shift c.
+    torch.manual_seed(1)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    dots = []
+    for shift in (0, 5, 100):
+        cq, sq = rope_cos_sin(torch.tensor([[3 + shift]]), 16, 10000.0)
+        ck, sk = rope_cos_sin(torch.tensor([[7 + shift]]), 16, 10000.0)
+        dots.append((apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum())
+    torch.testing.assert_close(dots[0], dots[1])
+    torch.testing.assert_close(dots[0], dots[2])
+    # position 0 is the identity rotation
+    c0, s0 = rope_cos_sin(torch.tensor([[0]]), 16, 10000.0)
+    torch.testing.assert_close(apply_rope(q, c0, s0), q)
+
+
+def test_explicit_position_ids_match_default_and_slice_consistency():
+    torch.manual_seed(2)
+    model = Transformer(_tiny())
+    tokens = torch.randint(0, 64, (2, 12))
+    default = model(tokens)
+    explicit = model(tokens, torch.arange(12).expand(2, 12))
+    torch.testing.assert_close(default, explicit)
+    # Causality: the first 5 positions do not depend on later tokens.
+    torch.testing.assert_close(model(tokens[:, :5])[:, :5], default[:, :5], atol=1e-5, rtol=1e-5)
+    # A uniform shift of positions leaves attention unchanged (RoPE is relative) ...
+    torch.testing.assert_close(model(tokens, torch.arange(12).expand(2, 12) + 3), default, atol=1e-4, rtol=1e-4)
+    # ... while positions that restart mid-sequence (packed documents) change it.
+    restarted = model(tokens, torch.cat([torch.arange(6), torch.arange(6)]).expand(2, 12))
+    torch.testing.assert_close(restarted[:, :6], default[:, :6])
+    assert not torch.allclose(restarted[:, 6:], default[:, 6:], atol=1e-3)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="divisible by model.n_heads"):
+        _tiny(dim=30)
+    with pytest.raises(ValueError, match="multiple of model.n_kv_heads"):
+        _tiny(n_kv_heads=3)
+    with pytest.raises(ValueError, match="position_ids"):
+        Transformer(_tiny())(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_generate_is_seeded():
+    torch.manual_seed(3)
+    model = Transformer(_tiny())
+    prompt = torch.randint(0, 64, (1, 4))
+    a = model.generate(prompt, 6, generator=torch.Generator().manual_seed(0))
+    b = model.generate(prompt, 6, generator=torch.Generator().manual_seed(0))
+    assert a.shape == (1, 6) and torch.equal(a, b)
