@@ -1,0 +1,125 @@
+"""Token dispatch: sort-based permutation of token-slots into per-expert segments and back.
+
+Dropless by default; with a capacity, each expert keeps its highest-scoring slots. The all-to-all
+dispatcher moves the permuted tokens to the ranks that own their experts (expert parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+
+from zero import comm
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """capacity = ceil(capacity_factor * tokens * top_k / E) token-slots per expert."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+@dataclass
+class DispatchPlan:
+    """Where each kept token-slot goes; slots are ordered by expert id (contiguous segments)."""
+
+    token_index: torch.Tensor  # [M] source token of each kept slot, expert-sorted
+    slot_index: torch.Tensor  # [M] flat slot id (token * k + j) of each kept slot, to fetch gate weights
+    tokens_per_expert: torch.Tensor  # [E] int64 kept slots per expert
+    routed_per_expert: torch.Tensor  # [E] int64 slots routed per expert before any drop
+    num_slots: int  # N * k
+
+    @property
+    def num_dropped(self) -> torch.Tensor:
+        return self.routed_per_expert.sum() - self.tokens_per_expert.sum()
+
+
+def make_plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
+              capacity: int | None = None) -> DispatchPlan:
+    """Plan the permutation for indices/weights [N, k]; no one-hot [N, E, C] tensors anywhere.
+
+    Dropless: a stable argsort of the expert ids. With `capacity`: slots are sorted by descending
+    gate weight first, then (stably) by expert, so each expert's segment lists its best slots first
+    and cutting every segment at `capacity` drops the lowest-scoring ones.
+    """
+    n, k = indices.shape
+    flat_expert = indices.reshape(-1)  # [N, k] -> [N*k]
+    routed = torch.bincount(flat_expert, minlength=num_experts)
+    if capacity is None:
+        order = torch.argsort(flat_expert, stable=True)
+        kept = routed
+    else:
+        by_score = torch.argsort(weights.detach().reshape(-1), descending=True, stable=True)
+        order = by_score[torch.argsort(flat_expert[by_score], stable=True)]
+        # Position of every sorted slot inside its expert's segment; keep the first `capacity`.
+        starts = torch.cumsum(routed, 0) - routed
+        position = torch.arange(order.numel(), device=order.device) - starts.repeat_interleave(routed)
+        order = order[position < capacity]
+        kept = routed.clamp(max=capacity)
+    return DispatchPlan(token_index=order // k, slot_index=order, tokens_per_expert=kept,
+                        routed_per_expert=routed, num_slots=n * k)
+
+
+def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """x [N, dim] -> [M, dim] token copies grouped by expert."""
+    return x.index_select(0, plan.token_index)
+
+
+def unpermute(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[M, dim] expert outputs -> [N, dim]: weight by the gate and scatter-add back to their tokens.
+
+    Dropped slots add nothing, so a token whose every slot was dropped gets zero (the residual path).
+    """
+    gate = weights.reshape(-1).index_select(0, plan.slot_index).to(y.dtype)  # [M]
+    out = y.new_zeros(num_tokens, y.shape[1])
+    return out.index_add(0, plan.token_index, y * gate.unsqueeze(1))
+
+
+@dataclass
+class _A2AState:
+    input_splits: list[int]
+    output_splits: list[int]
+    regroup: torch.Tensor  # [R] received-row order that makes local-expert segments contiguous
+    tokens_per_local_expert: torch.Tensor  # [E_local]
+
+
+class AllToAllDispatcher:
+    """Moves expert-sorted token-slots to the ranks owning their experts and brings the outputs back.
+
+    Expert e lives on ep rank e // E_local. Split sizes are uneven and exchanged first with a small
+    all-to-all of per-expert counts; ranks or experts receiving zero tokens are fine.
+    """
+
+    def __init__(self, ep_group: ProcessGroup | None, num_experts: int) -> None:
+        self.group = ep_group
+        self.ep_size = comm._size(ep_group)
+        self.num_experts = num_experts
+        self.num_local = num_experts // self.ep_size
+
+    def dispatch(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, _A2AState]:
+        """x [M, dim] sorted by global expert -> ([R, dim] sorted by local expert, state)."""
+        p, el = self.ep_size, self.num_local
+        # received[src * E_local + j] = slots rank src sends to my local expert j
+        received = torch.empty_like(tokens_per_expert)
+        comm.all_to_all_single(received, tokens_per_expert.contiguous(), self.group)
+        input_splits = tokens_per_expert.view(p, el).sum(1).tolist()
+        output_splits = received.view(p, el).sum(1).tolist()
+        x_recv = comm.all_to_all(x, self.group, output_splits, input_splits)
+        # Rows arrive grouped by (source rank, local expert); regroup them by local expert.
+        local_expert = torch.arange(el, device=x.device).repeat(p).repeat_interleave(received)
+        regroup = torch.argsort(local_expert, stable=True)
+        state = _A2AState(input_splits, output_splits, regroup, received.view(p, el).sum(0))
+        return x_recv.index_select(0, regroup), state
+
+    def combine(self, y: torch.Tensor, state: _A2AState) -> torch.Tensor:
+        """[R, dim] local expert outputs -> [M, dim] in this rank's original expert-sorted order."""
+        y_recv = _inverse_gather(y, state.regroup)
+        return comm.all_to_all(y_recv, self.group, state.input_splits, state.output_splits)
+
+
+def _inverse_gather(y: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """out[perm] = y, differentiably (a gather with the inverse permutation)."""
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return y.index_select(0, inverse)

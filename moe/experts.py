@@ -1,0 +1,132 @@
+"""GroupedExperts: every local expert's weights in one [E_local, ...] tensor, run as a grouped GEMM.
+
+Tokens arrive sorted into contiguous per-expert segments; `torch._grouped_mm` computes all experts in
+one call where the installed torch supports it for the device/dtype, else a loop over the segments.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = ("swiglu", "gelu")
+
+_GROUPED_MM_OK: dict[tuple, bool] = {}
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, k: int, n: int) -> bool:
+    """Probe once per (device, dtype, shape) whether torch._grouped_mm runs forward and backward GEMMs."""
+    key = (device.type, dtype, k, n)
+    if key not in _GROUPED_MM_OK:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                x = torch.zeros(4, k, device=device, dtype=dtype)
+                w = torch.zeros(2, k, n, device=device, dtype=dtype)
+                g = torch.zeros(4, n, device=device, dtype=dtype)
+                offs = torch.tensor([1, 4], device=device, dtype=torch.int32)
+                torch._grouped_mm(x, w, offs=offs)
+                torch._grouped_mm(g, w.transpose(-2, -1), offs=offs)
+                torch._grouped_mm(x.t(), g, offs=offs)
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_MM_OK[key] = ok
+    return _GROUPED_MM_OK[key]
+
+
+class _GroupedMM(torch.autograd.Function):
+    """y[seg e] = x[seg e] @ w[e]; backward as two more grouped GEMMs (contiguous gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w, offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)  # [M, n] @ [E, n, k]
+        if ctx.needs_input_grad[1]:
+            grad_w = torch._grouped_mm(x.t(), grad, offs=offs)  # [k, M] @ [M, n] per segment -> [E, k, n]
+        return grad_x, grad_w, None
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """x [M, k] in per-expert segments, w [E, k, n] -> [M, n]."""
+    if grouped_mm_supported(x.device, x.dtype, w.shape[1], w.shape[2]):
+        offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+        return _GroupedMM.apply(x, w, offs)
+    segments = torch.split(x, tokens_per_expert.tolist())
+    return torch.cat([seg @ w[e] for e, seg in enumerate(segments)], dim=0)
+
+
+def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h)
+
+
+class GroupedExperts(nn.Module):
+    """`num_local` expert MLPs (dim -> ffn_dim -> dim) as two stacked weights.
+
+    w_in [E_local, dim, ffn_dim] (GELU) or [E_local, dim, 2 * ffn_dim] (SwiGLU: gate | up), w_out
+    [E_local, ffn_dim, dim]; both tagged `is_expert`. `expert_range` selects which slice of the full
+    `num_experts` initialisation this module keeps, so expert-parallel ranks hold exactly the
+    weights a single-rank model built with the same seed would have.
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, num_experts: int, activation: str = "swiglu",
+                 expert_range: tuple[int, int] | None = None, init_std: float = 0.02) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not supported; use one of {ACTIVATIONS}")
+        start, stop = expert_range or (0, num_experts)
+        self.dim, self.ffn_dim, self.activation = dim, ffn_dim, activation
+        self.num_experts, self.expert_range = stop - start, (start, stop)
+        in_width = 2 * ffn_dim if activation == "swiglu" else ffn_dim
+        w_in = torch.empty(num_experts, dim, in_width)
+        w_out = torch.empty(num_experts, ffn_dim, dim)
+        nn.init.normal_(w_in, std=init_std)
+        nn.init.normal_(w_out, std=init_std)
+        self.w_in = nn.Parameter(w_in[start:stop].clone())
+        self.w_out = nn.Parameter(w_out[start:stop].clone())
+        for p in (self.w_in, self.w_out):
+            p.is_expert = True
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, ffn_dim={self.ffn_dim}, experts={self.num_experts} "
+                f"(range {self.expert_range}), activation={self.activation}")
+
+    def keep_experts(self, start: int, stop: int) -> None:
+        """Drop every expert outside [start, stop) (relative to this module's current experts)."""
+        self.w_in = nn.Parameter(self.w_in.data[start:stop].clone())
+        self.w_out = nn.Parameter(self.w_out.data[start:stop].clone())
+        for p in (self.w_in, self.w_out):
+            p.is_expert = True
+        base = self.expert_range[0]
+        self.num_experts, self.expert_range = stop - start, (base + start, base + stop)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [M, dim] in contiguous per-expert segments of sizes tokens_per_expert [E_local] -> [M, dim]."""
+        h = grouped_matmul(x, self.w_in, tokens_per_expert)  # [M, ffn] or [M, 2 ffn]
+        return grouped_matmul(_activate(h, self.activation), self.w_out, tokens_per_expert)
+
+
+class SharedExperts(nn.Module):
+    """Always-on dense MLP (width num_shared * ffn_dim) added to the routed output (DeepSeekMoE)."""
+
+    def __init__(self, dim: int, hidden: int, activation: str = "swiglu", init_std: float = 0.02) -> None:
+        super().__init__()
+        self.activation = activation
+        self.w_in = nn.Linear(dim, 2 * hidden if activation == "swiglu" else hidden, bias=False)
+        self.w_out = nn.Linear(hidden, dim, bias=False)
+        for lin in (self.w_in, self.w_out):
+            nn.init.normal_(lin.weight, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_out(_activate(self.w_in(x), self.activation))

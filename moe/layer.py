@@ -1,0 +1,204 @@
+"""MoELayer: router + dispatcher + grouped experts (+ shared experts), a drop-in FFN replacement.
+
+Balancing losses reach the gradient through autograd (attached to the output), their values land in
+`layer.last_stats`; `update_router_biases` and `collect_moe_stats` serve the training loop.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from zero import comm
+
+from .dispatch import AllToAllDispatcher, expert_capacity, make_plan, permute, unpermute
+from .experts import GroupedExperts, SharedExperts
+from .router import TopKRouter, load_balancing_loss, router_z_loss, update_expert_bias
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Returns `output` unchanged; backward also sends gradient `scale` into the (pre-scaled) aux loss.
+
+    This makes the balancing losses part of whatever loss the caller backpropagates from the output,
+    without threading them through the model's return values.
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device)
+        return grad, aux_grad, None
+
+
+class MoELayer(nn.Module):
+    """Token-choice top-k Mixture-of-Experts feed-forward layer.
+
+    x [..., dim] -> y [..., dim]. Dropless unless `capacity_factor` is set (then each expert keeps
+    ceil(capacity_factor * tokens * top_k / E) highest-scoring slots per rank's tokens and dropped
+    slots contribute zero, leaving the residual path). With `ep_group` of size P each rank holds
+    E / P experts and tokens travel by all-to-all.
+
+    Keyword options: activation ("swiglu" | "gelu"); renormalize (gate weights renormalised over the
+    chosen k; default: softmax with top_k > 1, and always for sigmoid); jitter_eps (training-only
+    multiplicative input noise for the router); num_groups / topk_groups (group-limited routing);
+    bias_update_rate (aux-loss-free balancing; 0 disables; apply with `update_router_biases` after
+    each optimizer step); seq_aux (aux loss per sequence, needs x [b, s, dim]); stats_group (group
+    whose ranks hold other shards of the same sequences, e.g. sequence parallel: the aux/z statistics
+    are summed over it); init_std.
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int = 2,
+                 capacity_factor: float | None = None, router: str = "softmax", aux_loss_coef: float = 1e-2,
+                 z_loss_coef: float = 1e-3, num_shared_experts: int = 0, ep_group: ProcessGroup | None = None,
+                 *, activation: str = "swiglu", renormalize: bool | None = None, jitter_eps: float = 0.0,
+                 num_groups: int | None = None, topk_groups: int | None = None, bias_update_rate: float = 0.0,
+                 seq_aux: bool = False, stats_group: ProcessGroup | None = None,
+                 init_std: float = 0.02) -> None:
+        super().__init__()
+        if dim < 1 or ffn_dim < 1:
+            raise ValueError(f"dim={dim} and ffn_dim={ffn_dim} must be positive")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0 (or None for dropless routing)")
+        for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef),
+                            ("bias_update_rate", bias_update_rate)):
+            if value < 0:
+                raise ValueError(f"{name}={value} must be >= 0 (0 disables it)")
+        if num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
+        ep_size = comm._size(ep_group)
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size "
+                             f"{ep_size}; choose num_experts as a multiple of ep")
+        self.router = TopKRouter(dim, num_experts, top_k, score_func=router, renormalize=renormalize,
+                                 jitter_eps=jitter_eps, num_groups=num_groups, topk_groups=topk_groups,
+                                 init_std=init_std)
+        num_local = num_experts // ep_size
+        ep_rank = 0 if ep_group is None else torch.distributed.get_rank(ep_group)
+        self.experts = GroupedExperts(dim, ffn_dim, num_experts, activation,
+                                      expert_range=(ep_rank * num_local, (ep_rank + 1) * num_local),
+                                      init_std=init_std)
+        self.shared_experts = (SharedExperts(dim, num_shared_experts * ffn_dim, activation, init_std)
+                               if num_shared_experts else None)
+        self.dim, self.num_experts, self.top_k = dim, num_experts, top_k
+        self.capacity_factor = capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.bias_update_rate, self.seq_aux = bias_update_rate, seq_aux
+        self.stats_group = stats_group
+        self.ep_group = None
+        self.dispatcher: AllToAllDispatcher | None = None
+        self._set_ep_group(ep_group)
+        #: Multiplies the balancing-loss gradient (e.g. 1 / gradient-accumulation steps, loss scale).
+        self.aux_loss_scale = 1.0
+        # Slots routed per expert since the last bias update (this rank's tokens, all experts).
+        self.register_buffer("load_since_update", torch.zeros(num_experts), persistent=False)
+        self.last_stats: dict[str, torch.Tensor] = {}
+
+    def _set_ep_group(self, ep_group: ProcessGroup | None) -> None:
+        self.ep_group = ep_group if comm._size(ep_group) > 1 else None
+        self.dispatcher = AllToAllDispatcher(self.ep_group, self.num_experts) if self.ep_group else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"MoELayer expects x [..., {self.dim}], got {tuple(x.shape)}")
+        if self.seq_aux and x.dim() != 3:
+            raise ValueError(f"seq_aux=True needs x [batch, seq, dim], got {tuple(x.shape)}")
+        shape = x.shape
+        x_flat = x.reshape(-1, self.dim)  # [..., dim] -> [N, dim]
+        n = x_flat.shape[0]
+        routing = self.router(x_flat)
+        aux = load_balancing_loss(routing.probs, routing.indices, shape[0] if self.seq_aux else 1,
+                                  self.stats_group)
+        z = router_z_loss(routing.logits, self.stats_group)
+
+        capacity = (None if self.capacity_factor is None
+                    else expert_capacity(n, self.top_k, self.num_experts, self.capacity_factor))
+        plan = make_plan(routing.indices, routing.weights, self.num_experts, capacity)
+        x_perm = permute(x_flat, plan)  # [M, dim], expert-sorted
+        if self.dispatcher is None:
+            y_perm = self.experts(x_perm, plan.tokens_per_expert)
+            local_counts = plan.tokens_per_expert
+        else:
+            x_local, state = self.dispatcher.dispatch(x_perm, plan.tokens_per_expert)
+            local_counts = state.tokens_per_local_expert
+            y_perm = self.dispatcher.combine(self.experts(x_local, local_counts), state)
+        y = unpermute(y_perm, plan, routing.weights, n)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_flat)
+        y = y.view(shape)
+
+        if self.training and self.bias_update_rate > 0:
+            self.load_since_update += plan.routed_per_expert.to(self.load_since_update.dtype)
+        loss = self.aux_loss_coef * aux + self.z_loss_coef * z
+        if torch.is_grad_enabled() and loss.requires_grad and (self.aux_loss_coef or self.z_loss_coef):
+            y = _AttachAuxLoss.apply(y, loss, self.aux_loss_scale)
+        routed = plan.routed_per_expert.detach()
+        slots = max(plan.num_slots, 1)
+        self.last_stats = {
+            "tokens_per_expert": routed,  # this rank's token-slots per expert (all E), before drops
+            "tokens_per_local_expert": local_counts.detach(),  # slots my experts computed (whole ep group)
+            "load_max": routed.max() / slots,
+            "load_min": routed.min() / slots,
+            "dropped": plan.num_dropped / slots,
+            "aux_loss": aux.detach(),
+            "z_loss": z.detach(),
+        }
+        return y
+
+
+def moe_layers(module: nn.Module) -> list[MoELayer]:
+    """Every MoELayer inside `module`, in module order (that order numbers them in the stats)."""
+    return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
+@torch.no_grad()
+def update_router_biases(module: nn.Module, group: ProcessGroup | None = None) -> None:
+    """Aux-loss-free balancing: nudge every MoELayer's expert bias by its loads since the last call.
+
+    Call after each optimizer step. Loads are summed over `group` first, which must span every rank
+    holding a replica of the routers with different tokens (e.g. the dp x sp group; expert-parallel
+    ranks are part of dp), so all replicas apply the identical update. With group=None each layer
+    reduces over its own `stats_group` (None: this rank's loads only).
+    """
+    layers = [m for m in moe_layers(module) if m.bias_update_rate > 0]
+    if not layers:
+        return
+    if group is not None:
+        loads = torch.stack([m.load_since_update for m in layers])  # one collective for all layers
+        comm.all_reduce(loads, group)
+    else:
+        loads = []
+        for m in layers:
+            load = m.load_since_update.clone()
+            comm.all_reduce(load, m.stats_group)
+            loads.append(load)
+    for m, load in zip(layers, loads):
+        update_expert_bias(m.router, load, m.bias_update_rate)
+        m.load_since_update.zero_()
+
+
+def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
+    """Scale the balancing-loss gradient of every MoELayer (e.g. 1 / grad-accumulation steps)."""
+    for m in moe_layers(module):
+        m.aux_loss_scale = float(scale)
+
+
+def collect_moe_stats(module: nn.Module) -> dict[str, float | list[float]]:
+    """Per-layer metrics of the last forward: `moe/layer{i}/{aux_loss,z_loss,load_max,load_min,dropped}`
+    as floats and `moe/layer{i}/tokens_per_expert` as a list (this rank's tokens, all experts)."""
+    out: dict[str, float | list[float]] = {}
+    for i, m in enumerate(moe_layers(module)):
+        s = m.last_stats
+        if not s:
+            continue
+        keys = ("aux_loss", "z_loss", "load_max", "load_min", "dropped")
+        scalars = torch.stack([s[k].float() for k in keys])  # one host sync per layer
+        for key, value in zip(keys, scalars.tolist()):
+            out[f"moe/layer{i}/{key}"] = value
+        out[f"moe/layer{i}/tokens_per_expert"] = s["tokens_per_expert"].tolist()
+    return out
