@@ -6,8 +6,7 @@ import torch
 from moe import GroupedExperts, MoELayer, collect_moe_stats, update_router_biases
 from moe import experts as experts_mod
 
-from .reference import (expert_mlp, reference_aux_loss, reference_moe, reference_routing,
-                        reference_z_loss)
+from .reference import expert_mlp, reference_aux_loss, reference_moe, reference_routing, reference_z_loss
 
 
 def _layer(seed=0, **kw):
