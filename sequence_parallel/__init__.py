@@ -1,0 +1,39 @@
+"""Ulysses sequence parallelism and long-sequence training (ALST): tiling, checkpointing, SP data/loss.
+
+Turn on in a recipe, each piece on its own switch (all functions take the model or the SP group and
+change nothing else):
+
+    apply_ulysses(model, sp_group)                       # every module.attn_fn -> UlyssesAttention
+    tokens, labels, pos = shard_sequence(tokens, labels, sp_group)   # labels already shifted
+    apply_tiled_mlp(model, tile_size=...)                # every dense `feed_forward`, in place
+    apply_activation_checkpointing(model, offload=True)  # every `layers.N` block, inputs to host memory
+    loss_sum, count = tiled_cross_entropy(model.forward_hidden(tokens, pos), model.output_weight, labels)
+    loss = sp_loss(loss_sum, count, sp_group)            # sum over SP ranks / global label count
+
+Sequence lengths reached (one training step of a dim-256, 2-layer, 32k-vocab model under a per-rank
+RSS cap; measured on CPU, see benchmarks/long_sequence.md for the table and command): the ALST
+pieces (tiled loss + tiled MLP + checkpointing with offload) multiply the longest length by the
+factor recorded there, and Ulysses sp=N multiplies it again by close to N, until attention's own
+per-head working set dominates. Ulysses needs sp <= number of query heads (no ring attention yet).
+"""
+
+from sequence_parallel.checkpointing import apply_activation_checkpointing, checkpoint_module
+from sequence_parallel.data import cross_entropy_sum, gather_sequence, shard_sequence, sp_loss
+from sequence_parallel.tiling import TiledMLP, apply_tiled_mlp, tiled_cross_entropy
+from sequence_parallel.ulysses import HeadLayout, UlyssesAttention, apply_ulysses, head_layout
+
+__all__ = [
+    "HeadLayout",
+    "TiledMLP",
+    "UlyssesAttention",
+    "apply_activation_checkpointing",
+    "apply_tiled_mlp",
+    "apply_ulysses",
+    "checkpoint_module",
+    "cross_entropy_sum",
+    "gather_sequence",
+    "head_layout",
+    "shard_sequence",
+    "sp_loss",
+    "tiled_cross_entropy",
+]

@@ -1,0 +1,100 @@
+"""Sequence-parallel batches: shard [b, s] along the sequence, keep global positions, reduce the loss.
+
+The loss convention: every SP rank backpropagates the same total loss (sum of token losses over the
+group / global count of non-ignored labels) and its gradient reaches only its own tokens' term.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from zero import comm
+from zero.topology import group_rank, group_size
+
+
+def padded_length(seq_len: int, sp: int) -> int:
+    """The sequence length after padding the end up to a multiple of `sp`."""
+    return -(-seq_len // sp) * sp
+
+
+def shard_sequence(tokens: torch.Tensor, labels: torch.Tensor, sp_group: ProcessGroup | None,
+                   position_ids: torch.Tensor | None = None, ignore_index: int = -100,
+                   pad_token: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's contiguous chunk of `tokens`, `labels` and global `position_ids`, all [b, s_pad/sp].
+
+    `labels` must already be shifted (labels[:, i] is the target of tokens[:, i]), so each rank's
+    chunk is self-contained. When s is not divisible by sp the end is padded: tokens with `pad_token`,
+    labels with `ignore_index` (no loss), position ids continuing the count. Padding at the end of a
+    causal sequence cannot change the outputs of the real tokens before it, so losses are unchanged.
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}; add a batch dim")
+    if labels.shape != tokens.shape:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must have the shape of tokens {tuple(tokens.shape)}; pass labels "
+            "already shifted by one (labels[:, i] is the target of tokens[:, i])"
+        )
+    b, s = tokens.shape
+    if position_ids is None:
+        position_ids = torch.arange(s, device=tokens.device).expand(b, s)
+    elif position_ids.dim() == 1 and position_ids.shape[0] == s:
+        position_ids = position_ids.expand(b, s)
+    if position_ids.shape != tokens.shape:
+        raise ValueError(
+            f"position_ids {tuple(position_ids.shape)} must be [seq] or match tokens {tuple(tokens.shape)}"
+        )
+    sp, rank = group_size(sp_group), group_rank(sp_group)
+    pad = padded_length(s, sp) - s
+    if pad:
+        tokens = F.pad(tokens, (0, pad), value=pad_token)
+        labels = F.pad(labels, (0, pad), value=ignore_index)
+        # Continue each row's positions past its last one so RoPE sees a plausible, distinct angle.
+        extra = position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)
+        position_ids = torch.cat([position_ids, extra], dim=1)
+    chunk = (s + pad) // sp
+    sl = slice(rank * chunk, (rank + 1) * chunk)
+    return tokens[:, sl].contiguous(), labels[:, sl].contiguous(), position_ids[:, sl].contiguous()
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor,
+                      ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token losses, number of non-ignored labels) of logits [..., V] against labels [...]."""
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                               ignore_index=ignore_index, reduction="sum")
+    return loss_sum, (labels != ignore_index).sum()
+
+
+def sp_loss(loss_sum: torch.Tensor, count: torch.Tensor | int, sp_group: ProcessGroup | None) -> torch.Tensor:
+    """Mean token loss over the whole sequence batch: sum over SP ranks / global non-ignored count.
+
+    Correct when ranks hold different numbers of non-ignored labels (a plain mean of per-rank means
+    is not). Differentiable: every rank gets the same value; backward sends each rank's gradient
+    only into its own `loss_sum`, so summing gradients over the SP group gives the full gradient.
+    """
+    if loss_sum.dim() != 0:
+        raise ValueError(f"loss_sum must be a scalar (sum of token losses), got {tuple(loss_sum.shape)}")
+    count_t = torch.as_tensor(count, device=loss_sum.device).detach().to(torch.float64).reshape(1).clone()
+    comm.all_reduce(count_t, sp_group)
+    total = comm.all_reduce_sum_autograd(loss_sum, sp_group)
+    # An all-padding batch has no labels; clamping keeps the loss 0 instead of nan.
+    return total / count_t[0].clamp(min=1).to(total.dtype)
+
+
+def gather_sequence(x: torch.Tensor, sp_group: ProcessGroup | None, dim: int = 1,
+                    length: int | None = None) -> torch.Tensor:
+    """All SP ranks' chunks of `x` concatenated along `dim` (rank order), trimmed to `length`.
+
+    Not differentiable; meant for tests, evaluation and logging.
+    """
+    sp = group_size(sp_group)
+    x = x.detach()
+    if sp > 1:
+        moved = x.movedim(dim, 0).contiguous()
+        out = moved.new_empty((sp * moved.shape[0],) + tuple(moved.shape[1:]))
+        comm.all_gather_into_tensor(out, moved, sp_group)
+        x = out.movedim(0, dim)
+    if length is not None:
+        x = x.narrow(dim, 0, length)
+    return x

@@ -1,0 +1,227 @@
+"""Sequence tiling for long contexts: MLPs and the logits+loss computed tile by tile.
+
+Neither the MLP's [tokens, ffn_dim] intermediates nor the [tokens, vocab] logits ever exist for the
+whole sequence; only one tile's worth at a time, in forward and in backward.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.nn as nn
+
+
+def _tile_bounds(n: int, tile_size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + tile_size, n)) for start in range(0, n, tile_size)]
+
+
+def _resolve_tile_size(n: int, num_tiles: int | None, tile_size: int | None, default: int) -> int:
+    if num_tiles is not None and tile_size is not None:
+        raise ValueError(f"give num_tiles ({num_tiles}) or tile_size ({tile_size}), not both")
+    if num_tiles is not None:
+        if num_tiles < 1:
+            raise ValueError(f"num_tiles={num_tiles} must be >= 1")
+        return max(1, math.ceil(n / num_tiles))
+    size = default if tile_size is None else tile_size
+    if size < 1:
+        raise ValueError(f"tile_size={size} must be >= 1")
+    return size
+
+
+def _has_router(module: nn.Module) -> bool:
+    return any(hasattr(m, "router") for m in module.modules())
+
+
+# ------------------------------------------------------------------------------------------ MLP
+class _TiledMLPFunction(torch.autograd.Function):
+    """Forward tile by tile without a graph; backward recomputes each tile with grad.
+
+    Parameters are inputs of the function, so their gradients are returned (summed over tiles)
+    and autograd accumulates them once, like any other op; hooks on parameters fire once per step.
+    """
+
+    @staticmethod
+    def forward(ctx, fn, tile_size: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.tile_size, ctx.params = fn, tile_size, params
+        ctx.save_for_backward(x)
+        x2 = x.reshape(-1, x.shape[-1])  # token-wise: [..., dim] -> [tokens, dim]
+        with torch.no_grad():
+            outs = [fn(x2[a:b]) for a, b in _tile_bounds(x2.shape[0], tile_size)]
+        out = torch.cat(outs, dim=0)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        params = list(ctx.params)
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        need_x = ctx.needs_input_grad[2]
+        grad_x = torch.empty_like(x2) if need_x else None
+        grad_params: list[torch.Tensor | None] = [None] * len(params)
+        for a, b in _tile_bounds(x2.shape[0], ctx.tile_size):
+            x_tile = x2[a:b].detach().requires_grad_(need_x)
+            with torch.enable_grad():
+                y = ctx.fn(x_tile)
+                wanted = ([x_tile] if need_x else []) + params
+                grads = torch.autograd.grad(y, wanted, g2[a:b], allow_unused=True)
+            if need_x:
+                grad_x[a:b] = grads[0]
+                grads = grads[1:]
+            for i, g in enumerate(grads):
+                if g is not None:
+                    grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
+        grad_x = None if grad_x is None else grad_x.reshape(x.shape)
+        return (None, None, grad_x, *grad_params)
+
+
+def tiled_mlp_forward(module: nn.Module, x: torch.Tensor, tile_size: int, forward=None) -> torch.Tensor:
+    """Run token-wise `module` (or its given `forward`) over x [..., dim] in tiles of `tile_size` tokens."""
+    fn = forward or module.forward
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not torch.is_grad_enabled() or not (x.requires_grad or params):
+        return fn(x)  # no backward coming: nothing to tile for
+    return _TiledMLPFunction.apply(fn, tile_size, x, *params)
+
+
+class TiledMLP(nn.Module):
+    """Wrap a token-wise module so that it runs over sequence tiles and recomputes per tile in backward.
+
+    `TiledMLP(mlp, tile_size=1024)` or `TiledMLP(mlp, num_tiles=8)`; with neither, tiles hold `dim`
+    tokens (the input width), which keeps a tile's SwiGLU intermediates near dim * ffn_dim elements.
+    Values and gradients equal the untiled module's (up to float summation order of the weight
+    gradients). Only the input x is kept for backward.
+
+    Restrictions: the module must be token-wise and deterministic (no dropout: the recomputation must
+    reproduce the forward). MoE layers are refused: with dropless routing tiling changes no output,
+    but router statistics (aux / z losses, load counts, expert-bias updates) would become per-tile
+    and be recorded twice (forward and recomputation), which silently changes training.
+    """
+
+    def __init__(self, mlp: nn.Module, num_tiles: int | None = None, tile_size: int | None = None) -> None:
+        super().__init__()
+        check_tileable(mlp)
+        _resolve_tile_size(1, num_tiles, tile_size, 1)  # validate the arguments early
+        self.mlp = mlp
+        self.num_tiles, self.tile_size = num_tiles, tile_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel() // x.shape[-1]
+        size = _resolve_tile_size(n, self.num_tiles, self.tile_size, x.shape[-1])
+        return tiled_mlp_forward(self.mlp, x, size)
+
+
+def check_tileable(module: nn.Module) -> None:
+    if _has_router(module):
+        raise NotImplementedError(
+            f"TiledMLP does not tile {type(module).__name__}: it has a router, whose aux-loss statistics and "
+            "expert-bias updates would become per tile and be recorded twice by the recomputation. Tile only "
+            "dense token-wise MLPs (dropless MoE outputs would be unchanged, the router statistics would not)"
+        )
+
+
+def apply_tiled_mlp(model: nn.Module, num_tiles: int | None = None, tile_size: int | None = None,
+                    name: str = "feed_forward") -> nn.Module:
+    """Tile every submodule called `name` in place (its forward is replaced; parameter names stay).
+
+    Modules with a router (MoE layers) are skipped, see `TiledMLP`. Returns the model.
+    """
+    _resolve_tile_size(1, num_tiles, tile_size, 1)
+    found = 0
+    for mod_name, module in list(model.named_modules()):
+        if mod_name.split(".")[-1] != name or _has_router(module) or getattr(module, "_tiled_mlp", False):
+            continue
+        original = module.forward
+
+        def forward(self, x, _original=original):
+            n = x.numel() // x.shape[-1]
+            size = _resolve_tile_size(n, num_tiles, tile_size, x.shape[-1])
+            return tiled_mlp_forward(self, x, size, forward=_original)
+
+        module.forward = types.MethodType(forward, module)
+        module._tiled_mlp = True
+        found += 1
+    if found == 0 and not any(n.split(".")[-1] == name for n, _ in model.named_modules()):
+        raise ValueError(f"apply_tiled_mlp found no submodule named {name!r} in {type(model).__name__}")
+    return model
+
+
+# ------------------------------------------------------------------------------------------ loss
+class _TiledCrossEntropy(torch.autograd.Function):
+    """Logits + cross-entropy per tile; gradients w.r.t. hidden and weight are computed in forward.
+
+    Choice: gradients in forward (not recomputation in backward). The loss is the last op before
+    backward starts, so the stored gradients ([N, dim] + [V, dim]) are exactly the buffers backward
+    would allocate at that same moment anyway: peak memory is the same as recomputing, and one
+    logits matmul per tile is saved. Per tile only [tile, V] logits exist.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                tile_size: int):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        count = (labels != ignore_index).sum()
+        for a, b in _tile_bounds(hidden.shape[0], tile_size):
+            h, y = hidden[a:b], labels[a:b]
+            valid = y != ignore_index
+            logits = (h @ weight.t()).float()  # [tile, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            safe_y = torch.where(valid, y, torch.zeros_like(y))
+            target = logits.gather(1, safe_y[:, None])[:, 0]
+            loss_sum += ((lse - target) * valid).sum()
+            if need_h or need_w:
+                # d loss / d logits = softmax - onehot on valid rows, 0 on ignored rows; in place on logits.
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs.scatter_add_(1, safe_y[:, None], -torch.ones_like(lse)[:, None])
+                probs.mul_(valid[:, None])
+                g = probs.to(hidden.dtype)
+                if need_h:
+                    grad_h[a:b] = g @ weight
+                if need_w:
+                    grad_w.addmm_(probs.t(), h.float())
+            del logits
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.mark_non_differentiable(count)
+        return loss_sum, count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _grad_count):
+        grad_h, grad_w = ctx.saved_tensors
+        # Scaling in place: these buffers are used once.
+        if grad_h is not None:
+            grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_loss)
+        return grad_h, grad_w, None, None, None
+
+
+def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        ignore_index: int = -100, tile_size: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token losses, count of non-ignored labels) of `hidden @ weight.T` against `labels`.
+
+    hidden [N, dim] (or [b, s, dim]), weight [V, dim] (the lm head), labels [N] (or [b, s]). Never
+    materialises [N, V] logits: at most [tile_size, V] at once (default: tiles of ~16M logits).
+    Feed the result to `sequence_parallel.data.sp_loss` (or divide by count without SP).
+    """
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must agree on all "
+                         "but hidden's last (model) dim")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [vocab, dim={hidden.shape[-1]}], got {tuple(weight.shape)}")
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    vocab = weight.shape[0]
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"labels must be in [0, {vocab}) or ignore_index={ignore_index}; got "
+                         f"{labels[bad][:5].tolist()}")
+    size = tile_size if tile_size is not None else max(1, (16 * 2**20) // vocab)
+    if size < 1:
+        raise ValueError(f"tile_size={size} must be >= 1")
+    return _TiledCrossEntropy.apply(hidden, weight, labels, ignore_index, size)

@@ -1,0 +1,198 @@
+"""Ulysses sequence parallelism: all-to-all from sequence shards to head shards around any attention.
+
+Each rank of the SP group holds s/P tokens of every sequence; one all-to-all gives every rank the full
+sequence for a block of heads, the attention function runs unchanged, and the inverse all-to-all
+returns the rank's own tokens for all heads. Uneven head counts and GQA are handled by the head layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from kernels.attention import attention
+from zero import comm
+from zero.topology import group_rank, group_size
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """How the heads of one attention call are divided over the P ranks of the SP group.
+
+    `kv_repeat` is how many times every kv head is replicated before the split (1 = none), chosen as
+    the smallest factor that lets each rank own whole kv groups; `q_counts[r]` / `kv_counts[r]` are
+    the numbers of query / (replicated) kv heads rank r owns, as contiguous blocks in head order.
+    """
+
+    n_heads: int
+    n_kv_heads: int
+    sp: int
+    kv_repeat: int
+    q_counts: tuple[int, ...]
+    kv_counts: tuple[int, ...]
+
+    @property
+    def q_offsets(self) -> tuple[int, ...]:
+        return _offsets(self.q_counts)
+
+    @property
+    def kv_offsets(self) -> tuple[int, ...]:
+        return _offsets(self.kv_counts)
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.q_counts)) == 1
+
+
+def _offsets(counts: tuple[int, ...]) -> tuple[int, ...]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def head_layout(n_heads: int, n_kv_heads: int, sp: int) -> HeadLayout:
+    """Split `n_heads` query heads and their kv groups over `sp` ranks.
+
+    A rank must hold the kv head of every query head it owns, so the split is made on kv heads (query
+    heads follow in groups of n_heads / n_kv_heads). When there are fewer kv heads than ranks, or a
+    finer split balances the query heads better, each kv head is replicated `kv_repeat` times (a
+    divisor of the group size, so a replica serves a contiguous sub-group of query heads). Among the
+    candidates we take the one with the smallest largest per-rank query-head count (attention cost
+    follows query heads), and among those the least replication (communication follows kv heads).
+    """
+    if n_heads % n_kv_heads:
+        raise ValueError(f"query heads ({n_heads}) must be a multiple of kv heads ({n_kv_heads}) for GQA")
+    if sp > n_heads:
+        raise ValueError(
+            f"Ulysses sequence parallelism splits attention heads over ranks, so sp={sp} cannot exceed the "
+            f"number of query heads ({n_heads}); ring attention for sp > heads is not implemented. Fix: use "
+            f"sp <= {n_heads} (put the remaining ranks into data parallelism) or a model with more heads"
+        )
+    group = n_heads // n_kv_heads
+    best: HeadLayout | None = None
+    for rep in range(1, group + 1):
+        if group % rep:
+            continue
+        kv_total = n_kv_heads * rep
+        if kv_total < sp:
+            continue
+        base, extra = divmod(kv_total, sp)
+        kv_counts = tuple(base + (1 if r < extra else 0) for r in range(sp))
+        q_counts = tuple(c * (group // rep) for c in kv_counts)
+        if best is None or max(q_counts) < max(best.q_counts):
+            best = HeadLayout(n_heads, n_kv_heads, sp, rep, q_counts, kv_counts)
+    assert best is not None  # rep == group always qualifies because n_heads >= sp
+    return best
+
+
+def _to_full_sequence(x: torch.Tensor, P: int, b: int, sl: int, d: int) -> torch.Tensor:
+    # [P, n, b, s/P, d] (source rank major) -> [b, s, n, d]
+    return x.permute(2, 0, 3, 1, 4).reshape(b, P * sl, x.shape[1], d)
+
+
+class UlyssesAttention(nn.Module):
+    """Attention on sequence shards: q [b, s/P, h, d], k/v [b, s/P, h_kv, d] -> out [b, s/P, h, d].
+
+    Every rank must pass the same local sequence length (use `sequence_parallel.data.shard_sequence`,
+    which pads). q, k and v travel in ONE all-to-all (packed per destination rank); the output returns
+    in a second one. Both are differentiable, so the backward pass is the two opposite all-to-alls.
+    Extra keyword arguments (e.g. `scale`) are passed through to `attn_fn`.
+    """
+
+    def __init__(self, sp_group: ProcessGroup | None,
+                 attn_fn: Callable[..., torch.Tensor] = attention) -> None:
+        super().__init__()
+        if isinstance(attn_fn, UlyssesAttention):
+            raise ValueError("attn_fn is already a UlyssesAttention; wrapping twice would shard heads twice")
+        self.sp_group = sp_group
+        self.attn_fn = attn_fn
+
+    @property
+    def sp(self) -> int:
+        return group_size(self.sp_group)
+
+    def extra_repr(self) -> str:
+        return f"sp={self.sp}, attn_fn={getattr(self.attn_fn, '__name__', self.attn_fn)}"
+
+    @staticmethod
+    def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: int) -> None:
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            raise ValueError(
+                f"UlyssesAttention expects [batch, seq/sp, heads, head_dim] tensors, got q{tuple(q.shape)} "
+                f"k{tuple(k.shape)} v{tuple(v.shape)}"
+            )
+        if k.shape != v.shape:
+            raise ValueError(f"k{tuple(k.shape)} and v{tuple(v.shape)} must have the same shape")
+        if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+            raise ValueError(
+                f"q{tuple(q.shape)} and k{tuple(k.shape)} must agree in batch, local sequence length and "
+                "head_dim (q, k and v are packed into one all-to-all)"
+            )
+        if q.dtype != k.dtype or k.dtype != v.dtype:
+            raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast to one dtype")
+        head_layout(q.shape[2], k.shape[2], sp)  # raises for GQA mismatch or sp > heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                **kwargs) -> torch.Tensor:
+        P = self.sp
+        self._check(q, k, v, P)
+        if P == 1:
+            return self.attn_fn(q, k, v, causal=causal, **kwargs)
+        b, sl, h, d = q.shape
+        layout = head_layout(h, k.shape[2], P)
+        me = group_rank(self.sp_group)
+        if layout.kv_repeat > 1:
+            # Replicas of a kv head serve contiguous sub-groups of its query heads; autograd sums
+            # their gradients back into the original head.
+            k = k.repeat_interleave(layout.kv_repeat, dim=2)
+            v = v.repeat_interleave(layout.kv_repeat, dim=2)
+
+        # Pack q, k, v per destination rank: [b, s/P, heads, d] -> head-major rows [heads, b, s/P, d].
+        qh, kh, vh = q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
+        qo, ko = layout.q_offsets, layout.kv_offsets
+        pieces = []
+        for j in range(P):
+            pieces += [qh[qo[j]:qo[j + 1]], kh[ko[j]:ko[j + 1]], vh[ko[j]:ko[j + 1]]]
+        send = torch.cat(pieces, dim=0)  # [h + 2 * h_kv', b, s/P, d]
+        nq, nkv = layout.q_counts[me], layout.kv_counts[me]
+        n_me = nq + 2 * nkv
+        input_splits = [layout.q_counts[j] + 2 * layout.kv_counts[j] for j in range(P)]
+        recv = comm.all_to_all(send, self.sp_group, output_splits=[n_me] * P, input_splits=input_splits)
+        recv = recv.view(P, n_me, b, sl, d)  # one block per source rank (= sequence chunk)
+        q_full = _to_full_sequence(recv[:, :nq], P, b, sl, d)  # [b, s, h_me, d]
+        k_full = _to_full_sequence(recv[:, nq:nq + nkv], P, b, sl, d)  # [b, s, h_kv_me, d]
+        v_full = _to_full_sequence(recv[:, nq + nkv:], P, b, sl, d)
+
+        out = self.attn_fn(q_full, k_full, v_full, causal=causal, **kwargs)  # [b, s, h_me, d]
+
+        # [b, s, h_me, d] -> [P, h_me, b, s/P, d]: destination rank major, its sequence chunk inside.
+        send_out = out.reshape(b, P, sl, nq, d).permute(1, 3, 0, 2, 4).reshape(P * nq, b, sl, d)
+        recv_out = comm.all_to_all(send_out, self.sp_group, output_splits=list(layout.q_counts),
+                                   input_splits=[nq] * P)
+        return recv_out.permute(1, 2, 0, 3)  # [h, b, s/P, d] -> [b, s/P, h, d]
+
+
+def apply_ulysses(model: nn.Module, sp_group: ProcessGroup | None) -> nn.Module:
+    """Wrap the `attn_fn` of every module that has one in a UlyssesAttention over `sp_group`.
+
+    Duck-typed: any module with an `attn_fn` attribute (the model's swappable attention seam) is
+    converted; modules already converted are left alone. Returns the model (changed in place).
+    """
+    targets = [m for m in model.modules()
+               if hasattr(m, "attn_fn") and not isinstance(m, UlyssesAttention)
+               and not isinstance(m.attn_fn, UlyssesAttention)]
+    if not targets and not any(isinstance(m, UlyssesAttention) for m in model.modules()):
+        raise ValueError(
+            f"apply_ulysses found no module with an `attn_fn` attribute in {type(model).__name__}; "
+            "sequence parallelism needs the attention function exposed as `module.attn_fn`"
+        )
+    for m in targets:
+        m.attn_fn = UlyssesAttention(sp_group, attn_fn=m.attn_fn)
+    return model
