@@ -1,0 +1,119 @@
+"""TiledMLP and tiled_cross_entropy equal their untiled versions in values and gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from recipes.models.llama import FeedForward
+from sequence_parallel import TiledMLP, apply_tiled_mlp, tiled_cross_entropy
+
+
+def _grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    return [x.grad] + [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("kwargs", [{"tile_size": 5}, {"num_tiles": 3}, {"tile_size": 1000}, {}])
+def test_tiled_mlp_matches_untiled(kwargs):
+    torch.manual_seed(0)
+    ff = FeedForward(16, 48)
+    tiled_ff = copy.deepcopy(ff)
+    x = torch.randn(2, 23, 16)
+    g = torch.randn(2, 23, 16)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1 = ff(x1)
+    y1.backward(g)
+    y2 = TiledMLP(tiled_ff, **kwargs)(x2)
+    y2.backward(g)
+    torch.testing.assert_close(y2, y1, rtol=0, atol=1e-6)
+    for a, b in zip(_grads(tiled_ff, x2), _grads(ff, x1)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_tiled_mlp_runs_the_module_per_tile_and_accumulates_param_grads_once():
+    torch.manual_seed(0)
+    ff = FeedForward(8, 16)
+    sizes = []
+    ff.w1.register_forward_pre_hook(lambda m, args: sizes.append(args[0].shape[0]))
+    hook_calls = []
+    ff.w1.weight.register_post_accumulate_grad_hook(lambda p: hook_calls.append(1))
+    x = torch.randn(1, 10, 8, requires_grad=True)
+    TiledMLP(ff, tile_size=4)(x).sum().backward()
+    # 3 tiles in forward (no grad) + 3 recomputed in backward; never the whole sequence at once
+    assert sizes == [4, 4, 2, 4, 4, 2]
+    assert hook_calls == [1]  # one accumulation per step, as for an untiled layer
+
+
+def test_apply_tiled_mlp_keeps_parameter_names_and_skips_routers():
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return x
+
+    class Block(nn.Module):
+        def __init__(self, moe: bool):
+            super().__init__()
+            self.feed_forward = Router() if moe else FeedForward(8, 16)
+
+    model = nn.Sequential(Block(False), Block(True))
+    names = list(model.state_dict())
+    apply_tiled_mlp(model, tile_size=3)
+    assert list(model.state_dict()) == names
+    assert getattr(model[0].feed_forward, "_tiled_mlp", False)
+    assert not getattr(model[1].feed_forward, "_tiled_mlp", False)
+    with pytest.raises(NotImplementedError, match="router"):
+        TiledMLP(Router())
+    with pytest.raises(ValueError, match="not both"):
+        TiledMLP(FeedForward(8, 16), num_tiles=2, tile_size=3)
+    with pytest.raises(ValueError, match="no submodule named"):
+        apply_tiled_mlp(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("tile_size", [1, 7, 64, None])
+def test_tiled_cross_entropy_matches_full_logits(tile_size):
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 19, 16)
+    weight = torch.randn(40, 16) * 0.3
+    labels = torch.randint(0, 40, (2, 19))
+    labels[0, :7] = -100
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.cross_entropy((h1 @ w1.t()).reshape(-1, 40), labels.reshape(-1), ignore_index=-100)
+    ref.backward()
+    loss_sum, count = tiled_cross_entropy(h2, w2, labels, tile_size=tile_size)
+    assert int(count) == int((labels != -100).sum())
+    (loss_sum / count).backward()
+    torch.testing.assert_close(loss_sum / count, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w2.grad, w1.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_tiled_cross_entropy_scales_by_the_incoming_gradient_and_handles_all_ignored():
+    torch.manual_seed(0)
+    h = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(9, 4, requires_grad=True)
+    labels = torch.randint(0, 9, (6,))
+    (3.0 * tiled_cross_entropy(h, w, labels, tile_size=4)[0]).backward()
+    g3 = h.grad.clone()
+    h.grad = None
+    tiled_cross_entropy(h, w, labels, tile_size=4)[0].backward()
+    torch.testing.assert_close(g3, 3.0 * h.grad)
+    loss_sum, count = tiled_cross_entropy(h, w, torch.full((6,), -100))
+    assert loss_sum.item() == 0.0 and int(count) == 0
+
+
+def test_tiled_cross_entropy_errors():
+    h, w = torch.randn(4, 8), torch.randn(10, 8)
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 10\)"):
+        tiled_cross_entropy(h, w, torch.tensor([0, 1, 10, -100]))
+    with pytest.raises(ValueError, match="weight must be"):
+        tiled_cross_entropy(h, torch.randn(10, 7), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="must agree"):
+        tiled_cross_entropy(h, w, torch.zeros(5, dtype=torch.long))
