@@ -1,0 +1,84 @@
+"""Tiny models, data and a single-process reference loop shared by the ZeRO tests."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+VOCAB, DIM, SEQ = 37, 12, 6  # odd sizes so flat buffers need padding on 2 and 4 ranks
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 3 * dim)
+        self.down = nn.Linear(3 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, a ModuleList of blocks, a head (optionally tied to the embedding)."""
+
+    def __init__(self, n_layers: int = 3, tie: bool = False, ckpt: bool = False, reuse_block: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+        self.ckpt = ckpt
+        self.reuse_block = reuse_block
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
+        if self.reuse_block:  # the first block used twice per step
+            x = self.blocks[0](x)
+        return self.head(self.norm(x))
+
+
+def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def global_batch(step: int, micro: int, rows: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
+
+
+def build(seed: int = 0, **kw) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(**kw)
+
+
+OPT = functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def reference_losses(model_kw: dict, steps: int, rows: int, accum: int = 1, clip: float | None = None,
+                     loss_fn=lm_loss, batch_fn=global_batch) -> list[float]:
+    """Single process, full global batch: the trajectory every parallel run must reproduce."""
+    model = build(**model_kw)
+    opt = OPT(model.parameters())
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accum):
+            loss = loss_fn(model, batch_fn(step, micro, rows))
+            (loss / accum).backward()
+            total += loss.item() / accum
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses

@@ -1,0 +1,121 @@
+"""Typed, validated configuration of the ZeRO runtime (stage, precision, accumulation, buckets).
+
+Every field is checked at construction so a bad value fails with a message naming the field, the rule
+and the fix before any process group or buffer is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A ZeroConfig field with an invalid value."""
+
+
+def _int_at_least(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"zero.{name}={value!r} is invalid: it must be an int >= {low}")
+
+
+def _number_at_least(name: str, value: object, low: float, strict: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value > low if strict else value >= low)
+    if not ok:
+        rule = ">" if strict else ">="
+        raise ConfigError(f"zero.{name}={value!r} is invalid: it must be a number {rule} {low}")
+
+
+@dataclass
+class ZeroConfig:
+    """How the runtime shards, reduces and steps.
+
+    stage: 0 plain data parallel; 1 optimizer state + fp32 master weights sharded; 2 also gradients
+        sharded (reduce-scattered during backward); 3 also parameters sharded (gathered per unit).
+    dtype: compute/parameter dtype, "fp32", "bf16" or "fp16" (fp16 uses dynamic loss scaling); the
+        master weights and optimizer state are always fp32.
+    grad_accum_steps: micro-batches per optimizer step; `backward` scales the loss by 1/grad_accum_steps.
+    clip_grad_norm: max global gradient L2 norm; 0 or None disables clipping (the norm is still reported).
+    reduce_bucket_size / allgather_bucket_size: elements per flat gradient-reduction / parameter
+        all-gather bucket (stages 0-2; stage 3 reduces and gathers one unit at a time).
+    overlap_comm: launch gradient reductions asynchronously during backward (stages 2-3) and wait at
+        its end; False reduces synchronously as buckets fill.
+    prefetch_depth: stage 3, how many units ahead (forward order, reversed in backward) to gather early.
+    param_persistence_threshold: stage 3, parameters with at most this many elements stay replicated
+        (gathered once after each step) instead of being gathered per unit.
+    stage3_unit_classes: stage 3, class names of the modules that form a gather unit; None means the
+        children of every nn.ModuleList (e.g. each transformer block). Parameters outside every unit,
+        or shared between units, belong to the root unit, which stays gathered from the first forward
+        use until the end of backward.
+    initial_loss_scale, loss_scale_window, min_loss_scale, loss_scale_hysteresis: fp16 dynamic loss
+        scaling; the scale halves after `hysteresis` consecutive overflowing steps and doubles after
+        `window` steps without overflow.
+    """
+
+    stage: int = 0
+    dtype: str = "fp32"
+    grad_accum_steps: int = 1
+    clip_grad_norm: float | None = None
+    reduce_bucket_size: int = 25_000_000
+    allgather_bucket_size: int = 25_000_000
+    overlap_comm: bool = True
+    prefetch_depth: int = 1
+    param_persistence_threshold: int = 0
+    stage3_unit_classes: tuple[str, ...] | None = None
+    initial_loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000
+    min_loss_scale: float = 1.0
+    loss_scale_hysteresis: int = 2
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+            raise ConfigError(f"zero.stage={self.stage!r} is invalid: it must be one of 0, 1, 2, 3")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"zero.dtype={self.dtype!r} is invalid: use one of {sorted(_DTYPES)}")
+        _int_at_least("grad_accum_steps", self.grad_accum_steps, 1)
+        if self.clip_grad_norm is not None:
+            _number_at_least("clip_grad_norm", self.clip_grad_norm, 0.0)
+        _int_at_least("reduce_bucket_size", self.reduce_bucket_size, 1)
+        _int_at_least("allgather_bucket_size", self.allgather_bucket_size, 1)
+        if not isinstance(self.overlap_comm, bool):
+            raise ConfigError(f"zero.overlap_comm={self.overlap_comm!r} is invalid: it must be true or false")
+        _int_at_least("prefetch_depth", self.prefetch_depth, 0)
+        _int_at_least("param_persistence_threshold", self.param_persistence_threshold, 0)
+        if self.stage3_unit_classes is not None:
+            if isinstance(self.stage3_unit_classes, str):
+                self.stage3_unit_classes = (self.stage3_unit_classes,)
+            self.stage3_unit_classes = tuple(self.stage3_unit_classes)
+            if not self.stage3_unit_classes or not all(isinstance(c, str) for c in self.stage3_unit_classes):
+                raise ConfigError(
+                    f"zero.stage3_unit_classes={self.stage3_unit_classes!r} is invalid: give a non-empty list "
+                    "of module class names (e.g. ['TransformerBlock']) or None for the ModuleList children"
+                )
+        _number_at_least("initial_loss_scale", self.initial_loss_scale, 0.0, strict=True)
+        _int_at_least("loss_scale_window", self.loss_scale_window, 1)
+        _number_at_least("min_loss_scale", self.min_loss_scale, 0.0, strict=True)
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(
+                f"zero.min_loss_scale={self.min_loss_scale} exceeds zero.initial_loss_scale="
+                f"{self.initial_loss_scale}: the minimum must not be above the starting scale"
+            )
+        _int_at_least("loss_scale_hysteresis", self.loss_scale_hysteresis, 1)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def clipping(self) -> bool:
+        return bool(self.clip_grad_norm)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ZeroConfig:
+        """Build from a plain mapping (e.g. a Hydra node), rejecting unknown keys by name."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown zero config keys {unknown}: valid keys are {sorted(known)}")
+        return cls(**values)

@@ -1,0 +1,326 @@
+"""ZeRO-1/2 gradient reduction and the sharded optimizer step over flat buckets (also used by stage 3).
+
+Gradients are reduced per flat bucket (all-reduce at stage 0, reduce-scatter from stage 1), each rank
+steps the fp32 master copy of its own shard, and the updated shards are gathered back into the model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed import ReduceOp
+
+from zero import comm
+from zero.config import ZeroConfig
+from zero.partition import FlatBucket
+
+
+class DynamicLossScaler:
+    """fp16 loss scale: shrink after `hysteresis` consecutive overflows, grow after `window` clean steps."""
+
+    def __init__(self, initial: float, window: int, minimum: float, hysteresis: int) -> None:
+        self.scale = float(initial)
+        self.window = window
+        self.minimum = minimum
+        self.hysteresis = hysteresis
+        self._clean_steps = 0
+        self._overflows_left = hysteresis
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self._clean_steps = 0
+            self._overflows_left -= 1
+            if self._overflows_left <= 0:
+                self.scale = max(self.scale / 2.0, self.minimum)
+                self._overflows_left = self.hysteresis
+        else:
+            self._clean_steps += 1
+            if self._clean_steps % self.window == 0:
+                self.scale *= 2.0
+                self._overflows_left = self.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self._clean_steps, "overflows_left": self._overflows_left}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = state["scale"]
+        self._clean_steps = state["clean_steps"]
+        self._overflows_left = state["overflows_left"]
+
+
+def _reduce(bucket: FlatBucket, flat: torch.Tensor, async_op: bool):
+    """Sum `flat` ([padded]) over the bucket's group: into this rank's shard, or whole when unsharded."""
+    if bucket.sharded and bucket.world > 1:
+        out = torch.empty(bucket.shard_size, dtype=flat.dtype, device=flat.device)
+        return out, comm.reduce_scatter_tensor(out, flat, bucket.grad_group, async_op=async_op)
+    return flat, comm.all_reduce(flat, bucket.grad_group, async_op=async_op)
+
+
+class FullGradReducer:
+    """Stages 0-1: every rank keeps the full gradient in flat buffers; reduced once per optimizer step."""
+
+    def __init__(self, buckets: list[FlatBucket]) -> None:
+        self.buckets = buckets
+        for b in buckets:
+            b.grad_full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            self._point_grads(b)
+
+    @staticmethod
+    def _point_grads(b: FlatBucket) -> None:
+        # Autograd accumulates into an existing .grad in place, so presetting views makes backward
+        # write straight into the flat buffer (no copy at reduction time).
+        for p, v in zip(b.params, b.param_views(b.grad_full)):
+            p.grad = v
+
+    def _collect(self, b: FlatBucket) -> None:
+        """Fold gradients that bypassed the buffer (a caller reset .grad) back in; None counts as zero."""
+        for p, v in zip(b.params, b.param_views(b.grad_full)):
+            g = p.grad
+            if g is None:
+                v.zero_()
+            elif g.data_ptr() != v.data_ptr():
+                v.copy_(g.reshape(v.shape))
+            p.grad = v
+
+    def after_backward(self) -> None:
+        pass
+
+    def reduce(self, async_op: bool) -> None:
+        pending = []
+        for b in self.buckets:
+            self._collect(b)
+            pending.append((b, *_reduce(b, b.grad_full, async_op)))
+        for b, out, handle in pending:
+            if handle is not None:
+                handle.wait()
+            b.grad_acc = out if out.dtype == torch.float32 else out.float()
+
+    def clear(self) -> None:
+        for b in self.buckets:
+            b.grad_acc = None
+            b.grad_full.zero_()
+            self._point_grads(b)
+
+
+class HookGradReducer:
+    """Stages 2-3: gradients are reduce-scattered bucket by bucket during backward; no rank keeps them whole.
+
+    A post-accumulate-grad hook copies each parameter's gradient into its bucket's staging buffer and
+    drops `.grad`. Buckets of one reduction group launch strictly in a fixed order (a bucket waits for
+    the ones before it), so every rank issues the same collectives in the same order even when a
+    parameter gets no gradient on some rank (an expert that received no tokens): such buckets launch
+    at the end of backward with zeros in place of the missing gradients. A gradient that arrives after
+    its bucket was launched (a parameter used in several reentrant-checkpoint regions) is reduced in
+    a second round that every rank joins, agreed by a small all-reduce of flags.
+    """
+
+    def __init__(self, buckets: list[FlatBucket], overlap: bool,
+                 on_complete: Callable[[FlatBucket], None] | None = None) -> None:
+        self.buckets = buckets
+        self.overlap = overlap
+        self.on_complete = on_complete
+        self.chains: dict[bool, list[FlatBucket]] = {}
+        for b in buckets:
+            self.chains.setdefault(b.is_expert, []).append(b)
+        self.next = dict.fromkeys(self.chains, 0)
+        self.pending: list = []
+        self.max_in_flight = 2
+        self.handles = []
+        for b in buckets:
+            b.late = None
+            self._reset(b)
+            for i, p in enumerate(b.params):
+                p._zero_slot = (b, i)
+                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    @staticmethod
+    def _reset(b: FlatBucket) -> None:
+        b.arrived = [False] * len(b.params)
+        b.missing = len(b.params)
+        b.launched = False
+        b.grad_full = None
+        b.late = None
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        b, i = p._zero_slot
+        g = p.grad
+        p.grad = None
+        if g is None:
+            return
+        o, n = b.offsets[i], b.numels[i]
+        with torch.no_grad():
+            if b.launched:
+                if b.late is None:
+                    b.late = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+                b.late[o:o + n].add_(g.reshape(-1))
+                return
+            if b.grad_full is None:
+                b.grad_full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            view = b.grad_full[o:o + n]
+            if b.arrived[i]:
+                view.add_(g.reshape(-1))
+                return
+            view.copy_(g.reshape(-1))
+        b.arrived[i] = True
+        b.missing -= 1
+        if b.missing == 0:
+            if self.on_complete is not None:
+                self.on_complete(b)
+            self._advance(b.is_expert, flush=False)
+
+    def _advance(self, key: bool, flush: bool) -> None:
+        chain = self.chains[key]
+        while self.next[key] < len(chain):
+            b = chain[self.next[key]]
+            if b.missing and not flush:
+                return
+            if b.grad_full is None:
+                b.grad_full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            self._launch(b, b.grad_full)
+            b.launched = True
+            self.next[key] += 1
+
+    def _launch(self, b: FlatBucket, flat: torch.Tensor) -> None:
+        out, handle = _reduce(b, flat, self.overlap)
+        self.pending.append((b, out, handle))
+        # Bound the staging memory: a full-size gradient buffer lives only while its reduction is in flight.
+        while len(self.pending) > self.max_in_flight:
+            self._finish(*self.pending.pop(0))
+
+    @staticmethod
+    def _finish(b: FlatBucket, out: torch.Tensor, handle) -> None:
+        if handle is not None:
+            handle.wait()
+        out = out.float()
+        if b.grad_acc is None:
+            b.grad_acc = out  # the staging buffer is dropped at reset, so taking it over is safe
+        else:
+            b.grad_acc.add_(out)
+
+    def after_backward(self) -> None:
+        """End of one backward: launch what is left, agree on late gradients, wait, accumulate."""
+        for key in self.chains:
+            self._advance(key, flush=True)
+        for key, chain in self.chains.items():
+            group = chain[0].grad_group
+            flags = torch.tensor([b.late is not None for b in chain], dtype=torch.int32)
+            comm.all_reduce(flags, group, op=ReduceOp.MAX)
+            for b, flag in zip(chain, flags.tolist()):
+                if flag:
+                    if b.late is None:
+                        b.late = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+                    self._launch(b, b.late)
+        for item in self.pending:
+            self._finish(*item)
+        self.pending.clear()
+        for key in self.chains:
+            self.next[key] = 0
+        for b in self.buckets:
+            self._reset(b)
+
+    def reduce(self, async_op: bool) -> None:
+        pass  # already reduced during backward
+
+    def clear(self) -> None:
+        for b in self.buckets:
+            b.grad_acc = None
+
+
+class ZeroOptimizer:
+    """Owns the fp32 master shards, the wrapped torch optimizer, clipping and loss scaling.
+
+    The torch optimizer is built by `optimizer_factory(list_of_flat_master_shards)`: one fp32
+    parameter per trainable bucket, so it must be elementwise (AdamW, Adam, SGD, ...).
+    """
+
+    def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, dp: int, norm_group,
+                 optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 on_bucket_complete: Callable[[FlatBucket], None] | None = None) -> None:
+        self.buckets = buckets
+        self.trainable = [b for b in buckets if b.trainable]
+        self.config = config
+        self.dp = dp
+        self.norm_group = norm_group
+        fp32 = config.torch_dtype == torch.float32
+        for b in self.trainable:
+            shard = b.shard_tensor()
+            # fp32: the master IS the shard of the model's buffer (no extra copy).
+            b.master = nn.Parameter(shard if fp32 else shard.detach().float().clone())
+        self.masters = [b.master for b in self.trainable]
+        self.optimizer = optimizer_factory(self.masters)
+        if config.stage >= 2:
+            self.reducer = HookGradReducer(self.trainable, config.overlap_comm, on_bucket_complete)
+        else:
+            self.reducer = FullGradReducer(self.trainable)
+        self.scaler = None
+        if config.dtype == "fp16":
+            self.scaler = DynamicLossScaler(config.initial_loss_scale, config.loss_scale_window,
+                                            config.min_loss_scale, config.loss_scale_hysteresis)
+        self.last_grad_norm: float | None = None
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def grad_norm_sq(self, grads: list[torch.Tensor]) -> float:
+        local = torch.zeros(1, dtype=torch.float64)
+        if grads:
+            norms = torch._foreach_norm(grads)
+            for b, n in zip(self.trainable, norms):
+                local += n.double() ** 2 / b.replicas
+        comm.all_reduce(local, self.norm_group)
+        return float(local)
+
+    def step(self) -> bool:
+        """Reduce (stages 0-1), unscale, clip, step, publish. False when fp16 overflow skipped the step."""
+        self.reducer.reduce(self.config.overlap_comm)
+        grads = []
+        for b in self.trainable:
+            g = b.grad_acc
+            if g is None:
+                g = torch.zeros(b.shard_size, dtype=torch.float32, device=b.device)
+            grads.append(g)
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / (self.dp * self.loss_scale))
+        norm = math.sqrt(self.grad_norm_sq(grads))
+        self.last_grad_norm = norm
+        if not math.isfinite(norm) and self.scaler is not None:
+            self.scaler.update(overflow=True)
+            self.clear_grads()
+            return False
+        clip = self.config.clip_grad_norm
+        if clip and grads:
+            coef = min(1.0, clip / (norm + 1e-6))
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        for b, g in zip(self.trainable, grads):
+            b.master.grad = g
+        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        self.publish()
+        self.clear_grads()
+        return True
+
+    def clear_grads(self) -> None:
+        for m in self.masters:
+            m.grad = None
+        self.reducer.clear()
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Copy updated masters into the compute-dtype shards and gather replicated buckets back."""
+        fp32 = self.config.torch_dtype == torch.float32
+        handles = []
+        for b in self.trainable:
+            shard = b.shard_tensor()
+            if not fp32:
+                shard.copy_(b.master)
+            if b.resident and b.sharded and b.world > 1:
+                handles.append(comm.all_gather_into_tensor(b.full, shard.clone(), b.group, async_op=True))
+        for h in handles:
+            if h is not None:
+                h.wait()
