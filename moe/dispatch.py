@@ -66,14 +66,37 @@ def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     return x.index_select(0, plan.token_index)
 
 
+class _WeightedScatterAdd(torch.autograd.Function):
+    """out[token_index[m]] += gate[m] * y[m], without keeping a weighted [M, dim] copy alive.
+
+    Backward gathers the output gradient once and reuses it for both inputs; the gate gradient is a
+    row-wise dot product (batched GEMV), so no [M, dim] product is materialised for it.
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, gate: torch.Tensor, token_index: torch.Tensor, num_tokens: int):
+        ctx.save_for_backward(y, gate, token_index)
+        out = y.new_zeros(num_tokens, y.shape[1])
+        return out.index_add_(0, token_index, y * gate.unsqueeze(1))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        y, gate, token_index = ctx.saved_tensors
+        grad_rows = grad.index_select(0, token_index)  # [M, dim]
+        grad_gate = None
+        if ctx.needs_input_grad[1]:
+            grad_gate = torch.bmm(grad_rows.unsqueeze(1), y.unsqueeze(2)).view(-1)  # [M,1,d]@[M,d,1]
+        grad_y = grad_rows.mul_(gate.unsqueeze(1)) if ctx.needs_input_grad[0] else None
+        return grad_y, grad_gate, None, None
+
+
 def unpermute(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[M, dim] expert outputs -> [N, dim]: weight by the gate and scatter-add back to their tokens.
 
     Dropped slots add nothing, so a token whose every slot was dropped gets zero (the residual path).
     """
     gate = weights.reshape(-1).index_select(0, plan.slot_index).to(y.dtype)  # [M]
-    out = y.new_zeros(num_tokens, y.shape[1])
-    return out.index_add(0, plan.token_index, y * gate.unsqueeze(1))
+    return _WeightedScatterAdd.apply(y, gate, plan.token_index, num_tokens)
 
 
 @dataclass
