@@ -13,6 +13,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from zero import comm
+from zero.topology import group_size
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -116,7 +117,7 @@ class AllToAllDispatcher:
 
     def __init__(self, ep_group: ProcessGroup | None, num_experts: int) -> None:
         self.group = ep_group
-        self.ep_size = comm._size(ep_group)
+        self.ep_size = group_size(ep_group)
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep_size
 

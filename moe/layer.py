@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from zero import comm
+from zero.topology import group_rank, group_size
 
 from .dispatch import AllToAllDispatcher, expert_capacity, make_plan, permute, unpermute
 from .experts import GroupedExperts, SharedExperts
@@ -71,7 +72,7 @@ class MoELayer(nn.Module):
                 raise ValueError(f"{name}={value} must be >= 0 (0 disables it)")
         if num_shared_experts < 0:
             raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
-        ep_size = comm._size(ep_group)
+        ep_size = group_size(ep_group)
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size "
                              f"{ep_size}; choose num_experts as a multiple of ep")
@@ -79,7 +80,7 @@ class MoELayer(nn.Module):
                                  jitter_eps=jitter_eps, num_groups=num_groups, topk_groups=topk_groups,
                                  init_std=init_std)
         num_local = num_experts // ep_size
-        ep_rank = 0 if ep_group is None else torch.distributed.get_rank(ep_group)
+        ep_rank = group_rank(ep_group)
         self.experts = GroupedExperts(dim, ffn_dim, num_experts, activation,
                                       expert_range=(ep_rank * num_local, (ep_rank + 1) * num_local),
                                       init_std=init_std)
@@ -100,7 +101,7 @@ class MoELayer(nn.Module):
         self.last_stats: dict[str, torch.Tensor] = {}
 
     def _set_ep_group(self, ep_group: ProcessGroup | None) -> None:
-        self.ep_group = ep_group if comm._size(ep_group) > 1 else None
+        self.ep_group = ep_group if group_size(ep_group) > 1 else None
         self.dispatcher = AllToAllDispatcher(self.ep_group, self.num_experts) if self.ep_group else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

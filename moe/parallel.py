@@ -6,11 +6,10 @@ exactly: each rank keeps its slice of the identically initialised full expert we
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from zero import comm
+from zero.topology import group_rank, group_size
 
 from .layer import moe_layers
 
@@ -21,10 +20,10 @@ def apply_expert_parallel(module: nn.Module, ep_group: ProcessGroup | None) -> n
     Rank r of a group of size P keeps experts [r * E/P, (r + 1) * E/P). Build optimizers after this
     call: the expert parameters are replaced by their local slices.
     """
-    size = comm._size(ep_group)
+    size = group_size(ep_group)
     if size == 1:
         return module
-    rank = torch.distributed.get_rank(ep_group)
+    rank = group_rank(ep_group)
     for layer in moe_layers(module):
         if layer.ep_group is not None:
             raise ValueError("apply_expert_parallel: a MoELayer is already expert-parallel; convert a "

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from zero import comm
+from zero.topology import group_size
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -141,11 +142,12 @@ def load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, num_seqs: in
     counts = expert_counts(indices, e, num_seqs)  # [B, E]
     prob_sum = probs.view(num_seqs, n // num_seqs, e).sum(dim=1)  # [B, s, E] -> [B, E]
     tokens = torch.full((num_seqs, 1), float(n // num_seqs), device=probs.device)
-    if comm._size(stats_group) > 1:
+    if group_size(stats_group) > 1:
         stacked = torch.cat([counts, tokens], dim=1)
         comm.all_reduce(stacked, stats_group)
         counts, tokens = stacked[:, :e], stacked[:, e:]
         prob_sum = comm.all_reduce_sum_autograd(prob_sum, stats_group)
+    tokens = tokens.clamp_min(1.0)  # a rank (or group) with no tokens contributes nothing, not NaN
     f = counts / (tokens * k)
     p = prob_sum / tokens
     return (e * (f * p).sum(dim=1)).mean()
@@ -155,10 +157,10 @@ def router_z_loss(logits: torch.Tensor, stats_group: ProcessGroup | None = None)
     """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2 (over `stats_group`'s tokens if given)."""
     total = torch.logsumexp(logits, dim=-1).square().sum()
     count = torch.tensor(float(logits.shape[0]), device=logits.device)
-    if comm._size(stats_group) > 1:
+    if group_size(stats_group) > 1:
         total = comm.all_reduce_sum_autograd(total, stats_group)
         comm.all_reduce(count, stats_group)
-    return total / count
+    return total / count.clamp_min(1.0)
 
 
 @torch.no_grad()

@@ -205,3 +205,12 @@ def test_bad_layer_settings_raise(kw, match):
 def test_wrong_input_width_raises():
     with pytest.raises(ValueError, match="16"):
         _layer()(torch.randn(3, 15))
+
+
+def test_empty_input_gives_empty_output_and_finite_stats():
+    layer = _layer(capacity_factor=1.0)
+    x = torch.randn(0, 16, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (0, 16)
+    assert layer.last_stats["aux_loss"].item() == 0.0 and layer.last_stats["z_loss"].item() == 0.0
