@@ -53,10 +53,16 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> Transformer:
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     moe_cfg = MoEConfig(**model_cfg.pop("moe", {}))
     model = Transformer(ModelConfig(**model_cfg, moe=moe_cfg))
-    if dims.ep > 1:
-        from moe import apply_expert_parallel
+    if cfg.model.moe.num_experts:
+        from moe import apply_expert_parallel, set_aux_loss_scale
+        from moe.layer import moe_layers
 
         apply_expert_parallel(model, dims.ep_group)
+        # The balancing losses backpropagate beside the main loss, so they take its 1/accum scale; under
+        # sp their token statistics are summed over the sequence so a split sequence routes as a whole.
+        set_aux_loss_scale(model, 1.0 / cfg.train.grad_accum)
+        for layer in moe_layers(model):
+            layer.stats_group = dims.sp_group
     if dims.sp > 1:
         from sequence_parallel import apply_ulysses
 
@@ -137,12 +143,43 @@ def save_checkpoint(engine, run_dir: Path, step: int, is_rank0: bool) -> None:
     comm.barrier()
 
 
-def moe_metrics(model) -> dict:
-    try:
-        from moe import collect_moe_stats
-    except ImportError:
-        return {}
-    return {k: v for k, v in collect_moe_stats(model).items() if isinstance(v, (int, float))}
+def moe_step_metrics(model, loads: dict[str, list[float]]) -> dict:
+    """Scalar per-layer MoE metrics of the step; tokens per expert are summed into `loads`."""
+    from moe import collect_moe_stats
+
+    out = {}
+    for key, value in collect_moe_stats(model).items():
+        if isinstance(value, list):
+            loads[key] = [a + b for a, b in zip(loads.get(key, [0.0] * len(value)), value)]
+        else:
+            out[key] = value
+    return out
+
+
+def expert_load_report(loads: dict[str, list[float]], run_dir: Path) -> str:
+    """A per-layer table of expert load fractions over the run, and the same as a heatmap PNG."""
+    rows = [(key.split("/")[1], [v / max(sum(counts), 1) for v in counts]) for key, counts in sorted(loads.items())]
+    width = len(rows[0][1])
+    lines = ["expert load (fraction of routed tokens over the run; uniform = %.3f)" % (1 / width),
+             "layer    " + " ".join(f"e{e:<5d}" for e in range(width)) + "  max/min"]
+    for name, frac in rows:
+        ratio = max(frac) / max(min(frac), 1e-9)
+        lines.append(f"{name:<8s} " + " ".join(f"{f:.3f} " for f in frac) + f" {ratio:6.2f}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4, 0.5 * width + 2), 0.5 * len(rows) + 1.5))
+    im = ax.imshow([frac for _, frac in rows], aspect="auto", cmap="viridis")
+    ax.set_xlabel("expert")
+    ax.set_yticks(range(len(rows)), [name for name, _ in rows])
+    ax.set_title("expert load fraction over the run")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(run_dir / "expert_load.png", dpi=100)
+    plt.close(fig)
+    return "\n".join(lines)
 
 
 def sample(engine, cfg: DictConfig, dims: zero.ParallelDims) -> str:
@@ -211,6 +248,8 @@ def train(cfg: DictConfig) -> dict:
 
         progress = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
     val_loss = None
+    expert_loads: dict[str, list[float]] = {}
+    is_moe = bool(cfg.model.moe.num_experts)
     for step in range(start_step, t.steps):
         t0 = time.perf_counter()
         comm.stats.reset()
@@ -224,7 +263,12 @@ def train(cfg: DictConfig) -> dict:
             engine.backward(loss)
             loss_total += loss.item()
         engine.step()
-        from_moe = moe_metrics(engine.module)
+        from_moe = {}
+        if is_moe:
+            from moe import update_router_biases
+
+            update_router_biases(engine.module, dims.dp_sp_group)
+            from_moe = moe_step_metrics(engine.module, expert_loads)
         loss_value = mean_over_dp(loss_total / t.grad_accum, dims)
         dt = time.perf_counter() - t0
         record = {"loss": loss_value, "lr": lr, "grad_norm": float(engine.global_grad_norm),
@@ -250,6 +294,16 @@ def train(cfg: DictConfig) -> dict:
         if is_rank0:
             atomic_write_text(run_dir / "sample.txt", text)
             print("---- sample ----\n" + text + "\n----------------", flush=True)
+    if is_moe and expert_loads:
+        # Each rank saw its own tokens: sum the loads over the data-parallel ranks for the report.
+        for key, counts in expert_loads.items():
+            t_counts = torch.tensor(counts, dtype=torch.float64)
+            comm.all_reduce(t_counts, dims.dp_sp_group)
+            expert_loads[key] = t_counts.tolist()
+        if is_rank0:
+            report = expert_load_report(expert_loads, run_dir)
+            atomic_write_text(run_dir / "expert_load.txt", report + "\n")
+            print(report, flush=True)
     if is_rank0:
         logger.summary({"final_val_loss": val_loss})
         atomic_write_text(run_dir / "result.json", json.dumps(result))

@@ -155,8 +155,8 @@ def build_moe(cfg: ModelConfig, device=None) -> nn.Module:
         router=m.router, aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef,
         num_shared_experts=m.num_shared_experts, activation=m.activation, renormalize=m.renormalize,
         jitter_eps=m.jitter_eps, num_groups=m.num_groups, topk_groups=m.topk_groups,
-        bias_update_rate=m.bias_update_rate, seq_aux=m.seq_aux, device=device,
-    )
+        bias_update_rate=m.bias_update_rate, seq_aux=m.seq_aux, init_std=cfg.init_std,
+    ).to(device)
 
 
 class TransformerBlock(nn.Module):

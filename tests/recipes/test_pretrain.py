@@ -107,6 +107,24 @@ def test_torchrun_dp2_matches_single_process(tmp_path):
     assert _losses(tmp_path / "dp2", "val_loss") == pytest.approx(_losses(tmp_path / "dp1", "val_loss"), rel=1e-5)
 
 
+def test_torchrun_moe_ep2_matches_ep1(tmp_path):
+    common = ["model=moe_tiny", *TINY[1:], "train.steps=8", "train.eval_every=4", "parallel.dp=2",
+              "model.moe.bias_update_rate=1e-3"]
+    runs = {}
+    for ep in (1, 2):
+        proc = _run_cli(*common, f"parallel.ep={ep}", f"run_dir={tmp_path / f'ep{ep}'}", nproc=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[ep] = tmp_path / f"ep{ep}"
+    a, b = _losses(runs[1]), _losses(runs[2])
+    assert sorted(a) == list(range(1, 9))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    for key in ("moe/layer0/aux_loss", "moe/layer1/load_max", "val_loss"):
+        assert _losses(runs[2], key) == pytest.approx(_losses(runs[1], key), rel=1e-5)
+    assert (runs[2] / "expert_load.png").stat().st_size > 0
+    assert "layer1" in (runs[2] / "expert_load.txt").read_text()
+
+
 def _read_wandb_records(path):
     """Records of an offline .wandb file (leveldb-style log of protobuf Records)."""
     from wandb.proto import wandb_internal_pb2
