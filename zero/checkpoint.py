@@ -52,8 +52,11 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
     state = {
         "engine": engine.state_dict(),
         "client_state": client_state,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        },
     }
     error: BaseException | None = None
     try:
@@ -68,10 +71,15 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
             shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(
             f"saving checkpoint {path} failed on {int(failed)} rank(s) (this rank: {error!r}); "
-            "the previous checkpoint at that path is left intact") from error
+            "the previous checkpoint at that path is left intact"
+        ) from error
     if rank == 0:
-        meta = {"world_size": world, "stage": engine.config.stage, "dtype": engine.config.dtype,
-                "global_steps": engine.global_steps}
+        meta = {
+            "world_size": world,
+            "stage": engine.config.stage,
+            "dtype": engine.config.dtype,
+            "global_steps": engine.global_steps,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta))
         # The only window without a complete `path` is between these renames; load falls back to `.old`.
         if path.exists():
@@ -94,8 +102,10 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
     meta = json.loads(meta_file.read_text())
     if meta["world_size"] != world:
         raise ValueError(
-            f"checkpoint {path} was written by {meta['world_size']} ranks but this run has {world}: resume with "
-            "the same world size, or convert through engine.full_state_dict()/load_full_state_dict()")
+            f"checkpoint {path} was written by {meta['world_size']} ranks but this run has {world}: "
+            "resume with the same world size, or convert through "
+            "engine.full_state_dict()/load_full_state_dict()"
+        )
     state = torch.load(_shard_file(path, rank), map_location="cpu", weights_only=False)
     engine.load_state_dict(state["engine"])
     rng = state["rng"]

@@ -23,7 +23,11 @@ def _int_at_least(name: str, value: object, low: int) -> None:
 
 
 def _number_at_least(name: str, value: object, low: float, strict: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (value > low if strict else value >= low)
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (value > low if strict else value >= low)
+    )
     if not ok:
         rule = ">" if strict else ">="
         raise ConfigError(f"zero.{name}={value!r} is invalid: it must be a number {rule} {low}")
@@ -90,8 +94,9 @@ class ZeroConfig:
             self.stage3_unit_classes = tuple(self.stage3_unit_classes)
             if not self.stage3_unit_classes or not all(isinstance(c, str) for c in self.stage3_unit_classes):
                 raise ConfigError(
-                    f"zero.stage3_unit_classes={self.stage3_unit_classes!r} is invalid: give a non-empty list "
-                    "of module class names (e.g. ['TransformerBlock']) or None for the ModuleList children"
+                    f"zero.stage3_unit_classes={self.stage3_unit_classes!r} is invalid: give a non-empty "
+                    "list of module class names (e.g. ['TransformerBlock']) or None for the ModuleList "
+                    "children"
                 )
         _number_at_least("initial_loss_scale", self.initial_loss_scale, 0.0, strict=True)
         _int_at_least("loss_scale_window", self.loss_scale_window, 1)

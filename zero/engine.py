@@ -53,24 +53,36 @@ def _twin_groups(groups: list) -> list:
 class Engine:
     """A model wrapped for data-parallel training with ZeRO stage 0-3. Build it with `zero.initialize`."""
 
-    def __init__(self, model: nn.Module, optimizer: OptimizerFactory, config: ZeroConfig, dims: ParallelDims,
-                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerFactory,
+        config: ZeroConfig,
+        dims: ParallelDims,
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    ) -> None:
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
             raise TypeError(
-                f"optimizer={type(optimizer).__name__} is invalid: pass a factory that builds the optimizer from "
-                "a list of parameters, e.g. functools.partial(torch.optim.AdamW, lr=3e-4); the engine gives it "
+                f"optimizer={type(optimizer).__name__} is invalid: pass a factory that builds the optimizer "
+                "from a list of parameters, e.g. functools.partial(torch.optim.AdamW, lr=3e-4); the engine "
+                "gives it "
                 "the flat fp32 master shards it owns"
             )
         if lr_scheduler is not None and not callable(lr_scheduler):
-            raise TypeError("lr_scheduler must be a factory optimizer -> scheduler, e.g. "
-                            "functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=...)")
+            raise TypeError(
+                "lr_scheduler must be a factory optimizer -> scheduler, e.g. "
+                "functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=...)"
+            )
         if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-            raise TypeError("lr_scheduler is a built scheduler; pass a factory optimizer -> scheduler instead "
-                            "(the engine builds the optimizer over its master shards)")
+            raise TypeError(
+                "lr_scheduler is a built scheduler; pass a factory optimizer -> scheduler instead "
+                "(the engine builds the optimizer over its master shards)"
+            )
         if dims.tp > 1 or dims.pp > 1:
             raise NotImplementedError(
                 f"the ZeRO engine supports data, sequence and expert parallelism; tp={dims.tp}, pp={dims.pp} "
-                "(tensor/pipeline parallel gradient reduction and norms) are not implemented")
+                "(tensor/pipeline parallel gradient reduction and norms) are not implemented"
+            )
         self.module = model
         self.config = config
         self.dims = dims
@@ -78,22 +90,37 @@ class Engine:
         dtype = config.torch_dtype
         dense_group, expert_group = dims.dp_sp_group, dims.expert_data_parallel_group
         dense_grad_group, expert_grad_group = _twin_groups([dense_group, expert_group])
-        groups = {False: (dense_group, dense_grad_group, dims.dp_sp), True: (expert_group, expert_grad_group, dims.edp)}
+        groups = {
+            False: (dense_group, dense_grad_group, dims.dp_sp),
+            True: (expert_group, expert_grad_group, dims.edp),
+        }
 
-        def make(named: list[tuple[str, nn.Parameter]], resident: bool, max_numel: int | None) -> list[FlatBucket]:
+        def make(
+            named: list[tuple[str, nn.Parameter]], resident: bool, max_numel: int | None
+        ) -> list[FlatBucket]:
             """Buckets for `named`, split by (expert, trainable), each kind cut at max_numel elements."""
             out = []
             for is_expert in (False, True):
                 for trainable in (True, False):
-                    sel = [(n, p) for n, p in named
-                           if bool(getattr(p, "is_expert", False)) == is_expert and p.requires_grad == trainable]
+                    sel = [
+                        (n, p)
+                        for n, p in named
+                        if bool(getattr(p, "is_expert", False)) == is_expert and p.requires_grad == trainable
+                    ]
                     if not sel:
                         continue
                     group, grad_group, region = groups[is_expert]
                     for chunk in split_into_buckets(sel, max_numel or sum(p.numel() for _, p in sel)):
-                        b = FlatBucket([p for _, p in chunk], [n for n, _ in chunk], group, dtype=dtype,
-                                       shard=config.stage >= 1, resident=resident, is_expert=is_expert,
-                                       grad_group=grad_group)
+                        b = FlatBucket(
+                            [p for _, p in chunk],
+                            [n for n, _ in chunk],
+                            group,
+                            dtype=dtype,
+                            shard=config.stage >= 1,
+                            resident=resident,
+                            is_expert=is_expert,
+                            grad_group=grad_group,
+                        )
                         # Ranks of the dp x sp region holding the same reduced gradient elements:
                         # the global norm counts each element once.
                         b.replicas = 1 if b.world > 1 else (dims.dp_sp if not is_expert else dims.edp)
@@ -118,10 +145,17 @@ class Engine:
             b.attach()
         if config.stage == 3:
             root_ids = {id(p) for _, p in root}
-            self.stage3 = Stage3Hooks(model, units, unit_buckets, root_buckets, root_ids, config.prefetch_depth)
+            self.stage3 = Stage3Hooks(
+                model, units, unit_buckets, root_buckets, root_ids, config.prefetch_depth
+            )
         self.zero_optimizer = ZeroOptimizer(
-            self.buckets, config, self.dp, dense_group, optimizer,
-            on_bucket_complete=self.stage3.on_bucket_reduced if self.stage3 else None)
+            self.buckets,
+            config,
+            self.dp,
+            dense_group,
+            optimizer,
+            on_bucket_complete=self.stage3.on_bucket_reduced if self.stage3 else None,
+        )
         self.optimizer = self.zero_optimizer.optimizer
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.micro_steps = 0  # backward calls so far
@@ -237,8 +271,17 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def _layout(self) -> list[dict]:
-        return [{"names": b.names, "numels": b.numels, "padded": b.padded, "world": b.world, "rank": b.rank,
-                 "trainable": b.trainable} for b in self.buckets]
+        return [
+            {
+                "names": b.names,
+                "numels": b.numels,
+                "padded": b.padded,
+                "world": b.world,
+                "rank": b.rank,
+                "trainable": b.trainable,
+            }
+            for b in self.buckets
+        ]
 
     def state_dict(self) -> dict:
         """This rank's shard of the training state (what its checkpoint file holds)."""
@@ -247,13 +290,18 @@ class Engine:
             "stage": self.config.stage,
             "dtype": self.config.dtype,
             "layout": self._layout(),
-            "shards": [(b.master if b.trainable else b.shard_tensor()).detach().clone() for b in self.buckets],
+            "shards": [
+                (b.master if b.trainable else b.shard_tensor()).detach().clone() for b in self.buckets
+            ],
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.zero_optimizer.scaler.state_dict() if self.zero_optimizer.scaler else None,
             "buffers": {n: b.detach().clone() for n, b in self.module.named_buffers()},
-            "counters": {"micro_steps": self.micro_steps, "global_steps": self.global_steps,
-                         "skipped_steps": self.skipped_steps},
+            "counters": {
+                "micro_steps": self.micro_steps,
+                "global_steps": self.global_steps,
+                "skipped_steps": self.skipped_steps,
+            },
         }
 
     @torch.no_grad()
@@ -262,9 +310,13 @@ class Engine:
             raise ValueError("not a sharded engine state dict (expected format 'zero-sharded-v1')")
         if state["layout"] != self._layout() or state["stage"] != self.config.stage:
             raise ValueError(
-                f"checkpoint layout (stage {state['stage']}, {len(state['layout'])} buckets) does not match this "
-                f"engine (stage {self.config.stage}, {len(self.buckets)} buckets): load it with the same model, "
-                "stage, bucket sizes and parallel layout, or go through full_state_dict()/load_full_state_dict()")
+                f"checkpoint layout (stage {state['stage']}, {len(state['layout'])} buckets) does not match "
+                f"this engine (stage {self.config.stage}, {len(self.buckets)} buckets): load it with the "
+                "same "
+                "model, "
+                "stage, bucket sizes and parallel layout, or go through "
+                "full_state_dict()/load_full_state_dict()"
+            )
         if self.stage3 is not None:
             self.stage3.release_all()
         self.zero_optimizer.clear_grads()
@@ -317,7 +369,7 @@ class Engine:
         for b in self.buckets:
             flat = torch.zeros(b.padded, dtype=torch.float32)
             for n, o, k in zip(b.names, b.offsets, b.numels):
-                flat[o:o + k].copy_(state[n].reshape(-1))
+                flat[o : o + k].copy_(state[n].reshape(-1))
             shard = b.shard_of(flat).to(b.device)
             if b.trainable:
                 b.master.copy_(shard)
@@ -331,7 +383,7 @@ class Engine:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
-        """Atomically write this engine's sharded state (plus `client_state`, per rank) to directory `path`."""
+        """Atomically write this rank's sharded state (plus its `client_state`) into directory `path`."""
         from zero.checkpoint import save_checkpoint
 
         save_checkpoint(self, path, client_state)
@@ -343,9 +395,13 @@ class Engine:
         return load_checkpoint(self, path)
 
 
-def initialize(model: nn.Module, optimizer: OptimizerFactory, config: ZeroConfig | None = None,
-               dims: ParallelDims | None = None,
-               lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None) -> Engine:
+def initialize(
+    model: nn.Module,
+    optimizer: OptimizerFactory,
+    config: ZeroConfig | None = None,
+    dims: ParallelDims | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> Engine:
     """Wrap `model` for training: shard per `config.stage` over the groups of `dims`.
 
     `optimizer` is a factory (e.g. functools.partial(torch.optim.AdamW, lr=3e-4)) called with the flat

@@ -117,8 +117,12 @@ class HookGradReducer:
     a second round that every rank joins, agreed by a small all-reduce of flags.
     """
 
-    def __init__(self, buckets: list[FlatBucket], overlap: bool,
-                 on_complete: Callable[[FlatBucket], None] | None = None) -> None:
+    def __init__(
+        self,
+        buckets: list[FlatBucket],
+        overlap: bool,
+        on_complete: Callable[[FlatBucket], None] | None = None,
+    ) -> None:
         self.buckets = buckets
         self.overlap = overlap
         self.on_complete = on_complete
@@ -155,11 +159,11 @@ class HookGradReducer:
             if b.launched:
                 if b.late is None:
                     b.late = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-                b.late[o:o + n].add_(g.reshape(-1))
+                b.late[o : o + n].add_(g.reshape(-1))
                 return
             if b.grad_full is None:
                 b.grad_full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-            view = b.grad_full[o:o + n]
+            view = b.grad_full[o : o + n]
             if b.arrived[i]:
                 view.add_(g.reshape(-1))
                 return
@@ -204,7 +208,7 @@ class HookGradReducer:
         """End of one backward: launch what is left, agree on late gradients, wait, accumulate."""
         for key in self.chains:
             self._advance(key, flush=True)
-        for key, chain in self.chains.items():
+        for chain in self.chains.values():
             group = chain[0].grad_group
             flags = torch.tensor([b.late is not None for b in chain], dtype=torch.int32)
             comm.all_reduce(flags, group, op=ReduceOp.MAX)
@@ -236,9 +240,15 @@ class ZeroOptimizer:
     parameter per trainable bucket, so it must be elementwise (AdamW, Adam, SGD, ...).
     """
 
-    def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, dp: int, norm_group,
-                 optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 on_bucket_complete: Callable[[FlatBucket], None] | None = None) -> None:
+    def __init__(
+        self,
+        buckets: list[FlatBucket],
+        config: ZeroConfig,
+        dp: int,
+        norm_group,
+        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        on_bucket_complete: Callable[[FlatBucket], None] | None = None,
+    ) -> None:
         self.buckets = buckets
         self.trainable = [b for b in buckets if b.trainable]
         self.config = config
@@ -257,8 +267,12 @@ class ZeroOptimizer:
             self.reducer = FullGradReducer(self.trainable)
         self.scaler = None
         if config.dtype == "fp16":
-            self.scaler = DynamicLossScaler(config.initial_loss_scale, config.loss_scale_window,
-                                            config.min_loss_scale, config.loss_scale_hysteresis)
+            self.scaler = DynamicLossScaler(
+                config.initial_loss_scale,
+                config.loss_scale_window,
+                config.min_loss_scale,
+                config.loss_scale_hysteresis,
+            )
         self.last_grad_norm: float | None = None
 
     @property

@@ -32,9 +32,18 @@ class FlatBucket:
     the re-gather for backward.
     """
 
-    def __init__(self, params: list[nn.Parameter], names: list[str], group: ProcessGroup | None, *,
-                 dtype: torch.dtype, shard: bool, resident: bool, is_expert: bool,
-                 grad_group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        names: list[str],
+        group: ProcessGroup | None,
+        *,
+        dtype: torch.dtype,
+        shard: bool,
+        resident: bool,
+        is_expert: bool,
+        grad_group: ProcessGroup | None = None,
+    ) -> None:
         if not params:
             raise ValueError("a FlatBucket needs at least one parameter")
         self.params = params
@@ -61,7 +70,7 @@ class FlatBucket:
         self.full = torch.zeros(self.padded, dtype=dtype, device=self.device)
         with torch.no_grad():
             for p, o, n in zip(params, self.offsets, self.numels):
-                self.full[o:o + n].copy_(p.detach().reshape(-1))
+                self.full[o : o + n].copy_(p.detach().reshape(-1))
         self.local: torch.Tensor | None = None  # this rank's shard when not resident
         self.gathered = True
         # Gradient state, managed by the reducer.
@@ -72,13 +81,13 @@ class FlatBucket:
     # ------------------------------------------------------------------ layout
     def param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of `flat` ([padded]) shaped like each parameter."""
-        return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+        return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
 
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.shard_start:self.shard_start + self.shard_size]
+        return flat[self.shard_start : self.shard_start + self.shard_size]
 
     def shard_ranges(self) -> list[tuple[int, int, int]]:
-        """(param index, start, end) of each parameter's elements inside this rank's shard, in shard coordinates."""
+        """(param index, start, end) of each parameter's elements in this rank's shard (shard coordinates)."""
         out = []
         lo, hi = self.shard_start, self.shard_start + self.shard_size
         for i, (o, n) in enumerate(zip(self.offsets, self.numels)):
@@ -137,8 +146,10 @@ class FlatBucket:
         return {"params": params, "grads": grads, "master": master}
 
 
-def split_into_buckets(params: list[tuple[str, nn.Parameter]], max_numel: int) -> list[list[tuple[str, nn.Parameter]]]:
-    """Consecutive runs of parameters holding at most `max_numel` elements each (a larger one stands alone)."""
+def split_into_buckets(
+    params: list[tuple[str, nn.Parameter]], max_numel: int
+) -> list[list[tuple[str, nn.Parameter]]]:
+    """Consecutive runs of parameters of at most `max_numel` elements each (a larger one stands alone)."""
     buckets: list[list[tuple[str, nn.Parameter]]] = []
     current: list[tuple[str, nn.Parameter]] = []
     size = 0

@@ -28,7 +28,9 @@ def find_units(module: nn.Module, class_names: tuple[str, ...] | None) -> list[t
     def visit(prefix: str, parent: nn.Module) -> None:
         for name, child in parent.named_children():
             full = f"{prefix}{name}"
-            is_unit = (type(child).__name__ in class_names) if class_names else isinstance(parent, nn.ModuleList)
+            is_unit = (
+                (type(child).__name__ in class_names) if class_names else isinstance(parent, nn.ModuleList)
+            )
             if is_unit:
                 units.append((full, child))
             else:
@@ -65,8 +67,15 @@ def assign_parameters(module: nn.Module, units: list[tuple[str, nn.Module]], per
 class Stage3Hooks:
     """Forward/backward hooks that gather, prefetch and free each unit's buckets."""
 
-    def __init__(self, module: nn.Module, units: list[tuple[str, nn.Module]], unit_buckets: list[list[FlatBucket]],
-                 root_buckets: list[FlatBucket], root_param_ids: set[int], prefetch_depth: int) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        units: list[tuple[str, nn.Module]],
+        unit_buckets: list[list[FlatBucket]],
+        root_buckets: list[FlatBucket],
+        root_param_ids: set[int],
+        prefetch_depth: int,
+    ) -> None:
         self.units = units
         self.unit_buckets = unit_buckets
         self.root_buckets = root_buckets
@@ -157,7 +166,8 @@ class Stage3Hooks:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._pre_backward, i), mode="any")
+                    tensors, functools.partial(self._pre_backward, i), mode="any"
+                )
 
     def _pre_backward(self, i: int, grad) -> None:
         self._gather(i, async_op=False)

@@ -26,7 +26,9 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Embedding, a ModuleList of blocks, a head (optionally tied to the embedding)."""
 
-    def __init__(self, n_layers: int = 3, tie: bool = False, ckpt: bool = False, reuse_block: bool = False) -> None:
+    def __init__(
+        self, n_layers: int = 3, tie: bool = False, ckpt: bool = False, reuse_block: bool = False
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block(DIM) for _ in range(n_layers))
@@ -64,13 +66,24 @@ def build(seed: int = 0, **kw) -> TinyLM:
 OPT = functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def reference_losses(model_kw: dict, steps: int, rows: int, accum: int = 1, clip: float | None = None,
-                     loss_fn=lm_loss, batch_fn=global_batch) -> list[float]:
+def reference_losses(
+    model_kw: dict,
+    steps: int,
+    rows: int,
+    accum: int = 1,
+    clip: float | None = None,
+    loss_fn=lm_loss,
+    batch_fn=global_batch,
+    model_fn=None,
+    before_step=None,
+) -> list[float]:
     """Single process, full global batch: the trajectory every parallel run must reproduce."""
-    model = build(**model_kw)
+    model = (model_fn or build)(**model_kw)
     opt = OPT(model.parameters())
     losses = []
     for step in range(steps):
+        if before_step is not None:
+            before_step(model, step)
         total = 0.0
         for micro in range(accum):
             loss = loss_fn(model, batch_fn(step, micro, rows))
@@ -82,3 +95,55 @@ def reference_losses(model_kw: dict, steps: int, rows: int, accum: int = 1, clip
         opt.zero_grad()
         losses.append(total)
     return losses
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, dim: int, num_experts: int) -> None:
+        super().__init__()
+        from moe import MoELayer
+
+        self.norm = nn.LayerNorm(dim)
+        # aux loss off: it is a product of batch statistics, so a per-rank batch cannot reproduce the
+        # global-batch value; the z-loss is a plain token mean and stays on.
+        self.ffn = MoELayer(dim, 16, num_experts, top_k=2, aux_loss_coef=0.0, z_loss_coef=1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ffn(self.norm(x))
+
+
+class TinyMoE(nn.Module):
+    """Embedding, a dense block, MoE blocks, a head: dense and expert parameters in every unit kind."""
+
+    def __init__(self, n_layers: int = 2, num_experts: int = 4, ckpt: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block(DIM)] + [MoEBlock(DIM, num_experts) for _ in range(n_layers)])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.ckpt = ckpt
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
+        return self.head(self.norm(x))
+
+
+def build_moe(seed: int = 0, **kw) -> TinyMoE:
+    torch.manual_seed(seed)
+    return TinyMoE(**kw)
+
+
+STARVE_STEP = 4
+
+
+def starve_last_experts(model: nn.Module, step: int) -> None:
+    """At STARVE_STEP route every token to experts 0 and 1, so the ranks holding the others get none."""
+    from moe import MoELayer
+
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            bias = m.router.expert_bias
+            bias.zero_()
+            if step == STARVE_STEP:
+                bias[:2] = 100.0

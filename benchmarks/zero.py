@@ -1,0 +1,282 @@
+"""ZeRO stages 1-3: ours against DeepSpeed (same stage) and PyTorch FSDP2 (the stage-3 peer).
+
+Trains the same ~50M-parameter Llama-style model for a few steps on 2 gloo ranks per framework, each
+framework in fresh processes (so peak RSS is its own), and prints step time, peak memory, bytes sent
+per step and the loss of each.
+
+    python -m benchmarks.zero            # full run (stages 1, 2, 3)
+    python -m benchmarks.zero --quick    # small model, 2 measured steps: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing as mp
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+import traceback
+from collections import defaultdict
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- byte counting
+def _install_counters(counts: dict) -> None:
+    """Count bytes this rank sends through torch.distributed, the same convention as zero.comm.
+
+    Patching the module attributes catches every framework alike (ours, DeepSpeed, FSDP2 all call
+    torch.distributed.<collective> at run time).
+    """
+    import torch.distributed as dist
+
+    def size(group) -> int:
+        return dist.get_world_size(group)
+
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size()
+
+    rules = {
+        "all_reduce": lambda a, k: 2 * (size(k.get("group")) - 1) / size(k.get("group")) * nbytes(a[0]),
+        "all_gather_into_tensor": lambda a, k: (size(k.get("group")) - 1) * nbytes(a[1]),
+        "_all_gather_base": lambda a, k: (size(k.get("group")) - 1) * nbytes(a[1]),
+        "all_gather": lambda a, k: (size(k.get("group")) - 1) * nbytes(a[1]),
+        "reduce_scatter_tensor": lambda a, k: (size(k.get("group")) - 1) / size(k.get("group")) * nbytes(a[1]),
+        "_reduce_scatter_base": lambda a, k: (size(k.get("group")) - 1) / size(k.get("group")) * nbytes(a[1]),
+        "reduce_scatter": lambda a, k: (size(k.get("group")) - 1) * sum(nbytes(t) for t in a[1]) / size(
+            k.get("group")),
+        "broadcast": lambda a, k: nbytes(a[0]),
+    }
+    for name, rule in rules.items():
+        original = getattr(dist, name)
+
+        def wrapped(*args, _original=original, _rule=rule, _name=name, **kwargs):
+            try:
+                counts[_name] += _rule(args, kwargs)
+            except Exception:  # an unusual call signature: count nothing rather than fail the run
+                pass
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+
+
+# ---------------------------------------------------------------------------- one framework
+def _model_config(quick: bool):
+    from recipes.models.llama import ModelConfig
+
+    if quick:
+        return ModelConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
+    # ~52M parameters: 12 blocks of 2.95M plus a 16.4M tied embedding
+    return ModelConfig(vocab_size=32000, dim=512, n_layers=12, n_heads=8, n_kv_heads=4, max_seq_len=256)
+
+
+def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rank = dist.get_rank()
+    counts: dict = defaultdict(float)
+    _install_counters(counts)
+    baseline_rss = _rss()
+    from recipes.models.llama import Transformer
+
+    cfg = _model_config(args.quick)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    adamw = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    if framework == "ours":
+        import zero
+
+        config = zero.ZeroConfig(stage=stage, clip_grad_norm=None, reduce_bucket_size=args.bucket,
+                                 allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1)
+        engine = zero.initialize(model, functools.partial(torch.optim.AdamW, **adamw), config,
+                                 zero.ParallelDims(dp=WORLD))
+
+        def train_step(x, y):
+            loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+            engine.backward(loss)
+            engine.step()
+            return loss
+    elif framework == "deepspeed":
+        import deepspeed
+
+        ds_config = {
+            "train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket,
+                                  "allgather_bucket_size": args.bucket, "overlap_comm": True,
+                                  "contiguous_gradients": True},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **adamw),
+                                          config=ds_config, dist_init_required=False)
+
+        def train_step(x, y):
+            loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+            engine.backward(loss)
+            engine.step()
+            return loss
+    elif framework == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), **adamw)
+
+        def train_step(x, y):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    else:
+        raise ValueError(framework)
+
+    g = torch.Generator().manual_seed(1234)
+    batches = [torch.randint(0, cfg.vocab_size, (WORLD * args.batch, args.seq + 1), generator=g)
+               for _ in range(args.warmup + args.steps)]
+    times, losses, step_bytes = [], [], []
+    for i, tokens in enumerate(batches):
+        local = tokens[rank * args.batch:(rank + 1) * args.batch]
+        dist.barrier()
+        before = sum(counts.values())
+        t0 = time.perf_counter()
+        loss = train_step(local[:, :-1], local[:, 1:])
+        dist.barrier()
+        elapsed = time.perf_counter() - t0
+        step_bytes.append(sum(counts.values()) - before)
+        losses.append(loss.item())
+        if i >= args.warmup:
+            times.append(elapsed)
+    return {
+        "params": n_params,
+        "step_s": statistics.median(times),
+        "losses": losses,
+        "bytes_per_step": statistics.median(step_bytes[args.warmup:]),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "baseline_rss_mb": baseline_rss,
+    }
+
+
+def _rss() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _worker(rank: int, port: int, framework: str, stage: int, args, results) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(WORLD)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        results.put((rank, _run(framework, stage, args)))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_framework(framework: str, stage: int, args) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, framework, stage, args, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        while len(out) < WORLD:
+            rank, value = results.get(timeout=args.timeout)
+            if isinstance(value, str):
+                raise RuntimeError(f"{framework} stage {stage} rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(WORLD)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small model and few steps (smoke run)")
+    parser.add_argument("--stages", default="1,2,3")
+    parser.add_argument("--frameworks", default="ours,deepspeed,fsdp2")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps (after warmup)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--bucket", type=int, default=25_000_000, help="reduce/all-gather bucket elements")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", default=None, help="also write the raw results here")
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 2 if args.quick else 4
+    stages = [int(s) for s in args.stages.split(",")]
+    frameworks = args.frameworks.split(",")
+    table = {}
+    for stage in stages:
+        for fw in frameworks:
+            if fw == "fsdp2" and stage != 3:
+                continue
+            ranks = run_framework(fw, stage, args)
+            losses = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(len(ranks[0]["losses"]))]
+            table[(fw, stage)] = {
+                "step_s": max(r["step_s"] for r in ranks),
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
+                "train_rss_mb": max(r["peak_rss_mb"] - r["baseline_rss_mb"] for r in ranks),
+                "bytes_per_step": max(r["bytes_per_step"] for r in ranks),
+                "losses": losses, "params": ranks[0]["params"],
+            }
+            print(f"done {fw} stage {stage}: {table[(fw, stage)]['step_s']:.3f}s/step", file=sys.stderr, flush=True)
+    psi = next(iter(table.values()))["params"] * 4  # fp32 bytes of the model
+    print(f"\nmodel: {next(iter(table.values()))['params'] / 1e6:.1f}M parameters, {WORLD} gloo ranks, "
+          f"batch {args.batch}x{args.seq} per rank, {args.steps} measured steps, {args.threads} thread(s)/rank")
+    header = (f"{'stage':>5} {'framework':>10} {'step s':>8} {'vs DS':>6} {'vs FSDP2':>8} {'peak RSS MB':>11} "
+              f"{'train RSS MB':>12} {'MB/step':>8} {'x Psi':>6}  losses")
+    # MB/step: bytes this rank sent; x Psi: the same volume in the usual ZeRO units (data-parallel
+    # all-reduce = 2 Psi, i.e. sent bytes * n / (n - 1) over the fp32 model size).
+    print(header)
+    for (fw, stage), row in table.items():
+        ds = table.get(("deepspeed", stage))
+        fsdp = table.get(("fsdp2", stage))
+        vs_ds = f"{row['step_s'] / ds['step_s']:.2f}" if ds else "-"
+        vs_fsdp = f"{row['step_s'] / fsdp['step_s']:.2f}" if fsdp else "-"
+        losses = " ".join(f"{x:.4f}" for x in row["losses"])
+        print(f"{stage:>5} {fw:>10} {row['step_s']:>8.3f} {vs_ds:>6} {vs_fsdp:>8} {row['peak_rss_mb']:>11.0f} "
+              f"{row['train_rss_mb']:>12.0f} {row['bytes_per_step'] / 2**20:>8.1f} "
+              f"{row['bytes_per_step'] * WORLD / (WORLD - 1) / psi:>6.2f}  {losses}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{fw}/{stage}": row for (fw, stage), row in table.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

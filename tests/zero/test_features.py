@@ -1,0 +1,340 @@
+"""Per-rank memory and traffic of each stage, state dicts, checkpoints, mixed precision, config errors."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero
+import zero.checkpoint
+from tests.multirank import run_multirank
+from tests.zero.models import OPT, build, global_batch, lm_loss
+
+ROWS = 2
+
+
+def _batch(step: int, rank: int, world: int) -> torch.Tensor:
+    return global_batch(step, 0, ROWS * world)[rank * ROWS : (rank + 1) * ROWS]
+
+
+def _engine(
+    stage: int, seed: int = 0, dtype: str = "fp32", model_kw: dict | None = None, **cfg
+) -> zero.Engine:
+    model = build(seed=seed, **(model_kw or {}))
+    config = zero.ZeroConfig(
+        stage=stage, dtype=dtype, reduce_bucket_size=cfg.pop("reduce_bucket_size", 1000), **cfg
+    )
+    return zero.initialize(model, OPT, config, zero.ParallelDims(dp=dist.get_world_size()))
+
+
+def _train(engine: zero.Engine, steps: range) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        loss = lm_loss(engine, _batch(step, rank, world))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _memory_and_traffic() -> dict:
+    """Bytes held per rank and bytes sent per step, with the sizes they must equal."""
+    out = {}
+    for stage in (0, 1, 2, 3):
+        engine = _engine(stage)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        total = sum(p.numel() for p in build().parameters())
+        shard_elems = sum(b.shard_size for b in engine.buckets)
+        loss = lm_loss(engine, _batch(0, rank, world))
+        engine.backward(loss)
+        after_backward = engine.memory_breakdown()
+        engine.step()
+        _train(engine, range(1, 3))  # a few steps so the traffic of a steady step is measured
+        after_step = engine.memory_breakdown()
+        out[stage] = {
+            "total": total,
+            "shard_elems": shard_elems,
+            "buckets": len(engine.buckets),
+            "grads_after_backward": after_backward["grads"],
+            "opt_state": after_step["optimizer_state"],
+            "params_after_step": after_step["params"],
+            "metrics": engine.metrics(),
+            "bucket_sizes": [
+                (
+                    b.padded,
+                    b.shard_size,
+                    b.world,
+                    b.stage3_kind
+                    if hasattr(b, "stage3_kind")
+                    else ("root" if getattr(b, "unit_index", 0) is None else "unit"),
+                )
+                for b in engine.buckets
+            ],
+        }
+    return out
+
+
+def _state_dicts() -> dict:
+    rank = dist.get_rank()
+    out = {}
+    for tie in (False, True):
+        engine = _engine(3, seed=rank, model_kw={"tie": tie})  # rank 0's values are broadcast
+        out[f"initial_tie{tie}"] = engine.full_state_dict()
+        _train(engine, range(3))
+        out[f"trained_tie{tie}"] = engine.full_state_dict()
+    # load_full_state_dict into a stage-3 engine, then read it back
+    target = build(seed=5).state_dict()
+    engine = _engine(3)
+    engine.load_full_state_dict(target)
+    out["reloaded"] = engine.full_state_dict()
+    out["target"] = target
+    return out
+
+
+def _checkpoints(root: str) -> dict:
+    rank = dist.get_rank()
+    out = {}
+    for stage in (2, 3):
+        path = os.path.join(root, f"stage{stage}")
+        a = _engine(stage, clip_grad_norm=0.5, grad_accum_steps=1)
+        _train(a, range(3))
+        a.save_checkpoint(path, client_state={"rank": rank, "samples": 3 * ROWS})
+        expected = _train(a, range(3, 6))
+
+        b = _engine(stage, seed=11 + rank, clip_grad_norm=0.5)
+        client = b.load_checkpoint(path)
+        resumed = _train(b, range(3, 6))
+
+        # A save that fails on one rank raises everywhere and leaves the previous checkpoint intact.
+        original = zero.checkpoint._write
+
+        def failing(obj, target, _original=original):
+            if dist.get_rank() == 1:
+                raise OSError("disk full (simulated)")
+            _original(obj, target)
+
+        zero.checkpoint._write = failing
+        try:
+            b.save_checkpoint(path, client_state={"rank": rank, "samples": 999})
+            raised = False
+        except RuntimeError:
+            raised = True
+        finally:
+            zero.checkpoint._write = original
+        dist.barrier()
+        c = _engine(stage, seed=23, clip_grad_norm=0.5)
+        client_after = c.load_checkpoint(path)
+        counters = (c.global_steps, c.micro_steps)
+        again = _train(c, range(3, 6))
+        out[stage] = {
+            "expected": expected,
+            "resumed": resumed,
+            "client": client,
+            "raised": raised,
+            "client_after": client_after,
+            "again": again,
+            "leftover_tmp": os.path.exists(path + ".tmp"),
+            "counters": counters,
+        }
+    return out
+
+
+def _mixed_precision() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in (2, 3):
+        out[("bf16", stage)] = _train(_engine(stage, dtype="bf16"), range(5))
+    fp32 = _train(_engine(2), range(5))
+    out["fp32"] = fp32
+    # fp16: a step whose gradient overflows on one rank is skipped on every rank.
+    engine = _engine(2, dtype="fp16", loss_scale_hysteresis=1, initial_loss_scale=1024.0)
+    _train(engine, range(2))
+    before = engine.full_state_dict()
+    scale_before = engine.loss_scale
+    loss = lm_loss(engine, _batch(2, rank, world))
+    engine.backward(loss * (float("inf") if rank == 1 else 1.0))
+    stepped = engine.step()
+    after = engine.full_state_dict()
+    out["fp16"] = {
+        "stepped": stepped,
+        "skipped": engine.skipped_steps,
+        "scale": (scale_before, engine.loss_scale),
+        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+        "next": _train(engine, range(3, 5)),
+    }
+    out["fp16_losses"] = _train(_engine(3, dtype="fp16"), range(5))
+    return out
+
+
+def _features(root: str) -> dict:
+    return {
+        "memory": _memory_and_traffic(),
+        "state": _state_dicts(),
+        "ckpt": _checkpoints(root),
+        "mixed": _mixed_precision(),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory) -> list[dict]:
+    return run_multirank(_features, 2, str(tmp_path_factory.mktemp("ckpt")), timeout=400)
+
+
+def test_per_rank_bytes_are_one_over_n(two_rank_results) -> None:
+    world = 2
+    for r in two_rank_results:
+        m = r["memory"]
+        total = m[0]["total"]
+        assert m[0]["shard_elems"] == total  # stage 0 keeps everything (no padding needed)
+        for stage in (1, 2, 3):
+            s = m[stage]
+            # padding: fewer than `world` elements per bucket
+            assert total / world <= s["shard_elems"] < total / world + world * s["buckets"]
+            assert s["opt_state"] == 2 * 4 * s["shard_elems"]  # AdamW exp_avg + exp_avg_sq, fp32
+        assert m[0]["opt_state"] == 2 * 4 * total
+        assert m[1]["grads_after_backward"] >= 4 * total  # stage 1 keeps the full gradient
+        for stage in (2, 3):
+            assert m[stage]["grads_after_backward"] == 4 * m[stage]["shard_elems"]
+        assert m[2]["params_after_step"] >= 4 * total  # stage 2 keeps full parameters
+        assert m[3]["params_after_step"] == 4 * m[3]["shard_elems"]  # stage 3: only this rank's shard
+
+
+def test_traffic_per_step_matches_theory(two_rank_results) -> None:
+    world, tiny = 2, 64  # tiny: the norm all-reduce and the late-gradient flags
+    m = two_rank_results[0]["memory"]
+    elem = 4
+    padded = {s: sum(p for p, *_ in m[s]["bucket_sizes"]) for s in m}
+    ar = m[0]["metrics"]["comm_bytes_per_step"]
+    assert ar == pytest.approx(2 * (world - 1) / world * elem * padded[0], abs=tiny)
+    for stage in (1, 2):  # reduce-scatter + all-gather: the all-reduce volume, 2 Psi
+        want = (world - 1) / world * elem * padded[stage] * 2
+        assert m[stage]["metrics"]["comm_bytes_per_step"] == pytest.approx(want, abs=tiny)
+        assert m[stage]["metrics"]["comm_bytes_per_step"] == pytest.approx(ar, rel=0.1)
+    # stage 3: units gathered for forward and again for backward, the root once, gradients scattered
+    gathers = sum((2 if kind == "unit" else 1) * (w - 1) * sh for _, sh, w, kind in m[3]["bucket_sizes"])
+    want = elem * (gathers + (world - 1) / world * padded[3])
+    assert m[3]["metrics"]["comm_bytes_per_step"] == pytest.approx(want, abs=tiny)
+    assert ar < m[3]["metrics"]["comm_bytes_per_step"] <= 1.5 * ar * 1.1  # at most 3 Psi
+
+
+def test_stage3_full_state_dict_equals_unsharded_model(two_rank_results) -> None:
+    for tie in (False, True):
+        model = build(seed=0, tie=tie)
+        want = model.state_dict()
+        for r in two_rank_results:
+            got = r["state"][f"initial_tie{tie}"]
+            assert list(got) == list(want)
+            for k in want:
+                assert torch.equal(got[k], want[k]), k
+        # after 3 steps: the same as plain single-process training on the global batch
+        opt = OPT(model.parameters())
+        for step in range(3):
+            lm_loss(model, global_batch(step, 0, ROWS * 2)).backward()
+            opt.step()
+            opt.zero_grad()
+        for k, v in model.state_dict().items():
+            # (Adam divides by sqrt(v): a gradient that is ~0 amplifies fp32 reduction-order noise)
+            torch.testing.assert_close(
+                two_rank_results[0]["state"][f"trained_tie{tie}"][k], v, rtol=1e-4, atol=5e-5
+            )
+    for r in two_rank_results:
+        for k, v in r["state"]["target"].items():
+            assert torch.equal(r["state"]["reloaded"][k], v)
+
+
+def test_checkpoint_round_trip_and_atomic_failure(two_rank_results) -> None:
+    for rank, r in enumerate(two_rank_results):
+        for stage in (2, 3):
+            c = r["ckpt"][stage]
+            assert c["resumed"] == c["expected"]  # bitwise: the same next losses
+            assert c["client"] == {"rank": rank, "samples": 6}
+            assert c["raised"]
+            assert c["client_after"] == {"rank": rank, "samples": 6}  # the old checkpoint survived
+            assert c["again"] == c["expected"]
+            assert not c["leftover_tmp"]
+            assert c["counters"] == (3, 3)
+
+
+def test_mixed_precision_and_fp16_overflow_skip(two_rank_results) -> None:
+    for r in two_rank_results:
+        mp = r["mixed"]
+        fp32 = torch.tensor(mp["fp32"])
+        for stage in (2, 3):
+            torch.testing.assert_close(torch.tensor(mp[("bf16", stage)]), fp32, rtol=3e-2, atol=0)
+        torch.testing.assert_close(torch.tensor(mp["fp16_losses"]), fp32, rtol=3e-2, atol=0)
+        f = mp["fp16"]
+        assert f["stepped"] is False and f["skipped"] == 1 and f["unchanged"]
+        assert f["scale"] == (1024.0, 512.0)
+        assert all(math.isfinite(x) for x in f["next"])
+
+
+# ---------------------------------------------------------------------------- in-process
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"stage": 4}, "zero.stage=4"),
+        ({"dtype": "fp8"}, "zero.dtype='fp8'"),
+        ({"grad_accum_steps": 0}, "grad_accum_steps=0"),
+        ({"clip_grad_norm": -1.0}, "clip_grad_norm=-1.0"),
+        ({"reduce_bucket_size": 0}, "reduce_bucket_size=0"),
+        ({"overlap_comm": "yes"}, "overlap_comm='yes'"),
+        ({"prefetch_depth": -1}, "prefetch_depth=-1"),
+        ({"param_persistence_threshold": 1.5}, "param_persistence_threshold=1.5"),
+        ({"stage3_unit_classes": []}, "stage3_unit_classes"),
+        ({"min_loss_scale": 1e6}, "min_loss_scale"),
+        ({"loss_scale_window": 0}, "loss_scale_window=0"),
+    ],
+)
+def test_bad_config_values_raise_clear_errors(kw, match) -> None:
+    with pytest.raises(zero.ConfigError, match=match.replace("(", r"\(").replace("[", r"\[")):
+        zero.ZeroConfig(**kw)
+
+
+def test_config_from_dict_rejects_unknown_keys() -> None:
+    assert zero.ZeroConfig.from_dict({"stage": 2}).stage == 2
+    with pytest.raises(zero.ConfigError, match="stagee"):
+        zero.ZeroConfig.from_dict({"stagee": 2})
+
+
+def test_bad_engine_arguments_raise() -> None:
+    model = build()
+    with pytest.raises(TypeError, match="factory"):
+        zero.initialize(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(NotImplementedError, match="tp=2"):
+        zero.initialize(model, OPT, dims=zero.ParallelDims(tp=2, world_size=2))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_single_process_engine_matches_plain_training(stage) -> None:
+    """World size 1 (no process group): every stage is plain AdamW, step-for-step."""
+    ref = build(tie=True)
+    opt = OPT(ref.parameters())
+    engine = zero.initialize(
+        build(tie=True),
+        OPT,
+        zero.ZeroConfig(stage=stage, clip_grad_norm=0.1),
+        lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5),
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(4):
+        batch = global_batch(step, 0, 2)
+        loss_ref = lm_loss(ref, batch)
+        loss_ref.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        loss = lm_loss(engine, batch)
+        engine.backward(loss)
+        assert engine.step()
+        assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-6)
+        assert engine.global_grad_norm == pytest.approx(norm.item(), rel=1e-5)
+    assert engine.get_lr() == pytest.approx(sched.get_last_lr())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(engine.full_state_dict()[k], v, rtol=1e-5, atol=1e-6)
