@@ -93,8 +93,9 @@ def head_layout(n_heads: int, n_kv_heads: int, sp: int) -> HeadLayout:
 
 
 def _to_full_sequence(x: torch.Tensor, P: int, b: int, sl: int, d: int) -> torch.Tensor:
-    # [P, n, b, s/P, d] (source rank major) -> [b, s, n, d]
-    return x.permute(2, 0, 3, 1, 4).reshape(b, P * sl, x.shape[1], d)
+    # [P, n, b, s/P, d] (source rank major) -> [b, n, s, d] in memory, returned as a [b, s, n, d] view:
+    # attention kernels work head-major, so this layout spares them another copy.
+    return x.permute(2, 1, 0, 3, 4).reshape(b, x.shape[1], P * sl, d).transpose(1, 2)
 
 
 class UlyssesAttention(nn.Module):
@@ -155,25 +156,32 @@ class UlyssesAttention(nn.Module):
             v = v.repeat_interleave(layout.kv_repeat, dim=2)
 
         # Pack q, k, v per destination rank: [b, s/P, heads, d] -> head-major rows [heads, b, s/P, d].
-        qh, kh, vh = q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
-        qo, ko = layout.q_offsets, layout.kv_offsets
-        pieces = []
-        for j in range(P):
-            pieces += [qh[qo[j]:qo[j + 1]], kh[ko[j]:ko[j + 1]], vh[ko[j]:ko[j + 1]]]
-        send = torch.cat(pieces, dim=0)  # [h + 2 * h_kv', b, s/P, d]
+        # torch.split (not slicing) so that backward assembles each gradient with one concatenation
+        # instead of one zero-filled full-size tensor per slice.
+        q_parts = q.permute(2, 0, 1, 3).split(list(layout.q_counts), dim=0)
+        k_parts = k.permute(2, 0, 1, 3).split(list(layout.kv_counts), dim=0)
+        v_parts = v.permute(2, 0, 1, 3).split(list(layout.kv_counts), dim=0)
+        send = torch.cat([t for j in range(P) for t in (q_parts[j], k_parts[j], v_parts[j])], dim=0)
         nq, nkv = layout.q_counts[me], layout.kv_counts[me]
         n_me = nq + 2 * nkv
         input_splits = [layout.q_counts[j] + 2 * layout.kv_counts[j] for j in range(P)]
         recv = comm.all_to_all(send, self.sp_group, output_splits=[n_me] * P, input_splits=input_splits)
-        recv = recv.view(P, n_me, b, sl, d)  # one block per source rank (= sequence chunk)
-        q_full = _to_full_sequence(recv[:, :nq], P, b, sl, d)  # [b, s, h_me, d]
-        k_full = _to_full_sequence(recv[:, nq:nq + nkv], P, b, sl, d)  # [b, s, h_kv_me, d]
-        v_full = _to_full_sequence(recv[:, nq + nkv:], P, b, sl, d)
+        # Transient buffers are dropped as soon as they are used: they would otherwise live until
+        # return and double this layer's peak memory.
+        del send, q_parts, k_parts, v_parts
+        # One block per source rank (= sequence chunk): [P * n_me, b, s/P, d] -> [P, n_me, b, s/P, d]
+        q_recv, k_recv, v_recv = recv.view(P, n_me, b, sl, d).split([nq, nkv, nkv], dim=1)
+        q_full = _to_full_sequence(q_recv, P, b, sl, d)  # [b, s, h_me, d]
+        k_full = _to_full_sequence(k_recv, P, b, sl, d)  # [b, s, h_kv_me, d]
+        v_full = _to_full_sequence(v_recv, P, b, sl, d)
+        del recv, q_recv, k_recv, v_recv
 
         out = self.attn_fn(q_full, k_full, v_full, causal=causal, **kwargs)  # [b, s, h_me, d]
+        del q_full, k_full, v_full
 
         # [b, s, h_me, d] -> [P, h_me, b, s/P, d]: destination rank major, its sequence chunk inside.
         send_out = out.reshape(b, P, sl, nq, d).permute(1, 3, 0, 2, 4).reshape(P * nq, b, sl, d)
+        del out
         recv_out = comm.all_to_all(send_out, self.sp_group, output_splits=list(layout.q_counts),
                                    input_splits=[nq] * P)
         return recv_out.permute(1, 2, 0, 3)  # [h, b, s/P, d] -> [b, s/P, h, d]
