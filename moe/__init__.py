@@ -6,10 +6,10 @@ from outside with `apply_expert_parallel`.
 
 from .experts import GroupedExperts
 from .layer import MoELayer, collect_moe_stats, set_aux_loss_scale, update_router_biases
-from .parallel import apply_expert_parallel
+from .parallel import apply_expert_parallel, set_stats_group
 from .router import TopKRouter
 
 __all__ = [
     "MoELayer", "TopKRouter", "GroupedExperts", "apply_expert_parallel", "update_router_biases",
-    "collect_moe_stats", "set_aux_loss_scale",
+    "collect_moe_stats", "set_aux_loss_scale", "set_stats_group",
 ]

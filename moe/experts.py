@@ -71,6 +71,101 @@ def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     return F.gelu(h)
 
 
+def _activate_backward(grad: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
+    """Gradient w.r.t. the pre-activation h given the gradient of _activate(h)."""
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward(grad, h)
+    gate, up = h.chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    grad_up = grad * gate * sig
+    grad_gate = grad.mul_(up).mul_(sig).mul_(1.0 + gate * (1.0 - sig))  # d silu = sig * (1 + g (1 - sig))
+    return torch.cat([grad_gate, grad_up], dim=-1)
+
+
+def _gmm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Raw (no autograd) grouped GEMM of segments x[seg e] @ w[e]."""
+    if grouped_mm_supported(x.device, x.dtype, w.shape[1], w.shape[2]):
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w, offs=offs)
+    return torch.cat([seg @ w[e] for e, seg in enumerate(torch.split(x, counts))], dim=0)
+
+
+def _expert_chunks(counts: list[int], max_chunks: int) -> list[tuple[int, int, int, int]]:
+    """Split experts into contiguous groups of about total/max_chunks rows: (e0, e1, r0, r1) each."""
+    total = sum(counts)
+    target = max(1, -(-total // max_chunks))
+    chunks, e0, r0, rows = [], 0, 0, 0
+    for e, c in enumerate(counts):
+        rows += c
+        if rows >= target or e == len(counts) - 1:
+            chunks.append((e0, e + 1, r0, r0 + rows))
+            e0, r0, rows = e + 1, r0 + rows, 0
+    return chunks
+
+
+class _FusedExpertMLP(torch.autograd.Function):
+    """out[token_index[m]] += gate[m] * MLP_e(x[token_index[m]]) for all slots m, expert-sorted.
+
+    One node for gather -> grouped MLP -> gate-weighted scatter-add, run over chunks of experts:
+    nothing of size [M, dim] is kept for backward (the gathered rows are re-gathered; the gate
+    gradient is <act, dL/d act_unweighted>, so the expert outputs are not kept either), and backward
+    releases each chunk's activations as soon as it is done, so the end of backward, when the
+    weight gradients exist, holds almost nothing else.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_in, w_out, gate, token_index, counts, activation, max_chunks):
+        out = x.new_zeros(x.shape)
+        chunks = _expert_chunks(counts, max_chunks)
+        acts = []
+        for e0, e1, r0, r1 in chunks:
+            tok = token_index[r0:r1]
+            h = _gmm(x.index_select(0, tok), w_in[e0:e1], counts[e0:e1])  # [m, ffn] (x2 for SwiGLU)
+            a = _activate(h, activation)  # [m, ffn]
+            y = _gmm(a, w_out[e0:e1], counts[e0:e1]).mul_(gate[r0:r1].unsqueeze(1))  # [m, dim]
+            out.index_add_(0, tok, y)
+            acts.append((h, a))
+        ctx.save_for_backward(x, w_in, w_out, gate, token_index)
+        ctx.chunks, ctx.acts, ctx.counts, ctx.activation = chunks, acts, counts, activation
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w_in, w_out, gate, token_index = ctx.saved_tensors
+        counts = ctx.counts
+        grad_out = grad_out.contiguous()
+        grad_x = torch.zeros_like(x)
+        grad_w_in, grad_w_out = torch.zeros_like(w_in), torch.zeros_like(w_out)
+        grad_gate = torch.empty_like(gate)
+        for i in reversed(range(len(ctx.chunks))):
+            e0, e1, r0, r1 = ctx.chunks[i]
+            h, a = ctx.acts[i]
+            ctx.acts[i] = None  # this chunk's activations die with the locals below
+            tok = token_index[r0:r1]
+            g = gate[r0:r1].unsqueeze(1)
+            grad_rows = grad_out.index_select(0, tok)  # [m, dim] dL/d(expert output), unweighted
+            grad_a = _gmm(grad_rows, w_out[e0:e1].transpose(-2, -1), counts[e0:e1])  # [m, ffn], unweighted
+            grad_gate[r0:r1] = torch.bmm(grad_a.unsqueeze(1), a.unsqueeze(2)).view(-1)  # <dL/dy, y> rows
+            _wgrad(a, grad_rows.mul_(g), counts[e0:e1], grad_w_out[e0:e1])
+            del a, grad_rows
+            grad_h = _activate_backward(grad_a.mul_(g), h, ctx.activation)
+            del h, grad_a
+            _wgrad(x.index_select(0, tok), grad_h, counts[e0:e1], grad_w_in[e0:e1])
+            grad_x.index_add_(0, tok, _gmm(grad_h, w_in[e0:e1].transpose(-2, -1), counts[e0:e1]))
+            del grad_h
+        ctx.acts = None
+        return grad_x, grad_w_in, grad_w_out, grad_gate, None, None, None, None
+
+
+def _wgrad(x: torch.Tensor, grad: torch.Tensor, counts: list[int], out: torch.Tensor) -> None:
+    """out[e] = x[seg e]^T @ grad[seg e], written straight into the gradient buffer (no temporary)."""
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            torch.mm(x[start:start + c].t(), grad[start:start + c], out=out[e])
+        start += c
+
+
 class GroupedExperts(nn.Module):
     """`num_local` expert MLPs (dim -> ffn_dim -> dim) as two stacked weights.
 
@@ -93,8 +188,9 @@ class GroupedExperts(nn.Module):
         w_out = torch.empty(num_experts, ffn_dim, dim)
         nn.init.normal_(w_in, std=init_std)
         nn.init.normal_(w_out, std=init_std)
-        self.w_in = nn.Parameter(w_in[start:stop].clone())
-        self.w_out = nn.Parameter(w_out[start:stop].clone())
+        if (start, stop) != (0, num_experts):  # keep only this rank's slice, not a view of the full tensor
+            w_in, w_out = w_in[start:stop].clone(), w_out[start:stop].clone()
+        self.w_in, self.w_out = nn.Parameter(w_in), nn.Parameter(w_out)
         for p in (self.w_in, self.w_out):
             p.is_expert = True
 
@@ -115,6 +211,17 @@ class GroupedExperts(nn.Module):
         """x [M, dim] in contiguous per-expert segments of sizes tokens_per_expert [E_local] -> [M, dim]."""
         h = grouped_matmul(x, self.w_in, tokens_per_expert)  # [M, ffn] or [M, 2 ffn]
         return grouped_matmul(_activate(h, self.activation), self.w_out, tokens_per_expert)
+
+    def forward_tokens(self, x: torch.Tensor, token_index: torch.Tensor, gate: torch.Tensor,
+                       tokens_per_expert: torch.Tensor, max_chunks: int = 8) -> torch.Tensor:
+        """sum over slots m of gate[m] * expert(x[token_index[m]]), scattered back to x's rows.
+
+        x [N, dim] unpermuted tokens; token_index/gate [M] expert-sorted slots (segments sized by
+        tokens_per_expert). Gathers and combines inside one autograd node (see _FusedExpertMLP), so
+        it needs far less activation memory than permute -> forward -> unpermute.
+        """
+        return _FusedExpertMLP.apply(x.contiguous(), self.w_in, self.w_out, gate, token_index,
+                                     tokens_per_expert.tolist(), self.activation, max_chunks)
 
 
 class SharedExperts(nn.Module):

@@ -120,15 +120,15 @@ class MoELayer(nn.Module):
         capacity = (None if self.capacity_factor is None
                     else expert_capacity(n, self.top_k, self.num_experts, self.capacity_factor))
         plan = make_plan(routing.indices, routing.weights, self.num_experts, capacity)
-        x_perm = permute(x_flat, plan)  # [M, dim], expert-sorted
         if self.dispatcher is None:
-            y_perm = self.experts(x_perm, plan.tokens_per_expert)
+            gate = routing.weights.reshape(-1).index_select(0, plan.slot_index).to(x.dtype)  # [M]
+            y = self.experts.forward_tokens(x_flat, plan.token_index, gate, plan.tokens_per_expert)
             local_counts = plan.tokens_per_expert
         else:
-            x_local, state = self.dispatcher.dispatch(x_perm, plan.tokens_per_expert)
+            x_local, state = self.dispatcher.dispatch(permute(x_flat, plan), plan.tokens_per_expert)
             local_counts = state.tokens_per_local_expert
             y_perm = self.dispatcher.combine(self.experts(x_local, local_counts), state)
-        y = unpermute(y_perm, plan, routing.weights, n)
+            y = unpermute(y_perm, plan, routing.weights, n)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_flat)
         y = y.view(shape)

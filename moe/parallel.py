@@ -35,3 +35,16 @@ def apply_expert_parallel(module: nn.Module, ep_group: ProcessGroup | None) -> n
         layer.experts.keep_experts(rank * local, (rank + 1) * local)
         layer._set_ep_group(ep_group)
     return module
+
+
+def set_stats_group(module: nn.Module, stats_group: ProcessGroup | None) -> nn.Module:
+    """Set the group over which every MoELayer sums its balancing statistics (in place).
+
+    Pass the sequence-parallel group when sequences are split across ranks: the aux and z losses
+    then equal those of the unsplit sequences and each rank receives its exact share of their
+    gradient. Without it each shard counts as its own sequence and the balancing gradient summed over
+    the sp ranks is sp times too large.
+    """
+    for layer in moe_layers(module):
+        layer.stats_group = stats_group
+    return module

@@ -214,3 +214,31 @@ def test_empty_input_gives_empty_output_and_finite_stats():
     y.sum().backward()
     assert y.shape == (0, 16)
     assert layer.last_stats["aux_loss"].item() == 0.0 and layer.last_stats["z_loss"].item() == 0.0
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_fused_expert_path_loop_fallback_and_chunking_agree(monkeypatch, activation):
+    """The layer's fused gather-MLP-scatter node gives the same numbers whether it uses
+    torch._grouped_mm or the per-segment loop, and for any number of expert chunks."""
+    layer = _layer(activation=activation, capacity_factor=1.0)
+    x = torch.randn(30, 16)
+    routing = layer.router(x)
+    from moe.dispatch import make_plan
+    plan = make_plan(routing.indices, routing.weights, 8, capacity=8)
+    gate = routing.weights.reshape(-1)[plan.slot_index].detach().requires_grad_(True)
+    outs = []
+    for supported, chunks in [(True, 8), (True, 1), (True, 3), (False, 8)]:
+        monkeypatch.setattr(experts_mod, "grouped_mm_supported", lambda *a, s=supported: s)
+        xi = x.clone().requires_grad_(True)
+        gate.grad = None
+        layer.zero_grad()
+        y = layer.experts.forward_tokens(xi, plan.token_index, gate, plan.tokens_per_expert, max_chunks=chunks)
+        y.backward(torch.cos(y))
+        outs.append([y, xi.grad, gate.grad, layer.experts.w_in.grad, layer.experts.w_out.grad])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            torch.testing.assert_close(a, b)
+    # And the chunking helper covers every expert and row exactly once.
+    chunks = experts_mod._expert_chunks([3, 0, 5, 1, 0, 7], 3)
+    assert chunks[0][0] == 0 and chunks[-1][1] == 6 and chunks[-1][3] == 16
+    assert all(a[1] == b[0] and a[3] == b[2] for a, b in zip(chunks, chunks[1:]))

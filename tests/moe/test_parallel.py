@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from moe import MoELayer, apply_expert_parallel, update_router_biases
+from moe import MoELayer, apply_expert_parallel, set_stats_group, update_router_biases
 from tests.multirank import run_multirank
 
 DIM, FFN, E = 16, 32, 8
@@ -58,6 +58,7 @@ def _worker():
     half = slice((rank % 2) * 4, (rank % 2 + 1) * 4)
     out["seq_full"] = _run(_build(kw), x_full, g_full)
     out["seq_split"] = _run(_build(dict(kw, stats_group=pair)), x_full[:, half], g_full[:, half])
+    out["seq_split_set"] = _run(set_stats_group(_build(kw), pair), x_full[:, half], g_full[:, half])
     out["seq_split_nogroup"] = _run(_build(kw), x_full[:, half], g_full[:, half])
 
     # Aux-loss-free bias: different tokens per rank, loads summed over the world -> identical biases.
@@ -101,6 +102,7 @@ def test_expert_parallel_and_stats_group_equal_single_rank():
         partner = results[rank ^ 1]["seq_split"]
         for key in ("aux_loss", "z_loss"):
             torch.testing.assert_close(split["stats"][key], full["stats"][key])
+            torch.testing.assert_close(mine["seq_split_set"]["stats"][key], full["stats"][key])
         assert not torch.allclose(alone["stats"]["aux_loss"], full["stats"]["aux_loss"])
         # Each sp rank holds a partial router gradient; their sum is the unsplit gradient.
         w = "router.weight"
