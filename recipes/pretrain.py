@@ -189,8 +189,9 @@ def sample(engine, cfg: DictConfig, dims: zero.ParallelDims) -> str:
     restore = []
     for m in model.modules():
         inner = getattr(getattr(m, "attn_fn", None), "attn_fn", None)
-        if inner is not None:  # a sequence-parallel wrapper: use the wrapped function directly
+        if inner is not None:  # a sequence-parallel wrapper (a child module): use the wrapped function
             restore.append((m, m.attn_fn))
+            del m.attn_fn
             m.attn_fn = inner
     prompt = torch.tensor([list(cfg.train.sample_prompt.encode())], dtype=torch.long)
     gen = torch.Generator().manual_seed(cfg.train.seed)

@@ -94,35 +94,47 @@ def test_cli_bad_input_is_one_clear_error(tmp_path, args, message):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
-def test_torchrun_dp2_matches_single_process(tmp_path):
-    common = [*TINY, "train.steps=20", "train.eval_every=10", "optim.lr=3e-3"]
-    single = _run_cli(*common, "train.micro_batch_size=8", f"run_dir={tmp_path / 'dp1'}")
-    assert single.returncode == 0, single.stderr[-3000:]
-    multi = _run_cli(*common, "parallel.dp=2", "train.micro_batch_size=4", f"run_dir={tmp_path / 'dp2'}", nproc=2)
-    assert multi.returncode == 0, multi.stderr[-3000:]
-    a, b = _losses(tmp_path / "dp1"), _losses(tmp_path / "dp2")
-    assert sorted(a) == sorted(b) == list(range(1, 21))
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
-    assert _losses(tmp_path / "dp2", "val_loss") == pytest.approx(_losses(tmp_path / "dp1", "val_loss"), rel=1e-5)
+def test_torchrun_dp2_and_sp2_match_single_process(tmp_path):
+    # seq_len 31 is not divisible by sp=2: the sequence shards are padded and masked internally.
+    common = [*TINY, "train.steps=20", "train.eval_every=10", "optim.lr=3e-3", "train.seq_len=31",
+              "train.sample_tokens=6"]
+    layouts = {
+        "dp1": ([*common, "train.micro_batch_size=8"], 1),
+        "dp2": ([*common, "parallel.dp=2", "train.micro_batch_size=4"], 2),
+        "sp2": ([*common, "parallel.sp=2", "train.micro_batch_size=8", "train.tiled_loss=true",
+                 "train.tiled_mlp=2", "train.activation_checkpointing=true", "train.offload_activations=true"], 2),
+    }
+    for name, (args, nproc) in layouts.items():
+        proc = _run_cli(*args, f"run_dir={tmp_path / name}", nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    base = tmp_path / "dp1"
+    for name in ("dp2", "sp2"):
+        for key in ("loss", "grad_norm", "val_loss"):
+            a, b = _losses(base, key), _losses(tmp_path / name, key)
+            assert sorted(a) == sorted(b) and len(a) in (2, 20)
+            for step in a:
+                assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (name, key, step)
+    assert (tmp_path / "sp2" / "sample.txt").read_text() == (base / "sample.txt").read_text()
 
 
-def test_torchrun_moe_ep2_matches_ep1(tmp_path):
+def test_torchrun_moe_ep2_and_sp2_match_ep1(tmp_path):
     common = ["model=moe_tiny", *TINY[1:], "train.steps=8", "train.eval_every=4", "parallel.dp=2",
               "model.moe.bias_update_rate=1e-3"]
-    runs = {}
-    for ep in (1, 2):
-        proc = _run_cli(*common, f"parallel.ep={ep}", f"run_dir={tmp_path / f'ep{ep}'}", nproc=2)
+    layouts = {"ep1": (["parallel.ep=1"], 2), "ep2": (["parallel.ep=2"], 2),
+               "dp2_sp2_ep2": (["parallel.sp=2", "parallel.ep=2"], 4)}
+    for name, (args, nproc) in layouts.items():
+        proc = _run_cli(*common, *args, f"run_dir={tmp_path / name}", nproc=nproc)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[ep] = tmp_path / f"ep{ep}"
-    a, b = _losses(runs[1]), _losses(runs[2])
-    assert sorted(a) == list(range(1, 9))
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
-    for key in ("moe/layer0/aux_loss", "moe/layer1/load_max", "val_loss"):
-        assert _losses(runs[2], key) == pytest.approx(_losses(runs[1], key), rel=1e-5)
-    assert (runs[2] / "expert_load.png").stat().st_size > 0
-    assert "layer1" in (runs[2] / "expert_load.txt").read_text()
+    base = tmp_path / "ep1"
+    assert sorted(_losses(base)) == list(range(1, 9))
+    for name in ("ep2", "dp2_sp2_ep2"):
+        for key in ("loss", "grad_norm", "moe/layer0/aux_loss", "moe/layer1/z_loss", "val_loss"):
+            a, b = _losses(base, key), _losses(tmp_path / name, key)
+            assert sorted(a) == sorted(b)
+            for step in a:
+                assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (name, key, step)
+    assert (tmp_path / "ep2" / "expert_load.png").stat().st_size > 0
+    assert "layer1" in (tmp_path / "ep2" / "expert_load.txt").read_text()
 
 
 def _read_wandb_records(path):
