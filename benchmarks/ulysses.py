@@ -1,0 +1,191 @@
+"""Ulysses attention at sp=2 against DeepSpeed's DistributedAttention, plus per-rank memory vs sp=1.
+
+Both wrap the same local attention (kernels.attention.attention) on the same sharded inputs; we time
+forward+backward (interleaved rounds, median) and measure peak RSS per rank in fresh processes.
+
+    python benchmarks/ulysses.py            # full run (seq 8192, MHA and GQA)
+    python benchmarks/ulysses.py --quick    # smoke run (seq 2048, MHA)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _make_impl(name: str, group):
+    from kernels.attention import attention
+
+    if name == "ours":
+        from sequence_parallel import UlyssesAttention
+
+        return UlyssesAttention(group, attn_fn=attention)
+    if name == "deepspeed":
+        from deepspeed.sequence.layer import DistributedAttention
+
+        def local_attn(q, k, v, *args, **kwargs):
+            return attention(q, k, v, causal=True)
+
+        # [b, s/P, h, d]: scatter heads (dim 2), gather sequence (dim 1), batch is dim 0
+        ds = DistributedAttention(local_attn, group, scatter_idx=2, gather_idx=1)
+        return lambda q, k, v, causal=True: ds(q, k, v, 0)
+    if name == "sp1":
+        return attention
+    raise ValueError(name)
+
+
+def _inputs(b: int, s: int, h: int, hkv: int, d: int, P: int, rank: int):
+    gen = torch.Generator().manual_seed(0)
+    sl = s // P
+    # Each rank generates only its own shard (rows rank*sl ... of the same global tensors).
+    q = torch.randn(b, s, h, d, generator=gen)[:, rank * sl:(rank + 1) * sl].clone().requires_grad_()
+    k = torch.randn(b, s, hkv, d, generator=gen)[:, rank * sl:(rank + 1) * sl].clone().requires_grad_()
+    v = torch.randn(b, s, hkv, d, generator=gen)[:, rank * sl:(rank + 1) * sl].clone().requires_grad_()
+    g = torch.randn(b, sl, h, d, generator=gen)
+    return q, k, v, g
+
+
+def _step(fn, q, k, v, g) -> None:
+    out = fn(q, k, v, causal=True)
+    out.backward(g)
+    q.grad = k.grad = v.grad = None
+
+
+def _layer_step(fn, shape: tuple, P: int, rank: int) -> None:
+    """Forward+backward of a Llama attention layer (projections, RoPE, attention, output) on this rank's shard."""
+    from recipes.models.llama import Attention, ModelConfig, rope_cos_sin
+
+    b, s, h, hkv, d = shape
+    torch.manual_seed(0)
+    layer = Attention(ModelConfig(dim=h * d, n_heads=h, n_kv_heads=hkv, n_layers=1))
+    layer.attn_fn = fn
+    sl = s // P
+    x = torch.randn(b, sl, h * d, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(rank * sl, (rank + 1) * sl).expand(b, sl), d, 10000.0)
+    layer(x, cos, sin).backward(torch.randn(b, sl, h * d))
+
+
+def _worker(rank: int, P: int, port: int, mode: str, impls: list[str], shape: tuple, iters: int,
+            queue) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    group = None
+    if P > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=P, timeout=timedelta(seconds=600))
+        group = dist.new_group(list(range(P)))
+        if "deepspeed" in impls:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    fns = {name: _make_impl(name, group) for name in impls}
+    b, s, h, hkv, d = shape
+    for name in impls:
+        # A tiny step first loads kernels and allocator arenas, which are not this step's memory.
+        _step(fns[name], *_inputs(b, 16 * P, h, hkv, d, P, rank))
+    rss0 = _rss_mib()  # before the inputs: the peak counts inputs, grads and every buffer
+    q, k, v, g = _inputs(b, s, h, hkv, d, P, rank)
+    result = {}
+    if mode == "memory":
+        (name,) = impls
+        _step(fns[name], q, k, v, g)
+        result["peak_mib"] = _peak_rss_mib() - rss0
+    elif mode == "layer_memory":
+        (name,) = impls
+        del q, k, v, g
+        _layer_step(fns[name], (b, 16 * P, h, hkv, d), P, rank)  # warm-up at a tiny length
+        rss0 = _rss_mib()
+        _layer_step(fns[name], shape, P, rank)
+        result["peak_mib"] = _peak_rss_mib() - rss0
+    else:
+        for name in impls:  # warm-up
+            _step(fns[name], q, k, v, g)
+        times = {name: [] for name in impls}
+        for _ in range(iters):
+            for name in impls:  # interleaved, so background load hits both alike
+                if group is not None:
+                    dist.barrier(group)
+                t0 = time.perf_counter()
+                _step(fns[name], q, k, v, g)
+                times[name].append(time.perf_counter() - t0)
+        result["times"] = times
+    queue.put((rank, result))
+    if P > 1:
+        dist.destroy_process_group()
+
+
+def _run(P: int, mode: str, impls: list[str], shape: tuple, iters: int = 0) -> list[dict]:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, P, port, mode, impls, shape, iters, queue))
+             for r in range(P)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=900) for _ in range(P))
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"benchmark rank exited with code {p.exitcode}")
+    return [results[r] for r in range(P)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short sequence, few iterations")
+    parser.add_argument("--seq", type=int, default=None, help="global sequence length")
+    parser.add_argument("--iters", type=int, default=None)
+    args = parser.parse_args()
+    seq = args.seq or (2048 if args.quick else 8192)
+    iters = args.iters or (2 if args.quick else 4)
+    P = 2
+    cases = {"MHA h=8": (1, seq, 8, 8, 64), "GQA h=8 kv=2": (1, seq, 8, 2, 64)}
+    if args.quick:
+        cases.pop("GQA h=8 kv=2")
+    print(f"Ulysses attention forward+backward, sp={P} gloo ranks on CPU, seq={seq}, head_dim=64, "
+          f"{iters} interleaved rounds (median)")
+    header = (f"{'case':<14} {'ours ms':>8} {'DS ms':>8} {'ours/DS':>7} | {'level':<5} {'sp1 MiB':>7} "
+              f"{'ours MiB':>8} {'DS MiB':>7} {'ours/sp1':>8} {'DS/sp1':>6}")
+    print(header)
+    print("-" * len(header))
+    for case, shape in cases.items():
+        timing = _run(P, "time", ["ours", "deepspeed"], shape, iters)
+        med = {n: max(statistics.median(r["times"][n]) for r in timing) * 1e3 for n in ("ours", "deepspeed")}
+        for level, mode in (("op", "memory"), ("layer", "layer_memory")):
+            sp1 = _run(1, mode, ["sp1"], shape)[0]["peak_mib"]
+            mem = {n: max(r["peak_mib"] for r in _run(P, mode, [n], shape)) for n in ("ours", "deepspeed")}
+            times = (f"{med['ours']:>8.1f} {med['deepspeed']:>8.1f} {med['ours'] / med['deepspeed']:>7.2f}"
+                     if level == "op" else " " * 25)
+            print(f"{case if level == 'op' else '':<14} {times} | {level:<5} {sp1:>7.1f} {mem['ours']:>8.1f} "
+                  f"{mem['deepspeed']:>7.1f} {mem['ours'] / sp1:>8.2f} {mem['deepspeed'] / sp1:>6.2f}", flush=True)
+    print("ms: slowest rank's median forward+backward of the attention op. MiB: peak RSS growth of one rank "
+          "(largest over ranks) from before the inputs were made; op = q, k, v in, attention, grads out; "
+          "layer = a Llama attention layer (q/k/v/o projections + RoPE + attention) on the rank's shard. "
+          "sp1 = the same global batch in one process.")
+
+
+if __name__ == "__main__":
+    main()
