@@ -71,7 +71,7 @@ class _WeightedScatterAdd(torch.autograd.Function):
     """out[token_index[m]] += gate[m] * y[m], without keeping a weighted [M, dim] copy alive.
 
     Backward gathers the output gradient once and reuses it for both inputs; the gate gradient is a
-    row-wise dot product (batched GEMV), so no [M, dim] product is materialised for it.
+    row-wise dot product, so no [M, dim] product is materialised for it.
     """
 
     @staticmethod
@@ -86,7 +86,7 @@ class _WeightedScatterAdd(torch.autograd.Function):
         grad_rows = grad.index_select(0, token_index)  # [M, dim]
         grad_gate = None
         if ctx.needs_input_grad[1]:
-            grad_gate = torch.bmm(grad_rows.unsqueeze(1), y.unsqueeze(2)).view(-1)  # [M,1,d]@[M,d,1]
+            grad_gate = torch.linalg.vecdot(grad_rows, y)  # row-wise dot, no [M, dim] product kept
         grad_y = grad_rows.mul_(gate.unsqueeze(1)) if ctx.needs_input_grad[0] else None
         return grad_y, grad_gate, None, None
 

@@ -135,7 +135,9 @@ class _FusedExpertMLP(torch.autograd.Function):
         counts = ctx.counts
         grad_out = grad_out.contiguous()
         grad_x = torch.zeros_like(x)
-        grad_w_in, grad_w_out = torch.zeros_like(w_in), torch.zeros_like(w_out)
+        # Uninitialised: every expert's slice is written by _wgrad, chunk by chunk, so on CPU the pages
+        # become resident only as the activations of finished chunks are released.
+        grad_w_in, grad_w_out = torch.empty_like(w_in), torch.empty_like(w_out)
         grad_gate = torch.empty_like(gate)
         for i in reversed(range(len(ctx.chunks))):
             e0, e1, r0, r1 = ctx.chunks[i]
@@ -145,7 +147,7 @@ class _FusedExpertMLP(torch.autograd.Function):
             g = gate[r0:r1].unsqueeze(1)
             grad_rows = grad_out.index_select(0, tok)  # [m, dim] dL/d(expert output), unweighted
             grad_a = _gmm(grad_rows, w_out[e0:e1].transpose(-2, -1), counts[e0:e1])  # [m, ffn], unweighted
-            grad_gate[r0:r1] = torch.bmm(grad_a.unsqueeze(1), a.unsqueeze(2)).view(-1)  # <dL/dy, y> rows
+            grad_gate[r0:r1] = torch.linalg.vecdot(grad_a, a)  # row-wise <dL/dy, y>
             _wgrad(a, grad_rows.mul_(g), counts[e0:e1], grad_w_out[e0:e1])
             del a, grad_rows
             grad_h = _activate_backward(grad_a.mul_(g), h, ctx.activation)
@@ -163,6 +165,8 @@ def _wgrad(x: torch.Tensor, grad: torch.Tensor, counts: list[int], out: torch.Te
     for e, c in enumerate(counts):
         if c:
             torch.mm(x[start:start + c].t(), grad[start:start + c], out=out[e])
+        else:
+            out[e].zero_()
         start += c
 
 
