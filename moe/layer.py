@@ -52,6 +52,11 @@ class MoELayer(nn.Module):
     each optimizer step); seq_aux (aux loss per sequence, needs x [b, s, dim]); stats_group (group
     whose ranks hold other shards of the same sequences, e.g. sequence parallel: the aux/z statistics
     are summed over it); init_std.
+
+    `last_stats` (detached tensors, no host sync): tokens_per_expert [E] (this rank's token-slots per
+    expert before drops; not reduced over any group), tokens_per_local_expert (slots this rank's
+    experts computed, i.e. from the whole ep group), load_max / load_min (fractions of this rank's
+    slots), dropped (fraction of slots dropped), aux_loss, z_loss (unscaled values).
     """
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int = 2,
@@ -136,7 +141,8 @@ class MoELayer(nn.Module):
         if self.training and self.bias_update_rate > 0:
             self.load_since_update += plan.routed_per_expert.to(self.load_since_update.dtype)
         loss = self.aux_loss_coef * aux + self.z_loss_coef * z
-        if torch.is_grad_enabled() and loss.requires_grad and (self.aux_loss_coef or self.z_loss_coef):
+        if (self.training and torch.is_grad_enabled() and loss.requires_grad
+                and (self.aux_loss_coef or self.z_loss_coef)):
             y = _AttachAuxLoss.apply(y, loss, self.aux_loss_scale)
         routed = plan.routed_per_expert.detach()
         slots = max(plan.num_slots, 1)
