@@ -102,9 +102,14 @@ def test_aux_and_z_losses_values_and_exact_gradient_contribution():
     assert diff_w.abs().max() > 1e-4
     torch.testing.assert_close(diff_w, wr.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(diff_x, xr.grad.view_as(diff_x), rtol=1e-4, atol=1e-6)
-    # Losses are not attached in eval mode or without grad, and the output value is untouched.
+    # The attached losses leave the output value untouched ...
     with torch.no_grad():
         torch.testing.assert_close(layer(x), _layer(aux_loss_coef=0.0, z_loss_coef=0.0)(x))
+    # ... and are not attached in eval mode.
+    layer.eval()
+    layer.zero_grad()
+    layer(x).backward(g)
+    torch.testing.assert_close(layer.router.weight.grad, grads[(0.0, 0.0)][1])
 
 
 def test_per_sequence_aux_loss_in_layer():
