@@ -78,9 +78,12 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> Transformer:
     return model
 
 
-def lm_loss(model: Transformer, tokens: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
+def lm_loss(engine, tokens: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
             dims: zero.ParallelDims) -> torch.Tensor:
-    """Mean next-token cross-entropy of this data shard (over the whole sequence when sp > 1)."""
+    """Mean next-token cross-entropy of this data shard (over the whole sequence when sp > 1).
+
+    The model runs through the engine (`engine(...)`), which gathers sharded parameters when needed.
+    """
     position_ids = None
     if dims.sp > 1:
         from sequence_parallel import shard_sequence
@@ -89,11 +92,11 @@ def lm_loss(model: Transformer, tokens: torch.Tensor, labels: torch.Tensor, cfg:
     if cfg.train.tiled_loss:
         from sequence_parallel import tiled_cross_entropy
 
-        hidden = model.forward_hidden(tokens, position_ids)
-        loss_sum, count = tiled_cross_entropy(hidden.flatten(0, 1), model.output_weight, labels.flatten(),
-                                              ignore_index=IGNORE_INDEX)
+        hidden = engine(tokens, position_ids, return_hidden=True)
+        loss_sum, count = tiled_cross_entropy(hidden.flatten(0, 1), engine.module.output_weight,
+                                              labels.flatten(), ignore_index=IGNORE_INDEX)
     else:
-        logits = model(tokens, position_ids)
+        logits = engine(tokens, position_ids)
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                    reduction="sum")
         count = (labels != IGNORE_INDEX).sum()
@@ -113,6 +116,24 @@ def mean_over_dp(value: float, dims: zero.ParallelDims) -> float:
     return t.item() / dims.dp
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (and the CUDA allocator's peak on GPUs)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    if torch.cuda.is_available():
+        peak = max(peak, torch.cuda.max_memory_allocated() / 2**20)
+    return peak
+
+
+def max_over_ranks(value: float, dims: zero.ParallelDims) -> float:
+    if dims.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    comm.all_reduce(t, dist.group.WORLD, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 @torch.no_grad()
 def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims) -> float:
     """Mean loss over `train.eval_batches` fixed held-out global batches."""
@@ -121,7 +142,7 @@ def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims) -> fl
     for i in range(cfg.train.eval_batches):
         for micro in range(cfg.train.grad_accum):
             x, y = val_stream.batch(i, micro, dims.dp_rank)
-            total += lm_loss(engine.module, x, y, cfg, dims).item()
+            total += lm_loss(engine, x, y, cfg, dims).item()
     engine.module.train()
     return mean_over_dp(total / (cfg.train.eval_batches * cfg.train.grad_accum), dims)
 
@@ -196,7 +217,7 @@ def sample(engine, cfg: DictConfig, dims: zero.ParallelDims) -> str:
     prompt = torch.tensor([list(cfg.train.sample_prompt.encode())], dtype=torch.long)
     gen = torch.Generator().manual_seed(cfg.train.seed)
     model.eval()
-    out = model.generate(prompt, cfg.train.sample_tokens, generator=gen)
+    out = model.generate(prompt, cfg.train.sample_tokens, generator=gen, forward=engine)
     model.train()
     for m, fn in restore:
         m.attn_fn = fn
@@ -260,7 +281,7 @@ def train(cfg: DictConfig) -> dict:
         loss_total = 0.0
         for micro in range(t.grad_accum):
             x, y = train_stream.batch(step, micro, dims.dp_rank)
-            loss = lm_loss(engine.module, x, y, cfg, dims)
+            loss = lm_loss(engine, x, y, cfg, dims)
             engine.backward(loss)
             loss_total += loss.item()
         engine.step()
@@ -274,7 +295,8 @@ def train(cfg: DictConfig) -> dict:
         dt = time.perf_counter() - t0
         record = {"loss": loss_value, "lr": lr, "grad_norm": float(engine.global_grad_norm),
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                  "comm_bytes": comm.stats.total_bytes, **from_moe}
+                  "comm_bytes": comm.stats.total_bytes, "peak_rss_mb": max_over_ranks(peak_rss_mb(), dims),
+                  **from_moe}
         done = step + 1
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             val_loss = evaluate(engine, val_stream, cfg, dims)

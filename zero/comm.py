@@ -54,6 +54,11 @@ def counting(reset: bool = True) -> Iterator[CommStats]:
     yield stats
 
 
+# Newer torch renames the single-tensor collectives; older releases (>= 2.6) only have the old names.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -77,7 +82,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Pro
         output.copy_(input.reshape(output.shape))
         return None
     stats.record("all_gather", (n - 1) * _nbytes(input))
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None,
@@ -87,7 +92,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Proc
         output.copy_(input.reshape(output.shape))
         return None
     stats.record("reduce_scatter", (n - 1) / n * _nbytes(input))
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None,

@@ -222,18 +222,26 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         return self.norm(h)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [b, s] -> logits [b, s, vocab]."""
-        return F.linear(self.forward_hidden(tokens, position_ids), self.output_weight)
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab] (or the final-normed hidden [b, s, dim] with
+        return_hidden, for losses that apply the output projection themselves, e.g. tiled)."""
+        hidden = self.forward_hidden(tokens, position_ids)
+        return hidden if return_hidden else F.linear(hidden, self.output_weight)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 40, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample continuation tokens for prompt [b, s] (no KV cache: for short samples at the end of a run)."""
+                 top_k: int | None = 40, generator: torch.Generator | None = None,
+                 forward=None) -> torch.Tensor:
+        """Sample continuation tokens for prompt [b, s] (no KV cache: for short samples at the end of a run).
+
+        `forward` replaces `self` as the logits function, e.g. a runtime engine wrapping this model.
+        """
+        forward = forward or self
         tokens = prompt
         for _ in range(max_new_tokens):
             context = tokens[:, -self.cfg.max_seq_len:]
-            logits = self(context)[:, -1, :].float() / max(temperature, 1e-5)
+            logits = forward(context)[:, -1, :].float() / max(temperature, 1e-5)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -7,6 +7,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,8 +176,14 @@ def test_metrics_reach_offline_wandb_run(tmp_path):
     train(cfg)
     files = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1
+    # The wandb service may still be flushing the file after finish(): wait for its exit record.
+    deadline = time.monotonic() + 60
+    records = _read_wandb_records(files[0])
+    while "exit" not in [r.WhichOneof("record_type") for r in records] and time.monotonic() < deadline:
+        time.sleep(0.5)
+        records = _read_wandb_records(files[0])
     history = []
-    for rec in _read_wandb_records(files[0]):
+    for rec in records:
         if rec.WhichOneof("record_type") == "history":
             history.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
     expected = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
