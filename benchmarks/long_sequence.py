@@ -1,0 +1,301 @@
+"""Longest trainable sequence under a memory cap: ALST off vs on, Ulysses sp=1/2/4, ours vs DeepSpeed ALST.
+
+Each probe is one training step (forward + backward + AdamW step) of a small Llama (dim 256, 2 layers,
+32k vocabulary, so logits matter) in a fresh process; a watchdog ends the probe as soon as its RSS
+passes the cap, so "fits" means peak RSS <= cap. The longest length is found by doubling, then
+refining between the last fit and the first failure.
+
+    python benchmarks/long_sequence.py                # cap 1.5 GiB, ALST search up to 16k tokens
+    python benchmarks/long_sequence.py --cap-gib 8 --max-seq 1048576   # the 8 GiB cap (hours on 2 cores)
+    python benchmarks/long_sequence.py --quick        # cap 1.2 GiB, up to 8k tokens
+
+Caps include the process itself (Python, torch, the model and AdamW state: about 0.55 GiB). On CPU the
+ALST-on length is bounded by compute time (attention is quadratic) long before memory, so the default
+cap is chosen small enough for the whole run to take ~15 minutes; --max-seq bounds the doubling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+OVER_CAP = 3  # exit code of a probe whose RSS passed the cap
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _watchdog(cap_bytes: int) -> None:
+    def watch() -> None:
+        while True:
+            if _rss_bytes() > cap_bytes:
+                os._exit(OVER_CAP)
+            time.sleep(0.002)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+# ------------------------------------------------------------------------------------ one probe
+def _use_deepspeed_tiled_mlp(model, tile_size: int) -> None:
+    import math
+
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP as DSTiledMLP
+
+    for name, module in model.named_modules():
+        if name.endswith("feed_forward"):
+            original = module.forward
+            params = list(module.parameters())
+
+            def forward(x, _module=module, _original=original, _params=params):
+                shards = max(1, math.ceil(x.shape[-2] / tile_size))
+                return DSTiledMLP.apply(lambda self, t: _original(t), _module, x, shards, _params)
+
+            module.forward = forward
+
+
+def _deepspeed_tiled_loss(hidden, weight, labels, tile_size: int):
+    import math
+
+    import torch.nn.functional as F
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+    class Head:  # TiledFusedLogitsLoss calls fn(self, x, y) with the object it is given
+        pass
+
+    head = Head()
+    head.weight = weight
+
+    def loss_fn(self, x, y):
+        logits = F.linear(x, self.weight).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+
+    shards = max(1, math.ceil(hidden.shape[1] / tile_size))
+    loss_sum = TiledFusedLogitsLoss.apply(loss_fn, head, hidden, labels, None, shards, [weight], "sum")
+    return loss_sum, (labels != -100).sum()
+
+
+def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int) -> dict:
+    """One training step on this rank; returns peak RSS and step time."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from recipes.models.llama import ModelConfig, Transformer
+    from sequence_parallel import (
+        apply_activation_checkpointing,
+        apply_tiled_mlp,
+        apply_ulysses,
+        cross_entropy_sum,
+        shard_sequence,
+        sp_loss,
+        tiled_cross_entropy,
+    )
+    from zero import comm
+
+    torch.set_num_threads(1)
+    group = dist.new_group(list(range(sp))) if sp > 1 else None
+    _watchdog(cap_bytes)
+    cfg = ModelConfig(vocab_size=32768, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, max_seq_len=seq)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    if sp > 1:
+        apply_ulysses(model, group)
+    mlp_tile, loss_tile = cfg.dim, (16 * 2**20) // cfg.vocab_size
+    if mode == "alst":
+        apply_tiled_mlp(model, tile_size=mlp_tile)
+    if mode == "alst-deepspeed":
+        _use_deepspeed_tiled_mlp(model, mlp_tile)
+    if mode in ("alst", "alst-deepspeed"):
+        apply_activation_checkpointing(model, offload=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=gen)
+    tok, lab, pos = shard_sequence(tokens[:, :-1], tokens[:, 1:], group)
+    t0 = time.perf_counter()
+    hidden = model.forward_hidden(tok, pos)
+    if mode == "alst":
+        loss_sum, count = tiled_cross_entropy(hidden, model.output_weight, lab, tile_size=loss_tile)
+    elif mode == "alst-deepspeed":
+        loss_sum, count = _deepspeed_tiled_loss(hidden, model.output_weight, lab, loss_tile)
+    else:
+        loss_sum, count = cross_entropy_sum(F.linear(hidden, model.output_weight), lab)
+    loss = sp_loss(loss_sum, count, group)
+    del hidden
+    loss.backward()
+    for p in model.parameters():  # what the runtime does with SP-partial gradients
+        comm.all_reduce(p.grad, group)
+    opt.step()
+    seconds = time.perf_counter() - t0
+    return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "seconds": seconds,
+            "loss": float(loss)}
+
+
+def _probe_worker(rank: int, sp: int, port: int, seq: int, mode: str, cap_bytes: int, queue) -> None:
+    import torch.distributed as dist
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=sp, timeout=timedelta(seconds=1800))
+    queue.put((rank, probe_rank(seq, mode, cap_bytes, sp)))
+    dist.destroy_process_group()
+
+
+def probe_main(seq: int, mode: str, cap_bytes: int, sp: int) -> None:
+    """Entry of the probe subprocess: prints one JSON line, or exits with OVER_CAP."""
+    if sp == 1:
+        print(json.dumps(probe_rank(seq, mode, cap_bytes, 1)))
+        return
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_probe_worker, args=(r, sp, port, seq, mode, cap_bytes, queue)) for r in range(sp)]
+    for p in procs:
+        p.start()
+    results = []
+    while len(results) < sp:
+        try:
+            results.append(queue.get(timeout=1.0)[1])
+        except Exception:  # noqa: BLE001 - queue.Empty: check whether a rank hit the cap
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                sys.exit(OVER_CAP)
+    for p in procs:
+        p.join()
+    print(json.dumps({"peak_bytes": max(r["peak_bytes"] for r in results),
+                      "seconds": max(r["seconds"] for r in results), "loss": results[0]["loss"]}))
+
+
+# ------------------------------------------------------------------------------------ search
+def run_probe(seq: int, mode: str, cap_bytes: int, sp: int, timeout: float) -> dict | None:
+    cmd = [sys.executable, os.path.abspath(__file__), "--probe", str(seq), "--mode", mode, "--sp", str(sp),
+           "--cap-bytes", str(cap_bytes)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(256 * 1024), PYTHONWARNINGS="ignore")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"timeout": True}
+    if proc.returncode == OVER_CAP:
+        return None
+    if proc.returncode != 0:
+        raise RuntimeError(f"probe seq={seq} mode={mode} sp={sp} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def longest(mode: str, cap_bytes: int, sp: int, start: int, max_seq: int, timeout: float,
+            log: list) -> tuple[int, dict | None, str]:
+    """Doubling from `start`, then one bisection step between the last fit and the first failure."""
+    step = 256 * sp  # lengths stay multiples of sp
+    best, best_info, fail, note = 0, None, None, ""
+    seq = start
+    while seq <= max_seq:
+        info = run_probe(seq, mode, cap_bytes, sp, timeout)
+        log.append((mode, sp, seq, info))
+        print(f"  probe mode={mode:<15} sp={sp} seq={seq:>7}: "
+              f"{'over cap' if info is None else ('timeout' if 'timeout' in info else _fmt(info))}", flush=True)
+        if info is None or "timeout" in info:
+            fail = seq
+            if info is not None:
+                note = "time limit"
+            break
+        best, best_info = seq, info
+        seq *= 2
+    else:
+        return best, best_info, f"reached --max-seq {max_seq}"
+    if best and fail:
+        for _ in range(2):
+            mid = (best + fail) // 2 // step * step
+            if mid <= best or mid >= fail:
+                break
+            info = run_probe(mid, mode, cap_bytes, sp, timeout)
+            log.append((mode, sp, mid, info))
+            print(f"  probe mode={mode:<15} sp={sp} seq={mid:>7}: "
+                  f"{'over cap' if info is None else ('timeout' if 'timeout' in info else _fmt(info))}", flush=True)
+            if info is None or "timeout" in info:
+                fail = mid
+            else:
+                best, best_info = mid, info
+    return best, best_info, note
+
+
+def _fmt(info: dict) -> str:
+    return f"peak {info['peak_bytes'] / 2**30:.2f} GiB, step {info['seconds']:.1f}s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cap-gib", type=float, default=None, help="RSS cap for the sp=1 ALST comparison")
+    parser.add_argument("--sp-cap-gib", type=float, default=None, help="per-rank RSS cap for the sp scan")
+    parser.add_argument("--max-seq", type=int, default=None, help="stop doubling here (CPU time bound)")
+    parser.add_argument("--probe-timeout", type=float, default=240.0)
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: alst,sp,deepspeed")
+    parser.add_argument("--probe", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="baseline", help=argparse.SUPPRESS)
+    parser.add_argument("--sp", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--cap-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.probe is not None:
+        probe_main(args.probe, args.mode, args.cap_bytes, args.sp)
+        return
+    cap = int((args.cap_gib or (1.2 if args.quick else 1.5)) * 2**30)
+    sp_cap = int((args.sp_cap_gib or (0.9 if args.quick else 1.2)) * 2**30)
+    max_seq = args.max_seq or (8192 if args.quick else 16384)
+    skip = set(filter(None, args.skip.split(",")))
+    log: list = []
+    rows = []
+    t_start = time.time()
+    if "alst" not in skip:
+        print(f"ALST off vs on, sp=1, RSS cap {cap / 2**30:.1f} GiB")
+        for mode in ("baseline", "alst"):
+            best, info, note = longest(mode, cap, 1, 1024, max_seq, args.probe_timeout, log)
+            rows.append(("sp=1", mode, cap, best, info, note))
+        if "deepspeed" not in skip and best:
+            # DeepSpeed's TiledMLP + TiledFusedLogitsLoss (with our checkpointing) at our longest length.
+            info = run_probe(best, "alst-deepspeed", cap, 1, args.probe_timeout)
+            print(f"  probe mode=alst-deepspeed  sp=1 seq={best:>7}: "
+                  f"{'over cap' if info is None else ('timeout' if 'timeout' in info else _fmt(info))}", flush=True)
+            ok = info is not None and "timeout" not in info
+            rows.append(("sp=1", "alst-deepspeed", cap, best if ok else 0, info if ok else None,
+                         "single probe at the ALST length"))
+    if "sp" not in skip:
+        print(f"Ulysses sp scan (ALST off), per-rank RSS cap {sp_cap / 2**30:.1f} GiB")
+        for sp in ((1, 2) if args.quick else (1, 2, 4)):
+            best, info, note = longest("baseline", sp_cap, sp, 1024 * sp, max_seq, args.probe_timeout, log)
+            rows.append((f"sp={sp}", "baseline", sp_cap, best, info, note))
+    print()
+    print(f"{'layout':<6} {'mode':<15} {'cap GiB':>7} {'longest seq':>11} {'peak GiB':>8} {'step s':>7}  note")
+    for layout, mode, c, best, info, note in rows:
+        peak = f"{info['peak_bytes'] / 2**30:.2f}" if info else "-"
+        secs = f"{info['seconds']:.1f}" if info else "-"
+        print(f"{layout:<6} {mode:<15} {c / 2**30:>7.1f} {best:>11} {peak:>8} {secs:>7}  {note}")
+    base = {r[0] + r[1]: r[3] for r in rows}
+    if "sp=1baseline" in base and "sp=1alst" in base and base["sp=1baseline"]:
+        print(f"ALST on / off: {base['sp=1alst'] / base['sp=1baseline']:.1f}x longer"
+              + (" (ALST-on bound by --max-seq or the time limit, so at least this)" if any(
+                  r[1] == "alst" and r[5] for r in rows) else ""))
+    sps = [r for r in rows if r[1] == "baseline" and r[2] == sp_cap]
+    if sps and sps[0][3]:
+        print("sp scan (longest / sp=1 longest): " + ", ".join(f"{r[0]}: {r[3] / sps[0][3]:.2f}x" for r in sps))
+    print(f"total {time.time() - t_start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
