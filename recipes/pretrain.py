@@ -338,7 +338,7 @@ def train(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
-    except (ConfigError, DataError, zero.LayoutError, NotImplementedError) as e:
+    except (ConfigError, zero.ConfigError, DataError, zero.LayoutError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
