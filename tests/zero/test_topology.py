@@ -30,9 +30,27 @@ def test_layout_validation_world_1():
         ParallelDims(dp=0)
 
 
-def test_groups_dp2_sp2_ep4():
-    res = run_multirank(_groups, 4, 2, 1, 1, 2, 4)
-    for r, g in enumerate(res):
+_LAYOUTS = {  # (dp, tp, pp, sp, ep)
+    "dp2_sp2_ep4": (2, 1, 1, 2, 4),
+    "dp4_ep2": (4, 1, 1, 1, 2),
+    "pp2_tp2": (1, 2, 2, 1, 1),
+    "dp2_sp2_ep2": (2, 1, 1, 2, 2),
+}
+
+
+def _all_layouts():
+    return {name: _groups(*layout) for name, layout in _LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def four_rank_groups():
+    """Group membership of every layout above, seen from each of 4 ranks (one spawn for all)."""
+    return run_multirank(_all_layouts, 4)
+
+
+def test_groups_dp2_sp2_ep4(four_rank_groups):
+    for r, res in enumerate(four_rank_groups):
+        g = res["dp2_sp2_ep4"]
         assert g["sp"] == ([0, 1] if r < 2 else [2, 3])
         assert g["dp"] == ([0, 2] if r % 2 == 0 else [1, 3])
         assert g["dp_sp"] == [0, 1, 2, 3]
@@ -41,26 +59,26 @@ def test_groups_dp2_sp2_ep4():
         assert g["coord"]["ep"] == r
 
 
-def test_groups_dp4_ep2():
-    res = run_multirank(_groups, 4, 4, 1, 1, 1, 2)
-    for r, g in enumerate(res):
+def test_groups_dp4_ep2(four_rank_groups):
+    for r, res in enumerate(four_rank_groups):
+        g = res["dp4_ep2"]
         assert g["dp"] == [0, 1, 2, 3]
         assert g["ep"] == ([0, 1] if r < 2 else [2, 3])
         assert g["edp"] == ([0, 2] if r % 2 == 0 else [1, 3])
         assert g["coord"] == {"pp": 0, "dp": r, "sp": 0, "tp": 0, "ep": r % 2, "edp": r // 2}
 
 
-def test_groups_pp2_tp2():
-    res = run_multirank(_groups, 4, 1, 2, 2, 1, 1)
-    for r, g in enumerate(res):
+def test_groups_pp2_tp2(four_rank_groups):
+    for r, res in enumerate(four_rank_groups):
+        g = res["pp2_tp2"]
         assert g["tp"] == ([0, 1] if r < 2 else [2, 3])
         assert g["pp"] == ([0, 2] if r % 2 == 0 else [1, 3])
         assert g["dp"] is None and g["dp_sp"] is None
 
 
-def test_groups_dp2_sp2_ep2():
-    res = run_multirank(_groups, 4, 2, 1, 1, 2, 2)
-    for r, g in enumerate(res):
+def test_groups_dp2_sp2_ep2(four_rank_groups):
+    for r, res in enumerate(four_rank_groups):
+        g = res["dp2_sp2_ep2"]
         assert g["ep"] == ([0, 1] if r < 2 else [2, 3])
         assert g["edp"] == ([0, 2] if r % 2 == 0 else [1, 3])
 
