@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections import defaultdict
 
 WORLD = 2
@@ -39,33 +40,39 @@ def _install_counters(counts: dict) -> None:
     Patching the module attributes catches every framework alike (ours, DeepSpeed, FSDP2 all call
     torch.distributed.<collective> at run time).
     """
+    import inspect
+
     import torch.distributed as dist
 
-    def size(group) -> int:
+    def n(group) -> int:
         return dist.get_world_size(group)
 
     def nbytes(t) -> int:
         return t.numel() * t.element_size()
 
+    # name -> bytes sent, from the bound arguments of the call
     rules = {
-        "all_reduce": lambda a, k: 2 * (size(k.get("group")) - 1) / size(k.get("group")) * nbytes(a[0]),
-        "all_gather_into_tensor": lambda a, k: (size(k.get("group")) - 1) * nbytes(a[1]),
-        "_all_gather_base": lambda a, k: (size(k.get("group")) - 1) * nbytes(a[1]),
-        "all_gather": lambda a, k: (size(k.get("group")) - 1) * nbytes(a[1]),
-        "reduce_scatter_tensor": lambda a, k: (size(k.get("group")) - 1) / size(k.get("group")) * nbytes(a[1]),
-        "_reduce_scatter_base": lambda a, k: (size(k.get("group")) - 1) / size(k.get("group")) * nbytes(a[1]),
-        "reduce_scatter": lambda a, k: (size(k.get("group")) - 1) * sum(nbytes(t) for t in a[1]) / size(
-            k.get("group")),
-        "broadcast": lambda a, k: nbytes(a[0]),
+        "all_reduce": lambda a: 2 * (n(a["group"]) - 1) / n(a["group"]) * nbytes(a["tensor"]),
+        "all_gather_into_tensor": lambda a: (n(a["group"]) - 1) * nbytes(a["input_tensor"]),
+        "all_gather_single": lambda a: (n(a["group"]) - 1) * nbytes(a["input_tensor"]),
+        "reduce_scatter_single": lambda a: (n(a["group"]) - 1) / n(a["group"]) * nbytes(a["input"]),
+        "_all_gather_base": lambda a: (n(a["group"]) - 1) * nbytes(a["input_tensor"]),
+        "all_gather": lambda a: (n(a["group"]) - 1) * nbytes(a["tensor"]),
+        "reduce_scatter_tensor": lambda a: (n(a["group"]) - 1) / n(a["group"]) * nbytes(a["input"]),
+        "_reduce_scatter_base": lambda a: (n(a["group"]) - 1) / n(a["group"]) * nbytes(a["input"]),
+        "reduce_scatter": lambda a: (n(a["group"]) - 1) / n(a["group"]) * sum(map(nbytes, a["input_list"])),
+        "reduce": lambda a: (n(a["group"]) - 1) / n(a["group"]) * nbytes(a["tensor"]),
+        "broadcast": lambda a: nbytes(a["tensor"]),
+        "all_to_all_single": lambda a: (n(a["group"]) - 1) / n(a["group"]) * nbytes(a["input"]),
     }
     for name, rule in rules.items():
         original = getattr(dist, name)
+        signature = inspect.signature(original)
 
-        def wrapped(*args, _original=original, _rule=rule, _name=name, **kwargs):
-            try:
-                counts[_name] += _rule(args, kwargs)
-            except Exception:  # an unusual call signature: count nothing rather than fail the run
-                pass
+        def wrapped(*args, _original=original, _rule=rule, _name=name, _sig=signature, **kwargs):
+            bound = _sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            counts[_name] += _rule(bound.arguments)
             return _original(*args, **kwargs)
 
         setattr(dist, name, wrapped)
@@ -86,6 +93,7 @@ def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    warnings.filterwarnings("ignore")
     rank = dist.get_rank()
     counts: dict = defaultdict(float)
     _install_counters(counts)

@@ -63,7 +63,7 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
         _write(state, _shard_file(tmp, rank))
     except Exception as e:  # reported collectively below so no rank is left waiting
         error = e
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=engine.device)
     comm.all_reduce(failed, group)
     if int(failed):
         comm.barrier(group)

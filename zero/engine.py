@@ -124,6 +124,10 @@ class Engine:
                         # Ranks of the dp x sp region holding the same reduced gradient elements:
                         # the global norm counts each element once.
                         b.replicas = 1 if b.world > 1 else (dims.dp_sp if not is_expert else dims.edp)
+                        # Attach at once so each original parameter tensor is released before the next
+                        # bucket is flattened: the build never holds two copies of the whole model.
+                        b.broadcast_from_first_rank()
+                        b.attach()
                         out.append(b)
             return out
 
@@ -140,9 +144,6 @@ class Engine:
         else:
             # Reverse registration order approximates backward order, so buckets fill front to back.
             self.buckets = make(named[::-1], resident=True, max_numel=config.reduce_bucket_size)
-        for b in self.buckets:
-            b.broadcast_from_first_rank()
-            b.attach()
         if config.stage == 3:
             root_ids = {id(p) for _, p in root}
             self.stage3 = Stage3Hooks(
@@ -157,17 +158,22 @@ class Engine:
             on_bucket_complete=self.stage3.on_bucket_reduced if self.stage3 else None,
         )
         self.optimizer = self.zero_optimizer.optimizer
+        self.device = self.zero_optimizer.device
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken
         self.skipped_steps = 0  # fp16 steps skipped for inf/nan gradients
         self._micro_since_step = 0
-        self._comm_mark = comm.stats.total_bytes
-        self._comm_kinds_mark = comm.stats.snapshot()
+        self._comm_mark: dict[str, int] | None = None  # comm.stats at the start of this step's first pass
         self._last_step_comm: dict[str, int] = {}
 
     # ------------------------------------------------------------------ training
+    def _mark_comm(self) -> None:
+        if self._comm_mark is None:
+            self._comm_mark = comm.stats.snapshot()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._mark_comm()
         if self.stage3 is not None:
             self.stage3.gather_root()
         return self.module(*args, **kwargs)
@@ -177,6 +183,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate loss / grad_accum_steps (times the fp16 loss scale) and reduce what is ready."""
+        self._mark_comm()
         scale = self.zero_optimizer.loss_scale / self.config.grad_accum_steps
         (loss * scale).backward()
         self.zero_optimizer.reducer.after_backward()
@@ -205,8 +212,11 @@ class Engine:
         else:
             self.skipped_steps += 1
         now = comm.stats.snapshot()
-        self._last_step_comm = {k: v - self._comm_kinds_mark.get(k, 0) for k, v in now.items()}
-        self._comm_kinds_mark = now
+        mark = self._comm_mark or {}
+        if any(v < mark.get(k, 0) for k, v in now.items()) or set(mark) - set(now):
+            mark = {}  # the counters were reset after our mark (e.g. by the training loop)
+        self._last_step_comm = {k: v - mark.get(k, 0) for k, v in now.items() if v - mark.get(k, 0)}
+        self._comm_mark = None
         return stepped
 
     def zero_grad(self) -> None:

@@ -210,7 +210,7 @@ class HookGradReducer:
             self._advance(key, flush=True)
         for chain in self.chains.values():
             group = chain[0].grad_group
-            flags = torch.tensor([b.late is not None for b in chain], dtype=torch.int32)
+            flags = torch.tensor([b.late is not None for b in chain], dtype=torch.int32, device=chain[0].device)
             comm.all_reduce(flags, group, op=ReduceOp.MAX)
             for b, flag in zip(chain, flags.tolist()):
                 if flag:
@@ -254,6 +254,7 @@ class ZeroOptimizer:
         self.config = config
         self.dp = dp
         self.norm_group = norm_group
+        self.device = buckets[0].device if buckets else torch.device("cpu")
         fp32 = config.torch_dtype == torch.float32
         for b in self.trainable:
             shard = b.shard_tensor()
@@ -280,7 +281,7 @@ class ZeroOptimizer:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def grad_norm_sq(self, grads: list[torch.Tensor]) -> float:
-        local = torch.zeros(1, dtype=torch.float64)
+        local = torch.zeros(1, dtype=torch.float64, device=self.device)
         if grads:
             norms = torch._foreach_norm(grads)
             for b, n in zip(self.trainable, norms):
@@ -328,13 +329,20 @@ class ZeroOptimizer:
     def publish(self) -> None:
         """Copy updated masters into the compute-dtype shards and gather replicated buckets back."""
         fp32 = self.config.torch_dtype == torch.float32
-        handles = []
+        in_flight: list = []
+        elements = 0
         for b in self.trainable:
             shard = b.shard_tensor()
             if not fp32:
                 shard.copy_(b.master)
             if b.resident and b.sharded and b.world > 1:
-                handles.append(comm.all_gather_into_tensor(b.full, shard.clone(), b.group, async_op=True))
-        for h in handles:
+                # allgather_bucket_size bounds the gathered elements in flight (and their temporaries).
+                if in_flight and elements + b.padded > self.config.allgather_bucket_size:
+                    for h in in_flight:
+                        h.wait()
+                    in_flight, elements = [], 0
+                in_flight.append(comm.all_gather_into_tensor(b.full, shard.clone(), b.group, async_op=True))
+                elements += b.padded
+        for h in in_flight:
             if h is not None:
                 h.wait()

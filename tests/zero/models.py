@@ -24,10 +24,14 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Embedding, a ModuleList of blocks, a head (optionally tied to the embedding)."""
+    """Embedding, a ModuleList of blocks, a head (optionally tied to the embedding).
+
+    ckpt: False, True (non-reentrant activation checkpointing per block) or "reentrant";
+    reuse_block applies the first block a second time, so its parameters get two gradient terms.
+    """
 
     def __init__(
-        self, n_layers: int = 3, tie: bool = False, ckpt: bool = False, reuse_block: bool = False
+        self, n_layers: int = 3, tie: bool = False, ckpt: bool | str = False, reuse_block: bool = False
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
@@ -42,7 +46,7 @@ class TinyLM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
+            x = checkpoint(block, x, use_reentrant=self.ckpt == "reentrant") if self.ckpt else block(x)
         if self.reuse_block:  # the first block used twice per step
             x = self.blocks[0](x)
         return self.head(self.norm(x))

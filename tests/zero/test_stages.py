@@ -16,6 +16,8 @@ CASES = {
     "accum_clip": dict(model={}, accum=2, clip=0.05),
     "tied": dict(model={"tie": True}, accum=1, clip=0.05),
     "ckpt_reuse": dict(model={"ckpt": True, "reuse_block": True}, accum=2, clip=None),
+    # the reused block's gradient arrives twice (inner checkpoint backward and outer graph)
+    "reentrant_reuse": dict(model={"ckpt": "reentrant", "reuse_block": True}, accum=1, clip=0.05),
     "tied_accum_clip": dict(model={"tie": True}, accum=2, clip=0.05),
 }
 
@@ -67,7 +69,8 @@ def _check(results: list[dict], world: int) -> None:
 
 
 def test_stage0_two_ranks_first_then_1_2_3() -> None:
-    _check(run_multirank(_run_stages, 2, [0, 1, 2, 3], ["plain", "accum_clip", "tied", "ckpt_reuse"]), 2)
+    cases = ["plain", "accum_clip", "tied", "ckpt_reuse", "reentrant_reuse"]
+    _check(run_multirank(_run_stages, 2, [0, 1, 2, 3], cases), 2)
 
 
 def test_all_stages_four_ranks() -> None:
