@@ -1,7 +1,8 @@
 """Forward+backward of one MoE layer: ours (dropless and capacity 1.25) vs DeepSpeed MoE vs a naive loop.
 
-Every case runs in a fresh subprocess so its peak memory (peak RSS above the RSS at the start) is
-its own; each subprocess also times dense GEMMs of the per-expert shapes to give the compute bound.
+Peak memory: each (impl, size) runs once in a fresh subprocess (peak RSS above the RSS before the
+pass). Time: per size, one subprocess times all impls and dense GEMMs of the per-expert shapes (the
+compute bound) round by round, so every figure sees the same load on a shared machine.
 """
 
 from __future__ import annotations
@@ -115,20 +116,14 @@ def _dense_gemms(tokens: int, num_experts: int):
     return run, num_experts * 2 * (2 * m * DIM * FFN)
 
 
-def run_case(impl: str, tokens: int, num_experts: int, threads: int, reps: int) -> dict:
+def _stepper(impl: str, layer, x, g):
+    """One forward+backward pass of `layer`, gradients allocated inside the pass as in training."""
     import torch
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    dense, dense_flops = _dense_gemms(tokens, num_experts)
-    dense()
-    layer = _build(impl, num_experts)
-    x = torch.randn(1, tokens, DIM, requires_grad=True)
-    g = torch.randn(1, tokens, DIM)
     def step() -> float:
         x.grad = None
         for p in layer.parameters():
-            p.grad = None  # gradients are allocated inside the measured pass, as in training
+            p.grad = None
         t = time.perf_counter()
         out = layer(x)
         if impl == "deepspeed":
@@ -138,81 +133,115 @@ def run_case(impl: str, tokens: int, num_experts: int, threads: int, reps: int) 
             out.backward(g)
         return time.perf_counter() - t
 
-    step()  # warm-up: one-off library initialisation stays out of both time and memory
+    return step
+
+
+def _inputs(tokens: int):
+    import torch
+
+    x = torch.randn(1, tokens, DIM, requires_grad=True)
+    return x, torch.randn(1, tokens, DIM)
+
+
+def measure_memory(impl: str, tokens: int, num_experts: int, threads: int) -> dict:
+    """Peak RSS of one forward+backward above the RSS before it (fresh process per case)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    layer = _build(impl, num_experts)
+    x, g = _inputs(tokens)
+    step = _stepper(impl, layer, x, g)
+    step()  # warm-up: one-off library initialisation stays out of the measurement
     x.grad = None
     for p in layer.parameters():
         p.grad = None
     base = _reset_peak_rss()
-    times, dense_times = [], []
-    for _ in range(reps):
-        times.append(step())
-        # Dense GEMMs timed right after each pass, so both see the same load on a shared machine.
+    step()
+    stats = getattr(layer, "last_stats", {})
+    return {"impl": impl, "peak_mib": _status_mib("VmHWM") - base,
+            "dropped": float(stats["dropped"]) if "dropped" in stats else None}
+
+
+def measure_time(impls: list[str], tokens: int, num_experts: int, threads: int, reps: int) -> dict:
+    """Best-of-`reps` pass time of every impl and of the dense GEMMs, interleaved round by round
+    in one process so that all of them see the same load on a shared machine."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    dense, dense_flops = _dense_gemms(tokens, num_experts)
+    x, g = _inputs(tokens)
+    steps = {impl: _stepper(impl, _build(impl, num_experts), x, g) for impl in impls}
+    best = {impl: float("inf") for impl in [*impls, "dense"]}
+    for _ in range(reps + 1):  # the first round is warm-up
+        for impl, step in steps.items():
+            best[impl] = min(best[impl], step())
         t = time.perf_counter()
         dense()
-        dense_times.append(time.perf_counter() - t)
-    peak = _status_mib("VmHWM") - base
-    rate = dense_flops / min(dense_times)
+        best["dense"] = min(best["dense"], time.perf_counter() - t)
+    rate = dense_flops / best.pop("dense")
     # Matmul FLOPs of the layer's forward (two expert GEMMs per token-slot + the router), x3 for fwd+bwd.
     flops = 3 * (2 * 2 * tokens * TOP_K * DIM * FFN + 2 * tokens * DIM * num_experts)
-    stats = getattr(layer, "last_stats", {})
-    return {"impl": impl, "tokens": tokens, "experts": num_experts, "time": min(times),
-            "peak_mib": peak, "bound": flops / rate, "gemm_gflops": rate / 1e9,
-            "dropped": float(stats["dropped"]) if "dropped" in stats else None}
+    return {"time": best, "bound": flops / rate, "gemm_gflops": rate / 1e9}
+
+
+def _subprocess(args: list[str], env: dict, root: str) -> dict | None:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True,
+                          text=True, env=env, cwd=root)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        print(f"{' '.join(args)} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(lines[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one small size, one repeat (smoke run)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every case")
-    ap.add_argument("--reps", type=int, default=3, help="timed passes per case (the minimum is reported)")
-    ap.add_argument("--case", nargs=3, metavar=("IMPL", "TOKENS", "EXPERTS"), help=argparse.SUPPRESS)
+    ap.add_argument("--reps", type=int, default=3, help="timed rounds per size (the best is reported)")
     ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--mem-case", nargs=3, metavar=("IMPL", "TOKENS", "EXPERTS"), help=argparse.SUPPRESS)
+    ap.add_argument("--time-case", nargs=2, metavar=("TOKENS", "EXPERTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.case:
-        impl, tokens, experts = args.case[0], int(args.case[1]), int(args.case[2])
-        print(json.dumps(run_case(impl, tokens, experts, args.threads, args.reps)))
+    impls = args.impls.split(",")
+    if args.mem_case:
+        impl, tokens, experts = args.mem_case[0], int(args.mem_case[1]), int(args.mem_case[2])
+        print(json.dumps(measure_memory(impl, tokens, experts, args.threads)))
+        return
+    if args.time_case:
+        print(json.dumps(measure_time(impls, int(args.time_case[0]), int(args.time_case[1]), args.threads,
+                                      args.reps)))
         return
 
     sizes = [(1024, 8)] if args.quick else [(4096, 8), (4096, 64), (16384, 8), (16384, 64)]
     reps = 1 if args.quick else args.reps
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(_HERE)
     # A fixed mmap threshold makes glibc hand every freed tensor back to the kernel at once, so RSS
     # tracks live tensor memory instead of the allocator's retained heap.
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=root, MALLOC_MMAP_THRESHOLD_="65536")
-    rows: dict[tuple, dict] = {}
+    common = ["--threads", str(args.threads), "--reps", str(reps), "--impls", args.impls]
+    print(f"MoE layer fwd+bwd, dim {DIM}, ffn {FFN}, GELU experts, top-{TOP_K}, fp32, "
+          f"{args.threads} thread(s), best of {reps} interleaved rounds")
+    print("| tokens | E | impl | time ms | time / bound | time / ours | peak MiB | peak / ours | dropped |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for tokens, experts in sizes:
-        for impl in args.impls.split(","):
-            cmd = [sys.executable, os.path.abspath(__file__), "--case", impl, str(tokens), str(experts),
-                   "--threads", str(args.threads), "--reps", str(reps)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode or not lines:
-                print(f"{impl} T={tokens} E={experts} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
-                continue
-            rows[(tokens, experts, impl)] = r = json.loads(lines[-1])
-            print(f"  {impl:10s} T={tokens:6d} E={experts:3d}  {r['time'] * 1e3:9.1f} ms  "
-                  f"peak {r['peak_mib']:8.1f} MiB", file=sys.stderr, flush=True)
-
-    print(f"\nMoE layer fwd+bwd, dim {DIM}, ffn {FFN}, GELU experts, top-{TOP_K}, fp32, "
-          f"{args.threads} thread(s), best of {reps}")
-    head = ("| tokens | E | impl | time ms | peak MiB | time / bound | time / ours | "
-            "mem ratio (impl / ours_dropless) |")
-    print(head)
-    print("|---|---|---|---|---|---|---|---|")
-    for tokens, experts in sizes:
-        ours = rows.get((tokens, experts, "ours"))
-        bound = None
-        for impl in args.impls.split(","):
-            r = rows.get((tokens, experts, impl))
-            if r is None:
-                continue
-            bound = r["bound"]
-            speed = f"{r['time'] / ours['time']:.2f}x" if ours else "-"
-            mem = f"{r['peak_mib'] / ours['peak_mib']:.2f}" if ours and ours["peak_mib"] > 0 else "-"
-            print(f"| {tokens} | {experts} | {impl} | {r['time'] * 1e3:.1f} | {r['peak_mib']:.1f} | "
-                  f"{r['time'] / bound:.2f} | {speed} | {mem} |")
-        if ours:
-            print(f"| {tokens} | {experts} | compute bound | {ours['bound'] * 1e3:.1f} | | 1.00 | | |")
+        mem = {impl: _subprocess(["--mem-case", impl, str(tokens), str(experts), *common], env, root)
+               for impl in impls}
+        timing = _subprocess(["--time-case", str(tokens), str(experts), *common], env, root)
+        if timing is None:
+            continue
+        t, bound = timing["time"], timing["bound"]
+        for impl in impls:
+            m = mem.get(impl)
+            peak = f"{m['peak_mib']:.1f}" if m else "failed"
+            peak_ratio = (f"{m['peak_mib'] / mem['ours']['peak_mib']:.2f}" if m and mem.get("ours") else "-")
+            dropped = f"{m['dropped']:.3f}" if m and m["dropped"] is not None else "-"
+            print(f"| {tokens} | {experts} | {impl} | {t[impl] * 1e3:.1f} | {t[impl] / bound:.2f} | "
+                  f"{t[impl] / t['ours']:.2f} | {peak} | {peak_ratio} | {dropped} |", flush=True)
+        print(f"| {tokens} | {experts} | compute bound ({timing['gemm_gflops']:.0f} GFLOP/s) | "
+              f"{bound * 1e3:.1f} | 1.00 | | | | |", flush=True)
 
 
 if __name__ == "__main__":
