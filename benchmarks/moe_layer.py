@@ -100,20 +100,25 @@ def _naive_module(num_experts: int):
 
 
 def _dense_gemms(tokens: int, num_experts: int):
-    """A pass of dense GEMMs with the layer's per-expert shapes ([T*k/E, dim] @ [dim, ffn] and back),
-    E times each; returns (callable, its FLOPs)."""
+    """Dense GEMMs with the layer's per-expert shapes, E times: the forward pair ([T*k/E, dim] @
+    [dim, ffn], [T*k/E, ffn] @ [ffn, dim]) and the four backward ones (input and weight gradients),
+    i.e. exactly the expert matmul work of one forward+backward. Returns (callable, its FLOPs)."""
     import torch
 
     m = max(1, tokens * TOP_K // num_experts)
-    a, w1 = torch.randn(m, DIM), torch.randn(DIM, FFN)
-    h, w2 = torch.randn(m, FFN), torch.randn(FFN, DIM)
+    x, w1, h, w2 = torch.randn(m, DIM), torch.randn(DIM, FFN), torch.randn(m, FFN), torch.randn(FFN, DIM)
+    gy, gh = torch.randn(m, DIM), torch.randn(m, FFN)
 
     def run() -> None:
         for _ in range(num_experts):
-            torch.mm(a, w1)
+            torch.mm(x, w1)
             torch.mm(h, w2)
+            torch.mm(gy, w2.t())  # d h
+            torch.mm(h.t(), gy)  # d w2
+            torch.mm(gh, w1.t())  # d x
+            torch.mm(x.t(), gh)  # d w1
 
-    return run, num_experts * 2 * (2 * m * DIM * FFN)
+    return run, num_experts * 6 * (2 * m * DIM * FFN)
 
 
 def _stepper(impl: str, layer, x, g):
