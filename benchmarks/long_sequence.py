@@ -7,7 +7,7 @@ refining between the last fit and the first failure.
 
     python benchmarks/long_sequence.py                # cap 1.5 GiB, ALST search up to 16k tokens
     python benchmarks/long_sequence.py --cap-gib 8 --max-seq 1048576   # the 8 GiB cap (hours on 2 cores)
-    python benchmarks/long_sequence.py --quick        # cap 1.2 GiB, up to 8k tokens
+    python benchmarks/long_sequence.py --quick        # cap 1.2 GiB, up to 4k tokens, sp 1 and 2
 
 Caps include the process itself (Python, torch, the model and AdamW state: about 0.55 GiB). On CPU the
 ALST-on length is bounded by compute time (attention is quadratic) long before memory, so the default
@@ -245,7 +245,7 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=None, help="RSS cap for the sp=1 ALST comparison")
     parser.add_argument("--sp-cap-gib", type=float, default=None, help="per-rank RSS cap for the sp scan")
     parser.add_argument("--max-seq", type=int, default=None, help="stop doubling here (CPU time bound)")
-    parser.add_argument("--probe-timeout", type=float, default=240.0)
+    parser.add_argument("--probe-timeout", type=float, default=600.0)
     parser.add_argument("--skip", default="", help="comma list of sections to skip: alst,sp,deepspeed")
     parser.add_argument("--probe", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="baseline", help=argparse.SUPPRESS)
@@ -257,7 +257,7 @@ def main() -> None:
         return
     cap = int((args.cap_gib or (1.2 if args.quick else 1.5)) * 2**30)
     sp_cap = int((args.sp_cap_gib or (0.9 if args.quick else 1.2)) * 2**30)
-    max_seq = args.max_seq or (8192 if args.quick else 16384)
+    max_seq = args.max_seq or (4096 if args.quick else 16384)
     skip = set(filter(None, args.skip.split(",")))
     log: list = []
     rows = []
