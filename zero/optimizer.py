@@ -131,7 +131,7 @@ class HookGradReducer:
             self.chains.setdefault(b.is_expert, []).append(b)
         self.next = dict.fromkeys(self.chains, 0)
         self.pending: list = []
-        self.max_in_flight = 2
+        self.max_in_flight = 1
         self.handles = []
         for b in buckets:
             b.late = None
@@ -189,15 +189,20 @@ class HookGradReducer:
 
     def _launch(self, b: FlatBucket, flat: torch.Tensor) -> None:
         out, handle = _reduce(b, flat, self.overlap)
-        self.pending.append((b, out, handle))
+        self.pending.append((b, flat, out, handle))
         # Bound the staging memory: a full-size gradient buffer lives only while its reduction is in flight.
         while len(self.pending) > self.max_in_flight:
             self._finish(*self.pending.pop(0))
 
     @staticmethod
-    def _finish(b: FlatBucket, out: torch.Tensor, handle) -> None:
+    def _finish(b: FlatBucket, flat: torch.Tensor, out: torch.Tensor, handle) -> None:
         if handle is not None:
             handle.wait()
+        # Release the full-size staging buffer now, not at the end of backward.
+        if flat is b.grad_full:
+            b.grad_full = None
+        elif flat is b.late:
+            b.late = None
         out = out.float()
         if b.grad_acc is None:
             b.grad_acc = out  # the staging buffer is dropped at reset, so taking it over is safe
