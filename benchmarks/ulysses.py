@@ -154,6 +154,9 @@ def _run(P: int, mode: str, impls: list[str], shape: tuple, iters: int = 0) -> l
 
 
 def main() -> None:
+    # Fixed mmap threshold: large tensors get their own mappings and return to the OS when freed, so
+    # peak RSS tracks live tensor memory instead of glibc heap growth (spawned ranks inherit this).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(256 * 1024))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short sequence, few iterations")
     parser.add_argument("--seq", type=int, default=None, help="global sequence length")
