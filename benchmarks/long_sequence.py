@@ -286,9 +286,10 @@ def main() -> None:
         peak = f"{info['peak_bytes'] / 2**30:.2f}" if info else "-"
         secs = f"{info['seconds']:.1f}" if info else "-"
         print(f"{layout:<6} {mode:<15} {c / 2**30:>7.1f} {best:>11} {peak:>8} {secs:>7}  {note}")
-    base = {r[0] + r[1]: r[3] for r in rows}
-    if "sp=1baseline" in base and "sp=1alst" in base and base["sp=1baseline"]:
-        print(f"ALST on / off: {base['sp=1alst'] / base['sp=1baseline']:.1f}x longer"
+    base = {(r[0], r[1], r[2]): r[3] for r in rows}
+    off, on = base.get(("sp=1", "baseline", cap)), base.get(("sp=1", "alst", cap))
+    if off and on:
+        print(f"ALST on / off: {on / off:.1f}x longer"
               + (" (ALST-on bound by --max-seq or the time limit, so at least this)" if any(
                   r[1] == "alst" and r[5] for r in rows) else ""))
     sps = [r for r in rows if r[1] == "baseline" and r[2] == sp_cap]
