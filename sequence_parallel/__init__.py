@@ -10,11 +10,12 @@ change nothing else):
     loss_sum, count = tiled_cross_entropy(model.forward_hidden(tokens, pos), model.output_weight, labels)
     loss = sp_loss(loss_sum, count, sp_group)            # sum over SP ranks / global label count
 
-Sequence lengths reached (one training step of a dim-256, 2-layer, 32k-vocab model under a per-rank
-RSS cap; measured on CPU, see benchmarks/long_sequence.md for the table and command): the ALST
-pieces (tiled loss + tiled MLP + checkpointing with offload) multiply the longest length by the
-factor recorded there, and Ulysses sp=N multiplies it again by close to N, until attention's own
-per-head working set dominates. Ulysses needs sp <= number of query heads (no ring attention yet).
+Sequence lengths reached (one training step of a dim-256, 2-layer, 32k-vocab Llama on CPU, see
+benchmarks/long_sequence.md): under a 1.5 GiB RSS cap, 2560 tokens without ALST and >= 16384 with
+it (>= 6.4x, bounded by CPU time, not memory: ~7 KB per token with ALST vs ~420 KB without), which
+extrapolates to ~1.1M tokens per process under 8 GiB; Ulysses sp=N multiplies the per-process length
+by about N. Ulysses needs sp <= the number of query heads (ring attention for sp > heads is not
+implemented and raises a ValueError naming the fix).
 """
 
 from sequence_parallel.checkpointing import apply_activation_checkpointing, checkpoint_module
