@@ -54,15 +54,13 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> Transformer:
     moe_cfg = MoEConfig(**model_cfg.pop("moe", {}))
     model = Transformer(ModelConfig(**model_cfg, moe=moe_cfg))
     if cfg.model.moe.num_experts:
-        from moe import apply_expert_parallel, set_aux_loss_scale
-        from moe.layer import moe_layers
+        from moe import apply_expert_parallel, set_aux_loss_scale, set_stats_group
 
         apply_expert_parallel(model, dims.ep_group)
         # The balancing losses backpropagate beside the main loss, so they take its 1/accum scale; under
         # sp their token statistics are summed over the sequence so a split sequence routes as a whole.
         set_aux_loss_scale(model, 1.0 / cfg.train.grad_accum)
-        for layer in moe_layers(model):
-            layer.stats_group = dims.sp_group
+        set_stats_group(model, dims.sp_group)
     if dims.sp > 1:
         from sequence_parallel import apply_ulysses
 
