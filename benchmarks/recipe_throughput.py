@@ -121,7 +121,7 @@ def main() -> None:
     for mode, runs in results.items():
         times = [t for r in runs for t in r["times"][args.warmup:]]
         rows[mode] = {"median_s": statistics.median(times), "peak_mb": max(r["peak_rss_mb"] for r in runs)}
-    loss_gap = max(abs(a - b) for a, b in zip(results["plain"][0]["losses"], results["recipe"][0]["losses"]))
+    gaps = [abs(a - b) for a, b in zip(results["plain"][0]["losses"], results["recipe"][0]["losses"])]
     print(f"model={cfg.model.dim}d x {cfg.model.n_layers}L experts={cfg.model.moe.num_experts} "
           f"tokens/step={tokens} steps={args.steps} rounds={args.rounds} torch threads={os.cpu_count()}")
     print(f"{'':8s} {'step (s)':>10s} {'tokens/s':>10s} {'peak RSS MB':>12s}")
@@ -129,7 +129,10 @@ def main() -> None:
         print(f"{mode:8s} {r['median_s']:10.4f} {tokens / r['median_s']:10.0f} {r['peak_mb']:12.0f}")
     ratio = rows["plain"]["median_s"] / rows["recipe"]["median_s"]
     print(f"recipe tokens/s / plain tokens/s = {ratio:.3f}   (target >= 0.95)")
-    print(f"max |loss difference| over the run = {loss_gap:.2e}")
+    # Both compute the same fp32 math in a different order (fused vs per-tensor clipping, loss reduction), so
+    # losses agree to rounding at first; with MoE routing a rounding-level change can flip a token's top-k
+    # choice, after which the trajectories drift apart chaotically. The early-step gap is the correctness check.
+    print(f"max |loss difference| steps 1-5 = {max(gaps[:5]):.2e}, over all {len(gaps)} steps = {max(gaps):.2e}")
 
 
 if __name__ == "__main__":
