@@ -166,7 +166,8 @@ class ParallelDims:
         return self.coordinate()["ep"]
 
     def __str__(self) -> str:
-        return f"ParallelDims(dp={self.dp}, tp={self.tp}, pp={self.pp}, sp={self.sp}, ep={self.ep}, world={self.world_size})"
+        return (f"ParallelDims(dp={self.dp}, tp={self.tp}, pp={self.pp}, sp={self.sp}, ep={self.ep}, "
+                f"world={self.world_size})")
 
 
 def group_size(group: ProcessGroup | None) -> int:
