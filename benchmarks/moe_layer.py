@@ -225,7 +225,12 @@ def main() -> None:
     root = os.path.dirname(_HERE)
     # A fixed mmap threshold makes glibc hand every freed tensor back to the kernel at once, so RSS
     # tracks live tensor memory instead of the allocator's retained heap.
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=root, MALLOC_MMAP_THRESHOLD_="65536")
+    # Timing runs keep glibc's default (adaptive) threshold, the allocator a training job runs with:
+    # with the fixed threshold every tensor over 64 KiB is a fresh mmap whose pages fault in and are
+    # zeroed on first touch, a cost that scales with the number of temporaries, not with the work.
+    time_env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=root)
+    time_env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    env = dict(time_env, MALLOC_MMAP_THRESHOLD_="65536")
     common = ["--threads", str(args.threads), "--reps", str(reps), "--impls", args.impls]
     print(f"MoE layer fwd+bwd, dim {DIM}, ffn {FFN}, GELU experts, top-{TOP_K}, fp32, "
           f"{args.threads} thread(s), best of {reps} interleaved rounds")
@@ -234,7 +239,7 @@ def main() -> None:
     for tokens, experts in sizes:
         mem = {impl: _subprocess(["--mem-case", impl, str(tokens), str(experts), *common], env, root)
                for impl in impls}
-        timing = _subprocess(["--time-case", str(tokens), str(experts), *common], env, root)
+        timing = _subprocess(["--time-case", str(tokens), str(experts), *common], time_env, root)
         if timing is None:
             continue
         t, bound = timing["time"], timing["bound"]
