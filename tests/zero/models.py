@@ -52,6 +52,18 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
+def assert_rank_mean_close(results: list[dict], key, ref: list[float], world: int) -> None:
+    """The per-step loss averaged over ranks (each rank logs its shard's mean) equals `ref` to 1e-5."""
+    got = [sum(r[key][i] for r in results) / world for i in range(len(ref))]
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float64),
+        torch.tensor(ref, dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+        msg=lambda m: f"{key}: {m}",
+    )
+
+
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))

@@ -6,7 +6,6 @@ reductions must still run, in the same order, with zero gradients, and nothing m
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 import zero
@@ -14,6 +13,7 @@ from tests.multirank import run_multirank
 from tests.zero.models import (
     OPT,
     STARVE_STEP,
+    assert_rank_mean_close,
     build_moe,
     global_batch,
     lm_loss,
@@ -68,14 +68,7 @@ def _check(results: list[dict], world: int, ckpt: bool) -> None:
     ep_ranks = [r % 2 for r in range(world)]
     assert [all(r["starved"]) for r in results] == [e == 1 for e in ep_ranks]
     for stage in (k for k in results[0] if k != "starved"):
-        got = [sum(r[stage][i] for r in results) / world for i in range(STEPS)]
-        torch.testing.assert_close(
-            torch.tensor(got, dtype=torch.float64),
-            torch.tensor(ref, dtype=torch.float64),
-            rtol=1e-5,
-            atol=0,
-            msg=lambda m, s=stage: f"stage {s}: {m}",
-        )
+        assert_rank_mean_close(results, stage, ref, world)
 
 
 def test_moe_ep2_two_ranks_all_stages() -> None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 import zero
 from tests.multirank import run_multirank
-from tests.zero.models import OPT, build, global_batch, lm_loss, reference_losses
+from tests.zero.models import OPT, assert_rank_mean_close, build, global_batch, lm_loss, reference_losses
 
 STEPS, ROWS_PER_RANK = 10, 2
 
@@ -58,14 +57,7 @@ def _check(results: list[dict], world: int) -> None:
     for key in results[0]:
         case = CASES[key[1]]
         ref = reference_losses(case["model"], STEPS, ROWS_PER_RANK * world, case["accum"], case["clip"])
-        got = [sum(r[key][i] for r in results) / world for i in range(STEPS)]
-        torch.testing.assert_close(
-            torch.tensor(got, dtype=torch.float64),
-            torch.tensor(ref, dtype=torch.float64),
-            rtol=1e-5,
-            atol=0,
-            msg=lambda m, key=key: f"{key}: {m}",
-        )
+        assert_rank_mean_close(results, key, ref, world)
 
 
 def test_stage0_two_ranks_first_then_1_2_3() -> None:
