@@ -124,12 +124,23 @@ def peak_rss_mb() -> float:
     return peak
 
 
-def max_over_ranks(value: float, dims: zero.ParallelDims) -> float:
+def per_rank(value: float, dims: zero.ParallelDims) -> list[float]:
+    """`value` of every rank, in rank order (one small all-reduce)."""
     if dims.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    comm.all_reduce(t, dist.group.WORLD, op=dist.ReduceOp.MAX)
-    return t.item()
+        return [value]
+    t = torch.zeros(dims.world_size, dtype=torch.float64)
+    t[dist.get_rank()] = value
+    comm.all_reduce(t, dist.group.WORLD)
+    return t.tolist()
+
+
+def memory_metrics(dims: zero.ParallelDims) -> dict[str, float]:
+    """Peak memory: the largest over ranks as `peak_rss_mb`, and each rank's as `peak_rss_mb/rank<r>`."""
+    peaks = per_rank(peak_rss_mb(), dims)
+    out = {"peak_rss_mb": max(peaks)}
+    if len(peaks) > 1:
+        out.update({f"peak_rss_mb/rank{r}": p for r, p in enumerate(peaks)})
+    return out
 
 
 @torch.no_grad()
@@ -293,7 +304,7 @@ def train(cfg: DictConfig) -> dict:
         dt = time.perf_counter() - t0
         record = {"loss": loss_value, "lr": lr, "grad_norm": float(engine.global_grad_norm),
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                  "comm_bytes": comm.stats.total_bytes, "peak_rss_mb": max_over_ranks(peak_rss_mb(), dims),
+                  "comm_bytes": comm.stats.total_bytes, **memory_metrics(dims),
                   **from_moe}
         done = step + 1
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:

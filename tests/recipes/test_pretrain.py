@@ -122,18 +122,23 @@ def test_torchrun_moe_ep2_and_sp2_match_ep1(tmp_path):
     common = ["model=moe_tiny", *TINY[1:], "train.steps=8", "train.eval_every=4", "parallel.dp=2",
               "model.moe.bias_update_rate=1e-3"]
     layouts = {"ep1": (["parallel.ep=1"], 2), "ep2": (["parallel.ep=2"], 2),
+               "ep2_zero3": (["parallel.ep=2", "zero.stage=3"], 2),
                "dp2_sp2_ep2": (["parallel.sp=2", "parallel.ep=2"], 4)}
     for name, (args, nproc) in layouts.items():
         proc = _run_cli(*common, *args, f"run_dir={tmp_path / name}", nproc=nproc)
         assert proc.returncode == 0, proc.stderr[-3000:]
     base = tmp_path / "ep1"
     assert sorted(_losses(base)) == list(range(1, 9))
-    for name in ("ep2", "dp2_sp2_ep2"):
+    for name in ("ep2", "ep2_zero3", "dp2_sp2_ep2"):
         for key in ("loss", "grad_norm", "moe/layer0/aux_loss", "moe/layer1/z_loss", "val_loss"):
             a, b = _losses(base, key), _losses(tmp_path / name, key)
             assert sorted(a) == sorted(b)
             for step in a:
                 assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (name, key, step)
+    # Every rank's peak memory is recorded; ZeRO-3 gathers parameters, so it sends more than stage 0.
+    last = json.loads(Path(tmp_path / "ep2_zero3" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["peak_rss_mb"] == max(last["peak_rss_mb/rank0"], last["peak_rss_mb/rank1"]) > 0
+    assert last["comm_bytes"] > _losses(tmp_path / "ep2", "comm_bytes")[8] > 0
     assert (tmp_path / "ep2" / "expert_load.png").stat().st_size > 0
     assert "layer1" in (tmp_path / "ep2" / "expert_load.txt").read_text()
 
