@@ -201,15 +201,21 @@ def run_probe(seq: int, mode: str, cap_bytes: int, sp: int, timeout: float) -> d
 
 def longest(mode: str, cap_bytes: int, sp: int, start: int, max_seq: int, timeout: float,
             log: list) -> tuple[int, dict | None, str]:
-    """Doubling from `start`, then one bisection step between the last fit and the first failure."""
+    """Doubling from `start`, then up to two bisection steps between the last fit and the first failure."""
     step = 256 * sp  # lengths stay multiples of sp
-    best, best_info, fail, note = 0, None, None, ""
-    seq = start
-    while seq <= max_seq:
+
+    def probe(seq: int) -> dict | None:
+        """One probe, logged and printed; None when it went over the cap or hit the time limit."""
         info = run_probe(seq, mode, cap_bytes, sp, timeout)
         log.append((mode, sp, seq, info))
         print(f"  probe mode={mode:<15} sp={sp} seq={seq:>7}: "
               f"{'over cap' if info is None else ('timeout' if 'timeout' in info else _fmt(info))}", flush=True)
+        return info
+
+    best, best_info, fail, note = 0, None, None, ""
+    seq = start
+    while seq <= max_seq:
+        info = probe(seq)
         if info is None or "timeout" in info:
             fail = seq
             if info is not None:
@@ -224,10 +230,7 @@ def longest(mode: str, cap_bytes: int, sp: int, start: int, max_seq: int, timeou
             mid = (best + fail) // 2 // step * step
             if mid <= best or mid >= fail:
                 break
-            info = run_probe(mid, mode, cap_bytes, sp, timeout)
-            log.append((mode, sp, mid, info))
-            print(f"  probe mode={mode:<15} sp={sp} seq={mid:>7}: "
-                  f"{'over cap' if info is None else ('timeout' if 'timeout' in info else _fmt(info))}", flush=True)
+            info = probe(mid)
             if info is None or "timeout" in info:
                 fail = mid
             else:
