@@ -88,6 +88,19 @@ def _model_config(quick: bool):
     return ModelConfig(vocab_size=32000, dim=512, n_layers=12, n_heads=8, n_kv_heads=4, max_seq_len=256)
 
 
+def _engine_step(engine):
+    """One training step through an engine with the DeepSpeed-style API (ours and DeepSpeed share it)."""
+    import torch.nn.functional as F
+
+    def train_step(x, y):
+        loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return train_step
+
+
 def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
@@ -113,12 +126,7 @@ def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
                                  allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1)
         engine = zero.initialize(model, functools.partial(torch.optim.AdamW, **adamw), config,
                                  zero.ParallelDims(dp=WORLD))
-
-        def train_step(x, y):
-            loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
-            engine.backward(loss)
-            engine.step()
-            return loss
+        train_step = _engine_step(engine)
     elif framework == "deepspeed":
         import deepspeed
 
@@ -135,12 +143,7 @@ def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
         }
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **adamw),
                                           config=ds_config, dist_init_required=False)
-
-        def train_step(x, y):
-            loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
-            engine.backward(loss)
-            engine.step()
-            return loss
+        train_step = _engine_step(engine)
     elif framework == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
