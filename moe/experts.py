@@ -39,8 +39,9 @@ class _GroupedMM(torch.autograd.Function):
     """y[seg e] = x[seg e] @ w[e]; backward as two more grouped GEMMs (contiguous gradients)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fuse_grad: bool) -> torch.Tensor:
         ctx.save_for_backward(x, w, offs)
+        ctx.param = w if fuse_grad else None
         return torch._grouped_mm(x, w, offs=offs)
 
     @staticmethod
@@ -50,16 +51,21 @@ class _GroupedMM(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)  # [M, n] @ [E, n, k]
-        if ctx.needs_input_grad[1]:
+        sink = _grad_sink(ctx.param) if ctx.param is not None else None
+        if sink is not None:  # fused accumulation into the existing .grad (GroupedExperts doc)
+            counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+            _wgrad(x, grad, counts, sink, accumulate=True)
+        elif ctx.needs_input_grad[1]:
             grad_w = torch._grouped_mm(x.t(), grad, offs=offs)  # [k, M] @ [M, n] per segment -> [E, k, n]
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """x [M, k] in per-expert segments, w [E, k, n] -> [M, n]."""
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
+                   fuse_grad_accumulation: bool = False) -> torch.Tensor:
+    """x [M, k] in per-expert segments, w [E, k, n] -> [M, n] (fusion: see GroupedExperts)."""
     if grouped_mm_supported(x.device, x.dtype, w.shape[1], w.shape[2]):
         offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-        return _GroupedMM.apply(x, w, offs)
+        return _GroupedMM.apply(x, w, offs, fuse_grad_accumulation)
     segments = torch.split(x, tokens_per_expert.tolist())
     return torch.cat([seg @ w[e] for e, seg in enumerate(segments)], dim=0)
 
@@ -114,7 +120,7 @@ class _FusedExpertMLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w_in, w_out, gate, token_index, counts, activation, max_chunks):
+    def forward(ctx, x, w_in, w_out, gate, token_index, counts, activation, max_chunks, fuse_grad):
         out = x.new_zeros(x.shape)
         chunks = _expert_chunks(counts, max_chunks)
         acts = []
@@ -127,6 +133,7 @@ class _FusedExpertMLP(torch.autograd.Function):
             acts.append((h, a))
         ctx.save_for_backward(x, w_in, w_out, gate, token_index)
         ctx.chunks, ctx.acts, ctx.counts, ctx.activation = chunks, acts, counts, activation
+        ctx.params = (w_in, w_out) if fuse_grad else None
         return out
 
     @staticmethod
@@ -135,9 +142,13 @@ class _FusedExpertMLP(torch.autograd.Function):
         counts = ctx.counts
         grad_out = grad_out.contiguous()
         grad_x = torch.zeros_like(x)
-        # Uninitialised: every expert's slice is written by _wgrad, chunk by chunk, so on CPU the pages
-        # become resident only as the activations of finished chunks are released.
-        grad_w_in, grad_w_out = torch.empty_like(w_in), torch.empty_like(w_out)
+        # Fused accumulation: the weight-gradient GEMMs add straight into an existing .grad (no
+        # [E, ...] temporary, no separate add). Otherwise fresh buffers, uninitialised: every expert's
+        # slice is written by _wgrad chunk by chunk, so on CPU the pages become resident only as the
+        # activations of finished chunks are released.
+        sink_in, sink_out = (_grad_sink(p) for p in ctx.params) if ctx.params else (None, None)
+        grad_w_in = sink_in if sink_in is not None else torch.empty_like(w_in)
+        grad_w_out = sink_out if sink_out is not None else torch.empty_like(w_out)
         grad_gate = torch.empty_like(gate)
         for i in reversed(range(len(ctx.chunks))):
             e0, e1, r0, r1 = ctx.chunks[i]
@@ -148,26 +159,43 @@ class _FusedExpertMLP(torch.autograd.Function):
             grad_rows = grad_out.index_select(0, tok)  # [m, dim] dL/d(expert output), unweighted
             grad_a = _gmm(grad_rows, w_out[e0:e1].transpose(-2, -1), counts[e0:e1])  # [m, ffn], unweighted
             grad_gate[r0:r1] = torch.linalg.vecdot(grad_a, a)  # row-wise <dL/dy, y>
-            _wgrad(a, grad_rows.mul_(g), counts[e0:e1], grad_w_out[e0:e1])
+            _wgrad(a, grad_rows.mul_(g), counts[e0:e1], grad_w_out[e0:e1], sink_out is not None)
             del a, grad_rows
             grad_h = _activate_backward(grad_a.mul_(g), h, ctx.activation)
             del h, grad_a
-            _wgrad(x.index_select(0, tok), grad_h, counts[e0:e1], grad_w_in[e0:e1])
+            _wgrad(x.index_select(0, tok), grad_h, counts[e0:e1], grad_w_in[e0:e1], sink_in is not None)
             grad_x.index_add_(0, tok, _gmm(grad_h, w_in[e0:e1].transpose(-2, -1), counts[e0:e1]))
             del grad_h
         ctx.acts = None
-        return grad_x, grad_w_in, grad_w_out, grad_gate, None, None, None, None
+        return (grad_x, None if sink_in is not None else grad_w_in, None if sink_out is not None else grad_w_out,
+                grad_gate, None, None, None, None, None)
 
 
-def _wgrad(x: torch.Tensor, grad: torch.Tensor, counts: list[int], out: torch.Tensor) -> None:
-    """out[e] = x[seg e]^T @ grad[seg e], written straight into the gradient buffer (no temporary)."""
+def _wgrad(x: torch.Tensor, grad: torch.Tensor, counts: list[int], out: torch.Tensor,
+           accumulate: bool = False) -> None:
+    """out[e] (+)= x[seg e]^T @ grad[seg e], written straight into the gradient buffer (no temporary)."""
     start = 0
     for e, c in enumerate(counts):
-        if c:
+        if c and accumulate:
+            out[e].addmm_(x[start:start + c].t(), grad[start:start + c])
+        elif c:
             torch.mm(x[start:start + c].t(), grad[start:start + c], out=out[e])
-        else:
+        elif not accumulate:
             out[e].zero_()
         start += c
+
+
+def _grad_sink(p: torch.Tensor) -> torch.Tensor | None:
+    """`p.grad` if the weight gradient may be added into it in place by the backward GEMMs, else None.
+
+    Only a plain existing gradient qualifies: none while building a double-backward graph, and none
+    when the parameter has hooks that must see an accumulated gradient (they would not fire).
+    """
+    g = p.grad
+    if (g is None or torch.is_grad_enabled() or g.requires_grad or g.shape != p.shape or g.dtype != p.dtype
+            or g.device != p.device or p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)):
+        return None
+    return g
 
 
 class GroupedExperts(nn.Module):
@@ -177,7 +205,15 @@ class GroupedExperts(nn.Module):
     [E_local, ffn_dim, dim]; both tagged `is_expert`. `expert_range` selects which slice of the full
     `num_experts` initialisation this module keeps, so expert-parallel ranks hold exactly the
     weights a single-rank model built with the same seed would have.
+
+    `fuse_grad_accumulation` (default False): when a weight already has a `.grad` at backward time,
+    the weight-gradient GEMMs add into it in place (addmm) instead of returning a fresh [E, ...]
+    gradient for autograd to add: no 2 x E x dim x ffn temporary, no separate add pass. The hooks that
+    autograd would run on the accumulated gradient do not fire for those weights, so only turn it on
+    where nothing relies on them (the ZeRO stage 0-1 engine does; DDP does not qualify).
     """
+
+    fuse_grad_accumulation = False
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, activation: str = "swiglu",
                  expert_range: tuple[int, int] | None = None, init_std: float = 0.02) -> None:
@@ -213,8 +249,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [M, dim] in contiguous per-expert segments of sizes tokens_per_expert [E_local] -> [M, dim]."""
-        h = grouped_matmul(x, self.w_in, tokens_per_expert)  # [M, ffn] or [M, 2 ffn]
-        return grouped_matmul(_activate(h, self.activation), self.w_out, tokens_per_expert)
+        fuse = self.fuse_grad_accumulation
+        h = grouped_matmul(x, self.w_in, tokens_per_expert, fuse)  # [M, ffn] or [M, 2 ffn]
+        return grouped_matmul(_activate(h, self.activation), self.w_out, tokens_per_expert, fuse)
 
     def forward_tokens(self, x: torch.Tensor, token_index: torch.Tensor, gate: torch.Tensor,
                        tokens_per_expert: torch.Tensor, max_chunks: int = 8) -> torch.Tensor:
@@ -225,7 +262,8 @@ class GroupedExperts(nn.Module):
         it needs far less activation memory than permute -> forward -> unpermute.
         """
         return _FusedExpertMLP.apply(x.contiguous(), self.w_in, self.w_out, gate, token_index,
-                                     tokens_per_expert.tolist(), self.activation, max_chunks)
+                                     tokens_per_expert.tolist(), self.activation, max_chunks,
+                                     self.fuse_grad_accumulation)
 
 
 class SharedExperts(nn.Module):

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from zero import comm
 from zero.config import ZeroConfig
-from zero.optimizer import ZeroOptimizer
+from zero.optimizer import FullGradReducer, ZeroOptimizer
 from zero.partition import FlatBucket, split_into_buckets
 from zero.stage3 import Stage3Hooks, assign_parameters, find_units
 from zero.topology import ParallelDims, group_size
@@ -158,6 +158,12 @@ class Engine:
             on_bucket_complete=self.stage3.on_bucket_reduced if self.stage3 else None,
         )
         self.optimizer = self.zero_optimizer.optimizer
+        if isinstance(self.zero_optimizer.reducer, FullGradReducer):
+            # Stages 0-1 preset every .grad to a view of a flat buffer and run no gradient hooks, so
+            # modules that can add their weight gradients into .grad in place may do so.
+            for m in model.modules():
+                if hasattr(m, "fuse_grad_accumulation"):
+                    m.fuse_grad_accumulation = True
         self.device = self.zero_optimizer.device
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.micro_steps = 0  # backward calls so far

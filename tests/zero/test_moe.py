@@ -25,7 +25,7 @@ STEPS, ROWS_PER_RANK = 8, 2
 
 
 def _run(stages: list[int], ckpt: bool) -> dict:
-    from moe import MoELayer, apply_expert_parallel
+    from moe import GroupedExperts, MoELayer, apply_expert_parallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = zero.ParallelDims(dp=world, ep=2)
@@ -34,6 +34,9 @@ def _run(stages: list[int], ckpt: bool) -> dict:
         model = apply_expert_parallel(build_moe(seed=0, ckpt=ckpt), dims.ep_group)
         config = zero.ZeroConfig(stage=stage, clip_grad_norm=0.5, reduce_bucket_size=500)
         engine = zero.initialize(model, OPT, config, dims)
+        # Stages 0-1 keep .grad preset to flat-buffer views: experts add their weight gradients in place.
+        fused = {m.fuse_grad_accumulation for m in engine.module.modules() if isinstance(m, GroupedExperts)}
+        assert fused == {stage < 2}
         losses = []
         for step in range(STEPS):
             starve_last_experts(engine.module, step)
