@@ -21,6 +21,7 @@ if sys.path and os.path.abspath(sys.path[0]) == _HERE:
 
 DIM, FFN, TOP_K = 512, 1024, 2
 IMPLS = ("ours", "ours_cap", "deepspeed", "naive")
+GRAD_MODES = ("fresh", "kept")
 
 
 def _free_port() -> int:
@@ -121,14 +122,28 @@ def _dense_gemms(tokens: int, num_experts: int):
     return run, num_experts * 6 * (2 * m * DIM * FFN)
 
 
-def _stepper(impl: str, layer, x, g):
-    """One forward+backward pass of `layer`, gradients allocated inside the pass as in training."""
+def _stepper(impl: str, layer, x, g, grads: str = "fresh"):
+    """One forward+backward pass of `layer`.
+
+    grads="fresh": every .grad is None before the pass, so the pass allocates its gradients
+    (optimizer.zero_grad() with set_to_none=True). grads="kept": every .grad is a zeroed buffer that
+    the pass accumulates into, as under a ZeRO stage 0-1 engine (ours presets .grad to flat-buffer
+    views) or zero_grad(set_to_none=False); ours then adds its weight gradients in place, as our
+    engine configures it. Zeroing happens before the clock starts.
+    """
     import torch
 
     def step() -> float:
         x.grad = None
+        if impl in ("ours", "ours_cap"):
+            layer.experts.fuse_grad_accumulation = grads == "kept"
         for p in layer.parameters():
-            p.grad = None
+            if grads == "fresh":
+                p.grad = None
+            elif p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
         t = time.perf_counter()
         out = layer(x)
         if impl == "deepspeed":
@@ -169,19 +184,23 @@ def measure_memory(impl: str, tokens: int, num_experts: int, threads: int) -> di
 
 
 def measure_time(impls: list[str], tokens: int, num_experts: int, threads: int, reps: int) -> dict:
-    """Best-of-`reps` pass time of every impl and of the dense GEMMs, interleaved round by round
-    in one process so that all of them see the same load on a shared machine."""
+    """Best-of-`reps` pass time of every impl in both gradient modes (`_stepper`) and of the dense
+    GEMMs, interleaved round by round in one process so that all of them see the same load."""
     import torch
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     dense, dense_flops = _dense_gemms(tokens, num_experts)
     x, g = _inputs(tokens)
-    steps = {impl: _stepper(impl, _build(impl, num_experts), x, g) for impl in impls}
-    best = {impl: float("inf") for impl in [*impls, "dense"]}
+    steps = {}
+    for impl in impls:
+        layer = _build(impl, num_experts)
+        for mode in GRAD_MODES:
+            steps[f"{impl}/{mode}"] = _stepper(impl, layer, x, g, mode)
+    best = {key: float("inf") for key in [*steps, "dense"]}
     for _ in range(reps + 1):  # the first round is warm-up
-        for impl, step in steps.items():
-            best[impl] = min(best[impl], step())
+        for key, step in steps.items():
+            best[key] = min(best[key], step())
         t = time.perf_counter()
         dense()
         best["dense"] = min(best["dense"], time.perf_counter() - t)
@@ -234,8 +253,8 @@ def main() -> None:
     common = ["--threads", str(args.threads), "--reps", str(reps), "--impls", args.impls]
     print(f"MoE layer fwd+bwd, dim {DIM}, ffn {FFN}, GELU experts, top-{TOP_K}, fp32, "
           f"{args.threads} thread(s), best of {reps} interleaved rounds")
-    print("| tokens | E | impl | time ms | time / bound | time / ours | peak MiB | peak / ours | dropped |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | E | impl | grads | time ms | time / bound | time / ours | peak MiB | peak / ours | dropped |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for tokens, experts in sizes:
         mem = {impl: _subprocess(["--mem-case", impl, str(tokens), str(experts), *common], env, root)
                for impl in impls}
@@ -243,14 +262,18 @@ def main() -> None:
         if timing is None:
             continue
         t, bound = timing["time"], timing["bound"]
-        for impl in impls:
-            m = mem.get(impl)
-            peak = f"{m['peak_mib']:.1f}" if m else "failed"
-            peak_ratio = (f"{m['peak_mib'] / mem['ours']['peak_mib']:.2f}" if m and mem.get("ours") else "-")
-            dropped = f"{m['dropped']:.3f}" if m and m["dropped"] is not None else "-"
-            print(f"| {tokens} | {experts} | {impl} | {t[impl] * 1e3:.1f} | {t[impl] / bound:.2f} | "
-                  f"{t[impl] / t['ours']:.2f} | {peak} | {peak_ratio} | {dropped} |", flush=True)
-        print(f"| {tokens} | {experts} | compute bound ({timing['gemm_gflops']:.0f} GFLOP/s) | "
+        for mode in GRAD_MODES:
+            ours = t.get(f"ours/{mode}")
+            for impl in impls:
+                m = mem.get(impl) if mode == "fresh" else None  # peak memory: fresh gradients only
+                peak = f"{m['peak_mib']:.1f}" if m else ("failed" if mode == "fresh" else "")
+                peak_ratio = (f"{m['peak_mib'] / mem['ours']['peak_mib']:.2f}" if m and mem.get("ours") else "")
+                dropped = f"{m['dropped']:.3f}" if m and m["dropped"] is not None else ""
+                mine = t[f"{impl}/{mode}"]
+                vs_ours = f"{mine / ours:.2f}" if ours else "-"
+                print(f"| {tokens} | {experts} | {impl} | {mode} | {mine * 1e3:.1f} | {mine / bound:.2f} | "
+                      f"{vs_ours} | {peak} | {peak_ratio} | {dropped} |", flush=True)
+        print(f"| {tokens} | {experts} | compute bound ({timing['gemm_gflops']:.0f} GFLOP/s) | | "
               f"{bound * 1e3:.1f} | 1.00 | | | | |", flush=True)
 
 
