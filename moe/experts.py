@@ -112,11 +112,14 @@ def _expert_chunks(counts: list[int], max_chunks: int) -> list[tuple[int, int, i
 class _FusedExpertMLP(torch.autograd.Function):
     """out[token_index[m]] += gate[m] * MLP_e(x[token_index[m]]) for all slots m, expert-sorted.
 
-    One node for gather -> grouped MLP -> gate-weighted scatter-add, run over chunks of experts:
-    nothing of size [M, dim] is kept for backward (the gathered rows are re-gathered; the gate
-    gradient is <act, dL/d act_unweighted>, so the expert outputs are not kept either), and backward
-    releases each chunk's activations as soon as it is done, so the end of backward, when the
-    weight gradients exist, holds almost nothing else.
+    One node for gather -> grouped MLP -> gate-weighted scatter-add, run over chunks of experts.
+    Backward keeps only the pre-activation h of each chunk: nothing of size [M, dim] (the gathered
+    rows are re-gathered; the gate gradient is <act, dL/d act_unweighted>, so the expert outputs
+    are not kept either) and not the activation act(h) (recomputed from h in backward: one
+    elementwise pass buys a third (SwiGLU) or half (GELU) of the retained memory, and the forward's
+    act buffer is reused chunk after chunk instead of being fresh memory). Backward releases each
+    chunk's h as soon as it is done, so the end of backward, when the weight gradients exist, holds
+    almost nothing else.
     """
 
     @staticmethod
@@ -127,10 +130,11 @@ class _FusedExpertMLP(torch.autograd.Function):
         for e0, e1, r0, r1 in chunks:
             tok = token_index[r0:r1]
             h = _gmm(x.index_select(0, tok), w_in[e0:e1], counts[e0:e1])  # [m, ffn] (x2 for SwiGLU)
-            a = _activate(h, activation)  # [m, ffn]
+            a = _activate(h, activation)  # [m, ffn], freed at the end of the chunk
             y = _gmm(a, w_out[e0:e1], counts[e0:e1]).mul_(gate[r0:r1].unsqueeze(1))  # [m, dim]
+            del a
             out.index_add_(0, tok, y)
-            acts.append((h, a))
+            acts.append(h)
         ctx.save_for_backward(x, w_in, w_out, gate, token_index)
         ctx.chunks, ctx.acts, ctx.counts, ctx.activation = chunks, acts, counts, activation
         ctx.params = (w_in, w_out) if fuse_grad else None
@@ -155,8 +159,9 @@ class _FusedExpertMLP(torch.autograd.Function):
         # 13-21k page faults per backward instead of 64-78k).
         for i in range(len(ctx.chunks)):
             e0, e1, r0, r1 = ctx.chunks[i]
-            h, a = ctx.acts[i]
-            ctx.acts[i] = None  # this chunk's activations die with the locals below
+            h = ctx.acts[i]
+            ctx.acts[i] = None  # this chunk's pre-activation dies with the locals below
+            a = _activate(h, ctx.activation)  # recomputed (see the class doc)
             tok = token_index[r0:r1]
             g = gate[r0:r1].unsqueeze(1)
             grad_rows = grad_out.index_select(0, tok)  # [m, dim] dL/d(expert output), unweighted
