@@ -1,8 +1,9 @@
 """Forward+backward of one MoE layer: ours (dropless and capacity 1.25) vs DeepSpeed MoE vs a naive loop.
 
 Peak memory: each (impl, size) runs once in a fresh subprocess (peak RSS above the RSS before the
-pass). Time: per size, one subprocess times all impls and dense GEMMs of the per-expert shapes (the
-compute bound) round by round, so every figure sees the same load on a shared machine.
+pass). Time: each impl runs in its own subprocess (`--rounds` of them, impls alternating), timing its
+passes with fresh and with kept gradients and, interleaved, dense GEMMs of the per-expert shapes;
+the compute bound uses the fastest dense pass of the size.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def measure_memory(impl: str, tokens: int, num_experts: int, threads: int) -> di
 
 
 def measure_time(impls: list[str], tokens: int, num_experts: int, threads: int, reps: int) -> dict:
-    """Best-of-`reps` pass time of every impl in both gradient modes (`_stepper`) and of the dense
+    """Best-of-`reps` pass time of `impls` in both gradient modes (`_stepper`) and of the dense
     GEMMs, interleaved round by round in one process so that all of them see the same load."""
     import torch
 
@@ -205,9 +206,31 @@ def measure_time(impls: list[str], tokens: int, num_experts: int, threads: int, 
         dense()
         best["dense"] = min(best["dense"], time.perf_counter() - t)
     rate = dense_flops / best.pop("dense")
-    # Matmul FLOPs of the layer's forward (two expert GEMMs per token-slot + the router), x3 for fwd+bwd.
-    flops = 3 * (2 * 2 * tokens * TOP_K * DIM * FFN + 2 * tokens * DIM * num_experts)
-    return {"time": best, "bound": flops / rate, "gemm_gflops": rate / 1e9}
+    return {"time": best, "bound": layer_flops(tokens, num_experts) / rate, "gemm_gflops": rate / 1e9}
+
+
+def layer_flops(tokens: int, num_experts: int) -> int:
+    """Matmul FLOPs of the layer's forward (two expert GEMMs per token-slot + the router), x3 for fwd+bwd."""
+    return 3 * (2 * 2 * tokens * TOP_K * DIM * FFN + 2 * tokens * DIM * num_experts)
+
+
+def time_isolated(impls: list[str], tokens: int, num_experts: int, rounds: int, common: list[str],
+                  env: dict, root: str) -> dict | None:
+    """Every impl in its own process (as in training, where one process runs one implementation, so
+    the heap one leaves behind does not tax the next), `rounds` times, impls alternating so that a
+    change of machine speed hits them alike. Each process also times the dense GEMMs; the bound uses
+    the fastest dense pass of the whole size. Returns {"time": {impl/mode: best s}, "bound", ...}."""
+    best: dict[str, float] = {}
+    rate = 0.0
+    for _ in range(rounds):
+        for impl in impls:
+            out = _subprocess(["--time-case", str(tokens), str(num_experts), *common, "--impls", impl], env, root)
+            if out is None:
+                return None
+            for key, value in out["time"].items():
+                best[key] = min(best.get(key, float("inf")), value)
+            rate = max(rate, out["gemm_gflops"] * 1e9)
+    return {"time": best, "bound": layer_flops(tokens, num_experts) / rate, "gemm_gflops": rate / 1e9}
 
 
 def _subprocess(args: list[str], env: dict, root: str) -> dict | None:
@@ -224,7 +247,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one small size, one repeat (smoke run)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every case")
-    ap.add_argument("--reps", type=int, default=3, help="timed rounds per size (the best is reported)")
+    ap.add_argument("--reps", type=int, default=2, help="timed passes per process (the best is reported)")
+    ap.add_argument("--rounds", type=int, default=2, help="timing processes per implementation and size")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--mem-case", nargs=3, metavar=("IMPL", "TOKENS", "EXPERTS"), help=argparse.SUPPRESS)
     ap.add_argument("--time-case", nargs=2, metavar=("TOKENS", "EXPERTS"), help=argparse.SUPPRESS)
@@ -250,15 +274,16 @@ def main() -> None:
     time_env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=root)
     time_env.pop("MALLOC_MMAP_THRESHOLD_", None)
     env = dict(time_env, MALLOC_MMAP_THRESHOLD_="65536")
-    common = ["--threads", str(args.threads), "--reps", str(reps), "--impls", args.impls]
+    common = ["--threads", str(args.threads), "--reps", str(reps)]
     print(f"MoE layer fwd+bwd, dim {DIM}, ffn {FFN}, GELU experts, top-{TOP_K}, fp32, "
-          f"{args.threads} thread(s), best of {reps} interleaved rounds")
+          f"{args.threads} thread(s); time: best of {reps} passes x {1 if args.quick else args.rounds} "
+          "process(es) per implementation")
     print("| tokens | E | impl | grads | time ms | time / bound | time / ours | peak MiB | peak / ours | dropped |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tokens, experts in sizes:
         mem = {impl: _subprocess(["--mem-case", impl, str(tokens), str(experts), *common], env, root)
                for impl in impls}
-        timing = _subprocess(["--time-case", str(tokens), str(experts), *common], time_env, root)
+        timing = time_isolated(impls, tokens, experts, 1 if args.quick else args.rounds, common, time_env, root)
         if timing is None:
             continue
         t, bound = timing["time"], timing["bound"]
