@@ -167,11 +167,12 @@ class _FusedExpertMLP(torch.autograd.Function):
             grad_rows = grad_out.index_select(0, tok)  # [m, dim] dL/d(expert output), unweighted
             grad_a = _gmm(grad_rows, w_out[e0:e1].transpose(-2, -1), counts[e0:e1])  # [m, ffn], unweighted
             grad_gate[r0:r1] = torch.linalg.vecdot(grad_a, a)  # row-wise <dL/dy, y>
-            _wgrad(a, grad_rows.mul_(g), counts[e0:e1], grad_w_out[e0:e1], sink_out is not None)
+            _wgrad(a, grad_rows.mul_(g), counts[e0:e1], grad_w_out[e0:e1], accumulate=sink_out is not None)
             del a, grad_rows
             grad_h = _activate_backward(grad_a.mul_(g), h, ctx.activation)
             del h, grad_a
-            _wgrad(x.index_select(0, tok), grad_h, counts[e0:e1], grad_w_in[e0:e1], sink_in is not None)
+            _wgrad(x.index_select(0, tok), grad_h, counts[e0:e1], grad_w_in[e0:e1],
+                   accumulate=sink_in is not None)
             grad_x.index_add_(0, tok, _gmm(grad_h, w_in[e0:e1].transpose(-2, -1), counts[e0:e1]))
             del grad_h
         ctx.acts = None
