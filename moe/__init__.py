@@ -4,12 +4,20 @@ Routers, dispatch and experts are separate parts; MoELayer composes them; parall
 from outside with `apply_expert_parallel`.
 """
 
+from .dispatch import AllToAllDispatcher, LocalDispatcher, TokenDispatcher
 from .experts import GroupedExperts
-from .layer import MoELayer, collect_moe_stats, set_aux_loss_scale, update_router_biases
-from .parallel import apply_expert_parallel, set_stats_group
+from .layer import MoELayer, collect_moe_stats, loss_scale_hooks, set_aux_loss_scale, update_router_biases
+from .parallel import (
+    apply_expert_parallel,
+    expert_parameters,
+    expert_reduce_group,
+    set_fused_grad_accumulation,
+    set_stats_group,
+)
 from .router import TopKRouter
 
 __all__ = [
-    "MoELayer", "TopKRouter", "GroupedExperts", "apply_expert_parallel", "update_router_biases",
-    "collect_moe_stats", "set_aux_loss_scale", "set_stats_group",
+    "MoELayer", "TopKRouter", "GroupedExperts", "TokenDispatcher", "LocalDispatcher", "AllToAllDispatcher",
+    "apply_expert_parallel", "expert_parameters", "expert_reduce_group", "set_fused_grad_accumulation",
+    "loss_scale_hooks", "update_router_biases", "collect_moe_stats", "set_aux_loss_scale", "set_stats_group",
 ]

@@ -1,7 +1,8 @@
 """Token dispatch: sort-based permutation of token-slots into per-expert segments and back.
 
-Dropless by default; with a capacity, each expert keeps its highest-scoring slots. The all-to-all
-dispatcher moves the permuted tokens to the ranks that own their experts (expert parallelism).
+Dropless by default; with a capacity, each expert keeps its highest-scoring slots. Dispatchers share
+one interface (`TokenDispatcher`): the local one keeps every expert on this rank, the all-to-all one
+moves the permuted tokens to the ranks that own their experts (expert parallelism).
 """
 
 from __future__ import annotations
@@ -101,14 +102,76 @@ def unpermute(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor, num_to
 
 
 @dataclass
-class _A2AState:
-    input_splits: list[int]
-    output_splits: list[int]
+class DispatchState:
+    """What `combine` needs to bring one `dispatch`'s expert outputs back to their tokens."""
+
+    plan: DispatchPlan
+    weights: torch.Tensor  # [N, k] gate weights of the routing decision
+    num_tokens: int  # N
+    tokens_per_local_expert: torch.Tensor  # [E_local] rows this rank's experts compute
+
+
+@dataclass
+class _A2AState(DispatchState):
+    input_splits: list[int]  # rows sent to each ep rank
+    output_splits: list[int]  # rows received from each ep rank
     regroup: torch.Tensor  # [R] received-row order that makes local-expert segments contiguous
-    tokens_per_local_expert: torch.Tensor  # [E_local]
 
 
-class AllToAllDispatcher:
+class TokenDispatcher:
+    """Moves routed tokens to the experts that compute them and their outputs back: one interface.
+
+    dispatch(x [N, dim], plan, weights [N, k]) -> (rows [R, dim] for this rank's experts in contiguous
+    per-local-expert segments, state); combine(expert outputs [R, dim], state) -> y [N, dim], the
+    gate-weighted sum over each token's experts (dropped slots add nothing).
+    `run` is what MoELayer calls: dispatch -> experts -> combine, which a dispatcher may fuse.
+    """
+
+    num_local: int
+
+    def dispatch(self, x: torch.Tensor, plan: DispatchPlan,
+                 weights: torch.Tensor) -> tuple[torch.Tensor, DispatchState]:
+        raise NotImplementedError
+
+    def combine(self, y: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run(self, x: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor,
+            experts) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y [N, dim], tokens_per_local_expert) for `experts(rows, tokens_per_local_expert)`."""
+        rows, state = self.dispatch(x, plan, weights)
+        y = self.combine(experts(rows, state.tokens_per_local_expert), state)
+        return y, state.tokens_per_local_expert
+
+
+class LocalDispatcher(TokenDispatcher):
+    """Every expert on this rank: dispatch is a permutation, combine the weighted scatter-add back.
+
+    `run` fuses gather -> grouped expert MLP -> weighted scatter into one autograd node
+    (`GroupedExperts.forward_tokens`), so no permuted [M, dim] copy of the tokens outlives forward;
+    fused=False runs the three steps apart, as every other dispatcher does (same numbers).
+    """
+
+    def __init__(self, num_experts: int, fused: bool = True) -> None:
+        self.num_local = num_experts
+        self.fused = fused
+
+    def dispatch(self, x, plan, weights):
+        state = DispatchState(plan, weights, x.shape[0], plan.tokens_per_expert)
+        return permute(x, plan), state
+
+    def combine(self, y, state):
+        return unpermute(y, state.plan, state.weights, state.num_tokens)
+
+    def run(self, x, plan, weights, experts):
+        if not self.fused:
+            return super().run(x, plan, weights, experts)
+        gate = weights.reshape(-1).index_select(0, plan.slot_index).to(x.dtype)  # [M]
+        y = experts.forward_tokens(x, plan.token_index, gate, plan.tokens_per_expert)
+        return y, plan.tokens_per_expert
+
+
+class AllToAllDispatcher(TokenDispatcher):
     """Moves expert-sorted token-slots to the ranks owning their experts and brings the outputs back.
 
     Expert e lives on ep rank e // E_local. Split sizes are uneven and exchanged first with a small
@@ -118,28 +181,34 @@ class AllToAllDispatcher:
     def __init__(self, ep_group: ProcessGroup | None, num_experts: int) -> None:
         self.group = ep_group
         self.ep_size = group_size(ep_group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size "
+                             f"{self.ep_size}; choose num_experts as a multiple of ep")
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep_size
 
-    def dispatch(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, _A2AState]:
-        """x [M, dim] sorted by global expert -> ([R, dim] sorted by local expert, state)."""
+    def dispatch(self, x, plan, weights):
+        """x [N, dim] -> ([R, dim] sorted by local expert, state)."""
         p, el = self.ep_size, self.num_local
+        tokens_per_expert = plan.tokens_per_expert
         # received[src * E_local + j] = slots rank src sends to my local expert j
         received = torch.empty_like(tokens_per_expert)
         comm.all_to_all_single(received, tokens_per_expert.contiguous(), self.group)
         input_splits = tokens_per_expert.view(p, el).sum(1).tolist()
         output_splits = received.view(p, el).sum(1).tolist()
-        x_recv = comm.all_to_all(x, self.group, output_splits, input_splits)
+        x_recv = comm.all_to_all(permute(x, plan), self.group, output_splits, input_splits)
         # Rows arrive grouped by (source rank, local expert); regroup them by local expert.
         local_expert = torch.arange(el, device=x.device).repeat(p).repeat_interleave(received)
         regroup = torch.argsort(local_expert, stable=True)
-        state = _A2AState(input_splits, output_splits, regroup, received.view(p, el).sum(0))
+        state = _A2AState(plan, weights, x.shape[0], received.view(p, el).sum(0),
+                          input_splits, output_splits, regroup)
         return x_recv.index_select(0, regroup), state
 
-    def combine(self, y: torch.Tensor, state: _A2AState) -> torch.Tensor:
-        """[R, dim] local expert outputs -> [M, dim] in this rank's original expert-sorted order."""
+    def combine(self, y, state):
+        """[R, dim] local expert outputs -> [N, dim]: back to the sending ranks, then to the tokens."""
         y_recv = _inverse_gather(y, state.regroup)
-        return comm.all_to_all(y_recv, self.group, state.input_splits, state.output_splits)
+        y_perm = comm.all_to_all(y_recv, self.group, state.input_splits, state.output_splits)
+        return unpermute(y_perm, state.plan, state.weights, state.num_tokens)
 
 
 def _inverse_gather(y: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,12 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Te
     if grouped_mm_supported(x.device, x.dtype, w.shape[1], w.shape[2]):
         offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
         return _GroupedMM.apply(x, w, offs, fuse_grad_accumulation)
-    segments = torch.split(x, tokens_per_expert.tolist())
-    return torch.cat([seg @ w[e] for e, seg in enumerate(segments)], dim=0)
+    return _segment_loop(x, w, tokens_per_expert.tolist())
+
+
+def _segment_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The portable grouped GEMM: one matmul per expert segment (differentiable)."""
+    return torch.cat([seg @ w[e] for e, seg in enumerate(torch.split(x, counts))], dim=0)
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -93,7 +97,7 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     if grouped_mm_supported(x.device, x.dtype, w.shape[1], w.shape[2]):
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
-    return torch.cat([seg @ w[e] for e, seg in enumerate(torch.split(x, counts))], dim=0)
+    return _segment_loop(x, w, counts)
 
 
 def _expert_chunks(counts: list[int], max_chunks: int) -> list[tuple[int, int, int, int]]:
@@ -211,7 +215,7 @@ class GroupedExperts(nn.Module):
     """`num_local` expert MLPs (dim -> ffn_dim -> dim) as two stacked weights.
 
     w_in [E_local, dim, ffn_dim] (GELU) or [E_local, dim, 2 * ffn_dim] (SwiGLU: gate | up), w_out
-    [E_local, ffn_dim, dim]; both tagged `is_expert`. `expert_range` selects which slice of the full
+    [E_local, ffn_dim, dim]. `expert_range` selects which slice of the full
     `num_experts` initialisation this module keeps, so expert-parallel ranks hold exactly the
     weights a single-rank model built with the same seed would have.
 
@@ -219,7 +223,8 @@ class GroupedExperts(nn.Module):
     the weight-gradient GEMMs add into it in place (addmm) instead of returning a fresh [E, ...]
     gradient for autograd to add: no 2 x E x dim x ffn temporary, no separate add pass. The hooks that
     autograd would run on the accumulated gradient do not fire for those weights, so only turn it on
-    where nothing relies on them (the ZeRO stage 0-1 engine does; DDP does not qualify).
+    where nothing relies on them (`moe.set_fused_grad_accumulation`, e.g. when the ZeRO engine says
+    `grads_accumulate_in_place`, stages 0-1; DDP does not qualify).
     """
 
     fuse_grad_accumulation = False
@@ -240,8 +245,6 @@ class GroupedExperts(nn.Module):
         if (start, stop) != (0, num_experts):  # keep only this rank's slice, not a view of the full tensor
             w_in, w_out = w_in[start:stop].clone(), w_out[start:stop].clone()
         self.w_in, self.w_out = nn.Parameter(w_in), nn.Parameter(w_out)
-        for p in (self.w_in, self.w_out):
-            p.is_expert = True
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, ffn_dim={self.ffn_dim}, experts={self.num_experts} "
@@ -251,8 +254,6 @@ class GroupedExperts(nn.Module):
         """Drop every expert outside [start, stop) (relative to this module's current experts)."""
         self.w_in = nn.Parameter(self.w_in.data[start:stop].clone())
         self.w_out = nn.Parameter(self.w_out.data[start:stop].clone())
-        for p in (self.w_in, self.w_out):
-            p.is_expert = True
         base = self.expert_range[0]
         self.num_experts, self.expert_range = stop - start, (base + start, base + stop)
 

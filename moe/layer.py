@@ -1,7 +1,8 @@
 """MoELayer: router + dispatcher + grouped experts (+ shared experts), a drop-in FFN replacement.
 
-Balancing losses reach the gradient through autograd (attached to the output), their values land in
-`layer.last_stats`; `update_router_biases` and `collect_moe_stats` serve the training loop.
+Balancing losses reach the gradient through autograd (attached to the output, scaled like the main
+loss through `loss_scale_hooks`), their values land in `layer.last_stats`; `update_router_biases` and
+`collect_moe_stats` serve the training loop.
 """
 
 from __future__ import annotations
@@ -11,30 +12,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from zero import comm
+from zero.attached_loss import AttachedLossScale, attach_loss
 from zero.topology import group_rank, group_size
 
-from .dispatch import AllToAllDispatcher, expert_capacity, make_plan, permute, unpermute
+from .dispatch import AllToAllDispatcher, LocalDispatcher, TokenDispatcher, expert_capacity, make_plan
 from .experts import GroupedExperts, SharedExperts
 from .router import TopKRouter, load_balancing_loss, router_z_loss, update_expert_bias
-
-
-class _AttachAuxLoss(torch.autograd.Function):
-    """Returns `output` unchanged; backward also sends gradient `scale` into the (pre-scaled) aux loss.
-
-    This makes the balancing losses part of whatever loss the caller backpropagates from the output,
-    without threading them through the model's return values.
-    """
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device)
-        return grad, aux_grad, None
 
 
 class MoELayer(nn.Module):
@@ -96,18 +79,24 @@ class MoELayer(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.bias_update_rate, self.seq_aux = bias_update_rate, seq_aux
         self.stats_group = stats_group
-        self.ep_group = None
-        self.dispatcher: AllToAllDispatcher | None = None
-        self._set_ep_group(ep_group)
-        #: Multiplies the balancing-loss gradient (e.g. 1 / gradient-accumulation steps, loss scale).
-        self.aux_loss_scale = 1.0
+        self.ep_group: ProcessGroup | None = None
+        self.dispatcher: TokenDispatcher = LocalDispatcher(num_experts)
+        if ep_size > 1:
+            self.set_expert_parallel(AllToAllDispatcher(ep_group, num_experts), ep_group)
+        #: Multiplies the balancing-loss gradient in backward; the engine sets it to the factor it
+        #: multiplies the main loss by (fp16 loss scale / accumulation steps): see `loss_scale_hooks`.
+        self.balancing_loss_scale = AttachedLossScale()
         # Slots routed per expert since the last bias update (this rank's tokens, all experts).
         self.register_buffer("load_since_update", torch.zeros(num_experts), persistent=False)
         self.last_stats: dict[str, torch.Tensor] = {}
 
-    def _set_ep_group(self, ep_group: ProcessGroup | None) -> None:
+    def set_expert_parallel(self, dispatcher: TokenDispatcher, ep_group: ProcessGroup | None) -> None:
+        """Route through `dispatcher` to the experts spread over `ep_group` (this module keeps its own)."""
+        if dispatcher.num_local != self.experts.num_experts:
+            raise ValueError(f"the dispatcher serves {dispatcher.num_local} local experts but this layer holds "
+                             f"{self.experts.num_experts}; keep the matching slice of experts first")
+        self.dispatcher = dispatcher
         self.ep_group = ep_group if group_size(ep_group) > 1 else None
-        self.dispatcher = AllToAllDispatcher(self.ep_group, self.num_experts) if self.ep_group else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:
@@ -125,15 +114,7 @@ class MoELayer(nn.Module):
         capacity = (None if self.capacity_factor is None
                     else expert_capacity(n, self.top_k, self.num_experts, self.capacity_factor))
         plan = make_plan(routing.indices, routing.weights, self.num_experts, capacity)
-        if self.dispatcher is None:
-            gate = routing.weights.reshape(-1).index_select(0, plan.slot_index).to(x.dtype)  # [M]
-            y = self.experts.forward_tokens(x_flat, plan.token_index, gate, plan.tokens_per_expert)
-            local_counts = plan.tokens_per_expert
-        else:
-            x_local, state = self.dispatcher.dispatch(permute(x_flat, plan), plan.tokens_per_expert)
-            local_counts = state.tokens_per_local_expert
-            y_perm = self.dispatcher.combine(self.experts(x_local, local_counts), state)
-            y = unpermute(y_perm, plan, routing.weights, n)
+        y, local_counts = self.dispatcher.run(x_flat, plan, routing.weights, self.experts)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_flat)
         y = y.view(shape)
@@ -143,7 +124,7 @@ class MoELayer(nn.Module):
         loss = self.aux_loss_coef * aux + self.z_loss_coef * z
         if (self.training and torch.is_grad_enabled() and loss.requires_grad
                 and (self.aux_loss_coef or self.z_loss_coef)):
-            y = _AttachAuxLoss.apply(y, loss, self.aux_loss_scale)
+            y = attach_loss(y, loss, self.balancing_loss_scale)
         routed = plan.routed_per_expert.detach()
         slots = max(plan.num_slots, 1)
         self.last_stats = {
@@ -189,10 +170,20 @@ def update_router_biases(module: nn.Module, group: ProcessGroup | None = None) -
         m.load_since_update.zero_()
 
 
+def loss_scale_hooks(module: nn.Module) -> list[AttachedLossScale]:
+    """The balancing-loss scales of every MoELayer, for `zero.initialize(..., loss_scale_hooks=...)`.
+
+    The engine then gives them, before every backward, the factor it multiplies the main loss by
+    (fp16 loss scale / accumulation steps), so the balancing losses keep their weight at any dtype.
+    """
+    return [m.balancing_loss_scale for m in moe_layers(module)]
+
+
 def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
-    """Scale the balancing-loss gradient of every MoELayer (e.g. 1 / grad-accumulation steps)."""
-    for m in moe_layers(module):
-        m.aux_loss_scale = float(scale)
+    """Set the balancing-loss gradient factor of every MoELayer by hand, for training loops without
+    our engine: pass the factor the main loss is multiplied by (e.g. 1 / grad-accumulation steps)."""
+    for hook in loss_scale_hooks(module):
+        hook(scale)
 
 
 def collect_moe_stats(module: nn.Module) -> dict[str, float | list[float]]:

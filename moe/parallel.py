@@ -9,8 +9,10 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from zero.engine import ReduceGroup
 from zero.topology import group_rank, group_size
 
+from .dispatch import AllToAllDispatcher, LocalDispatcher
 from .layer import moe_layers
 
 
@@ -25,15 +27,40 @@ def apply_expert_parallel(module: nn.Module, ep_group: ProcessGroup | None) -> n
         return module
     rank = group_rank(ep_group)
     for layer in moe_layers(module):
-        if layer.ep_group is not None:
+        if not isinstance(layer.dispatcher, LocalDispatcher):
             raise ValueError("apply_expert_parallel: a MoELayer is already expert-parallel; convert a "
                              "model built with ep_group=None")
-        if layer.num_experts % size:
-            raise ValueError(f"num_experts={layer.num_experts} is not divisible by the expert-parallel "
-                             f"size {size}; choose num_experts as a multiple of ep")
-        local = layer.num_experts // size
+        dispatcher = AllToAllDispatcher(ep_group, layer.num_experts)  # checks divisibility
+        local = dispatcher.num_local
         layer.experts.keep_experts(rank * local, (rank + 1) * local)
-        layer._set_ep_group(ep_group)
+        layer.set_expert_parallel(dispatcher, ep_group)
+    return module
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The routed-expert weights of every MoELayer in `module` (not routers, not shared experts)."""
+    return [p for layer in moe_layers(module) for p in layer.experts.parameters()]
+
+
+def expert_reduce_group(module: nn.Module, expert_data_parallel_group: ProcessGroup | None) -> ReduceGroup:
+    """Declare to the ZeRO engine that the routed experts reduce over the expert-data-parallel group.
+
+    With expert parallelism each rank holds different experts, replicated only across the ranks of
+    `expert_data_parallel_group` (`ParallelDims.expert_data_parallel_group`): pass the result to
+    `zero.initialize(..., reduce_groups=[...])`. Without it expert gradients would be averaged with
+    those of other experts.
+    """
+    return ReduceGroup("expert", expert_parameters(module), expert_data_parallel_group)
+
+
+def set_fused_grad_accumulation(module: nn.Module, enabled: bool) -> nn.Module:
+    """Let the experts of every MoELayer add weight gradients into an existing `.grad` in place.
+
+    Only where nothing needs autograd's gradient hooks on them, e.g. when the ZeRO engine reports
+    `engine.grads_accumulate_in_place` (stages 0-1); see GroupedExperts. Returns `module`.
+    """
+    for layer in moe_layers(module):
+        layer.experts.fuse_grad_accumulation = bool(enabled)
     return module
 
 

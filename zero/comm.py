@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from zero.topology import group_size
+
 
 class CommStats:
     """Per-kind counters of calls and bytes sent by this rank."""
@@ -59,16 +61,12 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _size(group: ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM, async_op: bool = False):
-    n = _size(group)
+    n = group_size(group)
     if n == 1:
         return None
     stats.record("all_reduce", 2 * (n - 1) / n * _nbytes(tensor))
@@ -77,7 +75,7 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceO
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None,
                            async_op: bool = False):
-    n = _size(group)
+    n = group_size(group)
     if n == 1:
         output.copy_(input.reshape(output.shape))
         return None
@@ -87,7 +85,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Pro
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None,
                           op=dist.ReduceOp.SUM, async_op: bool = False):
-    n = _size(group)
+    n = group_size(group)
     if n == 1:
         output.copy_(input.reshape(output.shape))
         return None
@@ -98,7 +96,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Proc
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None,
                       output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
                       async_op: bool = False):
-    n = _size(group)
+    n = group_size(group)
     if n == 1:
         output.copy_(input.reshape(output.shape))
         return None
@@ -115,7 +113,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: ProcessG
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, async_op: bool = False):
     """`src` is a global rank, as in torch.distributed."""
-    n = _size(group)
+    n = group_size(group)
     if n == 1:
         return None
     stats.record("broadcast", _nbytes(tensor))
@@ -123,7 +121,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, async_
 
 
 def all_gather_object(obj, group: ProcessGroup | None) -> list:
-    n = _size(group)
+    n = group_size(group)
     if n == 1:
         return [obj]
     out = [None] * n
@@ -165,7 +163,7 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all(x: torch.Tensor, group: ProcessGroup | None, output_splits: list[int] | None = None,
                input_splits: list[int] | None = None) -> torch.Tensor:
     """Differentiable all-to-all over dim 0 (even splits when the split lists are None)."""
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, group, output_splits, input_splits)
 
@@ -190,6 +188,6 @@ def all_reduce_sum_autograd(x: torch.Tensor, group: ProcessGroup | None) -> torc
     Used for losses that are summed across a group and then backpropagated on every rank: each
     rank's local term receives the gradient of the total once.
     """
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _AllReduceSum.apply(x, group)

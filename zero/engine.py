@@ -7,13 +7,14 @@ state dicts, atomic checkpoints and per-rank memory / communication metrics.
 from __future__ import annotations
 
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import ProcessGroup
 
 from zero import comm
 from zero.config import ZeroConfig
@@ -23,31 +24,51 @@ from zero.stage3 import Stage3Hooks, assign_parameters, find_units
 from zero.topology import ParallelDims, group_size
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+LossScaleHook = Callable[[float], None]
+
+DEFAULT_REDUCE_GROUP = "dense"
 
 
-def _twin_groups(groups: list) -> list:
-    """A second process group over the same ranks as each given group (None stays None).
+@dataclass(eq=False)
+class ReduceGroup:
+    """Parameters whose gradients reduce over `group` instead of the engine's data x sequence group.
 
-    Gradient reductions run on the twin so their order can never interleave differently across
-    ranks with the parameter all-gathers of stage 3 (which depend only on the forward order).
+    The engine shards their optimizer state, master weights (and at stage 3 the parameters) over
+    `group` and reduces their gradients there; everything else reduces over `dims.dp_sp_group`.
+    Example: expert weights replicated only across the expert-data-parallel ranks
+    (`moe.expert_reduce_group(model, dims.expert_data_parallel_group)` builds that declaration).
+    `group` must be a group of the engine's ParallelDims (None: one rank, nothing to reduce).
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return list(groups)
-    mine = [None if g is None else dist.get_process_group_ranks(g) for g in groups]
-    everyone = comm.all_gather_object(mine, dist.group.WORLD)
-    twins = []
-    for k, g in enumerate(groups):
-        if g is None:
-            twins.append(None)
-            continue
-        twin = None
-        # Every rank must call new_group for every group, in the same order.
-        for ranks in sorted({tuple(r[k]) for r in everyone}):
-            created = dist.new_group(list(ranks))
-            if dist.get_rank() in ranks:
-                twin = created
-        twins.append(twin)
-    return twins
+
+    name: str
+    params: Sequence[nn.Parameter]
+    group: ProcessGroup | None
+
+
+@dataclass
+class _Reduction:
+    name: str
+    group: ProcessGroup | None  # replicas: parameter broadcast/all-gather, sharding
+    grad_group: ProcessGroup | None  # its twin: gradient reductions
+
+
+def _check_factories(optimizer: object, lr_scheduler: object) -> None:
+    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        raise TypeError(
+            f"optimizer={type(optimizer).__name__} is invalid: pass a factory that builds the optimizer "
+            "from a list of parameters, e.g. functools.partial(torch.optim.AdamW, lr=3e-4); the engine "
+            "gives it the flat fp32 master shards it owns"
+        )
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(
+            "lr_scheduler is a built scheduler; pass a factory optimizer -> scheduler instead "
+            "(the engine builds the optimizer over its master shards)"
+        )
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise TypeError(
+            "lr_scheduler must be a factory optimizer -> scheduler, e.g. "
+            "functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=...)"
+        )
 
 
 class Engine:
@@ -60,110 +81,39 @@ class Engine:
         config: ZeroConfig,
         dims: ParallelDims,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        reduce_groups: Sequence[ReduceGroup] = (),
+        loss_scale_hooks: Sequence[LossScaleHook] = (),
     ) -> None:
-        if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
-            raise TypeError(
-                f"optimizer={type(optimizer).__name__} is invalid: pass a factory that builds the optimizer "
-                "from a list of parameters, e.g. functools.partial(torch.optim.AdamW, lr=3e-4); the engine "
-                "gives it "
-                "the flat fp32 master shards it owns"
-            )
-        if lr_scheduler is not None and not callable(lr_scheduler):
-            raise TypeError(
-                "lr_scheduler must be a factory optimizer -> scheduler, e.g. "
-                "functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=...)"
-            )
-        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-            raise TypeError(
-                "lr_scheduler is a built scheduler; pass a factory optimizer -> scheduler instead "
-                "(the engine builds the optimizer over its master shards)"
-            )
+        _check_factories(optimizer, lr_scheduler)
         if dims.tp > 1 or dims.pp > 1:
             raise NotImplementedError(
                 f"the ZeRO engine supports data, sequence and expert parallelism; tp={dims.tp}, pp={dims.pp} "
                 "(tensor/pipeline parallel gradient reduction and norms) are not implemented"
             )
+        if not all(callable(h) for h in loss_scale_hooks):
+            raise TypeError("loss_scale_hooks must be callables taking the loss multiplier (a float)")
         self.module = model
         self.config = config
         self.dims = dims
         self.dp = dims.dp
-        dtype = config.torch_dtype
-        dense_group, expert_group = dims.dp_sp_group, dims.expert_data_parallel_group
-        dense_grad_group, expert_grad_group = _twin_groups([dense_group, expert_group])
-        groups = {
-            False: (dense_group, dense_grad_group, dims.dp_sp),
-            True: (expert_group, expert_grad_group, dims.edp),
-        }
-
-        def make(
-            named: list[tuple[str, nn.Parameter]], resident: bool, max_numel: int | None
-        ) -> list[FlatBucket]:
-            """Buckets for `named`, split by (expert, trainable), each kind cut at max_numel elements."""
-            out = []
-            for is_expert in (False, True):
-                for trainable in (True, False):
-                    sel = [
-                        (n, p)
-                        for n, p in named
-                        if bool(getattr(p, "is_expert", False)) == is_expert and p.requires_grad == trainable
-                    ]
-                    if not sel:
-                        continue
-                    group, grad_group, region = groups[is_expert]
-                    for chunk in split_into_buckets(sel, max_numel or sum(p.numel() for _, p in sel)):
-                        b = FlatBucket(
-                            [p for _, p in chunk],
-                            [n for n, _ in chunk],
-                            group,
-                            dtype=dtype,
-                            shard=config.stage >= 1,
-                            resident=resident,
-                            is_expert=is_expert,
-                            grad_group=grad_group,
-                        )
-                        # Ranks of the dp x sp region holding the same reduced gradient elements:
-                        # the global norm counts each element once.
-                        b.replicas = 1 if b.world > 1 else (dims.dp_sp if not is_expert else dims.edp)
-                        # Attach at once so each original parameter tensor is released before the next
-                        # bucket is flattened: the build never holds two copies of the whole model.
-                        b.broadcast_from_first_rank()
-                        b.attach()
-                        out.append(b)
-            return out
-
-        named = list(model.named_parameters())
+        self.loss_scale_hooks = list(loss_scale_hooks)
         self.stage3: Stage3Hooks | None = None
+        reductions, owner = self._plan_reductions(model, reduce_groups)
         if config.stage == 3:
-            units = find_units(model, config.stage3_unit_classes)
-            per_unit, root, persistent = assign_parameters(model, units, config.param_persistence_threshold)
-            unit_buckets = [make(params, resident=False, max_numel=None) for params in per_unit]
-            root_buckets = make(root, resident=False, max_numel=None)
-            persistent_buckets = make(persistent[::-1], resident=True, max_numel=config.reduce_bucket_size)
-            # Reduction order: blocks last-to-first (backward order), then the root, then the small ones.
-            self.buckets = [b for bl in unit_buckets[::-1] for b in bl] + root_buckets + persistent_buckets
+            self.buckets, self.stage3 = self._build_stage3(model, reductions, owner)
         else:
             # Reverse registration order approximates backward order, so buckets fill front to back.
-            self.buckets = make(named[::-1], resident=True, max_numel=config.reduce_bucket_size)
-        if config.stage == 3:
-            root_ids = {id(p) for _, p in root}
-            self.stage3 = Stage3Hooks(
-                model, units, unit_buckets, root_buckets, root_ids, config.prefetch_depth
-            )
+            named = list(model.named_parameters())[::-1]
+            self.buckets = self._make_buckets(named, reductions, owner, True, config.reduce_bucket_size)
         self.zero_optimizer = ZeroOptimizer(
             self.buckets,
             config,
             self.dp,
-            dense_group,
+            dims.dp_sp_group,
             optimizer,
             on_bucket_complete=self.stage3.on_bucket_reduced if self.stage3 else None,
         )
         self.optimizer = self.zero_optimizer.optimizer
-        if isinstance(self.zero_optimizer.reducer, FullGradReducer):
-            # Stages 0-1 preset every .grad to a view of a flat buffer and run no gradient hooks, so
-            # modules that can add their weight gradients into .grad in place may do so.
-            for m in model.modules():
-                if hasattr(m, "fuse_grad_accumulation"):
-                    m.fuse_grad_accumulation = True
         self.device = self.zero_optimizer.device
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.micro_steps = 0  # backward calls so far
@@ -173,9 +123,103 @@ class Engine:
         self._comm_mark: dict[str, int] | None = None  # comm.stats at the start of this step's first pass
         self._last_step_comm: dict[str, int] = {}
 
+    # ------------------------------------------------------------------ construction
+    def _plan_reductions(
+        self, model: nn.Module, declared: Sequence[ReduceGroup]
+    ) -> tuple[list[_Reduction], dict[int, int]]:
+        """The reductions (default first, then the declared ones) and which one owns each parameter."""
+        dims = self.dims
+        in_model = {id(p) for p in model.parameters()}
+        owner: dict[int, int] = {}
+        names = [DEFAULT_REDUCE_GROUP]
+        for k, rg in enumerate(declared, start=1):
+            if not isinstance(rg, ReduceGroup):
+                raise TypeError(f"reduce_groups[{k - 1}] is a {type(rg).__name__}; pass zero.ReduceGroup items")
+            if rg.name in names:
+                raise ValueError(f"reduce group name {rg.name!r} is used twice (or is the default's name)")
+            if dims.dp_sp % group_size(rg.group):
+                raise ValueError(
+                    f"reduce group {rg.name!r} has {group_size(rg.group)} ranks, which does not divide the "
+                    f"data x sequence parallel size {dims.dp_sp}: use a group of this engine's ParallelDims"
+                )
+            names.append(rg.name)
+            for p in rg.params:
+                if id(p) not in in_model:
+                    raise ValueError(f"reduce group {rg.name!r} lists a parameter that is not in the model")
+                if id(p) in owner:
+                    raise ValueError(f"a parameter is declared in reduce groups {names[owner[id(p)]]!r} and "
+                                     f"{rg.name!r}; each parameter reduces over one group")
+                owner[id(p)] = k
+        groups = {DEFAULT_REDUCE_GROUP: dims.dp_sp_group, **{rg.name: rg.group for rg in declared}}
+        twins = dims.twin_groups(groups)
+        return [_Reduction(n, g, twins[n]) for n, g in groups.items()], owner
+
+    def _make_buckets(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        reductions: list[_Reduction],
+        owner: dict[int, int],
+        resident: bool,
+        max_numel: int | None = None,
+    ) -> list[FlatBucket]:
+        """Buckets for `named`, split by (reduction, trainable), each kind cut at max_numel elements."""
+        out = []
+        for k, reduction in enumerate(reductions):
+            for trainable in (True, False):
+                sel = [(n, p) for n, p in named if owner.get(id(p), 0) == k and p.requires_grad == trainable]
+                if not sel:
+                    continue
+                for chunk in split_into_buckets(sel, max_numel or sum(p.numel() for _, p in sel)):
+                    b = FlatBucket(
+                        [p for _, p in chunk],
+                        [n for n, _ in chunk],
+                        reduction.group,
+                        dtype=self.config.torch_dtype,
+                        shard=self.config.stage >= 1,
+                        resident=resident,
+                        reduce_group=reduction.name,
+                        grad_group=reduction.grad_group,
+                    )
+                    # Attach at once so each original parameter tensor is released before the next
+                    # bucket is flattened: the build never holds two copies of the whole model.
+                    b.broadcast_from_first_rank()
+                    b.attach()
+                    out.append(b)
+        return out
+
+    def _build_stage3(
+        self, model: nn.Module, reductions: list[_Reduction], owner: dict[int, int]
+    ) -> tuple[list[FlatBucket], Stage3Hooks]:
+        """Per-unit, root and persistent buckets in reduction order, and the hooks that gather them."""
+        config = self.config
+        units = find_units(model, config.stage3_unit_classes)
+        per_unit, root, persistent = assign_parameters(model, units, config.param_persistence_threshold)
+        unit_buckets = [self._make_buckets(params, reductions, owner, False) for params in per_unit]
+        root_buckets = self._make_buckets(root, reductions, owner, False)
+        persistent_buckets = self._make_buckets(
+            persistent[::-1], reductions, owner, True, config.reduce_bucket_size
+        )
+        hooks = Stage3Hooks(
+            model, units, unit_buckets, root_buckets, {id(p) for _, p in root}, config.prefetch_depth
+        )
+        # Reduction order: blocks last-to-first (backward order), then the root, then the small ones.
+        buckets = [b for bl in unit_buckets[::-1] for b in bl] + root_buckets + persistent_buckets
+        return buckets, hooks
+
+    @property
+    def grads_accumulate_in_place(self) -> bool:
+        """True at stages 0-1: every `.grad` is a preset view of a flat buffer and no gradient hooks run.
+
+        A module that can add its weight gradients into an existing `.grad` in place (e.g. MoE experts,
+        `moe.set_fused_grad_accumulation`) may then do so; at stages 2-3 per-parameter hooks must see
+        each accumulated gradient, so it must not.
+        """
+        return isinstance(self.zero_optimizer.reducer, FullGradReducer)
+
     # ------------------------------------------------------------------ training
     def _mark_comm(self) -> None:
-        if self._comm_mark is None:
+        # Only training passes start a step's count (an evaluation between steps is not the step's traffic).
+        if self._comm_mark is None and self.module.training:
             self._comm_mark = comm.stats.snapshot()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -191,6 +235,9 @@ class Engine:
         """Backpropagate loss / grad_accum_steps (times the fp16 loss scale) and reduce what is ready."""
         self._mark_comm()
         scale = self.zero_optimizer.loss_scale / self.config.grad_accum_steps
+        # Losses attached inside the model (e.g. MoE balancing losses) backpropagate with the same factor.
+        for hook in self.loss_scale_hooks:
+            hook(scale)
         (loss * scale).backward()
         self.zero_optimizer.reducer.after_backward()
         if self.stage3 is not None:
@@ -417,14 +464,22 @@ def initialize(
     config: ZeroConfig | None = None,
     dims: ParallelDims | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    *,
+    reduce_groups: Sequence[ReduceGroup] = (),
+    loss_scale_hooks: Sequence[LossScaleHook] = (),
 ) -> Engine:
     """Wrap `model` for training: shard per `config.stage` over the groups of `dims`.
 
     `optimizer` is a factory (e.g. functools.partial(torch.optim.AdamW, lr=3e-4)) called with the flat
     fp32 master shards; `lr_scheduler` a factory optimizer -> scheduler, stepped after each optimizer step.
+    `dims` defaults to pure data parallelism over every process. `reduce_groups` declares parameters
+    that reduce over another group than dp x sp (see ReduceGroup). `loss_scale_hooks` are called before
+    every backward with the factor the loss is multiplied by (fp16 loss scale / grad_accum_steps), so
+    losses attached inside the model (gradients injected in backward, e.g. MoE balancing losses via
+    `moe.loss_scale_hooks(model)`) are scaled exactly like the main loss.
     """
     config = config if config is not None else ZeroConfig()
     dims = dims if dims is not None else ParallelDims()
     if group_size(dims.dp_sp_group) != dims.dp_sp:
         raise RuntimeError(f"{dims} does not match the process group sizes")
-    return Engine(model, optimizer, config, dims, lr_scheduler)
+    return Engine(model, optimizer, config, dims, lr_scheduler, reduce_groups, loss_scale_hooks)

@@ -6,8 +6,10 @@ steps the fp32 master copy of its own shard, and the updated shards are gathered
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -105,6 +107,25 @@ class FullGradReducer:
             self._point_grads(b)
 
 
+@dataclass(eq=False)
+class _BucketProgress:
+    """Where one bucket stands in the current backward (owned by HookGradReducer)."""
+
+    bucket: FlatBucket
+    arrived: list[bool] = field(default_factory=list)  # per parameter: its gradient is staged
+    missing: int = 0  # parameters still without a gradient
+    launched: bool = False  # the bucket's reduction has been issued
+    staging: torch.Tensor | None = None  # full-size gradient being assembled
+    late: torch.Tensor | None = None  # gradients that arrived after the launch (second round)
+
+    def reset(self) -> None:
+        self.arrived = [False] * len(self.bucket.params)
+        self.missing = len(self.bucket.params)
+        self.launched = False
+        self.staging = None
+        self.late = None
+
+
 class HookGradReducer:
     """Stages 2-3: gradients are reduce-scattered bucket by bucket during backward; no rank keeps them whole.
 
@@ -126,84 +147,80 @@ class HookGradReducer:
         self.buckets = buckets
         self.overlap = overlap
         self.on_complete = on_complete
-        self.chains: dict[bool, list[FlatBucket]] = {}
+        # One launch chain per reduction group, each in the fixed bucket order.
+        self.chains: dict[str, list[_BucketProgress]] = {}
         for b in buckets:
-            self.chains.setdefault(b.is_expert, []).append(b)
+            progress = _BucketProgress(b)
+            progress.reset()
+            self.chains.setdefault(b.reduce_group, []).append(progress)
         self.next = dict.fromkeys(self.chains, 0)
         self.pending: list = []
         self.max_in_flight = 1
         self.handles = []
-        for b in buckets:
-            b.late = None
-            self._reset(b)
-            for i, p in enumerate(b.params):
-                p._zero_slot = (b, i)
-                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for chain in self.chains.values():
+            for progress in chain:
+                for i, p in enumerate(progress.bucket.params):
+                    hook = functools.partial(self._on_grad, progress, i)
+                    self.handles.append(p.register_post_accumulate_grad_hook(hook))
 
-    @staticmethod
-    def _reset(b: FlatBucket) -> None:
-        b.arrived = [False] * len(b.params)
-        b.missing = len(b.params)
-        b.launched = False
-        b.grad_full = None
-        b.late = None
-
-    def _on_grad(self, p: nn.Parameter) -> None:
-        b, i = p._zero_slot
+    def _on_grad(self, progress: _BucketProgress, i: int, p: nn.Parameter) -> None:
+        b = progress.bucket
         g = p.grad
         p.grad = None
         if g is None:
             return
         o, n = b.offsets[i], b.numels[i]
         with torch.no_grad():
-            if b.launched:
-                if b.late is None:
-                    b.late = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-                b.late[o : o + n].add_(g.reshape(-1))
+            if progress.launched:
+                if progress.late is None:
+                    progress.late = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+                progress.late[o : o + n].add_(g.reshape(-1))
                 return
-            if b.grad_full is None:
-                b.grad_full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-            view = b.grad_full[o : o + n]
-            if b.arrived[i]:
+            if progress.staging is None:
+                progress.staging = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            view = progress.staging[o : o + n]
+            if progress.arrived[i]:
                 view.add_(g.reshape(-1))
                 return
             view.copy_(g.reshape(-1))
-        b.arrived[i] = True
-        b.missing -= 1
-        if b.missing == 0:
+        progress.arrived[i] = True
+        progress.missing -= 1
+        if progress.missing == 0:
             if self.on_complete is not None:
                 self.on_complete(b)
-            self._advance(b.is_expert, flush=False)
+            self._advance(b.reduce_group, flush=False)
 
-    def _advance(self, key: bool, flush: bool) -> None:
+    def _advance(self, key: str, flush: bool) -> None:
         chain = self.chains[key]
         while self.next[key] < len(chain):
-            b = chain[self.next[key]]
-            if b.missing and not flush:
+            progress = chain[self.next[key]]
+            if progress.missing and not flush:
                 return
-            if b.grad_full is None:
-                b.grad_full = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-            self._launch(b, b.grad_full)
-            b.launched = True
+            b = progress.bucket
+            if progress.staging is None:
+                progress.staging = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            self._launch(progress, progress.staging)
+            progress.launched = True
             self.next[key] += 1
 
-    def _launch(self, b: FlatBucket, flat: torch.Tensor) -> None:
-        out, handle = _reduce(b, flat, self.overlap)
-        self.pending.append((b, flat, out, handle))
+    def _launch(self, progress: _BucketProgress, flat: torch.Tensor) -> None:
+        out, handle = _reduce(progress.bucket, flat, self.overlap)
+        self.pending.append((progress, flat, out, handle))
         # Bound the staging memory: a full-size gradient buffer lives only while its reduction is in flight.
         while len(self.pending) > self.max_in_flight:
             self._finish(*self.pending.pop(0))
 
     @staticmethod
-    def _finish(b: FlatBucket, flat: torch.Tensor, out: torch.Tensor, handle) -> None:
+    def _finish(progress: _BucketProgress, flat: torch.Tensor, out: torch.Tensor, handle) -> None:
         if handle is not None:
             handle.wait()
         # Release the full-size staging buffer now, not at the end of backward.
-        if flat is b.grad_full:
-            b.grad_full = None
-        elif flat is b.late:
-            b.late = None
+        if flat is progress.staging:
+            progress.staging = None
+        elif flat is progress.late:
+            progress.late = None
         out = out.float()
+        b = progress.bucket
         if b.grad_acc is None:
             b.grad_acc = out  # the staging buffer is dropped at reset, so taking it over is safe
         else:
@@ -214,21 +231,22 @@ class HookGradReducer:
         for key in self.chains:
             self._advance(key, flush=True)
         for chain in self.chains.values():
-            group = chain[0].grad_group
-            flags = torch.tensor([b.late is not None for b in chain], dtype=torch.int32, device=chain[0].device)
-            comm.all_reduce(flags, group, op=ReduceOp.MAX)
-            for b, flag in zip(chain, flags.tolist()):
+            first = chain[0].bucket
+            flags = torch.tensor([p.late is not None for p in chain], dtype=torch.int32, device=first.device)
+            comm.all_reduce(flags, first.grad_group, op=ReduceOp.MAX)
+            for progress, flag in zip(chain, flags.tolist()):
                 if flag:
-                    if b.late is None:
-                        b.late = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-                    self._launch(b, b.late)
+                    b = progress.bucket
+                    if progress.late is None:
+                        progress.late = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+                    self._launch(progress, progress.late)
         for item in self.pending:
             self._finish(*item)
         self.pending.clear()
-        for key in self.chains:
+        for key, chain in self.chains.items():
             self.next[key] = 0
-        for b in self.buckets:
-            self._reset(b)
+            for progress in chain:
+                progress.reset()
 
     def reduce(self, async_op: bool) -> None:
         pass  # already reduced during backward

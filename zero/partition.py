@@ -26,6 +26,8 @@ def _resize_storage(t: torch.Tensor, nbytes: int) -> None:
 class FlatBucket:
     """Parameters of one reduction group flattened into one padded buffer split evenly over the group.
 
+    `group` is the set of ranks holding replicas of these parameters (gradients are reduced over
+    `grad_group`, a twin of it by default the same group); `reduce_group` names that reduction.
     shard=False keeps the whole buffer on every rank (stage 0). resident=False (stage 3) keeps only
     this rank's shard; the full buffer's storage is allocated by `gather` and released by `free`, and
     the parameters stay views into it, so tensors autograd saved in forward see the data again after
@@ -41,7 +43,7 @@ class FlatBucket:
         dtype: torch.dtype,
         shard: bool,
         resident: bool,
-        is_expert: bool,
+        reduce_group: str = "dense",
         grad_group: ProcessGroup | None = None,
     ) -> None:
         if not params:
@@ -51,7 +53,7 @@ class FlatBucket:
         self.group = group  # parameter all-gathers and the initial broadcast
         self.grad_group = grad_group if grad_group is not None else group  # gradient reductions
         self.dtype = dtype
-        self.is_expert = is_expert
+        self.reduce_group = reduce_group  # the name of the engine's reduction this bucket belongs to
         self.trainable = params[0].requires_grad
         self.sharded = shard
         self.resident = resident
@@ -66,6 +68,8 @@ class FlatBucket:
         self.padded = math.ceil(self.numel / self.world) * self.world
         self.shard_size = self.padded // self.world
         self.shard_start = self.rank * self.shard_size
+        # Ranks of the group holding each element (the global gradient norm counts every element once).
+        self.replicas = group_size(group) // self.world
         self.device = params[0].device
         self.full = torch.zeros(self.padded, dtype=dtype, device=self.device)
         with torch.no_grad():
@@ -73,10 +77,11 @@ class FlatBucket:
                 self.full[o : o + n].copy_(p.detach().reshape(-1))
         self.local: torch.Tensor | None = None  # this rank's shard when not resident
         self.gathered = True
-        # Gradient state, managed by the reducer.
+        # Gradient state, managed by the reducer: the full-size flat gradient (stages 0-1 keep it for the
+        # whole step) and this rank's reduced fp32 shard accumulated over micro-batches.
         self.grad_full: torch.Tensor | None = None
         self.grad_acc: torch.Tensor | None = None
-        self.master: nn.Parameter | None = None
+        self.master: nn.Parameter | None = None  # fp32 master of this rank's shard (trainable buckets)
 
     # ------------------------------------------------------------------ layout
     def param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:

@@ -85,11 +85,8 @@ class Stage3Hooks:
         self.root_gathered = False
         self.pending: dict[int, list] = {}
         self.hook_handles = []
-        for i, b_list in enumerate(unit_buckets):
-            for b in b_list:
-                b.unit_index = i
-        for b in root_buckets:
-            b.unit_index = None
+        # Unit of each unit bucket (root buckets have none: they stay gathered until the end of backward).
+        self.unit_of: dict[FlatBucket, int] = {b: i for i, b_list in enumerate(unit_buckets) for b in b_list}
         for i, (_, unit) in enumerate(units):
             self.hook_handles.append(unit.register_forward_pre_hook(functools.partial(self._pre_forward, i)))
             self.hook_handles.append(unit.register_forward_hook(functools.partial(self._post_forward, i)))
@@ -134,7 +131,7 @@ class Stage3Hooks:
 
     def on_bucket_reduced(self, b: FlatBucket) -> None:
         """All gradients of a unit bucket have arrived: its parameters are no longer needed this backward."""
-        i = getattr(b, "unit_index", None)
+        i = self.unit_of.get(b)
         if i is not None:
             self._wait(i)
             b.free()

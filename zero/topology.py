@@ -24,12 +24,14 @@ class LayoutError(ValueError):
 class ParallelDims:
     """Degrees of each parallelism; their product (dp * tp * pp * sp) must equal the world size.
 
+    `dp` left unset takes the rest of the world: `ParallelDims()` on N processes is dp=N.
+
     Rank order, outermost to innermost: pp, dp, sp, tp. Tensor parallel ranks are the closest
     neighbours (they talk most), pipeline stages the farthest. The ep ranks are the innermost
     `ep` ranks of the flattened dp x sp region.
     """
 
-    dp: int = 1
+    dp: int | None = None  # None: whatever the other degrees leave of the world (pure data parallel)
     tp: int = 1
     pp: int = 1
     sp: int = 1
@@ -37,14 +39,28 @@ class ParallelDims:
     world_size: int | None = None
     device_type: str = "cpu"
     _mesh: object = field(default=None, init=False, repr=False)
+    # Twin process groups for gradient reductions, keyed by (name, rank partition): built once.
+    _twins: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in _AXES:
             value = getattr(self, name)
+            if name == "dp" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"parallel.{name}={value!r} is invalid: every degree must be an int >= 1")
         if self.world_size is None:
             self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if self.dp is None:
+            # Like DeepSpeed and FSDP: ranks not claimed by another axis do data parallelism.
+            others = self.tp * self.pp * self.sp
+            if self.world_size % others:
+                raise LayoutError(
+                    f"tp={self.tp} x pp={self.pp} x sp={self.sp} = {others} does not divide the world size "
+                    f"{self.world_size}, so no data-parallel degree fills it: choose degrees whose product "
+                    "divides the number of processes"
+                )
+            self.dp = self.world_size // others
         product = self.dp * self.tp * self.pp * self.sp
         if product != self.world_size:
             raise LayoutError(
@@ -140,6 +156,35 @@ class ParallelDims:
     def expert_data_parallel_group(self) -> ProcessGroup | None:
         """Expert-parameter gradient reduction group (replicas of the same experts)."""
         return self._group("edp")
+
+    def twin_groups(self, groups: dict[str, ProcessGroup | None]) -> dict[str, ProcessGroup | None]:
+        """For each named group, a second process group over the same ranks (None stays None).
+
+        Gradient reductions run on twins so their order can never interleave differently across ranks
+        with other collectives on the original group (e.g. the parameter all-gathers of ZeRO-3, whose
+        order depends only on the forward). Each twin is created once per ParallelDims and reused by
+        every later engine. Collective: every rank calls it with the same names in the same order.
+        """
+        if not self.distributed:
+            return dict(groups)
+        from zero import comm
+
+        mine = {name: None if g is None else dist.get_process_group_ranks(g) for name, g in groups.items()}
+        everyone = comm.all_gather_object(mine, dist.group.WORLD)
+        out: dict[str, ProcessGroup | None] = {}
+        for name, group in groups.items():
+            partition = tuple(sorted({tuple(ranks[name]) for ranks in everyone if ranks[name] is not None}))
+            key = (name, partition)
+            if key not in self._twins:
+                twin = None
+                # Every rank creates every group of the partition, in the same order (torch requires it).
+                for ranks in partition:
+                    created = dist.new_group(list(ranks))
+                    if dist.get_rank() in ranks:
+                        twin = created
+                self._twins[key] = twin
+            out[name] = None if group is None else self._twins[key]
+        return out
 
     # ---------------------------------------------------------------- coordinates
     def coordinate(self, rank: int | None = None) -> dict[str, int]:

@@ -114,14 +114,14 @@ def reference_losses(
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, dim: int, num_experts: int) -> None:
+    def __init__(self, dim: int, num_experts: int, aux_loss_coef: float = 0.0, z_loss_coef: float = 1e-3) -> None:
         super().__init__()
         from moe import MoELayer
 
         self.norm = nn.LayerNorm(dim)
-        # aux loss off: it is a product of batch statistics, so a per-rank batch cannot reproduce the
-        # global-batch value; the z-loss is a plain token mean and stays on.
-        self.ffn = MoELayer(dim, 16, num_experts, top_k=2, aux_loss_coef=0.0, z_loss_coef=1e-3)
+        # aux loss off by default: it is a product of batch statistics, so a per-rank batch cannot
+        # reproduce the global-batch value; the z-loss is a plain token mean and stays on.
+        self.ffn = MoELayer(dim, 16, num_experts, top_k=2, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.ffn(self.norm(x))
@@ -130,10 +130,10 @@ class MoEBlock(nn.Module):
 class TinyMoE(nn.Module):
     """Embedding, a dense block, MoE blocks, a head: dense and expert parameters in every unit kind."""
 
-    def __init__(self, n_layers: int = 2, num_experts: int = 4, ckpt: bool = False) -> None:
+    def __init__(self, n_layers: int = 2, num_experts: int = 4, ckpt: bool = False, **moe_kw) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block(DIM)] + [MoEBlock(DIM, num_experts) for _ in range(n_layers)])
+        self.blocks = nn.ModuleList([Block(DIM)] + [MoEBlock(DIM, num_experts, **moe_kw) for _ in range(n_layers)])
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.ckpt = ckpt

@@ -70,9 +70,7 @@ def _memory_and_traffic() -> dict:
                     b.padded,
                     b.shard_size,
                     b.world,
-                    b.stage3_kind
-                    if hasattr(b, "stage3_kind")
-                    else ("root" if getattr(b, "unit_index", 0) is None else "unit"),
+                    "unit" if engine.stage3 is not None and b in engine.stage3.unit_of else "root",
                 )
                 for b in engine.buckets
             ],
