@@ -336,3 +336,30 @@ def test_single_process_engine_matches_plain_training(stage) -> None:
     assert engine.get_lr() == pytest.approx(sched.get_last_lr())
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(engine.full_state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_reduce_group_declarations_are_checked() -> None:
+    model, other = build(), build()
+    head = [model.head.weight]
+    with pytest.raises(ValueError, match="not in the model"):
+        zero.initialize(model, OPT, reduce_groups=[zero.ReduceGroup("x", [other.head.weight], None)])
+    with pytest.raises(ValueError, match="used twice"):
+        zero.initialize(model, OPT, reduce_groups=[zero.ReduceGroup("dense", head, None)])
+    with pytest.raises(ValueError, match="reduces over one group"):
+        zero.initialize(model, OPT, reduce_groups=[zero.ReduceGroup("a", head, None),
+                                                   zero.ReduceGroup("b", head, None)])
+    with pytest.raises(TypeError, match="zero.ReduceGroup"):
+        zero.initialize(model, OPT, reduce_groups=[("x", head, None)])
+    with pytest.raises(TypeError, match="loss_scale_hooks"):
+        zero.initialize(model, OPT, loss_scale_hooks=[1.0])
+    engine = zero.initialize(model, OPT, reduce_groups=[zero.ReduceGroup("head", head, None)])
+    assert {b.reduce_group for b in engine.buckets} == {"dense", "head"}
+    assert [b.names for b in engine.buckets if b.reduce_group == "head"] == [["head.weight"]]
+
+
+def test_loss_scale_hooks_receive_the_backward_factor() -> None:
+    seen = []
+    engine = zero.initialize(build(), OPT, zero.ZeroConfig(dtype="fp16", grad_accum_steps=4, initial_loss_scale=256.0),
+                             loss_scale_hooks=[seen.append])
+    engine.backward(lm_loss(engine, global_batch(0, 0, 2)))
+    assert seen == [256.0 / 4]

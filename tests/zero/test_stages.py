@@ -67,3 +67,22 @@ def test_stage0_two_ranks_first_then_1_2_3() -> None:
 
 def test_all_stages_four_ranks() -> None:
     _check(run_multirank(_run_stages, 4, [0, 1, 2, 3], ["tied_accum_clip"]), 4)
+
+
+def _train_without_dims() -> dict:
+    """What a user writes under torchrun: no ParallelDims at all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = zero.initialize(build(seed=rank), OPT, zero.ZeroConfig(stage=2))
+    assert engine.dims.dp == world
+    losses = []
+    for step in range(4):
+        loss = lm_loss(engine, global_batch(step, 0, ROWS_PER_RANK * world)[rank * ROWS_PER_RANK :][:ROWS_PER_RANK])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"plain": losses}
+
+
+def test_initialize_without_dims_trains_data_parallel() -> None:
+    results = run_multirank(_train_without_dims, 2)
+    assert_rank_mean_close(results, "plain", reference_losses({}, 4, ROWS_PER_RANK * 2), 2)

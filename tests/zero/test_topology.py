@@ -86,3 +86,38 @@ def test_groups_dp2_sp2_ep2(four_rank_groups):
 def test_bad_layout_under_distributed_reports_rank():
     with pytest.raises(MultiRankError, match="does not match the world size 2"):
         run_multirank(_groups, 2, 1, 1, 1, 1, 1)
+
+
+def _default_degrees_and_twins():
+    import torch.distributed as dist
+
+    created = []
+    original = dist.new_group
+
+    def counting_new_group(*args, **kwargs):
+        created.append(args[0] if args else kwargs.get("ranks"))
+        return original(*args, **kwargs)
+
+    dist.new_group = counting_new_group
+    try:
+        plain, with_sp = ParallelDims(), ParallelDims(sp=2)
+        first = plain.twin_groups({"dense": plain.dp_sp_group, "none": None})
+        made_by_first = len(created)
+        again = plain.twin_groups({"dense": plain.dp_sp_group, "none": None})
+    finally:
+        dist.new_group = original
+    return {
+        "plain": (plain.dp, plain.sp), "with_sp": (with_sp.dp, with_sp.sp),
+        "twin_ranks": _members(first["dense"]), "twin_is_new": first["dense"] is not plain.dp_sp_group,
+        "none": first["none"], "made_by_first": made_by_first, "made_by_second": len(created) - made_by_first,
+        "reused": again["dense"] is first["dense"],
+    }
+
+
+def test_default_degrees_are_data_parallel_and_twins_are_built_once():
+    for res in run_multirank(_default_degrees_and_twins, 4):
+        assert res["plain"] == (4, 1) and res["with_sp"] == (2, 2)
+        assert res["twin_ranks"] == [0, 1, 2, 3] and res["twin_is_new"] and res["none"] is None
+        assert res["made_by_first"] == 1 and res["made_by_second"] == 0 and res["reused"]
+    with pytest.raises(LayoutError, match="does not divide the world size 4"):
+        ParallelDims(tp=3, world_size=4)
