@@ -20,17 +20,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0]) == _HERE:
     sys.path[0] = os.path.dirname(_HERE)
 
+from tests.multirank import free_port  # noqa: E402
+
 DIM, FFN, TOP_K = 512, 1024, 2
 IMPLS = ("ours", "ours_cap", "deepspeed", "naive")
 GRAD_MODES = ("fresh", "kept")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status_mib(field: str) -> float:
@@ -61,7 +55,7 @@ def _build(impl: str, num_experts: int):
         from deepspeed.moe.layer import MoE
 
         # DeepSpeed's MoE needs its expert-parallel groups, which need a process group: one gloo rank.
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         expert = nn.Sequential(nn.Linear(DIM, FFN, bias=False), nn.GELU(), nn.Linear(FFN, DIM, bias=False))

@@ -16,7 +16,6 @@ import json
 import multiprocessing as mp
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -24,13 +23,14 @@ import traceback
 import warnings
 from collections import defaultdict
 
+# Run as a script, this folder leads sys.path and its zero.py would shadow the zero package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0]) == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
+
+from tests.multirank import free_port  # noqa: E402
+
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- byte counting
@@ -215,7 +215,7 @@ def _worker(rank: int, port: int, framework: str, stage: int, args, results) -> 
 def run_framework(framework: str, stage: int, args) -> list[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, framework, stage, args, results)) for r in range(WORLD)]
     for p in procs:
         p.start()

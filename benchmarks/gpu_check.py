@@ -1,0 +1,368 @@
+"""The measurements of benchmarks/gpu_check.sh on one CUDA GPU: MoE layer vs its GEMM bound (and DeepSpeed),
+Ulysses attention at sp=1 vs plain SDPA, and a recipe run's tokens/s and MFU.
+
+Each subcommand prints its figures and appends them to --results. `--smoke` shrinks every size so that
+the code paths run in seconds on a CPU (`--device cpu --dtype float32 --smoke`); its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import runpy
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Run as a script, this folder leads sys.path and its zero.py would shadow the zero package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0]) == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
+
+import torch  # noqa: E402
+
+# Dense (no sparsity) bf16 tensor-core peak by GPU name, from NVIDIA's data sheets (half the
+# "with sparsity" figure). First match wins, so the PCIe / NVL variants precede their family.
+PEAK_BF16_FLOPS = (("H100 PCIE", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12),
+                   ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+TOP_K = 2
+# (tokens, dim, ffn, experts): a few wide experts (Mixtral-like) and many narrow ones (DeepSeek-like).
+MOE_CASES = ((16384, 2048, 4096, 8), (16384, 2048, 1024, 64))
+MOE_SMOKE = ((256, 64, 128, 4),)
+# (batch, seq, heads, kv_heads, head_dim): multi-head and grouped-query attention at a long sequence.
+ATTN_CASES = ((1, 32768, 16, 16, 128), (1, 32768, 16, 4, 128))
+ATTN_SMOKE = ((1, 256, 4, 4, 16), (1, 256, 4, 2, 16))
+
+_results: Path | None = None
+
+
+class _TimeLimit(BaseException):
+    """SIGTERM from `timeout`: not an Exception, so the recipe's handlers let it through to our report."""
+
+
+def emit(line: str = "") -> None:
+    """A figure: to stdout and appended to the results file."""
+    print(line, flush=True)
+    if _results is not None:
+        with _results.open("a") as f:
+            f.write(line + "\n")
+
+
+def peak_flops(device: torch.device) -> tuple[float | None, str]:
+    """(dense bf16 peak FLOP/s or None, GPU name); $GPU_PEAK_FLOPS overrides the table."""
+    if device.type != "cuda":
+        return None, "cpu"
+    name = torch.cuda.get_device_name(device)
+    if os.environ.get("GPU_PEAK_FLOPS"):
+        return float(os.environ["GPU_PEAK_FLOPS"]), name
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name.upper()), None), name
+
+
+def mfu_text(flops_per_s: float, peak: float | None) -> str:
+    return f"{100 * flops_per_s / peak:.1f}%" if peak else "unknown peak"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """Median wall time of fn() in seconds, the device synchronised around every call."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------- env
+def cmd_env(args) -> None:
+    device = torch.device(args.device)
+    emit(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    peak, name = peak_flops(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        emit(f"GPU: {name}, {props.total_memory / 2**30:.0f} GiB, compute capability {props.major}.{props.minor}, "
+             f"dense bf16 peak {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown peak'}")
+    for dist in ("flash-attn", "deepspeed", "triton"):
+        emit(f"{dist}: {_version(dist) or 'not installed'}")
+
+
+# ---------------------------------------------------------------------------- MoE layer
+def moe_flops(tokens: int, dim: int, ffn: int, experts: int) -> int:
+    """Matmul FLOPs of one GELU MoE layer's forward (two expert GEMMs per token-slot + the router), x3 for
+    forward+backward."""
+    return 3 * (2 * 2 * tokens * TOP_K * dim * ffn + 2 * tokens * dim * experts)
+
+
+def gemm_rate(tokens: int, dim: int, ffn: int, experts: int, device, dtype, warmup: int, iters: int) -> float:
+    """FLOP/s of the expert GEMMs at perfect balance as batched dense GEMMs ([E, T*k/E, ...] @ [E, ...]):
+    the forward pair and the four backward ones (input and weight gradients)."""
+    m = max(1, tokens * TOP_K // experts)
+
+    def r(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    x, w1, h, w2, gy, gh = r(experts, m, dim), r(experts, dim, ffn), r(experts, m, ffn), r(experts, ffn, dim), \
+        r(experts, m, dim), r(experts, m, ffn)
+
+    def run() -> None:
+        torch.bmm(x, w1)
+        torch.bmm(h, w2)
+        torch.bmm(gy, w2.transpose(1, 2))  # d h
+        torch.bmm(h.transpose(1, 2), gy)  # d w2
+        torch.bmm(gh, w1.transpose(1, 2))  # d x
+        torch.bmm(x.transpose(1, 2), gh)  # d w1
+
+    return experts * 6 * 2 * m * dim * ffn / median_time(run, device, warmup, iters)
+
+
+def _deepspeed_moe(dim: int, ffn: int, experts: int, device, dtype):
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+    from torch import nn
+
+    from tests.multirank import free_port
+
+    if not torch.distributed.is_initialized():  # its expert groups need a process group: one rank
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    expert = nn.Sequential(nn.Linear(dim, ffn, bias=False), nn.GELU(), nn.Linear(ffn, dim, bias=False))
+    layer = MoE(dim, expert, num_experts=experts, ep_size=1, k=TOP_K, capacity_factor=1.25)
+    layer.set_deepspeed_parallelism()
+    return layer.to(device, dtype)
+
+
+def _moe_step(layer, x: torch.Tensor, g: torch.Tensor, deepspeed: bool):
+    def step() -> None:
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        out = layer(x)
+        if deepspeed:  # (y, aux loss, counts): its aux loss is returned; ours rides on the output
+            y, aux, _ = out
+            torch.autograd.backward([y, aux], [g, torch.full_like(aux, 1e-2)])
+        else:
+            out.backward(g)
+
+    return step
+
+
+def cmd_moe(args) -> None:
+    from moe import MoELayer
+    from moe.experts import grouped_mm_supported
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    peak, _ = peak_flops(device)
+    warmup, iters = (1, 2) if args.smoke else (3, 10)
+    have_ds = _version("deepspeed") is not None
+    emit(f"MoE layer fwd+bwd on {device.type}, {args.dtype}, top-{TOP_K}, GELU experts; ours dropless, "
+         f"DeepSpeed capacity 1.25; median of {iters} passes after {warmup} warm-up")
+    emit("| tokens | dim | ffn | E | impl | ms | TFLOP/s | time / bound | MFU |")
+    emit("|---|---|---|---|---|---|---|---|---|")
+    for tokens, dim, ffn, experts in MOE_SMOKE if args.smoke else MOE_CASES:
+        flops = moe_flops(tokens, dim, ffn, experts)
+        rate = gemm_rate(tokens, dim, ffn, experts, device, dtype, warmup, iters)
+        bound = flops / rate
+        x = torch.randn(1, tokens, dim, device=device, dtype=dtype, requires_grad=True)
+        g = torch.randn(1, tokens, dim, device=device, dtype=dtype)
+        for name in ("ours", "deepspeed") if have_ds else ("ours",):
+            try:
+                with torch.device(device):  # weights made and initialised on the device
+                    layer = (MoELayer(dim, ffn, experts, top_k=TOP_K, activation="gelu") if name == "ours"
+                             else _deepspeed_moe(dim, ffn, experts, device, dtype)).to(dtype)
+                t = median_time(_moe_step(layer, x, g, name == "deepspeed"), device, warmup, iters)
+            except Exception as e:  # noqa: BLE001 - a failing peer is a result, not the end of the check
+                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                emit(f"| {tokens} | {dim} | {ffn} | {experts} | {name} | failed: {why} | | | |")
+                continue
+            finally:
+                layer = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            emit(f"| {tokens} | {dim} | {ffn} | {experts} | {name} | {t * 1e3:.2f} | {flops / t / 1e12:.1f} | "
+                 f"{t / bound:.2f} | {mfu_text(flops / t, peak)} |")
+        emit(f"| {tokens} | {dim} | {ffn} | {experts} | GEMM bound (batched bmm) | "
+             f"{bound * 1e3:.2f} | {rate / 1e12:.1f} | 1.00 | {mfu_text(rate, peak)} |")
+    path = "torch._grouped_mm" if grouped_mm_supported(device, dtype, dim, ffn) else "a per-expert loop"
+    emit(f"expert GEMMs ran as: {path}; DeepSpeed: {_version('deepspeed') or 'not installed'}")
+
+
+# ---------------------------------------------------------------------------- Ulysses attention
+def attention_times(ours, b: int, s: int, h: int, hkv: int, d: int, device, dtype, warmup: int,
+                    iters: int) -> dict[str, float]:
+    """Median fwd+bwd seconds of `ours` on [b, s, heads, d] and of SDPA on the same data as [b, heads, s, d]."""
+    import torch.nn.functional as F
+
+    from kernels.attention import flash_available
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    q, k, v, grad_out = leaf(b, s, h, d), leaf(b, s, hkv, d), leaf(b, s, hkv, d), leaf(b, s, h, d).detach()
+    # [b, s, heads, d] -> [b, heads, s, d], the layout SDPA takes, made before the clock starts
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    grad_out_t = grad_out.transpose(1, 2)
+
+    def run_ours() -> None:
+        q.grad = k.grad = v.grad = None
+        ours(q, k, v, causal=True).backward(grad_out)
+
+    def run_sdpa() -> None:
+        qt.grad = kt.grad = vt.grad = None
+        F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=h != hkv).backward(grad_out_t)
+
+    return {"sdpa": median_time(run_sdpa, device, warmup, iters), "ours": median_time(run_ours, device, warmup, iters),
+            "flash": flash_available(q)}
+
+
+def cmd_ulysses(args) -> None:
+    from sequence_parallel import UlyssesAttention
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    peak, _ = peak_flops(device)
+    warmup, iters = (1, 2) if args.smoke else (3, 10)
+    ours = UlyssesAttention(None)  # sp=1 (one process): the wrapper's checks around kernels.attention
+    emit(f"Attention fwd+bwd on {device.type}, {args.dtype}, causal: UlyssesAttention(None) (sp=1) around "
+         f"kernels.attention vs F.scaled_dot_product_attention; median of {iters} passes after {warmup} warm-up")
+    emit("| batch | seq | heads | kv heads | head_dim | impl | ms | TFLOP/s | ours / sdpa | MFU |")
+    emit("|---|---|---|---|---|---|---|---|---|---|")
+    for b, s, h, hkv, d in ATTN_SMOKE if args.smoke else ATTN_CASES:
+        # Causal: half the 4*b*s^2*h*d of QK^T and PV forward; backward does 2.5x the forward.
+        flops = 3.5 * 2 * b * s * s * h * d
+        times = attention_times(ours, b, s, h, hkv, d, device, dtype, warmup, iters)
+        rows = ((f"ours ({'flash-attn' if times['flash'] else 'SDPA'})", times["ours"],
+                 f"{times['ours'] / times['sdpa']:.2f}"), ("plain SDPA", times["sdpa"], "1.00"))
+        for label, t, ratio in rows:
+            emit(f"| {b} | {s} | {h} | {hkv} | {d} | {label} | {t * 1e3:.2f} | {flops / t / 1e12:.1f} | {ratio} | "
+                 f"{mfu_text(flops / t, peak)} |")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- recipe
+def model_flops_per_token(model: dict, seq_len: int) -> tuple[int, int]:
+    """(active matmul parameters, attention FLOPs per token for forward+backward) of a recipe model config.
+
+    Active parameters: the weights a token is multiplied with (attention projections, the dense FFN or
+    the router + its top-k routed experts + the shared experts, the output projection); the embedding
+    lookup is no matmul. Attention: QK^T and PV over on average seq/2 keys (causal), x3 for fwd+bwd.
+    """
+    dim, layers, heads, kv_heads = model["dim"], model["n_layers"], model["n_heads"], model["n_kv_heads"]
+    head_dim = dim // heads
+    ffn = model["ffn_dim"] or 64 * math.ceil(8 * dim / 3 / 64)  # 0 = ModelConfig's SwiGLU default
+    moe = model.get("moe") or {}
+    experts = moe.get("num_experts") or 0
+    first_dense, every = moe.get("first_dense", 0), moe.get("every", 1)
+    expert_ffn = moe.get("ffn_dim") or ffn
+    mats = 3 if moe.get("activation", "swiglu") == "swiglu" else 2
+    attn = 2 * dim * heads * head_dim + 2 * dim * kv_heads * head_dim  # wq, wo; wk, wv
+    active = model["vocab_size"] * dim
+    for layer in range(layers):
+        active += attn
+        if experts and layer >= first_dense and (layer - first_dense) % every == 0:
+            routed = moe.get("top_k", 2) + moe.get("num_shared_experts", 0)
+            active += dim * experts + routed * mats * dim * expert_ffn
+        else:
+            active += 3 * dim * ffn
+    return active, 6 * layers * seq_len * heads * head_dim
+
+
+def report_recipe(run_dir: Path, label: str, exit_code, stopped: bool, on_gpu: bool, wall_s: float) -> None:
+    from omegaconf import OmegaConf
+
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
+        if metrics.exists() else []
+    how = "stopped by the time limit" if stopped else f"exit {exit_code}"
+    where = "on the GPU" if on_gpu else "on the CPU (no CUDA memory was allocated)"
+    if not records:
+        emit(f"recipe {label}: no steps recorded ({how}, {wall_s:.0f} s); see the log above")
+        return
+    warm = min(5, len(records) // 3)  # first steps: allocator growth, kernel selection
+    steady = records[warm:]
+    tok_s = statistics.median(r["tokens_per_s"] for r in steady)
+    step_s = statistics.median(r["step_time_s"] for r in steady)
+    cfg = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    active, attn = model_flops_per_token(cfg["model"], cfg["train"]["seq_len"])
+    flops_per_token = 6 * active + attn
+    emit(f"recipe {label}: {len(records)} steps ({how}, {wall_s:.0f} s wall) ran {where}; "
+         f"median of steps {warm + 1}-{len(records)}: {tok_s:,.0f} tokens/s, {step_s * 1e3:.1f} ms/step; "
+         f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}")
+    peak, _ = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else (None, "")
+    if not on_gpu:
+        mfu = "not computed (the run used the CPU)"
+    else:
+        mfu = mfu_text(flops_per_token * tok_s, peak)
+    emit(f"recipe {label}: {active / 1e6:.1f}M active matmul params, {flops_per_token / 1e6:.1f} MFLOP/token "
+         f"(6 x params + {attn / 1e6:.1f}M attention), {flops_per_token * tok_s / 1e12:.2f} TFLOP/s, MFU {mfu}")
+
+
+def cmd_recipe(args) -> int:
+    """`python -m recipes.pretrain <overrides> run_dir=<run_dir>` in this process, then its report."""
+    run_dir = Path(args.run_dir).resolve()
+
+    def on_term(signum, frame):
+        raise _TimeLimit
+
+    signal.signal(signal.SIGTERM, on_term)
+    sys.argv = ["recipes.pretrain", *args.overrides, f"run_dir='{run_dir}'"]
+    code, stopped, t0 = 0, False, time.perf_counter()
+    try:
+        runpy.run_module("recipes.pretrain", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except _TimeLimit:
+        stopped = True
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    wall = time.perf_counter() - t0
+    # The recipe places its tensors itself; a GPU run leaves a CUDA high-water mark, a CPU run none.
+    on_gpu = torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 2**20
+    report_recipe(run_dir, args.label, code, stopped, on_gpu, wall)
+    (run_dir / "gpu_check.json").write_text(json.dumps({"on_gpu": on_gpu, "exit": code, "stopped": stopped}))
+    return 124 if stopped else code
+
+
+def main() -> int:
+    global _results
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", choices=("env", "moe", "ulysses", "recipe"))
+    ap.add_argument("overrides", nargs="*", help="recipe: hydra overrides, e.g. zero.dtype=bf16 model=moe_small")
+    ap.add_argument("--results", help="file the figures are appended to (besides stdout)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, to exercise the code on a CPU")
+    ap.add_argument("--run-dir", help="recipe: its run_dir")
+    ap.add_argument("--label", default="run", help="recipe: the name its figures carry")
+    args = ap.parse_intermixed_args()  # recipe overrides may follow the options
+    _results = Path(args.results) if args.results else None
+    if args.part == "recipe":
+        if not args.run_dir:
+            ap.error("recipe needs --run-dir")
+        return cmd_recipe(args)
+    {"env": cmd_env, "moe": cmd_moe, "ulysses": cmd_ulysses}[args.part](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
