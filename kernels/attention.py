@@ -23,20 +23,35 @@ def flash_available(q: torch.Tensor) -> bool:
     return _flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_seq: bool = False,
+              same_dtype: bool = False, what: str = "attention", seq: str = "seq") -> None:
+    """Raise a ValueError unless q [batch, seq, heads, head_dim] and k, v [batch, seq_k, kv_heads, head_dim]
+    fit one attention call (query heads a multiple of kv heads: GQA).
+
+    `same_seq` / `same_dtype`: also require k and v to have q's sequence length / all three one dtype,
+    for callers that pack q, k and v into one buffer. `what` names the caller and `seq` the sequence
+    dim in the messages (e.g. "local sequence" for a sequence shard).
+    """
+    layout = f"[batch, {seq}, heads, head_dim]"
+    packed = "since q, k and v are packed into one buffer"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"attention expects [batch, seq, heads, head_dim] tensors, got q{tuple(q.shape)} "
-            f"k{tuple(k.shape)} v{tuple(v.shape)}"
-        )
+        raise ValueError(f"{what} expects {layout} tensors, got q{tuple(q.shape)} k{tuple(k.shape)} "
+                         f"v{tuple(v.shape)}")
     if k.shape != v.shape:
-        raise ValueError(f"k{tuple(k.shape)} and v{tuple(v.shape)} must have the same shape")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q{tuple(q.shape)} and k{tuple(k.shape)} differ in batch or head_dim")
+        raise ValueError(f"{what}: k{tuple(k.shape)} and v{tuple(v.shape)} must have the same shape")
+    if same_seq:
+        if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+            raise ValueError(f"{what}: q{tuple(q.shape)} and k{tuple(k.shape)} must agree in batch, {seq} "
+                             f"length and head_dim, {packed}")
+    elif q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"{what}: q{tuple(q.shape)} and k{tuple(k.shape)} differ in batch or head_dim; "
+                         f"both must match, only the sequence length ({seq}) may differ")
     if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(
-            f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) for grouped-query attention"
-        )
+        raise ValueError(f"{what}: query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]}) "
+                         "for grouped-query attention")
+    if same_dtype and not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{what}: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one "
+                         f"dtype, {packed}")
 
 
 def _causal_mask(s_q: int, s_k: int, device) -> torch.Tensor:
@@ -49,7 +64,7 @@ def _causal_mask(s_q: int, s_k: int, device) -> torch.Tensor:
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                         scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v computed in fp32, GQA by repeating kv heads."""
-    _check(q, k, v)
+    check_qkv(q, k, v)
     rep = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(rep, dim=2)
     v = v.repeat_interleave(rep, dim=2)
@@ -64,7 +79,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                    scale: float | None = None) -> torch.Tensor:
-    _check(q, k, v)
+    check_qkv(q, k, v)
     gqa = q.shape[2] != k.shape[2]
     # SDPA wants [b, h, s, d]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -83,7 +98,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             "flash-attn backend needs the flash_attn package, a CUDA tensor and fp16/bf16 inputs; "
             f"got package={'yes' if _flash_attn_func else 'no'}, device={q.device}, dtype={q.dtype}"
         )
-    _check(q, k, v)
+    check_qkv(q, k, v)
     return _flash_attn_func(q, k, v, causal=causal, softmax_scale=scale)
 
 

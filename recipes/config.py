@@ -6,7 +6,14 @@ import os
 import tempfile
 from pathlib import Path
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+
+from recipes.models.llama import MoEConfig
+
+# The MoE block of every model config (`defaults: [moe: base]` in conf/model/*.yaml) is the MoEConfig
+# dataclass itself: one source for its keys and defaults, and a misspelt key is refused by name.
+ConfigStore.instance().store(group="model/moe", name="base", node=MoEConfig)
 
 
 class ConfigError(ValueError):

@@ -26,6 +26,7 @@ from recipes.data import BatchSpec, DataError, build_streams
 from recipes.models.llama import ModelConfig, MoEConfig, Transformer
 from recipes.tracking import MetricsLogger
 from zero import comm
+from zero.topology import default_device
 
 IGNORE_INDEX = -100
 
@@ -48,19 +49,34 @@ def lr_at(step: int, cfg: DictConfig) -> float:
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
+    """Sets every group's lr to `lr_at(optimizer step)`: the engine steps it after each optimizer step
+    (a skipped fp16 step does not advance it) and saves it in its checkpoints."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [lr_at(self.last_epoch, self.cfg)] * len(self.optimizer.param_groups)
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in super().state_dict().items() if k != "cfg"}
+
+
 def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> Transformer:
     """The full model, identically initialised on every rank, then parallelised from outside."""
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     moe_cfg = MoEConfig(**model_cfg.pop("moe", {}))
     model = Transformer(ModelConfig(**model_cfg, moe=moe_cfg))
+    untileable: tuple[type, ...] = ()
     if cfg.model.moe.num_experts:
-        from moe import apply_expert_parallel, set_aux_loss_scale, set_stats_group
+        from moe import MoELayer, apply_expert_parallel, set_stats_group
 
         apply_expert_parallel(model, dims.ep_group)
-        # The balancing losses backpropagate beside the main loss, so they take its 1/accum scale; under
-        # sp their token statistics are summed over the sequence so a split sequence routes as a whole.
-        set_aux_loss_scale(model, 1.0 / cfg.train.grad_accum)
+        # Under sp the token statistics are summed over the sequence, so a split sequence routes as a whole.
         set_stats_group(model, dims.sp_group)
+        untileable = (MoELayer,)  # tiling would make router statistics per tile (see TiledMLP)
     if dims.sp > 1:
         from sequence_parallel import apply_ulysses
 
@@ -68,12 +84,43 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> Transformer:
     if cfg.train.tiled_mlp:
         from sequence_parallel import apply_tiled_mlp
 
-        apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp)
+        apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp, exclude=untileable)
     if cfg.train.activation_checkpointing:
         from sequence_parallel import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, offload=cfg.train.offload_activations)
     return model
+
+
+def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims) -> zero.Engine:
+    """The ZeRO engine over `model`, told what the model's MoE layers need from it."""
+    o = cfg.optim
+    moe_declarations = {}
+    if cfg.model.moe.num_experts:
+        from moe import expert_reduce_group, loss_scale_hooks
+
+        moe_declarations = {
+            # Experts are replicated only across the expert-data-parallel ranks: reduce them there.
+            "reduce_groups": [expert_reduce_group(model, dims.expert_data_parallel_group)],
+            # Balancing losses backpropagate beside the main loss, so they take its scale (1/accum, fp16).
+            "loss_scale_hooks": loss_scale_hooks(model),
+        }
+    engine = zero.initialize(
+        model,
+        optimizer=functools.partial(torch.optim.AdamW, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                    weight_decay=o.weight_decay),
+        config=zero.ZeroConfig(grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=o.grad_clip,
+                               **OmegaConf.to_container(cfg.zero, resolve=True)),
+        dims=dims,
+        lr_scheduler=functools.partial(ScheduleLR, cfg=cfg),
+        **moe_declarations,
+    )
+    if cfg.model.moe.num_experts and engine.grads_accumulate_in_place:
+        from moe import set_fused_grad_accumulation
+
+        # .grad are stable flat-buffer views without hooks: experts may add their gradients in place.
+        set_fused_grad_accumulation(model, True)
+    return engine
 
 
 def lm_loss(engine, tokens: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
@@ -109,7 +156,7 @@ def mean_over_dp(value: float, dims: zero.ParallelDims) -> float:
     """Average a per-data-shard scalar over data-parallel ranks (for logging the global-batch loss)."""
     if dims.dp == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=default_device())  # NCCL reduces device tensors
     comm.all_reduce(t, dims.dp_group)
     return t.item() / dims.dp
 
@@ -128,7 +175,7 @@ def per_rank(value: float, dims: zero.ParallelDims) -> list[float]:
     """`value` of every rank, in rank order (one small all-reduce)."""
     if dims.world_size == 1:
         return [value]
-    t = torch.zeros(dims.world_size, dtype=torch.float64)
+    t = torch.zeros(dims.world_size, dtype=torch.float64, device=default_device())
     t[dist.get_rank()] = value
     comm.all_reduce(t, dist.group.WORLD)
     return t.tolist()
@@ -150,7 +197,7 @@ def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims) -> fl
     total = 0.0
     for i in range(cfg.train.eval_batches):
         for micro in range(cfg.train.grad_accum):
-            x, y = val_stream.batch(i, micro, dims.dp_rank)
+            x, y = (t.to(engine.device, non_blocking=True) for t in val_stream.batch(i, micro, dims.dp_rank))
             total += lm_loss(engine, x, y, cfg, dims).item()
     engine.module.train()
     return mean_over_dp(total / (cfg.train.eval_batches * cfg.train.grad_accum), dims)
@@ -215,132 +262,154 @@ def expert_load_report(loads: dict[str, list[float]], run_dir: Path) -> str:
 def sample(engine, cfg: DictConfig, dims: zero.ParallelDims) -> str:
     """Generate bytes from the prompt. Every rank runs it in lockstep (same generator), so sharded
     experts and parameters take part; under sp the attention runs locally on the full sequence."""
+    from sequence_parallel import local_attention
+
     model = engine.module
-    restore = []
-    for m in model.modules():
-        inner = getattr(getattr(m, "attn_fn", None), "attn_fn", None)
-        if inner is not None:  # a sequence-parallel wrapper (a child module): use the wrapped function
-            restore.append((m, m.attn_fn))
-            del m.attn_fn
-            m.attn_fn = inner
-    prompt = torch.tensor([list(cfg.train.sample_prompt.encode())], dtype=torch.long)
-    gen = torch.Generator().manual_seed(cfg.train.seed)
+    prompt = torch.tensor([list(cfg.train.sample_prompt.encode())], dtype=torch.long, device=engine.device)
+    gen = torch.Generator(device=engine.device).manual_seed(cfg.train.seed)
     model.eval()
-    out = model.generate(prompt, cfg.train.sample_tokens, generator=gen, forward=engine)
-    model.train()
-    for m, fn in restore:
-        m.attn_fn = fn
+    try:
+        with local_attention(model):
+            out = model.generate(prompt, cfg.train.sample_tokens, generator=gen, forward=engine)
+    finally:
+        model.train()
     return (cfg.train.sample_prompt.encode() + bytes(out[0].clamp(max=255).tolist())).decode("utf-8", "replace")
 
 
-def train(cfg: DictConfig) -> dict:
-    check_config(cfg)
-    init_distributed()
-    dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")})
-    is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    # Every rank writes to rank 0's run_dir (its timestamp may differ by a second on other ranks).
-    run_dir = check_run_dir(comm.all_gather_object(str(cfg.run_dir), None if dims.world_size == 1 else
-                                                   dist.group.WORLD)[0])
-    torch.manual_seed(cfg.train.seed)
+def train_step(engine: zero.Engine, stream, step: int, cfg: DictConfig, dims: zero.ParallelDims) -> float:
+    """One optimizer step over `train.grad_accum` micro-batches; returns the global-batch mean loss."""
+    total = 0.0
+    for micro in range(cfg.train.grad_accum):
+        x, y = (t.to(engine.device, non_blocking=True) for t in stream.batch(step, micro, dims.dp_rank))
+        loss = lm_loss(engine, x, y, cfg, dims)
+        engine.backward(loss)
+        total += loss.item()
+    engine.step()
+    if cfg.model.moe.num_experts:
+        from moe import update_router_biases
 
-    t = cfg.train
-    spec = BatchSpec(t.micro_batch_size, t.grad_accum, dims.dp, t.seq_len)
-    train_stream, val_stream = build_streams(cfg.data, spec, t.seed, cfg.model.vocab_size)
+        update_router_biases(engine.module, dims.dp_sp_group)
+    return mean_over_dp(total / cfg.train.grad_accum, dims)
 
-    model = build_model(cfg, dims)
-    engine = zero.initialize(
-        model,
-        optimizer=functools.partial(torch.optim.AdamW, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                    eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay),
-        config=zero.ZeroConfig(grad_accum_steps=t.grad_accum, clip_grad_norm=cfg.optim.grad_clip,
-                               **OmegaConf.to_container(cfg.zero, resolve=True)),
-        dims=dims,
-    )
 
-    start_step = 0
-    ckpt = latest_checkpoint(run_dir) if t.resume else None
-    if ckpt is not None:
-        client_state = engine.load_checkpoint(ckpt)
-        start_step = client_state["step"]
-        torch.set_rng_state(client_state["rng"])
+def resume(engine: zero.Engine, run_dir: Path, cfg: DictConfig) -> int:
+    """Load the latest checkpoint of run_dir (when train.resume) and return the step to start from."""
+    ckpt = latest_checkpoint(run_dir) if cfg.train.resume else None
+    if ckpt is None:
+        return 0
+    client_state = engine.load_checkpoint(ckpt)
+    torch.set_rng_state(client_state["rng"])
+    return client_state["step"]
+
+
+def is_due(done: int, every: int, steps: int) -> bool:
+    """Evaluation / checkpoint cadence: every `every` steps (0 = never) and always at the last step."""
+    return (every and done % every == 0) or done == steps
+
+
+def report_expert_load(expert_loads: dict[str, list[float]], dims: zero.ParallelDims, run_dir: Path,
+                       is_rank0: bool) -> None:
+    """Sum each rank's expert loads over the data-parallel ranks; rank 0 writes the table and heatmap."""
+    for key, counts in expert_loads.items():
+        t_counts = torch.tensor(counts, dtype=torch.float64, device=default_device())
+        comm.all_reduce(t_counts, dims.dp_sp_group)
+        expert_loads[key] = t_counts.tolist()
     if is_rank0:
-        atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    logger = MetricsLogger(run_dir, is_rank0, OmegaConf.to_container(cfg.wandb),
-                           OmegaConf.to_container(cfg, resolve=True), resume_step=start_step)
-    n_params = sum(p.numel() for p in model.parameters())
-    if is_rank0:
-        print(f"{dims} | model {n_params / 1e6:.2f}M params on rank 0 | run_dir {run_dir}"
-              + (f" | resumed at step {start_step}" if start_step else ""), flush=True)
+        report = expert_load_report(expert_loads, run_dir)
+        atomic_write_text(run_dir / "expert_load.txt", report + "\n")
+        print(report, flush=True)
 
-    tokens_per_step = spec.global_batch * t.seq_len
-    progress = None
-    if is_rank0 and t.progress:
-        from tqdm import tqdm
 
-        progress = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-    val_loss = None
-    expert_loads: dict[str, list[float]] = {}
-    is_moe = bool(cfg.model.moe.num_experts)
-    for step in range(start_step, t.steps):
-        t0 = time.perf_counter()
-        comm.stats.reset()
-        lr = lr_at(step, cfg)
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
-        loss_total = 0.0
-        for micro in range(t.grad_accum):
-            x, y = train_stream.batch(step, micro, dims.dp_rank)
-            loss = lm_loss(engine, x, y, cfg, dims)
-            engine.backward(loss)
-            loss_total += loss.item()
-        engine.step()
-        from_moe = {}
-        if is_moe:
-            from moe import update_router_biases
+class Run:
+    """What one training run holds: config, layout, data, engine and logger, and its loop."""
 
-            update_router_biases(engine.module, dims.dp_sp_group)
-            from_moe = moe_step_metrics(engine.module, expert_loads)
-        loss_value = mean_over_dp(loss_total / t.grad_accum, dims)
-        dt = time.perf_counter() - t0
-        record = {"loss": loss_value, "lr": lr, "grad_norm": float(engine.global_grad_norm),
-                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                  "comm_bytes": comm.stats.total_bytes, **memory_metrics(dims),
-                  **from_moe}
-        done = step + 1
-        if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-            val_loss = evaluate(engine, val_stream, cfg, dims)
-            record["val_loss"] = val_loss
-        logger.log(done, record)
-        if (t.ckpt_every and done % t.ckpt_every == 0) or done == t.steps:
-            save_checkpoint(engine, run_dir, done, is_rank0)
+    def __init__(self, cfg: DictConfig) -> None:
+        check_config(cfg)
+        init_distributed()
+        self.cfg, t = cfg, cfg.train
+        self.dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")})
+        self.is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        # Every rank writes to rank 0's run_dir (its timestamp may differ by a second on other ranks).
+        world = None if self.dims.world_size == 1 else dist.group.WORLD
+        self.run_dir = check_run_dir(comm.all_gather_object(str(cfg.run_dir), world)[0])
+        torch.manual_seed(t.seed)
+        self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp, t.seq_len)
+        self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, cfg.model.vocab_size)
+        # One process per device: the model lives on this rank's GPU where there is one (else the CPU).
+        self.model = build_model(cfg, self.dims).to(default_device())
+        self.engine = build_engine(cfg, self.model, self.dims)
+        self.start_step = resume(self.engine, self.run_dir, cfg)
+        if self.is_rank0:
+            atomic_write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        self.logger = MetricsLogger(self.run_dir, self.is_rank0, OmegaConf.to_container(cfg.wandb),
+                                    OmegaConf.to_container(cfg, resolve=True), resume_step=self.start_step)
+        self.expert_loads: dict[str, list[float]] = {}
+        self.val_loss: float | None = None
+        if self.is_rank0:
+            n_params = sum(p.numel() for p in self.model.parameters())
+            print(f"{self.dims} | model {n_params / 1e6:.2f}M params on rank 0 | run_dir {self.run_dir}"
+                  + (f" | resumed at step {self.start_step}" if self.start_step else ""), flush=True)
+
+    def step_record(self, step: int, loss: float, lr: float, dt: float) -> dict:
+        """The metrics of one finished step (validation added by the caller)."""
+        engine_metrics = self.engine.metrics()
+        record = {"loss": loss, "lr": lr, "grad_norm": float(self.engine.global_grad_norm),
+                  "tokens_per_s": self.spec.global_batch * self.cfg.train.seq_len / dt, "step_time_s": dt,
+                  "comm_bytes": engine_metrics["comm_bytes_per_step"], **memory_metrics(self.dims)}
+        if self.cfg.zero.dtype == "fp16":
+            record.update(loss_scale=engine_metrics["loss_scale"], skipped_steps=engine_metrics["skipped_steps"])
+        if self.cfg.model.moe.num_experts:
+            record.update(moe_step_metrics(self.engine.module, self.expert_loads))
+        return record
+
+    def loop(self) -> None:
+        t = self.cfg.train
+        progress = None
+        if self.is_rank0 and t.progress:
+            from tqdm import tqdm
+
+            progress = tqdm(total=t.steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True)
+        for step in range(self.start_step, t.steps):
+            t0 = time.perf_counter()
+            lr = self.engine.get_lr()[0]
+            loss = train_step(self.engine, self.train_stream, step, self.cfg, self.dims)
+            record = self.step_record(step, loss, lr, time.perf_counter() - t0)
+            done = step + 1
+            if is_due(done, t.eval_every, t.steps):
+                self.val_loss = record["val_loss"] = evaluate(self.engine, self.val_stream, self.cfg, self.dims)
+            self.logger.log(done, record)
+            if is_due(done, t.ckpt_every, t.steps):
+                save_checkpoint(self.engine, self.run_dir, done, self.is_rank0)
+            if progress is not None:
+                progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                     **({"val": f"{self.val_loss:.3f}"} if self.val_loss is not None else {}))
+                progress.update(1)
         if progress is not None:
-            progress.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                 **({"val": f"{val_loss:.3f}"} if val_loss is not None else {}))
-            progress.update(1)
-    if progress is not None:
-        progress.close()
+            progress.close()
 
-    result = {"val_loss": val_loss, "steps": t.steps, "run_dir": str(run_dir)}
-    if t.sample_tokens and t.steps > start_step:
-        text = sample(engine, cfg, dims)
-        if is_rank0:
-            atomic_write_text(run_dir / "sample.txt", text)
-            print("---- sample ----\n" + text + "\n----------------", flush=True)
-    if is_moe and expert_loads:
-        # Each rank saw its own tokens: sum the loads over the data-parallel ranks for the report.
-        for key, counts in expert_loads.items():
-            t_counts = torch.tensor(counts, dtype=torch.float64)
-            comm.all_reduce(t_counts, dims.dp_sp_group)
-            expert_loads[key] = t_counts.tolist()
-        if is_rank0:
-            report = expert_load_report(expert_loads, run_dir)
-            atomic_write_text(run_dir / "expert_load.txt", report + "\n")
-            print(report, flush=True)
-    if is_rank0:
-        logger.summary({"final_val_loss": val_loss})
-        atomic_write_text(run_dir / "result.json", json.dumps(result))
-    logger.finish()
-    return result
+    def finish(self) -> dict:
+        """Sample, expert-load report, summary and result file."""
+        t = self.cfg.train
+        result = {"val_loss": self.val_loss, "steps": t.steps, "run_dir": str(self.run_dir)}
+        if t.sample_tokens and t.steps > self.start_step:
+            text = sample(self.engine, self.cfg, self.dims)
+            if self.is_rank0:
+                atomic_write_text(self.run_dir / "sample.txt", text)
+                print("---- sample ----\n" + text + "\n----------------", flush=True)
+        if self.expert_loads:
+            report_expert_load(self.expert_loads, self.dims, self.run_dir, self.is_rank0)
+        if self.is_rank0:
+            self.logger.summary({"final_val_loss": self.val_loss})
+            atomic_write_text(self.run_dir / "result.json", json.dumps(result))
+        self.logger.finish()
+        return result
+
+
+def train(cfg: DictConfig) -> dict:
+    """A whole run: build everything, train `train.steps` steps, then sample and report."""
+    run = Run(cfg)
+    run.loop()
+    return run.finish()
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

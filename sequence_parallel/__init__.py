@@ -5,10 +5,12 @@ change nothing else):
 
     apply_ulysses(model, sp_group)                       # every module.attn_fn -> UlyssesAttention
     tokens, labels, pos = shard_sequence(tokens, labels, sp_group)   # labels already shifted
-    apply_tiled_mlp(model, tile_size=...)                # every dense `feed_forward`, in place
+    apply_tiled_mlp(model, tile_size=..., exclude=(MoELayer,))  # every other `feed_forward`, in place
     apply_activation_checkpointing(model, offload=True)  # every `layers.N` block, inputs to host memory
+                                                         # (or offload=ActivationOffload() to count them)
     loss_sum, count = tiled_cross_entropy(model.forward_hidden(tokens, pos), model.output_weight, labels)
     loss = sp_loss(loss_sum, count, sp_group)            # sum over SP ranks / global label count
+    with local_attention(model): ...                     # whole sequence per rank, e.g. to sample
 
 Sequence lengths reached (one training step of a dim-256, 2-layer, 32k-vocab Llama on CPU, see
 benchmarks/long_sequence.md): under a 1.5 GiB RSS cap, 2560 tokens without ALST and >= 16384 with
@@ -18,12 +20,18 @@ by about N. Ulysses needs sp <= the number of query heads (ring attention for sp
 implemented and raises a ValueError naming the fix).
 """
 
-from sequence_parallel.checkpointing import apply_activation_checkpointing, checkpoint_module
+from sequence_parallel.checkpointing import (
+    ActivationOffload,
+    apply_activation_checkpointing,
+    checkpoint_module,
+    is_checkpointed,
+)
 from sequence_parallel.data import cross_entropy_sum, gather_sequence, shard_sequence, sp_loss
 from sequence_parallel.tiling import TiledMLP, apply_tiled_mlp, tiled_cross_entropy
-from sequence_parallel.ulysses import HeadLayout, UlyssesAttention, apply_ulysses, head_layout
+from sequence_parallel.ulysses import HeadLayout, UlyssesAttention, apply_ulysses, head_layout, local_attention
 
 __all__ = [
+    "ActivationOffload",
     "HeadLayout",
     "TiledMLP",
     "UlyssesAttention",
@@ -34,6 +42,8 @@ __all__ = [
     "cross_entropy_sum",
     "gather_sequence",
     "head_layout",
+    "is_checkpointed",
+    "local_attention",
     "shard_sequence",
     "sp_loss",
     "tiled_cross_entropy",

@@ -7,19 +7,51 @@ with offload those inputs wait in (pinned) host memory, so device memory holds o
 from __future__ import annotations
 
 import re
-import types
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cpu":
-        return t  # already in host memory: the move is a no-op and the tensor is kept as is
-    host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=torch.cuda.is_available())
-    host.copy_(t, non_blocking=True)
-    return host
+@dataclass
+class ActivationOffload:
+    """Keeps checkpointed layer inputs in host memory between forward and backward, counting what it holds.
+
+    One object serves every block it is given to; the counters add up over steps until `reset()`.
+    `packed_*` count the tensors handed to host storage in forward, `restored_*` those brought back for
+    the recomputation in backward. A tensor already in host memory (a CPU device) is kept as it is, not
+    copied, and still counted: the counters read the same as on an accelerator.
+    """
+
+    packed_tensors: int = 0
+    packed_bytes: int = 0
+    restored_tensors: int = 0
+    restored_bytes: int = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes packed and not yet restored (activations waiting in host memory for their backward)."""
+        return self.packed_bytes - self.restored_bytes
+
+    def reset(self) -> None:
+        self.packed_tensors = self.packed_bytes = self.restored_tensors = self.restored_bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` in host memory (pinned when CUDA is there, so the copy back can overlap compute)."""
+        self.packed_tensors += 1
+        self.packed_bytes += t.numel() * t.element_size()
+        if t.device.type == "cpu":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=torch.cuda.is_available())
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def restore(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The packed `t` back on `device`."""
+        self.restored_tensors += 1
+        self.restored_bytes += t.numel() * t.element_size()
+        return t.to(device, non_blocking=True)
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -27,40 +59,39 @@ class _Checkpoint(torch.autograd.Function):
 
     Inputs are (run, offload, n_args, *args, *params). The layer's parameters are explicit inputs, so
     their gradients come back from this function and autograd accumulates them once per step.
-    Tensor arguments that require grad (the activations flowing through the layers) are offloaded;
-    the others (e.g. RoPE tables shared by every layer) stay where they are.
+    With an `ActivationOffload`, tensor arguments that require grad (the activations flowing through
+    the layers) go to host memory; the others (e.g. RoPE tables shared by every layer) stay where they are.
     """
 
     @staticmethod
-    def forward(ctx, run: Callable, offload: bool, n_args: int, *inputs):
+    def forward(ctx, run: Callable, offload: ActivationOffload | None, n_args: int, *inputs):
         args, params = inputs[:n_args], inputs[n_args:]
-        ctx.run, ctx.n_args, ctx.params = run, n_args, params
+        ctx.run, ctx.offload, ctx.params = run, offload, params
         ctx.cpu_rng = torch.get_rng_state()
         on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         ctx.cuda_rng = torch.cuda.get_rng_state() if on_cuda else None
         with torch.no_grad():
             out = run(*args)
-        saved, devices, kinds = [], [], []
+        # One (value, device, requires_grad, packed) per argument; device is None for non-tensors.
+        saved = []
         for a in args:
             if torch.is_tensor(a):
-                moved = offload and a.requires_grad
-                saved.append(_to_host(a) if moved else a)
-                devices.append(a.device)
-                kinds.append(("tensor", a.requires_grad))
+                packed = offload is not None and a.requires_grad
+                saved.append((offload.pack(a) if packed else a, a.device, a.requires_grad, packed))
             else:
-                saved.append(a)
-                devices.append(None)
-                kinds.append(("object", False))
-        ctx.saved_args, ctx.devices, ctx.kinds = saved, devices, kinds
+                saved.append((a, None, False, False))
+        ctx.saved_args = saved
         return out
 
     @staticmethod
     def backward(ctx, *grad_outs):
         args = []
-        for a, dev, (kind, req) in zip(ctx.saved_args, ctx.devices, ctx.kinds):
-            if kind == "tensor":
-                a = a.to(dev, non_blocking=True).detach().requires_grad_(req)
+        for a, device, requires_grad, packed in ctx.saved_args:
+            if device is not None:
+                a = ctx.offload.restore(a, device) if packed else a
+                a = a.detach().requires_grad_(requires_grad)
             args.append(a)
+        ctx.saved_args = None
         params = list(ctx.params)
         with torch.random.fork_rng(devices=[] if ctx.cuda_rng is None else [torch.cuda.current_device()]):
             # Same random stream as the forward, so dropout masks match.
@@ -79,37 +110,58 @@ class _Checkpoint(torch.autograd.Function):
         it = iter(grads)
         arg_grads = [next(it) if torch.is_tensor(a) and a.requires_grad else None for a in args]
         param_grads = [next(it) if p.requires_grad else None for p in params]
-        ctx.saved_args = None
         return (None, None, None, *arg_grads, *param_grads)
 
 
-def checkpoint_module(module: nn.Module, offload: bool = False) -> nn.Module:
-    """Checkpoint `module` in place: its forward keeps only its inputs and recomputes in backward.
+class _CheckpointedForward:
+    """The `forward` that `checkpoint_module` installs; it carries the module's checkpoint settings itself.
 
-    With `offload=True` the inputs that carry gradient are copied to pinned host memory after forward
-    and brought back for the recomputation (on a CPU device the same path runs and the move is a
-    no-op). Parameter names and the state dict are unchanged (only `forward` is replaced). Keyword
-    arguments are passed through but get no gradient. The recomputation repeats the forward once,
-    so any side effect of forward (e.g. MoE router statistics) is recorded twice. Returns the module.
+    Being the replaced `forward` is the module's only mark of being checkpointed: no flags are added.
+    A plain class (not a closure), so the module still deep-copies and pickles.
     """
-    if getattr(module, "_checkpointed", False):
-        return module
-    original = module.forward
 
-    def forward(self, *args, **kwargs):
-        params = [p for p in self.parameters()]
+    def __init__(self, module: nn.Module, original: Callable, offload: ActivationOffload | None) -> None:
+        self.module, self.original, self.offload = module, original, offload
+
+    def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
+            return self.original(*args, **kwargs)
 
         def run(*a):
-            return original(*a, **kwargs)
+            return self.original(*a, **kwargs)
 
-        return _Checkpoint.apply(run, offload, len(args), *args, *params)
+        params = list(self.module.parameters())
+        return _Checkpoint.apply(run, self.offload, len(args), *args, *params)
 
-    module.forward = types.MethodType(forward, module)
-    module._checkpointed = True
-    module._checkpoint_offload = offload
+
+def _resolve_offload(offload: bool | ActivationOffload) -> ActivationOffload | None:
+    if isinstance(offload, ActivationOffload):
+        return offload
+    if isinstance(offload, bool):
+        return ActivationOffload() if offload else None
+    raise TypeError(f"offload must be True, False or an ActivationOffload, got {type(offload).__name__}")
+
+
+def checkpoint_module(module: nn.Module, offload: bool | ActivationOffload = False) -> nn.Module:
+    """Checkpoint `module` in place: its forward keeps only its inputs and recomputes in backward.
+
+    With `offload` (an `ActivationOffload` to read its counters, or True for a new one) the inputs that
+    carry gradient wait in pinned host memory between forward and backward; on a CPU device they are
+    already there and are not copied. Parameter names and the state dict are unchanged (only `forward`
+    is replaced). Keyword arguments are passed through but get no gradient. The recomputation repeats
+    the forward once, so any side effect of forward (e.g. MoE router statistics) is recorded twice.
+    A module that is already checkpointed is left as it is, with its first offload setting. Returns
+    the module.
+    """
+    resolved = _resolve_offload(offload)
+    if not is_checkpointed(module):
+        module.forward = _CheckpointedForward(module, module.forward, resolved)
     return module
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether `checkpoint_module` has checkpointed `module`."""
+    return isinstance(vars(module).get("forward"), _CheckpointedForward)
 
 
 _BLOCK_NAME = re.compile(r"(^|\.)(layers|blocks|h)\.\d+$")
@@ -120,12 +172,14 @@ def is_transformer_block(name: str, module: nn.Module) -> bool:
     return bool(_BLOCK_NAME.search(name))
 
 
-def apply_activation_checkpointing(model: nn.Module, offload: bool = False,
+def apply_activation_checkpointing(model: nn.Module, offload: bool | ActivationOffload = False,
                                    predicate: Callable[[str, nn.Module], bool] = is_transformer_block
                                    ) -> nn.Module:
     """Checkpoint (and optionally offload the inputs of) every submodule `predicate(name, module)` picks.
 
-    The default picks each transformer block (`layers.0`, `layers.1`, ...). Returns the model.
+    The default picks each transformer block (`layers.0`, `layers.1`, ...). All chosen blocks share one
+    `ActivationOffload`: pass your own to read how many tensors and bytes went to host memory and came
+    back (True makes a new one). Returns the model.
     """
     chosen = [m for n, m in model.named_modules() if n and predicate(n, m)]
     if not chosen:
@@ -133,6 +187,7 @@ def apply_activation_checkpointing(model: nn.Module, offload: bool = False,
             f"apply_activation_checkpointing: the predicate selected no submodule of {type(model).__name__}; "
             "pass predicate=lambda name, module: ... naming the transformer blocks"
         )
+    shared = _resolve_offload(offload)
     for m in chosen:
-        checkpoint_module(m, offload=offload)
+        checkpoint_module(m, offload=shared or False)
     return model

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from kernels.positions import position_ids_for
 from zero import comm
 from zero.topology import group_rank, group_size
 
@@ -29,22 +30,13 @@ def shard_sequence(tokens: torch.Tensor, labels: torch.Tensor, sp_group: Process
     labels with `ignore_index` (no loss), position ids continuing the count. Padding at the end of a
     causal sequence cannot change the outputs of the real tokens before it, so losses are unchanged.
     """
-    if tokens.dim() != 2:
-        raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}; add a batch dim")
+    position_ids = position_ids_for(tokens, position_ids)  # also checks that tokens are [batch, seq]
     if labels.shape != tokens.shape:
         raise ValueError(
             f"labels {tuple(labels.shape)} must have the shape of tokens {tuple(tokens.shape)}; pass labels "
             "already shifted by one (labels[:, i] is the target of tokens[:, i])"
         )
-    b, s = tokens.shape
-    if position_ids is None:
-        position_ids = torch.arange(s, device=tokens.device).expand(b, s)
-    elif position_ids.dim() == 1 and position_ids.shape[0] == s:
-        position_ids = position_ids.expand(b, s)
-    if position_ids.shape != tokens.shape:
-        raise ValueError(
-            f"position_ids {tuple(position_ids.shape)} must be [seq] or match tokens {tuple(tokens.shape)}"
-        )
+    s = tokens.shape[1]
     sp, rank = group_size(sp_group), group_rank(sp_group)
     pad = padded_length(s, sp) - s
     if pad:

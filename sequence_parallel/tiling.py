@@ -7,7 +7,7 @@ whole sequence; only one tile's worth at a time, in forward and in backward.
 from __future__ import annotations
 
 import math
-import types
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -28,10 +28,6 @@ def _resolve_tile_size(n: int, num_tiles: int | None, tile_size: int | None, def
     if size < 1:
         raise ValueError(f"tile_size={size} must be >= 1")
     return size
-
-
-def _has_router(module: nn.Module) -> bool:
-    return any(hasattr(m, "router") for m in module.modules())
 
 
 # ------------------------------------------------------------------------------------------ MLP
@@ -94,15 +90,16 @@ class TiledMLP(nn.Module):
     Values and gradients equal the untiled module's (up to float summation order of the weight
     gradients). Only the input x is kept for backward.
 
-    Restrictions: the module must be token-wise and deterministic (no dropout: the recomputation must
-    reproduce the forward). MoE layers are refused: with dropless routing tiling changes no output,
-    but router statistics (aux / z losses, load counts, expert-bias updates) would become per-tile
-    and be recorded twice (forward and recomputation), which silently changes training.
+    The contract, which the caller vouches for (nothing here inspects the module): it is token-wise
+    (each output row depends on its input row only), deterministic (no dropout: the recomputation must
+    reproduce the forward) and free of per-call side effects. An MoE layer breaks the last one: its
+    router statistics (aux / z losses, load counts, expert-bias updates) would become per tile and be
+    recorded twice (forward and recomputation), which silently changes training; keep such layers out,
+    e.g. with `apply_tiled_mlp(..., exclude=(MoELayer,))`.
     """
 
     def __init__(self, mlp: nn.Module, num_tiles: int | None = None, tile_size: int | None = None) -> None:
         super().__init__()
-        check_tileable(mlp)
         _resolve_tile_size(1, num_tiles, tile_size, 1)  # validate the arguments early
         self.mlp = mlp
         self.num_tiles, self.tile_size = num_tiles, tile_size
@@ -113,38 +110,41 @@ class TiledMLP(nn.Module):
         return tiled_mlp_forward(self.mlp, x, size)
 
 
-def check_tileable(module: nn.Module) -> None:
-    if _has_router(module):
-        raise NotImplementedError(
-            f"TiledMLP does not tile {type(module).__name__}: it has a router, whose aux-loss statistics and "
-            "expert-bias updates would become per tile and be recorded twice by the recomputation. Tile only "
-            "dense token-wise MLPs (dropless MoE outputs would be unchanged, the router statistics would not)"
-        )
+class _TiledForward:
+    """The `forward` that `apply_tiled_mlp` installs; being it is the module's only mark of being tiled.
+
+    A plain class (not a closure), so the module still deep-copies and pickles.
+    """
+
+    def __init__(self, module: nn.Module, original: Callable, num_tiles: int | None, tile_size: int | None) -> None:
+        self.module, self.original = module, original
+        self.num_tiles, self.tile_size = num_tiles, tile_size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel() // x.shape[-1]
+        size = _resolve_tile_size(n, self.num_tiles, self.tile_size, x.shape[-1])
+        return tiled_mlp_forward(self.module, x, size, forward=self.original)
 
 
 def apply_tiled_mlp(model: nn.Module, num_tiles: int | None = None, tile_size: int | None = None,
-                    name: str = "feed_forward") -> nn.Module:
+                    name: str = "feed_forward", exclude: tuple[type[nn.Module], ...] = ()) -> nn.Module:
     """Tile every submodule called `name` in place (its forward is replaced; parameter names stay).
 
-    Modules with a router (MoE layers) are skipped, see `TiledMLP`. Returns the model.
+    Each must meet the `TiledMLP` contract. `exclude` names the module classes that must not be tiled
+    (e.g. `(MoELayer,)`): a module called `name` that is, or contains, an instance of one is left as it
+    is. Modules already tiled are left alone. Returns the model.
     """
     _resolve_tile_size(1, num_tiles, tile_size, 1)
-    found = 0
-    for mod_name, module in list(model.named_modules()):
-        if mod_name.split(".")[-1] != name or _has_router(module) or getattr(module, "_tiled_mlp", False):
-            continue
-        original = module.forward
-
-        def forward(self, x, _original=original):
-            n = x.numel() // x.shape[-1]
-            size = _resolve_tile_size(n, num_tiles, tile_size, x.shape[-1])
-            return tiled_mlp_forward(self, x, size, forward=_original)
-
-        module.forward = types.MethodType(forward, module)
-        module._tiled_mlp = True
-        found += 1
-    if found == 0 and not any(n.split(".")[-1] == name for n, _ in model.named_modules()):
+    if not isinstance(exclude, tuple) or not all(isinstance(c, type) for c in exclude):
+        raise TypeError(f"exclude must be a tuple of module classes, e.g. exclude=(MoELayer,); got {exclude!r}")
+    named = [module for mod_name, module in model.named_modules() if mod_name.split(".")[-1] == name]
+    if not named:
         raise ValueError(f"apply_tiled_mlp found no submodule named {name!r} in {type(model).__name__}")
+    for module in named:
+        if any(isinstance(m, exclude) for m in module.modules()):
+            continue
+        if not isinstance(vars(module).get("forward"), _TiledForward):
+            module.forward = _TiledForward(module, module.forward, num_tiles, tile_size)
     return model
 
 

@@ -7,15 +7,16 @@ returns the rank's own tokens for all heads. Uneven head counts and GQA are hand
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from kernels.attention import attention
+from kernels.attention import attention, check_qkv
 from zero import comm
 from zero.topology import group_rank, group_size
 
@@ -122,32 +123,14 @@ class UlyssesAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"sp={self.sp}, attn_fn={getattr(self.attn_fn, '__name__', self.attn_fn)}"
 
-    @staticmethod
-    def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp: int) -> None:
-        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-            raise ValueError(
-                f"UlyssesAttention expects [batch, seq/sp, heads, head_dim] tensors, got q{tuple(q.shape)} "
-                f"k{tuple(k.shape)} v{tuple(v.shape)}"
-            )
-        if k.shape != v.shape:
-            raise ValueError(f"k{tuple(k.shape)} and v{tuple(v.shape)} must have the same shape")
-        if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-            raise ValueError(
-                f"q{tuple(q.shape)} and k{tuple(k.shape)} must agree in batch, local sequence length and "
-                "head_dim (q, k and v are packed into one all-to-all)"
-            )
-        if q.dtype != k.dtype or k.dtype != v.dtype:
-            raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast to one dtype")
-        head_layout(q.shape[2], k.shape[2], sp)  # raises for GQA mismatch or sp > heads
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                 **kwargs) -> torch.Tensor:
         P = self.sp
-        self._check(q, k, v, P)
+        check_qkv(q, k, v, same_seq=True, same_dtype=True, what="UlyssesAttention", seq="local sequence")
+        layout = head_layout(q.shape[2], k.shape[2], P)  # raises for sp > heads, naming the fix
         if P == 1:
             return self.attn_fn(q, k, v, causal=causal, **kwargs)
         b, sl, h, d = q.shape
-        layout = head_layout(h, k.shape[2], P)
         me = group_rank(self.sp_group)
         if layout.kv_repeat > 1:
             # Replicas of a kv head serve contiguous sub-groups of its query heads; autograd sums
@@ -204,3 +187,33 @@ def apply_ulysses(model: nn.Module, sp_group: ProcessGroup | None) -> nn.Module:
     for m in targets:
         m.attn_fn = UlyssesAttention(sp_group, attn_fn=m.attn_fn)
     return model
+
+
+@contextlib.contextmanager
+def local_attention(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, every `attn_fn` that `apply_ulysses` wrapped is its inner attention again.
+
+    Each rank then attends over exactly the sequence it is given, with no all-to-all: for running the
+    whole of one sequence on every rank (e.g. sampling) while the model stays set up for sequence
+    parallelism. On exit, normal or by an exception, the same UlyssesAttention objects are put back.
+    Yields the model.
+    """
+    wrapped = [m for m in model.modules()
+               if not isinstance(m, UlyssesAttention) and isinstance(getattr(m, "attn_fn", None), UlyssesAttention)]
+    swapped: list[tuple[nn.Module, UlyssesAttention]] = []
+    try:
+        for m in wrapped:
+            ulysses = m.attn_fn
+            _set_attn_fn(m, ulysses.attn_fn)
+            swapped.append((m, ulysses))
+        yield model
+    finally:
+        for m, ulysses in reversed(swapped):
+            _set_attn_fn(m, ulysses)
+
+
+def _set_attn_fn(module: nn.Module, fn: Callable[..., torch.Tensor]) -> None:
+    # A UlyssesAttention is registered as a child module, and nn.Module refuses a plain function under a
+    # child's name: drop the old binding first.
+    delattr(module, "attn_fn")
+    module.attn_fn = fn

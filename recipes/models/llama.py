@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.attention import attention
+from kernels.positions import position_ids_for
 
 
 @dataclass
@@ -197,8 +198,9 @@ class Transformer(nn.Module):
         so the residual stream's variance does not grow with depth."""
         std = self.cfg.init_std
         resid_std = std / math.sqrt(2 * self.cfg.n_layers)
-        # MoE layers (recognised by their router) initialise their router and experts themselves.
-        moe_params = {id(p) for m in self.modules() if hasattr(m, "router") for p in m.parameters()}
+        # MoE feed-forwards (built by build_moe) initialise their router and experts themselves.
+        moe_params = {id(p) for i, layer in enumerate(self.layers) if self.cfg.is_moe_layer(i)
+                      for p in layer.feed_forward.parameters()}
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or id(p) in moe_params:
                 continue  # RMSNorm gains stay at 1
@@ -209,13 +211,7 @@ class Transformer(nn.Module):
 
     def forward_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> final-normed hidden states [b, s, dim]."""
-        b, s = tokens.shape
-        if position_ids is None:
-            position_ids = torch.arange(s, device=tokens.device).expand(b, s)
-        elif position_ids.dim() == 1:
-            position_ids = position_ids.expand(b, s)
-        if position_ids.shape != tokens.shape:
-            raise ValueError(f"position_ids {tuple(position_ids.shape)} must match tokens {tuple(tokens.shape)}")
+        position_ids = position_ids_for(tokens, position_ids)
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:

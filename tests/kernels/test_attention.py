@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.attention import attention, flash_available, reference_attention
+from kernels.attention import attention, check_qkv, flash_available, reference_attention
 
 
 def _naive(q, k, v, causal):
@@ -72,3 +72,16 @@ def test_flash_matches_reference_on_gpu():
     torch.manual_seed(3)
     q, k, v = (torch.randn(2, 64, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     torch.testing.assert_close(attention(q, k, v).float(), reference_attention(q, k, v).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_check_qkv_messages_name_the_rule():
+    q = torch.randn(2, 5, 4, 8)
+    check_qkv(q, torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 8))  # kv may be longer (bottom-right causal)
+    with pytest.raises(ValueError, match=r"differ in batch or head_dim.*only the sequence length \(seq\)"):
+        check_qkv(q, torch.randn(2, 5, 2, 4), torch.randn(2, 5, 2, 4))
+    with pytest.raises(ValueError, match=r"^mine: q\(2, 5, 4, 8\) and k\(2, 6, 2, 8\) must agree in batch, shard"):
+        check_qkv(q, torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8), same_seq=True, what="mine", seq="shard")
+    half = torch.randn(2, 5, 2, 8, dtype=torch.float16)
+    check_qkv(q, half, half)  # dtypes are the backend's business unless asked
+    with pytest.raises(ValueError, match="dtypes differ"):
+        check_qkv(q, half, half, same_dtype=True)

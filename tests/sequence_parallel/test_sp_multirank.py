@@ -163,7 +163,7 @@ def test_ulysses_clear_errors(sp_results):
     assert "sp <=" in errors["sp_gt_heads"]
     assert errors["gqa"] is not None and "multiple of kv heads" in errors["gqa"]
     assert errors["kv_shape"] is not None and "same shape" in errors["kv_shape"]
-    assert errors["rank3"] is not None and "[batch, seq/sp, heads, head_dim]" in errors["rank3"]
+    assert errors["rank3"] is not None and "[batch, local sequence, heads, head_dim]" in errors["rank3"]
     assert errors["head_dim"] is not None and "head_dim" in errors["head_dim"]
 
 

@@ -48,28 +48,51 @@ def test_tiled_mlp_runs_the_module_per_tile_and_accumulates_param_grads_once():
     assert hook_calls == [1]  # one accumulation per step, as for an untiled layer
 
 
-def test_apply_tiled_mlp_keeps_parameter_names_and_skips_routers():
-    class Router(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.router = nn.Linear(8, 2)
+class _Untileable(nn.Module):
+    """Stands for a layer with per-call side effects (e.g. an MoE layer's router statistics)."""
 
-        def forward(self, x):
-            return x
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.calls: list[int] = []
 
-    class Block(nn.Module):
-        def __init__(self, moe: bool):
-            super().__init__()
-            self.feed_forward = Router() if moe else FeedForward(8, 16)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.numel() // x.shape[-1])
+        return self.proj(x)
 
-    model = nn.Sequential(Block(False), Block(True))
+
+class _Block(nn.Module):
+    def __init__(self, feed_forward: nn.Module) -> None:
+        super().__init__()
+        self.feed_forward = feed_forward
+
+
+def test_apply_tiled_mlp_tiles_dense_layers_and_leaves_excluded_ones_untouched():
+    torch.manual_seed(0)
+    wrapped = nn.Sequential(_Untileable())  # contains an excluded class: left alone too
+    model = nn.Sequential(_Block(FeedForward(8, 16)), _Block(_Untileable()), _Block(wrapped))
     names = list(model.state_dict())
-    apply_tiled_mlp(model, tile_size=3)
+    assert apply_tiled_mlp(model, tile_size=3, exclude=(_Untileable,)) is model
+    assert apply_tiled_mlp(model, tile_size=3, exclude=(_Untileable,)) is model  # twice changes nothing
     assert list(model.state_dict()) == names
-    assert getattr(model[0].feed_forward, "_tiled_mlp", False)
-    assert not getattr(model[1].feed_forward, "_tiled_mlp", False)
-    with pytest.raises(NotImplementedError, match="router"):
-        TiledMLP(Router())
+    untouched = [model[1].feed_forward, wrapped]
+    assert all("forward" not in vars(m) for m in untouched)  # still the class's own forward
+    sizes = []
+    model[0].feed_forward.w1.register_forward_pre_hook(lambda m, args: sizes.append(args[0].shape[0]))
+    x = torch.randn(1, 7, 8, requires_grad=True)
+    for block in model:
+        block.feed_forward(x).sum().backward()
+    assert sizes == [3, 3, 1, 3, 3, 1]  # the dense one ran in tiles (forward, then recomputation)
+    assert model[1].feed_forward.calls == [7] and wrapped[0].calls == [7]  # once, on the whole sequence
+
+
+def test_apply_tiled_mlp_without_exclude_tiles_every_named_module_and_errors():
+    layer = _Untileable()
+    apply_tiled_mlp(_Block(layer), num_tiles=2)  # the caller vouches for it: no attribute is inspected
+    layer(torch.randn(1, 5, 8, requires_grad=True)).sum().backward()
+    assert layer.calls == [3, 2, 3, 2]
+    with pytest.raises(TypeError, match="tuple of module classes"):
+        apply_tiled_mlp(_Block(FeedForward(8, 16)), exclude=_Untileable)
     with pytest.raises(ValueError, match="not both"):
         TiledMLP(FeedForward(8, 16), num_tiles=2, tile_size=3)
     with pytest.raises(ValueError, match="no submodule named"):
