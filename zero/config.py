@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OFFLOAD_TARGETS = ("none", "cpu", "nvme")
 
 
 class ConfigError(ValueError):
@@ -57,6 +58,18 @@ class ZeroConfig:
     initial_loss_scale, loss_scale_window, min_loss_scale, loss_scale_hysteresis: fp16 dynamic loss
         scaling; the scale halves after `hysteresis` consecutive overflowing steps and doubles after
         `window` steps without overflow.
+    offload_optimizer: where the fp32 master shards and the optimizer state live and the step runs:
+        "none" (the device), "cpu" (host memory, pinned on CUDA; ZeRO-Offload) or "nvme" (per-rank files
+        under `nvme_path`, streamed through bounded buffers; ZeRO-Infinity). Stages 1-3.
+    offload_params: stage 3 only: where each unit's parameter shard waits between uses, "none",
+        "cpu" or "nvme" (read just before its all-gather, dropped after).
+    nvme_path: directory for the nvme files (required when either offload is "nvme"); each rank writes
+        its own files there, removed at exit.
+    offload_chunk_size: elements per streamed chunk of the nvme optimizer step (each chunk holds the
+        master, the optimizer state and the gradient of that many elements).
+    offload_buffer_count: chunks in flight at once (read ahead / being stepped / written behind); the
+        resident memory of the nvme step is about buffer_count x chunk_size x (2 + state tensors) x 4 bytes.
+    offload_io_threads: background threads doing the file reads and writes.
     """
 
     stage: int = 0
@@ -73,6 +86,12 @@ class ZeroConfig:
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
     loss_scale_hysteresis: int = 2
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    nvme_path: str | None = None
+    offload_chunk_size: int = 1 << 22
+    offload_buffer_count: int = 4
+    offload_io_threads: int = 2
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -107,6 +126,33 @@ class ZeroConfig:
                 f"{self.initial_loss_scale}: the minimum must not be above the starting scale"
             )
         _int_at_least("loss_scale_hysteresis", self.loss_scale_hysteresis, 1)
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        for name in ("offload_optimizer", "offload_params"):
+            value = getattr(self, name)
+            if value not in OFFLOAD_TARGETS:
+                raise ConfigError(f"zero.{name}={value!r} is invalid: use one of {list(OFFLOAD_TARGETS)}")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ConfigError(
+                f"zero.offload_optimizer={self.offload_optimizer!r} needs zero.stage >= 1 (the offloaded "
+                "optimizer steps the rank's shard of the fp32 masters); set zero.stage=1, 2 or 3"
+            )
+        if self.offload_params != "none" and self.stage != 3:
+            raise ConfigError(
+                f"zero.offload_params={self.offload_params!r} needs zero.stage=3 (only stage 3 partitions the "
+                f"parameters; zero.stage={self.stage}); set zero.stage=3 or zero.offload_params=none"
+            )
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ConfigError(
+                "zero.nvme_path is missing: nvme offload writes per-rank files there; set it to a directory "
+                "on a fast local disk (e.g. zero.nvme_path=/local_nvme)"
+            )
+        if self.nvme_path is not None and not isinstance(self.nvme_path, str):
+            raise ConfigError(f"zero.nvme_path={self.nvme_path!r} is invalid: give a directory path")
+        _int_at_least("offload_chunk_size", self.offload_chunk_size, 1)
+        _int_at_least("offload_buffer_count", self.offload_buffer_count, 2)
+        _int_at_least("offload_io_threads", self.offload_io_threads, 1)
 
     @property
     def torch_dtype(self) -> torch.dtype:

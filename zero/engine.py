@@ -13,6 +13,7 @@ from typing import Any
 
 import psutil
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
@@ -112,6 +113,7 @@ class Engine:
             dims.dp_sp_group,
             optimizer,
             on_bucket_complete=self.stage3.on_bucket_reduced if self.stage3 else None,
+            rank=dist.get_rank() if dist.is_initialized() else 0,
         )
         self.optimizer = self.zero_optimizer.optimizer
         self.device = self.zero_optimizer.device
@@ -238,6 +240,7 @@ class Engine:
         # Losses attached inside the model (e.g. MoE balancing losses) backpropagate with the same factor.
         for hook in self.loss_scale_hooks:
             hook(scale)
+        self.zero_optimizer.final_micro_batch = self._micro_since_step + 1 >= self.config.grad_accum_steps
         (loss * scale).backward()
         self.zero_optimizer.reducer.after_backward()
         if self.stage3 is not None:
@@ -303,10 +306,7 @@ class Engine:
         for b in self.buckets:
             for k, v in b.state_bytes().items():
                 out[k] += v
-        for state in self.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    out["optimizer_state"] += v.numel() * v.element_size()
+        out.update(self.zero_optimizer.masters.resident_bytes())  # 0 for what lives in files
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -353,10 +353,8 @@ class Engine:
             "stage": self.config.stage,
             "dtype": self.config.dtype,
             "layout": self._layout(),
-            "shards": [
-                (b.master if b.trainable else b.shard_tensor()).detach().clone() for b in self.buckets
-            ],
-            "optimizer": self.optimizer.state_dict(),
+            "shards": [self._shard_values(b).detach().clone() for b in self.buckets],
+            "optimizer": self.zero_optimizer.masters.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.zero_optimizer.scaler.state_dict() if self.zero_optimizer.scaler else None,
             "buffers": {n: b.detach().clone() for n, b in self.module.named_buffers()},
@@ -384,10 +382,12 @@ class Engine:
             self.stage3.release_all()
         self.zero_optimizer.clear_grads()
         for b, shard in zip(self.buckets, state["shards"]):
-            (b.master if b.trainable else b.shard_tensor()).copy_(shard)
-            if not b.trainable and b.resident and b.sharded and b.world > 1:
-                comm.all_gather_into_tensor(b.full, b.shard_tensor().clone(), b.group)
-        self.optimizer.load_state_dict(state["optimizer"])
+            if not b.trainable:
+                b.shard_tensor().copy_(shard)
+                if b.resident and b.sharded and b.world > 1:
+                    comm.all_gather_into_tensor(b.full, b.shard_tensor().clone(), b.group)
+        self.zero_optimizer.load_masters([v for b, v in zip(self.buckets, state["shards"]) if b.trainable])
+        self.zero_optimizer.masters.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if self.zero_optimizer.scaler is not None and state["loss_scaler"] is not None:
@@ -398,7 +398,11 @@ class Engine:
         for k, v in state["counters"].items():
             setattr(self, k, v)
         self._micro_since_step = 0
-        self.zero_optimizer.publish()
+        self.zero_optimizer.gather_shards()
+
+    def _shard_values(self, b: FlatBucket) -> torch.Tensor:
+        """This rank's shard of `b` at full precision: the fp32 master if trainable, else the values."""
+        return self.zero_optimizer.read_master(b) if b.trainable else b.shard_tensor()
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -408,7 +412,7 @@ class Engine:
         """
         values: dict[int, torch.Tensor] = {}
         for b in self.buckets:
-            src = (b.master if b.trainable else b.shard_tensor()).detach()
+            src = self._shard_values(b).detach().to(b.device)
             if b.world > 1:
                 flat = torch.empty(b.padded, dtype=src.dtype, device=src.device)
                 comm.all_gather_into_tensor(flat, src.contiguous(), b.group)
@@ -429,16 +433,18 @@ class Engine:
         missing = [n for b in self.buckets for n in b.names if n not in state]
         if missing:
             raise KeyError(f"state dict lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        masters = []
         for b in self.buckets:
             flat = torch.zeros(b.padded, dtype=torch.float32)
             for n, o, k in zip(b.names, b.offsets, b.numels):
                 flat[o : o + k].copy_(state[n].reshape(-1))
             shard = b.shard_of(flat).to(b.device)
             if b.trainable:
-                b.master.copy_(shard)
+                masters.append(shard)
             b.shard_tensor().copy_(shard)
             if b.resident:
                 b.full.copy_(flat)
+        self.zero_optimizer.load_masters(masters)
         buffers = dict(self.module.named_buffers())
         for n, v in state.items():
             if n in buffers:
@@ -450,6 +456,10 @@ class Engine:
         from zero.checkpoint import save_checkpoint
 
         save_checkpoint(self, path, client_state)
+
+    def close(self) -> None:
+        """Release what the engine holds outside the process (offload files); also done at exit."""
+        self.zero_optimizer.masters.close()
 
     def load_checkpoint(self, path: str) -> dict | None:
         """Restore a checkpoint written by save_checkpoint; returns this rank's client_state."""

@@ -17,6 +17,7 @@ from torch.distributed import ReduceOp
 
 from zero import comm
 from zero.config import ZeroConfig
+from zero.offload import build_masters
 from zero.partition import FlatBucket
 
 
@@ -143,10 +144,12 @@ class HookGradReducer:
         buckets: list[FlatBucket],
         overlap: bool,
         on_complete: Callable[[FlatBucket], None] | None = None,
+        on_reduced: Callable[[FlatBucket], None] | None = None,
     ) -> None:
         self.buckets = buckets
         self.overlap = overlap
-        self.on_complete = on_complete
+        self.on_complete = on_complete  # all of a bucket's gradients have arrived (stage 3 frees it)
+        self.on_reduced = on_reduced  # a bucket's reduced shard was added into grad_acc
         # One launch chain per reduction group, each in the fixed bucket order.
         self.chains: dict[str, list[_BucketProgress]] = {}
         for b in buckets:
@@ -210,8 +213,7 @@ class HookGradReducer:
         while len(self.pending) > self.max_in_flight:
             self._finish(*self.pending.pop(0))
 
-    @staticmethod
-    def _finish(progress: _BucketProgress, flat: torch.Tensor, out: torch.Tensor, handle) -> None:
+    def _finish(self, progress: _BucketProgress, flat: torch.Tensor, out: torch.Tensor, handle) -> None:
         if handle is not None:
             handle.wait()
         # Release the full-size staging buffer now, not at the end of backward.
@@ -225,6 +227,8 @@ class HookGradReducer:
             b.grad_acc = out  # the staging buffer is dropped at reset, so taking it over is safe
         else:
             b.grad_acc.add_(out)
+        if self.on_reduced is not None:
+            self.on_reduced(b)
 
     def after_backward(self) -> None:
         """End of one backward: launch what is left, agree on late gradients, wait, accumulate."""
@@ -257,10 +261,12 @@ class HookGradReducer:
 
 
 class ZeroOptimizer:
-    """Owns the fp32 master shards, the wrapped torch optimizer, clipping and loss scaling.
+    """Owns the reduction of gradients, clipping, loss scaling and the step over the master shards.
 
-    The torch optimizer is built by `optimizer_factory(list_of_flat_master_shards)`: one fp32
-    parameter per trainable bucket, so it must be elementwise (AdamW, Adam, SGD, ...).
+    Where the fp32 master shards and the optimizer state live (device, host or nvme files) is the
+    business of a master store (`zero.offload`); the torch optimizer is built by
+    `optimizer_factory(list_of_flat_master_shards)`: one fp32 parameter per trainable bucket, so it
+    must be elementwise (AdamW, Adam, SGD, ...).
     """
 
     def __init__(
@@ -271,6 +277,7 @@ class ZeroOptimizer:
         norm_group,
         optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         on_bucket_complete: Callable[[FlatBucket], None] | None = None,
+        rank: int = 0,
     ) -> None:
         self.buckets = buckets
         self.trainable = [b for b in buckets if b.trainable]
@@ -278,15 +285,14 @@ class ZeroOptimizer:
         self.dp = dp
         self.norm_group = norm_group
         self.device = buckets[0].device if buckets else torch.device("cpu")
-        fp32 = config.torch_dtype == torch.float32
-        for b in self.trainable:
-            shard = b.shard_tensor()
-            # fp32: the master IS the shard of the model's buffer (no extra copy).
-            b.master = nn.Parameter(shard if fp32 else shard.detach().float().clone())
-        self.masters = [b.master for b in self.trainable]
-        self.optimizer = optimizer_factory(self.masters)
+        self.masters = build_masters(self.trainable, config, optimizer_factory, rank)
+        self.optimizer = self.masters.optimizer
+        self._index = {b: i for i, b in enumerate(self.trainable)}
+        #: Set by the engine before each backward: True when it completes an accumulation cycle, so the
+        #: reduced gradients are final and an offloaded store may start copying them.
+        self.final_micro_batch = False
         if config.stage >= 2:
-            self.reducer = HookGradReducer(self.trainable, config.overlap_comm, on_bucket_complete)
+            self.reducer = HookGradReducer(self.trainable, config.overlap_comm, on_bucket_complete, self._reduced)
         else:
             self.reducer = FullGradReducer(self.trainable)
         self.scaler = None
@@ -299,16 +305,21 @@ class ZeroOptimizer:
             )
         self.last_grad_norm: float | None = None
 
+    def _reduced(self, b: FlatBucket) -> None:
+        if self.final_micro_batch:
+            self.masters.grad_ready(self._index[b], b.grad_acc)
+
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def grad_norm_sq(self, grads: list[torch.Tensor]) -> float:
-        local = torch.zeros(1, dtype=torch.float64, device=self.device)
+        local = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else self.device)
         if grads:
             norms = torch._foreach_norm(grads)
             for b, n in zip(self.trainable, norms):
                 local += n.double() ** 2 / b.replicas
+        local = local.to(self.device)
         comm.all_reduce(local, self.norm_group)
         return float(local)
 
@@ -321,6 +332,7 @@ class ZeroOptimizer:
             if g is None:
                 g = torch.zeros(b.shard_size, dtype=torch.float32, device=b.device)
             grads.append(g)
+        grads = self.masters.collect_grads(grads)  # where the step runs (the host, when offloaded)
         if grads:
             torch._foreach_mul_(grads, 1.0 / (self.dp * self.loss_scale))
         norm = math.sqrt(self.grad_norm_sq(grads))
@@ -334,37 +346,41 @@ class ZeroOptimizer:
             coef = min(1.0, clip / (norm + 1e-6))
             if coef < 1.0:
                 torch._foreach_mul_(grads, coef)
-        for b, g in zip(self.trainable, grads):
-            b.master.grad = g
-        self.optimizer.step()
+        self.masters.step(grads)  # updates the masters and writes the new values into the shards
         if self.scaler is not None:
             self.scaler.update(overflow=False)
-        self.publish()
+        self.gather_shards()
         self.clear_grads()
         return True
 
     def clear_grads(self) -> None:
-        for m in self.masters:
-            m.grad = None
         self.reducer.clear()
 
     @torch.no_grad()
-    def publish(self) -> None:
-        """Copy updated masters into the compute-dtype shards and gather replicated buckets back."""
-        fp32 = self.config.torch_dtype == torch.float32
+    def load_masters(self, values: list[torch.Tensor]) -> None:
+        """Set every trainable bucket's fp32 master (and its compute-dtype shard) from `values`."""
+        for i, (b, v) in enumerate(zip(self.trainable, values)):
+            self.masters.write_master(i, v)
+            b.shard_tensor().copy_(v)
+
+    def read_master(self, b: FlatBucket) -> torch.Tensor:
+        """This rank's fp32 master shard of trainable bucket `b` (read from wherever it lives)."""
+        return self.masters.read_master(self._index[b])
+
+    @torch.no_grad()
+    def gather_shards(self) -> None:
+        """All-gather the updated shards of resident sharded buckets back into their full buffers."""
         in_flight: list = []
         elements = 0
         for b in self.trainable:
-            shard = b.shard_tensor()
-            if not fp32:
-                shard.copy_(b.master)
             if b.resident and b.sharded and b.world > 1:
                 # allgather_bucket_size bounds the gathered elements in flight (and their temporaries).
                 if in_flight and elements + b.padded > self.config.allgather_bucket_size:
                     for h in in_flight:
                         h.wait()
                     in_flight, elements = [], 0
-                in_flight.append(comm.all_gather_into_tensor(b.full, shard.clone(), b.group, async_op=True))
+                in_flight.append(comm.all_gather_into_tensor(b.full, b.shard_tensor().clone(), b.group,
+                                                             async_op=True))
                 elements += b.padded
         for h in in_flight:
             if h is not None:

@@ -81,7 +81,6 @@ class FlatBucket:
         # whole step) and this rank's reduced fp32 shard accumulated over micro-batches.
         self.grad_full: torch.Tensor | None = None
         self.grad_acc: torch.Tensor | None = None
-        self.master: nn.Parameter | None = None  # fp32 master of this rank's shard (trainable buckets)
 
     # ------------------------------------------------------------------ layout
     def param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -140,15 +139,12 @@ class FlatBucket:
         return self.shard_of(self.full) if self.resident else self.local
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for the bucket's parameters, gradients and master weights right now."""
+        """Bytes this rank holds for the bucket's parameters and gradients right now."""
         params = self.full.untyped_storage().nbytes()
         if self.local is not None:
             params += self.local.untyped_storage().nbytes()
         grads = sum(t.untyped_storage().nbytes() for t in (self.grad_full, self.grad_acc) if t is not None)
-        master = 0
-        if self.master is not None and self.master.data_ptr() != self.shard_tensor().data_ptr():
-            master = self.master.numel() * self.master.element_size()
-        return {"params": params, "grads": grads, "master": master}
+        return {"params": params, "grads": grads}
 
 
 def split_into_buckets(

@@ -1,0 +1,119 @@
+"""ZeRO-Offload (host) and ZeRO-Infinity (nvme) give the losses of no offload; bad targets fail early."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero
+import zero.offload
+from tests.multirank import run_multirank
+from tests.zero.models import build, global_batch, lm_loss
+
+ROWS, STEPS = 2, 4
+# AdamW whose state is streamed: two per-element tensors and a scalar step.
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _engine(stage: int, dtype: str, root: str | None, seed: int = 0, **offload) -> zero.Engine:
+    if offload.get("offload_optimizer") == "nvme" or offload.get("offload_params") == "nvme":
+        offload["nvme_path"] = root
+    # Tiny chunks and a small ring: many chunks, an uneven tail, every buffer reused.
+    config = zero.ZeroConfig(stage=stage, dtype=dtype, grad_accum_steps=2, clip_grad_norm=0.5,
+                             reduce_bucket_size=500, offload_chunk_size=97, offload_buffer_count=3, **offload)
+    return zero.initialize(build(seed=seed, tie=True), ADAMW, config)
+
+
+def _train(engine: zero.Engine, steps: range) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        total = 0.0
+        for micro in range(2):
+            rows = global_batch(step, micro, ROWS * world)[rank * ROWS : (rank + 1) * ROWS]
+            loss = lm_loss(engine, rows)
+            engine.backward(loss)
+            total += loss.item() / 2
+        assert engine.step()
+        losses.append(total)
+    return losses
+
+
+OFFLOADS = {"cpu": {"offload_optimizer": "cpu"}, "nvme": {"offload_optimizer": "nvme"}}
+
+
+def _equivalence(root: str) -> dict:
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        for stage in (1, 2, 3):
+            out[(dtype, stage, "none")] = _train(_engine(stage, dtype, root), range(STEPS))
+            for name, offload in OFFLOADS.items():
+                engine = _engine(stage, dtype, root, **offload)
+                out[(dtype, stage, name)] = _train(engine, range(STEPS))
+                engine.close()
+    dist.barrier()  # every rank has closed its engines
+    out["files_left"] = sorted(os.listdir(root))
+    return out
+
+
+def test_optimizer_offload_matches_no_offload_at_every_stage(tmp_path):
+    results = run_multirank(_equivalence, 2, str(tmp_path), timeout=400)
+    for r in results:
+        assert r.pop("files_left") == []  # every offload file is removed when its engine closes
+        for (dtype, stage, name), losses in r.items():
+            ref = r[(dtype, stage, "none")]
+            # The same arithmetic in another place: equal to fp32 rounding of the update order.
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-6, atol=0,
+                                       msg=lambda m, k=(dtype, stage, name): f"{k}: {m}")
+
+
+def _checkpoint_round_trip(root: str) -> dict:
+    """Save under one offload, resume under each other: the same next losses as not stopping."""
+    out = {}
+    for saved_with in ("nvme", "none"):
+        a = _engine(2, "fp32", root, **OFFLOADS.get(saved_with, {}))
+        _train(a, range(3))
+        path = os.path.join(root, f"ckpt_{saved_with}")
+        a.save_checkpoint(path)
+        expected = _train(a, range(3, 6))
+        a.close()
+        for load_with in ("none", "cpu", "nvme"):
+            b = _engine(2, "fp32", root, seed=7 + dist.get_rank(), **OFFLOADS.get(load_with, {}))
+            b.load_checkpoint(path)
+            out[(saved_with, load_with)] = (_train(b, range(3, 6)), expected)
+            b.close()
+    return out
+
+
+def test_checkpoints_move_between_offload_targets(tmp_path):
+    for r in run_multirank(_checkpoint_round_trip, 2, str(tmp_path), timeout=300):
+        for key, (got, expected) in r.items():
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-6, atol=0,
+                                       msg=lambda m, k=key: f"saved/loaded {k}: {m}")
+
+
+# ---------------------------------------------------------------------------- bad targets, in-process
+def test_nvme_target_errors_come_before_training(tmp_path, monkeypatch):
+    def engine(path):
+        config = zero.ZeroConfig(stage=1, offload_optimizer="nvme", nvme_path=str(path))
+        return zero.initialize(build(), ADAMW, config)
+
+    with pytest.raises(zero.ConfigError, match="does not exist"):
+        engine(tmp_path / "missing")
+    with pytest.raises(zero.ConfigError, match="not writable"):
+        engine("/proc")
+    monkeypatch.setattr(zero.offload, "disk_free_bytes", lambda path: 1000)
+    numel = sum(p.numel() for p in build().parameters())
+    with pytest.raises(zero.ConfigError, match=f"needs .* GiB \\({3 * 4 * numel} bytes\\)"):
+        engine(tmp_path)  # master + exp_avg + exp_avg_sq, fp32, world 1
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(zero.ConfigError, match="nvme_path is missing"):
+        zero.ZeroConfig(stage=2, offload_optimizer="nvme")
+    with pytest.raises(zero.ConfigError, match="needs zero.stage=3"):
+        zero.ZeroConfig(stage=2, offload_params="cpu")
+    with pytest.raises(zero.ConfigError, match="needs zero.stage >= 1"):
+        zero.ZeroConfig(stage=0, offload_optimizer="cpu")

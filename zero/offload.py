@@ -1,0 +1,396 @@
+"""Where the fp32 master shards and the optimizer state live, and where the optimizer step runs.
+
+`DeviceMasters` keeps them on the compute device (plain ZeRO). `HostMasters` keeps them in host memory
+and steps there (ZeRO-Offload): gradients go to the host, updated values come back in the compute
+dtype. `NvmeMasters` keeps them in per-rank files and streams the step through a bounded ring of
+chunk buffers with background reads ahead and writes behind (ZeRO-Infinity), so resident memory does
+not grow with the model. All three expose one interface to the ZeRO optimizer and one checkpoint
+format (a torch optimizer state dict over one flat parameter per trainable bucket), so a checkpoint
+written with one loads into any other.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.nn as nn
+
+from zero.config import ConfigError, ZeroConfig
+from zero.partition import FlatBucket
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+_F32 = 4  # bytes per fp32 element
+
+
+class OffloadError(ConfigError):
+    """An offload target that cannot be used (missing, unwritable or too small a directory)."""
+
+
+def _pin() -> bool:
+    return torch.cuda.is_available()
+
+
+class DeviceMasters:
+    """fp32 masters and optimizer state on the compute device; in fp32 the master IS the shard."""
+
+    kind = "none"
+
+    def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory) -> None:
+        self.buckets = buckets
+        self.fp32 = config.torch_dtype == torch.float32
+        self.masters = [
+            nn.Parameter(b.shard_tensor() if self.fp32 else b.shard_tensor().detach().float().clone())
+            for b in buckets
+        ]
+        self.optimizer = factory(self.masters)
+
+    def collect_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors the step will read (where the optimizer runs); unscaling/clipping act on them."""
+        return grads
+
+    def grad_ready(self, index: int, grad: torch.Tensor) -> None:
+        """A bucket's reduced gradient of the last micro-batch is final (an early-copy opportunity)."""
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        for m, g in zip(self.masters, grads):
+            m.grad = g
+        self.optimizer.step()
+        for m in self.masters:
+            m.grad = None
+        self._publish_shards()
+
+    def _publish_shards(self) -> None:
+        if not self.fp32:
+            with torch.no_grad():
+                for b, m in zip(self.buckets, self.masters):
+                    b.shard_tensor().copy_(m, non_blocking=True)
+
+    def read_master(self, index: int) -> torch.Tensor:
+        return self.masters[index].detach()
+
+    @torch.no_grad()
+    def write_master(self, index: int, values: torch.Tensor) -> None:
+        self.masters[index].copy_(values)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def resident_bytes(self) -> dict[str, int]:
+        master = sum(m.numel() * _F32 for m, b in zip(self.masters, self.buckets)
+                     if m.data_ptr() != b.shard_tensor().data_ptr())
+        state = sum(v.numel() * v.element_size() for s in self.optimizer.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"master": master, "optimizer_state": state}
+
+    def close(self) -> None:
+        pass
+
+
+class HostMasters(DeviceMasters):
+    """fp32 masters, optimizer state and the step in host memory (pinned on CUDA: overlapped copies).
+
+    Gradients of the last micro-batch are copied to the host bucket by bucket as their reduction
+    finishes (`grad_ready`), the rest at the step; updated values return in the compute dtype. On a
+    CPU-only machine the same path runs with host == device (every copy is then a plain copy).
+    """
+
+    kind = "cpu"
+
+    def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory) -> None:
+        self.buckets = buckets
+        self.fp32 = False  # the master never aliases the shard: values always travel back
+        pin = _pin()
+        self.masters = []
+        self.host_grads = []
+        for b in buckets:
+            shard = b.shard_tensor()
+            self.masters.append(nn.Parameter(torch.empty(shard.numel(), pin_memory=pin).copy_(shard)))
+            self.host_grads.append(torch.empty(shard.numel(), pin_memory=pin))
+        self.staged = [False] * len(buckets)
+        self.optimizer = factory(self.masters)
+
+    def grad_ready(self, index: int, grad: torch.Tensor) -> None:
+        self.host_grads[index].copy_(grad, non_blocking=True)
+        self.staged[index] = True
+
+    def collect_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        for i, g in enumerate(grads):
+            if not self.staged[i]:
+                self.host_grads[i].copy_(g, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the host reads them next
+        self.staged = [False] * len(grads)
+        return self.host_grads
+
+    def resident_bytes(self) -> dict[str, int]:
+        out = super().resident_bytes()
+        out["master"] = sum(m.numel() * _F32 for m in self.masters)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- nvme
+def disk_free_bytes(path: str) -> int:
+    """Free bytes of the filesystem holding `path` (tests replace it to simulate a small disk)."""
+    return shutil.disk_usage(path).free
+
+
+def check_nvme_path(path: str, needed_bytes: int) -> None:
+    """Refuse, before any training, a directory that is missing, unwritable or too small."""
+    if not os.path.isdir(path):
+        raise OffloadError(f"zero.nvme_path={path!r} does not exist or is not a directory: create it first "
+                           "(nvme offload needs a directory on a fast local disk)")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".zero-write-test-"):
+            pass
+    except OSError as e:
+        raise OffloadError(
+            f"zero.nvme_path={path!r} is not writable ({e.strerror}); choose another directory"
+        ) from None
+    free = disk_free_bytes(path)
+    if free < needed_bytes:
+        raise OffloadError(
+            f"zero.nvme_path={path!r} has {free / 2**30:.2f} GiB free but this rank's offloaded state needs "
+            f"{needed_bytes / 2**30:.2f} GiB ({needed_bytes} bytes): free space or use a larger disk"
+        )
+
+
+def _probe_state_keys(factory: OptimizerFactory) -> tuple[list[str], list[str]]:
+    """(per-element state keys, scalar state keys) of the optimizer, from one step on a 2-element probe."""
+    probe = nn.Parameter(torch.zeros(2))
+    opt = factory([probe])
+    probe.grad = torch.zeros(2)
+    opt.step()
+    state = opt.state[probe]
+    tensors = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == probe.shape)
+    scalars = sorted(k for k in state if k not in tensors)
+    return tensors, scalars
+
+
+class _Slot:
+    """One chunk's buffers: master, each optimizer-state tensor and the gradient (host memory)."""
+
+    def __init__(self, chunk: int, keys: list[str]) -> None:
+        pin = _pin()
+        self.fields = {k: torch.empty(chunk, pin_memory=pin) for k in ["master", *keys]}
+        self.grad = torch.empty(chunk, pin_memory=pin)
+        self.pending: Future | None = None  # the write-behind of its last chunk
+
+
+class _BucketFile:
+    """One trainable bucket's master and optimizer state: fields laid end to end in one file."""
+
+    def __init__(self, path: str, numel: int, fields: list[str]) -> None:
+        self.path, self.numel, self.fields = path, numel, fields
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        size = numel * _F32 * len(fields)
+        if hasattr(os, "posix_fallocate") and size:
+            os.posix_fallocate(self.fd, 0, size)  # reserve the space now: no ENOSPC mid-step
+        else:
+            os.ftruncate(self.fd, size)
+
+    def _offset(self, field: str, start: int) -> int:
+        return (self.fields.index(field) * self.numel + start) * _F32
+
+    def read(self, field: str, start: int, out: torch.Tensor) -> None:
+        view = memoryview(out.numpy()).cast("B")
+        done = os.preadv(self.fd, [view], self._offset(field, start))
+        if done != view.nbytes:
+            raise OSError(f"short read of {self.path} ({done} of {view.nbytes} bytes)")
+
+    def write(self, field: str, start: int, values: torch.Tensor) -> None:
+        view = memoryview(values.numpy()).cast("B")
+        offset, done = self._offset(field, start), 0
+        while done < view.nbytes:
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def close(self) -> None:
+        try:
+            os.close(self.fd)
+        finally:
+            if os.path.exists(self.path):
+                os.remove(self.path)
+
+
+class NvmeMasters(DeviceMasters):
+    """fp32 masters and optimizer state in per-rank files, stepped chunk by chunk through a ring of buffers.
+
+    The user's optimizer (any elementwise one: AdamW, Adam, SGD, ...) is built over one chunk-sized
+    window parameter; for each chunk the window and its state point at the chunk's buffers and the
+    optimizer steps them. Reads of the next chunks and writes of the finished ones run in background
+    threads. Files are per run (a random name) and removed at exit, so a file left by a crash is never
+    read again: a restart starts from a checkpoint, which is written atomically.
+    """
+
+    kind = "nvme"
+
+    def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory,
+                 rank: int = 0) -> None:
+        self.buckets = buckets
+        self.fp32 = False
+        self.state_keys, self.scalar_keys = _probe_state_keys(factory)
+        fields = ["master", *self.state_keys]
+        numels = [b.shard_size for b in buckets]
+        check_nvme_path(config.nvme_path, sum(numels) * _F32 * len(fields))
+        token = secrets.token_hex(4)
+        self.files = [_BucketFile(os.path.join(config.nvme_path, f"zero-{token}-rank{rank}-bucket{i}.bin"), n, fields)
+                      for i, n in enumerate(numels)]
+        self._finalizer = weakref.finalize(self, NvmeMasters._close_files, self.files)
+        atexit.register(self._finalizer)
+        self.chunk = min(config.offload_chunk_size, max(numels, default=1))
+        self.slots = [_Slot(self.chunk, self.state_keys) for _ in range(config.offload_buffer_count)]
+        self.io = ThreadPoolExecutor(config.offload_io_threads, thread_name_prefix="zero-nvme")
+        self.window = nn.Parameter(torch.zeros(self.chunk))
+        self.optimizer = factory([self.window])
+        self.scalars: dict[str, object] | None = None  # scalar state (e.g. `step`) once the state exists
+        for i, b in enumerate(buckets):
+            self.write_master(i, b.shard_tensor())
+
+    # ------------------------------------------------------------------ step
+    def _jobs(self) -> list[tuple[int, int, int]]:
+        return [(i, s, min(self.chunk, f.numel - s)) for i, f in enumerate(self.files)
+                for s in range(0, f.numel, self.chunk)]
+
+    def _read(self, slot: _Slot, job: tuple[int, int, int]) -> None:
+        i, start, n = job
+        if slot.pending is not None:
+            slot.pending.result()  # its previous chunk must be on disk before the buffers are reused
+            slot.pending = None
+        fields = ["master", *self.state_keys] if self.scalars is not None else ["master"]
+        for field in fields:
+            self.files[i].read(field, start, slot.fields[field][:n])
+
+    def _write(self, slot: _Slot, job: tuple[int, int, int]) -> None:
+        i, start, n = job
+        for field, buf in slot.fields.items():
+            self.files[i].write(field, start, buf[:n])
+
+    @torch.no_grad()
+    def _step_chunk(self, slot: _Slot, job: tuple[int, int, int], grad: torch.Tensor) -> dict:
+        i, start, n = job
+        slot.grad[:n].copy_(grad[start : start + n], non_blocking=True)
+        if grad.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self.window.data = slot.fields["master"][:n]
+        self.window.grad = slot.grad[:n]
+        state: dict = {}
+        if self.scalars is not None:  # fresh copies: every chunk starts from the same scalars
+            state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.scalars.items()}
+            state.update({k: slot.fields[k][:n] for k in self.state_keys})
+        self.optimizer.state[self.window] = state
+        self.optimizer.step()
+        state = self.optimizer.state[self.window]
+        for k in self.state_keys:
+            if state[k].data_ptr() != slot.fields[k].data_ptr():  # created by the optimizer's first step
+                slot.fields[k][:n].copy_(state[k])
+        self.buckets[i].shard_tensor()[start : start + n].copy_(slot.fields["master"][:n], non_blocking=True)
+        return {k: state[k] for k in self.scalar_keys}
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        jobs = self._jobs()
+        ahead = len(self.slots) - 1  # one slot is being stepped while the others read or write
+        reads = {j: self.io.submit(self._read, self.slots[j % len(self.slots)], jobs[j])
+                 for j in range(min(ahead, len(jobs)))}
+        new_scalars = None
+        for j, job in enumerate(jobs):
+            slot = self.slots[j % len(self.slots)]
+            reads.pop(j).result()
+            new_scalars = self._step_chunk(slot, job, grads[job[0]])
+            slot.pending = self.io.submit(self._write, slot, job)
+            if j + ahead < len(jobs):
+                nxt = j + ahead
+                reads[nxt] = self.io.submit(self._read, self.slots[nxt % len(self.slots)], jobs[nxt])
+        for slot in self.slots:
+            if slot.pending is not None:
+                slot.pending.result()
+                slot.pending = None
+        self.optimizer.state.pop(self.window, None)
+        self.window.data, self.window.grad = torch.zeros(self.chunk), None
+        if new_scalars is not None:
+            self.scalars = new_scalars
+
+    # ------------------------------------------------------------------ values and state
+    def read_master(self, index: int) -> torch.Tensor:
+        out = torch.empty(self.files[index].numel)
+        if out.numel():
+            self.files[index].read("master", 0, out)
+        return out
+
+    @torch.no_grad()
+    def write_master(self, index: int, values: torch.Tensor) -> None:
+        values = values.detach().to("cpu", torch.float32).contiguous()
+        if values.numel():
+            self.files[index].write("master", 0, values)
+
+    def state_dict(self) -> dict:
+        """The torch optimizer state dict the on-device optimizer would have (read from the files)."""
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        state = {}
+        if self.scalars is not None:
+            for i, f in enumerate(self.files):
+                entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.scalars.items()}
+                for k in self.state_keys:
+                    entry[k] = torch.empty(f.numel)
+                    if f.numel:
+                        f.read(k, 0, entry[k])
+                state[i] = entry
+        return {"state": state, "param_groups": [{**group, "params": list(range(len(self.files)))}]}
+
+    def load_state_dict(self, state: dict) -> None:
+        groups = state["param_groups"]
+        if len(groups) != 1 or len(groups[0]["params"]) != len(self.files):
+            raise ValueError(f"optimizer state for {sum(len(g['params']) for g in groups)} parameters in "
+                             f"{len(groups)} groups does not match the {len(self.files)} offloaded shards")
+        self.optimizer.param_groups[0].update({k: v for k, v in groups[0].items() if k != "params"})
+        entries = state["state"]
+        if not entries:
+            self.scalars = None
+            return
+        for i, f in enumerate(self.files):
+            for k in self.state_keys:
+                values = entries[i][k].detach().to("cpu", torch.float32).contiguous()
+                if f.numel:
+                    f.write(k, 0, values)
+        self.scalars = {k: entries[0][k] for k in self.scalar_keys}
+        if any(isinstance(v, torch.Tensor) for v in self.scalars.values()):
+            self.scalars = {k: v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in self.scalars.items()}
+
+    def resident_bytes(self) -> dict[str, int]:
+        per_slot = sum(t.numel() * _F32 for t in self.slots[0].fields.values()) + self.slots[0].grad.numel() * _F32
+        return {"master": 0, "optimizer_state": per_slot * len(self.slots)}
+
+    def file_bytes(self) -> int:
+        return sum(os.path.getsize(f.path) for f in self.files if os.path.exists(f.path))
+
+    @staticmethod
+    def _close_files(files: list[_BucketFile]) -> None:
+        for f in files:
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.io.shutdown(wait=True)
+        self._finalizer()
+
+
+def build_masters(buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory,
+                  rank: int = 0) -> DeviceMasters:
+    """The master store `config.offload_optimizer` names."""
+    if config.offload_optimizer == "cpu":
+        return HostMasters(buckets, config, factory)
+    if config.offload_optimizer == "nvme":
+        return NvmeMasters(buckets, config, factory, rank)
+    return DeviceMasters(buckets, config, factory)
