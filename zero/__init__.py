@@ -2,6 +2,9 @@
 
 from zero.config import ConfigError, ZeroConfig
 from zero.engine import Engine, ReduceGroup, initialize
+from zero.optimizer import FastAdamW
 from zero.topology import LayoutError, ParallelDims
 
-__all__ = ["ConfigError", "Engine", "LayoutError", "ParallelDims", "ReduceGroup", "ZeroConfig", "initialize"]
+__all__ = [
+    "ConfigError", "Engine", "FastAdamW", "LayoutError", "ParallelDims", "ReduceGroup", "ZeroConfig", "initialize",
+]

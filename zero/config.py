@@ -89,7 +89,7 @@ class ZeroConfig:
     offload_optimizer: str = "none"
     offload_params: str = "none"
     nvme_path: str | None = None
-    offload_chunk_size: int = 1 << 22
+    offload_chunk_size: int = 1 << 20
     offload_buffer_count: int = 4
     offload_io_threads: int = 2
 

@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 
 from zero import comm
 from zero.config import ZeroConfig
+from zero.nvme import check_nvme_path
 from zero.optimizer import FullGradReducer, ZeroOptimizer
 from zero.partition import FlatBucket, split_into_buckets
 from zero.stage3 import Stage3Hooks, assign_parameters, find_units
@@ -98,6 +99,7 @@ class Engine:
         self.dims = dims
         self.dp = dims.dp
         self.loss_scale_hooks = list(loss_scale_hooks)
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage3: Stage3Hooks | None = None
         reductions, owner = self._plan_reductions(model, reduce_groups)
         if config.stage == 3:
@@ -113,7 +115,7 @@ class Engine:
             dims.dp_sp_group,
             optimizer,
             on_bucket_complete=self.stage3.on_bucket_reduced if self.stage3 else None,
-            rank=dist.get_rank() if dist.is_initialized() else 0,
+            rank=self._rank,
         )
         self.optimizer = self.zero_optimizer.optimizer
         self.device = self.zero_optimizer.device
@@ -185,9 +187,22 @@ class Engine:
                     # Attach at once so each original parameter tensor is released before the next
                     # bucket is flattened: the build never holds two copies of the whole model.
                     b.broadcast_from_first_rank()
-                    b.attach()
+                    home = "none" if resident else self.config.offload_params
+                    b.attach(home, self.config.nvme_path, f"rank{self._rank}-params{len(out)}-{id(b):x}")
                     out.append(b)
         return out
+
+    def _check_param_offload_space(self, params: list[tuple[str, nn.Parameter]], reductions: list[_Reduction],
+                                   owner: dict[int, int]) -> None:
+        """nvme parameter offload: refuse a too-small or unusable nvme_path before any file is written."""
+        if self.config.offload_params != "nvme":
+            return
+        elements = 0
+        for _, p in params:
+            size = group_size(reductions[owner.get(id(p), 0)].group)
+            elements += -(-p.numel() // size) + size  # this rank's shard, with room for padding
+        itemsize = torch.empty((), dtype=self.config.torch_dtype).element_size()
+        check_nvme_path(self.config.nvme_path, elements * itemsize, "parameter shards")
 
     def _build_stage3(
         self, model: nn.Module, reductions: list[_Reduction], owner: dict[int, int]
@@ -196,6 +211,7 @@ class Engine:
         config = self.config
         units = find_units(model, config.stage3_unit_classes)
         per_unit, root, persistent = assign_parameters(model, units, config.param_persistence_threshold)
+        self._check_param_offload_space([x for unit in per_unit for x in unit] + root, reductions, owner)
         unit_buckets = [self._make_buckets(params, reductions, owner, False) for params in per_unit]
         root_buckets = self._make_buckets(root, reductions, owner, False)
         persistent_buckets = self._make_buckets(
@@ -383,7 +399,7 @@ class Engine:
         self.zero_optimizer.clear_grads()
         for b, shard in zip(self.buckets, state["shards"]):
             if not b.trainable:
-                b.shard_tensor().copy_(shard)
+                b.write_shard(shard)
                 if b.resident and b.sharded and b.world > 1:
                     comm.all_gather_into_tensor(b.full, b.shard_tensor().clone(), b.group)
         self.zero_optimizer.load_masters([v for b, v in zip(self.buckets, state["shards"]) if b.trainable])
@@ -402,7 +418,7 @@ class Engine:
 
     def _shard_values(self, b: FlatBucket) -> torch.Tensor:
         """This rank's shard of `b` at full precision: the fp32 master if trainable, else the values."""
-        return self.zero_optimizer.read_master(b) if b.trainable else b.shard_tensor()
+        return self.zero_optimizer.read_master(b) if b.trainable else b.read_shard()
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -441,7 +457,7 @@ class Engine:
             shard = b.shard_of(flat).to(b.device)
             if b.trainable:
                 masters.append(shard)
-            b.shard_tensor().copy_(shard)
+            b.write_shard(shard)
             if b.resident:
                 b.full.copy_(flat)
         self.zero_optimizer.load_masters(masters)
@@ -460,6 +476,8 @@ class Engine:
     def close(self) -> None:
         """Release what the engine holds outside the process (offload files); also done at exit."""
         self.zero_optimizer.masters.close()
+        for b in self.buckets:
+            b.close()
 
     def load_checkpoint(self, path: str) -> dict | None:
         """Restore a checkpoint written by save_checkpoint; returns this rank's client_state."""

@@ -11,27 +11,18 @@ written with one loads into any other.
 
 from __future__ import annotations
 
-import atexit
-import os
-import secrets
-import shutil
-import tempfile
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.nn as nn
 
-from zero.config import ConfigError, ZeroConfig
+from zero.config import ZeroConfig
+from zero.nvme import TensorFile, check_nvme_path
 from zero.partition import FlatBucket
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 _F32 = 4  # bytes per fp32 element
-
-
-class OffloadError(ConfigError):
-    """An offload target that cannot be used (missing, unwritable or too small a directory)."""
 
 
 def _pin() -> bool:
@@ -45,10 +36,12 @@ class DeviceMasters:
 
     def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory) -> None:
         self.buckets = buckets
-        self.fp32 = config.torch_dtype == torch.float32
+        fp32 = config.torch_dtype == torch.float32
+        # In fp32 the master IS the in-memory shard: no copy, nothing to write back after the step.
+        self.aliased = [fp32 and b.shard_in_memory for b in buckets]
         self.masters = [
-            nn.Parameter(b.shard_tensor() if self.fp32 else b.shard_tensor().detach().float().clone())
-            for b in buckets
+            nn.Parameter(b.shard_tensor() if alias else b.read_shard().detach().float().clone())
+            for b, alias in zip(buckets, self.aliased)
         ]
         self.optimizer = factory(self.masters)
 
@@ -68,10 +61,10 @@ class DeviceMasters:
         self._publish_shards()
 
     def _publish_shards(self) -> None:
-        if not self.fp32:
-            with torch.no_grad():
-                for b, m in zip(self.buckets, self.masters):
-                    b.shard_tensor().copy_(m, non_blocking=True)
+        with torch.no_grad():
+            for b, m, alias in zip(self.buckets, self.masters, self.aliased):
+                if not alias:
+                    b.write_shard(m)
 
     def read_master(self, index: int) -> torch.Tensor:
         return self.masters[index].detach()
@@ -87,8 +80,7 @@ class DeviceMasters:
         self.optimizer.load_state_dict(state)
 
     def resident_bytes(self) -> dict[str, int]:
-        master = sum(m.numel() * _F32 for m, b in zip(self.masters, self.buckets)
-                     if m.data_ptr() != b.shard_tensor().data_ptr())
+        master = sum(m.numel() * _F32 for m, alias in zip(self.masters, self.aliased) if not alias)
         state = sum(v.numel() * v.element_size() for s in self.optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
         return {"master": master, "optimizer_state": state}
@@ -109,12 +101,12 @@ class HostMasters(DeviceMasters):
 
     def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory) -> None:
         self.buckets = buckets
-        self.fp32 = False  # the master never aliases the shard: values always travel back
+        self.aliased = [False] * len(buckets)  # the master never aliases the shard: values travel back
         pin = _pin()
         self.masters = []
         self.host_grads = []
         for b in buckets:
-            shard = b.shard_tensor()
+            shard = b.read_shard()
             self.masters.append(nn.Parameter(torch.empty(shard.numel(), pin_memory=pin).copy_(shard)))
             self.host_grads.append(torch.empty(shard.numel(), pin_memory=pin))
         self.staged = [False] * len(buckets)
@@ -140,31 +132,6 @@ class HostMasters(DeviceMasters):
 
 
 # ---------------------------------------------------------------------------------------------- nvme
-def disk_free_bytes(path: str) -> int:
-    """Free bytes of the filesystem holding `path` (tests replace it to simulate a small disk)."""
-    return shutil.disk_usage(path).free
-
-
-def check_nvme_path(path: str, needed_bytes: int) -> None:
-    """Refuse, before any training, a directory that is missing, unwritable or too small."""
-    if not os.path.isdir(path):
-        raise OffloadError(f"zero.nvme_path={path!r} does not exist or is not a directory: create it first "
-                           "(nvme offload needs a directory on a fast local disk)")
-    try:
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".zero-write-test-"):
-            pass
-    except OSError as e:
-        raise OffloadError(
-            f"zero.nvme_path={path!r} is not writable ({e.strerror}); choose another directory"
-        ) from None
-    free = disk_free_bytes(path)
-    if free < needed_bytes:
-        raise OffloadError(
-            f"zero.nvme_path={path!r} has {free / 2**30:.2f} GiB free but this rank's offloaded state needs "
-            f"{needed_bytes / 2**30:.2f} GiB ({needed_bytes} bytes): free space or use a larger disk"
-        )
-
-
 def _probe_state_keys(factory: OptimizerFactory) -> tuple[list[str], list[str]]:
     """(per-element state keys, scalar state keys) of the optimizer, from one step on a 2-element probe."""
     probe = nn.Parameter(torch.zeros(2))
@@ -187,41 +154,6 @@ class _Slot:
         self.pending: Future | None = None  # the write-behind of its last chunk
 
 
-class _BucketFile:
-    """One trainable bucket's master and optimizer state: fields laid end to end in one file."""
-
-    def __init__(self, path: str, numel: int, fields: list[str]) -> None:
-        self.path, self.numel, self.fields = path, numel, fields
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        size = numel * _F32 * len(fields)
-        if hasattr(os, "posix_fallocate") and size:
-            os.posix_fallocate(self.fd, 0, size)  # reserve the space now: no ENOSPC mid-step
-        else:
-            os.ftruncate(self.fd, size)
-
-    def _offset(self, field: str, start: int) -> int:
-        return (self.fields.index(field) * self.numel + start) * _F32
-
-    def read(self, field: str, start: int, out: torch.Tensor) -> None:
-        view = memoryview(out.numpy()).cast("B")
-        done = os.preadv(self.fd, [view], self._offset(field, start))
-        if done != view.nbytes:
-            raise OSError(f"short read of {self.path} ({done} of {view.nbytes} bytes)")
-
-    def write(self, field: str, start: int, values: torch.Tensor) -> None:
-        view = memoryview(values.numpy()).cast("B")
-        offset, done = self._offset(field, start), 0
-        while done < view.nbytes:
-            done += os.pwrite(self.fd, view[done:], offset + done)
-
-    def close(self) -> None:
-        try:
-            os.close(self.fd)
-        finally:
-            if os.path.exists(self.path):
-                os.remove(self.path)
-
-
 class NvmeMasters(DeviceMasters):
     """fp32 masters and optimizer state in per-rank files, stepped chunk by chunk through a ring of buffers.
 
@@ -237,16 +169,13 @@ class NvmeMasters(DeviceMasters):
     def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory,
                  rank: int = 0) -> None:
         self.buckets = buckets
-        self.fp32 = False
+        self.aliased = [False] * len(buckets)
         self.state_keys, self.scalar_keys = _probe_state_keys(factory)
         fields = ["master", *self.state_keys]
         numels = [b.shard_size for b in buckets]
-        check_nvme_path(config.nvme_path, sum(numels) * _F32 * len(fields))
-        token = secrets.token_hex(4)
-        self.files = [_BucketFile(os.path.join(config.nvme_path, f"zero-{token}-rank{rank}-bucket{i}.bin"), n, fields)
+        check_nvme_path(config.nvme_path, sum(numels) * _F32 * len(fields), "optimizer state")
+        self.files = [TensorFile(config.nvme_path, f"rank{rank}-optimizer{i}", n, fields, torch.float32)
                       for i, n in enumerate(numels)]
-        self._finalizer = weakref.finalize(self, NvmeMasters._close_files, self.files)
-        atexit.register(self._finalizer)
         self.chunk = min(config.offload_chunk_size, max(numels, default=1))
         self.slots = [_Slot(self.chunk, self.state_keys) for _ in range(config.offload_buffer_count)]
         self.io = ThreadPoolExecutor(config.offload_io_threads, thread_name_prefix="zero-nvme")
@@ -254,7 +183,7 @@ class NvmeMasters(DeviceMasters):
         self.optimizer = factory([self.window])
         self.scalars: dict[str, object] | None = None  # scalar state (e.g. `step`) once the state exists
         for i, b in enumerate(buckets):
-            self.write_master(i, b.shard_tensor())
+            self.write_master(i, b.read_shard())
 
     # ------------------------------------------------------------------ step
     def _jobs(self) -> list[tuple[int, int, int]]:
@@ -293,7 +222,7 @@ class NvmeMasters(DeviceMasters):
         for k in self.state_keys:
             if state[k].data_ptr() != slot.fields[k].data_ptr():  # created by the optimizer's first step
                 slot.fields[k][:n].copy_(state[k])
-        self.buckets[i].shard_tensor()[start : start + n].copy_(slot.fields["master"][:n], non_blocking=True)
+        self.buckets[i].write_shard(slot.fields["master"][:n], start)
         return {k: state[k] for k in self.scalar_keys}
 
     def step(self, grads: list[torch.Tensor]) -> None:
@@ -321,16 +250,11 @@ class NvmeMasters(DeviceMasters):
 
     # ------------------------------------------------------------------ values and state
     def read_master(self, index: int) -> torch.Tensor:
-        out = torch.empty(self.files[index].numel)
-        if out.numel():
-            self.files[index].read("master", 0, out)
-        return out
+        return self.files[index].read_all("master")
 
     @torch.no_grad()
     def write_master(self, index: int, values: torch.Tensor) -> None:
-        values = values.detach().to("cpu", torch.float32).contiguous()
-        if values.numel():
-            self.files[index].write("master", 0, values)
+        self.files[index].write("master", 0, values)
 
     def state_dict(self) -> dict:
         """The torch optimizer state dict the on-device optimizer would have (read from the files)."""
@@ -339,10 +263,7 @@ class NvmeMasters(DeviceMasters):
         if self.scalars is not None:
             for i, f in enumerate(self.files):
                 entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.scalars.items()}
-                for k in self.state_keys:
-                    entry[k] = torch.empty(f.numel)
-                    if f.numel:
-                        f.read(k, 0, entry[k])
+                entry.update({k: f.read_all(k) for k in self.state_keys})
                 state[i] = entry
         return {"state": state, "param_groups": [{**group, "params": list(range(len(self.files)))}]}
 
@@ -358,9 +279,7 @@ class NvmeMasters(DeviceMasters):
             return
         for i, f in enumerate(self.files):
             for k in self.state_keys:
-                values = entries[i][k].detach().to("cpu", torch.float32).contiguous()
-                if f.numel:
-                    f.write(k, 0, values)
+                f.write(k, 0, entries[i][k])
         self.scalars = {k: entries[0][k] for k in self.scalar_keys}
         if any(isinstance(v, torch.Tensor) for v in self.scalars.values()):
             self.scalars = {k: v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else v
@@ -371,19 +290,12 @@ class NvmeMasters(DeviceMasters):
         return {"master": 0, "optimizer_state": per_slot * len(self.slots)}
 
     def file_bytes(self) -> int:
-        return sum(os.path.getsize(f.path) for f in self.files if os.path.exists(f.path))
-
-    @staticmethod
-    def _close_files(files: list[_BucketFile]) -> None:
-        for f in files:
-            try:
-                f.close()
-            except OSError:
-                pass
+        return sum(f.size_bytes() for f in self.files)
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
-        self._finalizer()
+        for f in self.files:
+            f.close()
 
 
 def build_masters(buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory,

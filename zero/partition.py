@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from zero import comm
+from zero.nvme import TensorFile
 from zero.topology import group_rank, group_size
 
 
@@ -75,7 +76,10 @@ class FlatBucket:
         with torch.no_grad():
             for p, o, n in zip(params, self.offsets, self.numels):
                 self.full[o : o + n].copy_(p.detach().reshape(-1))
-        self.local: torch.Tensor | None = None  # this rank's shard when not resident
+        self.local: torch.Tensor | None = None  # this rank's shard when not resident (device or host)
+        self.home = "none"  # where a non-resident shard waits between gathers (see attach)
+        self.file: TensorFile | None = None  # the shard's file when home == "nvme"
+        self._gather_source: torch.Tensor | None = None
         self.gathered = True
         # Gradient state, managed by the reducer: the full-size flat gradient (stages 0-1 keep it for the
         # whole step) and this rank's reduced fp32 shard accumulated over micro-batches.
@@ -108,35 +112,82 @@ class FlatBucket:
 
             comm.broadcast(self.full, src=dist.get_global_rank(self.group, 0), group=self.group)
 
-    def attach(self) -> None:
-        """Point the module parameters at the flat buffer (and, non-resident, keep only the shard)."""
+    def attach(self, home: str = "none", nvme_path: str | None = None, file_name: str = "") -> None:
+        """Point the module parameters at the flat buffer (and, non-resident, keep only the shard).
+
+        `home` (non-resident buckets) is where the shard waits between gathers: "none" (the device),
+        "cpu" (host memory, pinned on CUDA) or "nvme" (a file `file_name` under `nvme_path`).
+        """
         # `.data` gives views with their own version counter: refilling the buffer in place (the
         # stage-3 re-gather) must not look like an in-place edit of tensors autograd saved.
         base = self.full.data
         for p, v in zip(self.params, self.param_views(base)):
             p.data = v
-        if not self.resident:
-            self.local = self.shard_of(self.full).clone()
-            self.free()
+        if self.resident:
+            return
+        shard = self.shard_of(self.full)
+        self.home = home
+        if home == "nvme":
+            self.file = TensorFile(nvme_path, file_name, self.shard_size, ["shard"], self.dtype)
+            # A copy: handing `full`'s own storage to numpy would pin its size (free() resizes it).
+            self.file.write("shard", 0, shard.clone())
+        elif home == "cpu":
+            self.local = torch.empty(self.shard_size, dtype=self.dtype, pin_memory=torch.cuda.is_available())
+            self.local.copy_(shard)
+        else:
+            self.local = shard.clone()
+        self.free()
 
     # ------------------------------------------------------------------ stage-3 gather / free
+    def _shard_for_gather(self) -> torch.Tensor:
+        if self.file is not None:
+            return self.file.read_all("shard").to(self.device, non_blocking=True)
+        return self.local.to(self.device, non_blocking=True)  # the same tensor unless it waits on the host
+
     def gather(self, async_op: bool = False):
         """All-gather the full buffer from the shards; returns the work handle when async."""
         if self.resident or self.gathered:
             return None
         _resize_storage(self.full, self.padded * self.full.element_size())
         self.gathered = True
-        return comm.all_gather_into_tensor(self.full, self.local, self.group, async_op=async_op)
+        # Kept until `free`: an asynchronous gather still reads it.
+        self._gather_source = self._shard_for_gather()
+        return comm.all_gather_into_tensor(self.full, self._gather_source, self.group, async_op=async_op)
 
     def free(self) -> None:
         if self.resident or not self.gathered:
             return
         _resize_storage(self.full, 0)
         self.gathered = False
+        self._gather_source = None
+
+    @property
+    def shard_in_memory(self) -> bool:
+        """False when the shard lives in a file (read with read_shard, set with write_shard)."""
+        return self.file is None
 
     def shard_tensor(self) -> torch.Tensor:
-        """This rank's shard of the parameter values (compute dtype)."""
+        """This rank's shard of the parameter values (compute dtype), where it lives in memory."""
+        if self.file is not None:
+            raise RuntimeError("this bucket's shard lives in an nvme file: use read_shard()/write_shard()")
         return self.shard_of(self.full) if self.resident else self.local
+
+    def read_shard(self) -> torch.Tensor:
+        """This rank's shard (compute dtype): the tensor itself, or a fresh copy read from its file."""
+        return self.file.read_all("shard") if self.file is not None else self.shard_tensor()
+
+    @torch.no_grad()
+    def write_shard(self, values: torch.Tensor, start: int = 0) -> None:
+        """Set shard elements [start, start + len(values)) (cast to the compute dtype)."""
+        if self.file is not None:
+            self.file.write("shard", start, values)
+        else:
+            self.shard_tensor()[start : start + values.numel()].copy_(values, non_blocking=True)
+
+    def close(self) -> None:
+        """Remove the shard's file (nvme home); the bucket is unusable afterwards."""
+        if self.file is not None:
+            self.file.close()
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the bucket's parameters and gradients right now."""

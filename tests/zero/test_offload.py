@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import zero
-import zero.offload
+import zero.nvme
 from tests.multirank import run_multirank
 from tests.zero.models import build, global_batch, lm_loss
 
@@ -44,6 +44,12 @@ def _train(engine: zero.Engine, steps: range) -> list[float]:
 
 
 OFFLOADS = {"cpu": {"offload_optimizer": "cpu"}, "nvme": {"offload_optimizer": "nvme"}}
+# Stage 3 only: parameter shards offloaded too (alone, and with the optimizer).
+PARAM_OFFLOADS = {
+    "params_nvme": {"offload_params": "nvme"},
+    "params_cpu+opt_cpu": {"offload_params": "cpu", "offload_optimizer": "cpu"},
+    "params_nvme+opt_nvme": {"offload_params": "nvme", "offload_optimizer": "nvme"},
+}
 
 
 def _equivalence(root: str) -> dict:
@@ -51,7 +57,7 @@ def _equivalence(root: str) -> dict:
     for dtype in ("fp32", "bf16"):
         for stage in (1, 2, 3):
             out[(dtype, stage, "none")] = _train(_engine(stage, dtype, root), range(STEPS))
-            for name, offload in OFFLOADS.items():
+            for name, offload in {**OFFLOADS, **(PARAM_OFFLOADS if stage == 3 else {})}.items():
                 engine = _engine(stage, dtype, root, **offload)
                 out[(dtype, stage, name)] = _train(engine, range(STEPS))
                 engine.close()
@@ -74,17 +80,20 @@ def test_optimizer_offload_matches_no_offload_at_every_stage(tmp_path):
 def _checkpoint_round_trip(root: str) -> dict:
     """Save under one offload, resume under each other: the same next losses as not stopping."""
     out = {}
-    for saved_with in ("nvme", "none"):
-        a = _engine(2, "fp32", root, **OFFLOADS.get(saved_with, {}))
+    every = {**OFFLOADS, **PARAM_OFFLOADS}
+    cases = [(2, "nvme", ("none", "cpu", "nvme")), (2, "none", ("cpu", "nvme")),
+             (3, "params_nvme+opt_nvme", ("none", "params_cpu+opt_cpu")), (3, "none", ("params_nvme+opt_nvme",))]
+    for stage, saved_with, loaders in cases:
+        a = _engine(stage, "fp32", root, **every.get(saved_with, {}))
         _train(a, range(3))
-        path = os.path.join(root, f"ckpt_{saved_with}")
+        path = os.path.join(root, f"ckpt_{stage}_{saved_with}")
         a.save_checkpoint(path)
         expected = _train(a, range(3, 6))
         a.close()
-        for load_with in ("none", "cpu", "nvme"):
-            b = _engine(2, "fp32", root, seed=7 + dist.get_rank(), **OFFLOADS.get(load_with, {}))
+        for load_with in loaders:
+            b = _engine(stage, "fp32", root, seed=7 + dist.get_rank(), **every.get(load_with, {}))
             b.load_checkpoint(path)
-            out[(saved_with, load_with)] = (_train(b, range(3, 6)), expected)
+            out[(stage, saved_with, load_with)] = (_train(b, range(3, 6)), expected)
             b.close()
     return out
 
@@ -106,7 +115,7 @@ def test_nvme_target_errors_come_before_training(tmp_path, monkeypatch):
         engine(tmp_path / "missing")
     with pytest.raises(zero.ConfigError, match="not writable"):
         engine("/proc")
-    monkeypatch.setattr(zero.offload, "disk_free_bytes", lambda path: 1000)
+    monkeypatch.setattr(zero.nvme, "disk_free_bytes", lambda path: 1000)
     numel = sum(p.numel() for p in build().parameters())
     with pytest.raises(zero.ConfigError, match=f"needs .* GiB \\({3 * 4 * numel} bytes\\)"):
         engine(tmp_path)  # master + exp_avg + exp_avg_sq, fp32, world 1

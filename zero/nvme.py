@@ -1,0 +1,112 @@
+"""Per-rank files for offloaded tensors (ZeRO-Infinity): the directory checks and the flat file itself.
+
+A `TensorFile` holds named fields of `numel` elements each, end to end, read and written in place
+with pread/pwrite (the GIL is released, so background threads overlap IO with compute). Files are
+created per run under a random name and removed when closed or at exit: a file left by a crash is
+never read again (a restart starts from a checkpoint, which is written atomically).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+import tempfile
+import weakref
+
+import torch
+
+from zero.config import ConfigError
+
+#: One name per process: every file this process creates carries it.
+RUN_TOKEN = secrets.token_hex(4)
+
+
+class OffloadError(ConfigError):
+    """An offload target that cannot be used (missing, unwritable or too small a directory)."""
+
+
+def disk_free_bytes(path: str) -> int:
+    """Free bytes of the filesystem holding `path` (tests replace it to simulate a small disk)."""
+    return shutil.disk_usage(path).free
+
+
+def check_nvme_path(path: str, needed_bytes: int, what: str) -> None:
+    """Refuse, before any training, a directory that is missing, unwritable or too small for `what`."""
+    if not os.path.isdir(path):
+        raise OffloadError(f"zero.nvme_path={path!r} does not exist or is not a directory: create it first "
+                           "(nvme offload needs a directory on a fast local disk)")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".zero-write-test-"):
+            pass
+    except OSError as e:
+        raise OffloadError(
+            f"zero.nvme_path={path!r} is not writable ({e.strerror}); choose another directory"
+        ) from None
+    free = disk_free_bytes(path)
+    if free < needed_bytes:
+        raise OffloadError(
+            f"zero.nvme_path={path!r} has {free / 2**30:.2f} GiB free but this rank's offloaded {what} needs "
+            f"{needed_bytes / 2**30:.2f} GiB ({needed_bytes} bytes): free space or use a larger disk"
+        )
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    # Through uint8: numpy has no bfloat16, and the file only moves bytes.
+    return memoryview(t.detach().contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+class TensorFile:
+    """Fields of `numel` elements of `dtype` laid end to end in one file, space reserved up front."""
+
+    def __init__(self, directory: str, name: str, numel: int, fields: list[str], dtype: torch.dtype) -> None:
+        self.path = os.path.join(directory, f"zero-{RUN_TOKEN}-{name}.bin")
+        self.numel, self.fields, self.dtype = numel, list(fields), dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        size = numel * self.itemsize * len(self.fields)
+        if size and hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(self.fd, 0, size)  # no ENOSPC in the middle of a step
+        else:
+            os.ftruncate(self.fd, size)
+        self._finalizer = weakref.finalize(self, TensorFile._remove, self.fd, self.path)
+        atexit.register(self._finalizer)
+
+    def _offset(self, field: str, start: int) -> int:
+        return (self.fields.index(field) * self.numel + start) * self.itemsize
+
+    def read(self, field: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` (host memory, this file's dtype) with elements [start, start + out.numel())."""
+        if out.numel():
+            view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+            done = os.preadv(self.fd, [view], self._offset(field, start))
+            if done != view.nbytes:
+                raise OSError(f"short read of {self.path} ({done} of {view.nbytes} bytes)")
+        return out
+
+    def write(self, field: str, start: int, values: torch.Tensor) -> None:
+        """Store `values` (cast to this file's dtype) at elements [start, start + values.numel())."""
+        if values.numel():
+            view = _bytes_view(values.to("cpu", self.dtype))
+            offset, done = self._offset(field, start), 0
+            while done < view.nbytes:
+                done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def read_all(self, field: str) -> torch.Tensor:
+        return self.read(field, 0, torch.empty(self.numel, dtype=self.dtype))
+
+    def size_bytes(self) -> int:
+        return os.path.getsize(self.path) if os.path.exists(self.path) else 0
+
+    @staticmethod
+    def _remove(fd: int, path: str) -> None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        if os.path.exists(path):
+            os.remove(path)
+
+    def close(self) -> None:
+        self._finalizer()
