@@ -261,6 +261,83 @@ def cmd_ulysses(args) -> None:
 
 
 # ---------------------------------------------------------------------------- recipe
+# ---------------------------------------------------------------------------- offload
+OFFLOAD_MODES = (("none", {}), ("optimizer cpu", {"offload_optimizer": "cpu"}),
+                 ("optimizer + params cpu", {"offload_optimizer": "cpu", "offload_params": "cpu"}),
+                 ("optimizer + params nvme", {"offload_optimizer": "nvme", "offload_params": "nvme"}))
+
+
+def _offload_run(model_cfg, offload: dict, device, batch: int, seq: int, steps: int, nvme: str) -> dict:
+    import torch.nn.functional as F
+
+    import zero
+    from recipes.models.llama import Transformer
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(model_cfg)
+    config = zero.ZeroConfig(stage=3, dtype="bf16" if device.type == "cuda" else "fp32",
+                             **offload, **({"nvme_path": nvme} if "nvme" in offload.values() else {}))
+    engine = zero.initialize(model, zero.FastAdamW(lr=1e-4, weight_decay=0.1), config)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the step's peak, not the fp32 model built before sharding
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    times, losses = [], []
+    try:
+        for _ in range(steps):
+            x = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1), generator=gen).to(device)
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(engine(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
+            engine.backward(loss)
+            engine.step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+    finally:
+        engine.close()
+    return {"step_s": statistics.median(times[1:]), "losses": losses}
+
+
+def cmd_offload(args) -> None:
+    import tempfile
+
+    import psutil
+
+    from recipes.models.llama import ModelConfig
+
+    device = torch.device(args.device)
+    if args.smoke:
+        cfg, batch, seq, steps = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=64), 2, 64, 3
+    else:  # ~0.45B parameters
+        cfg = ModelConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, max_seq_len=1024)
+        batch, seq, steps = 4, 1024, 3
+    from recipes.models.llama import Transformer
+
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in Transformer(cfg).parameters())
+    emit(f"ZeRO-3 offload on one {device.type} rank, {'bf16' if device.type == 'cuda' else 'fp32'}, "
+         f"Llama {n_params / 1e6:.1f}M (dim {cfg.dim} x {cfg.n_layers} layers), batch {batch} x seq {seq}, FastAdamW; "
+         f"median step of steps 2..{steps}")
+    emit("| offload | step s | / none | peak GPU GiB | host RSS GiB | loss first -> last |")
+    emit("|---|---|---|---|---|---|")
+    base = None
+    with tempfile.TemporaryDirectory(prefix="gpu_check_nvme_") as nvme:
+        for label, offload in OFFLOAD_MODES:
+            try:
+                r = _offload_run(cfg, offload, device, batch, seq, steps, nvme)
+            except Exception as e:  # noqa: BLE001 - one failing mode is a result, not the end of the check
+                emit(f"| {label} | failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]} | | | | |")
+                continue
+            base = base or (r["step_s"] if not offload else None)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            rss = psutil.Process().memory_info().rss / 2**30
+            ratio = f"{r['step_s'] / base:.2f}" if base else "-"
+            emit(f"| {label} | {r['step_s']:.3f} | {ratio} | {peak:.2f} | {rss:.2f} | "
+                 f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
+
+
 def model_flops_per_token(model: dict, seq_len: int) -> tuple[int, int]:
     """(active matmul parameters, attention FLOPs per token for forward+backward) of a recipe model config.
 
@@ -346,7 +423,7 @@ def cmd_recipe(args) -> int:
 def main() -> int:
     global _results
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("env", "moe", "ulysses", "recipe"))
+    ap.add_argument("part", choices=("env", "moe", "ulysses", "offload", "recipe"))
     ap.add_argument("overrides", nargs="*", help="recipe: hydra overrides, e.g. zero.dtype=bf16 model=moe_small")
     ap.add_argument("--results", help="file the figures are appended to (besides stdout)")
     ap.add_argument("--device", default="cuda")
@@ -360,7 +437,7 @@ def main() -> int:
         if not args.run_dir:
             ap.error("recipe needs --run-dir")
         return cmd_recipe(args)
-    {"env": cmd_env, "moe": cmd_moe, "ulysses": cmd_ulysses}[args.part](args)
+    {"env": cmd_env, "moe": cmd_moe, "ulysses": cmd_ulysses, "offload": cmd_offload}[args.part](args)
     return 0
 
 

@@ -123,10 +123,11 @@ else
   say "[tests] skipped: pytest is not importable"
 fi
 
-# ---- 2-3. MoE layer and Ulysses attention
+# ---- 2-3. MoE layer, Ulysses attention and ZeRO-3 offload
 if has psutil; then
   run_part moe_layer 90 "$PY" benchmarks/gpu_check.py moe --results "$RESULTS" "${device_args[@]}"
   run_part ulysses 60 "$PY" benchmarks/gpu_check.py ulysses --results "$RESULTS" "${device_args[@]}"
+  run_part offload 100 "$PY" benchmarks/gpu_check.py offload --results "$RESULTS" "${device_args[@]}"
 fi
 
 # ---- 4. recipe: 30 bf16 steps of the default model, then a larger one if the first used the GPU
