@@ -64,11 +64,18 @@ class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
         return {k: v for k, v in super().state_dict().items() if k != "cfg"}
 
 
+def builds_on_meta(cfg: DictConfig) -> bool:
+    """Stage 3 dense models are built on the meta device and materialised by the engine unit by unit
+    (Transformer.init_parameter gives the values an eager build would), so no rank holds the whole model."""
+    return cfg.zero.stage == 3 and not cfg.model.moe.num_experts
+
+
 def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> Transformer:
     """The full model, identically initialised on every rank, then parallelised from outside."""
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     moe_cfg = MoEConfig(**model_cfg.pop("moe", {}))
-    model = Transformer(ModelConfig(**model_cfg, moe=moe_cfg))
+    meta = builds_on_meta(cfg)
+    model = Transformer(ModelConfig(**model_cfg, moe=moe_cfg), device="meta" if meta else None)
     untileable: tuple[type, ...] = ()
     if cfg.model.moe.num_experts:
         from moe import MoELayer, apply_expert_parallel, set_stats_group
@@ -89,7 +96,8 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> Transformer:
         from sequence_parallel import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, offload=cfg.train.offload_activations)
-    return model
+    # One process per device: the model lives on this rank's GPU where there is one (else the CPU).
+    return model if meta else model.to(default_device())
 
 
 def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims) -> zero.Engine:
@@ -113,6 +121,8 @@ def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims) -
                                **OmegaConf.to_container(cfg.zero, resolve=True)),
         dims=dims,
         lr_scheduler=functools.partial(ScheduleLR, cfg=cfg),
+        # A meta-device model is materialised by the engine (on this rank's GPU where there is one).
+        param_init=model.init_parameter if builds_on_meta(cfg) else None,
         **moe_declarations,
     )
     if cfg.model.moe.num_experts and engine.grads_accumulate_in_place:
@@ -335,8 +345,7 @@ class Run:
         torch.manual_seed(t.seed)
         self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp, t.seq_len)
         self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, cfg.model.vocab_size)
-        # One process per device: the model lives on this rank's GPU where there is one (else the CPU).
-        self.model = build_model(cfg, self.dims).to(default_device())
+        self.model = build_model(cfg, self.dims)
         self.engine = build_engine(cfg, self.model, self.dims)
         self.start_step = resume(self.engine, self.run_dir, cfg)
         if self.is_rank0:

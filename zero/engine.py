@@ -23,10 +23,11 @@ from zero.nvme import check_nvme_path
 from zero.optimizer import FullGradReducer, ZeroOptimizer
 from zero.partition import FlatBucket, split_into_buckets
 from zero.stage3 import Stage3Hooks, assign_parameters, find_units
-from zero.topology import ParallelDims, group_size
+from zero.topology import ParallelDims, default_device, group_size
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LossScaleHook = Callable[[float], None]
+ParamInit = Callable[[str, torch.Tensor], None]
 
 DEFAULT_REDUCE_GROUP = "dense"
 
@@ -73,6 +74,25 @@ def _check_factories(optimizer: object, lr_scheduler: object) -> None:
         )
 
 
+def _check_meta(model: nn.Module, param_init: ParamInit | None) -> torch.device | None:
+    """The device meta-device parameters are materialised on (None when there are none); clear errors first."""
+    if param_init is not None and not callable(param_init):
+        raise TypeError("param_init must be a callable (name, tensor) -> None that fills tensor in place")
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if not meta:
+        return None
+    if param_init is None:
+        raise ValueError(f"{len(meta)} parameters are on the meta device (first: {meta[0]!r}): pass param_init= "
+                         "to zero.initialize to materialise them bucket by bucket")
+    buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if buffers:
+        raise NotImplementedError(f"meta-device buffers ({buffers[:3]}) are not materialised by the engine: "
+                                  "build buffers on a real device")
+    if any(not p.is_meta for p in model.parameters()):
+        raise ValueError("the model mixes meta-device and materialised parameters; build it wholly on one")
+    return default_device()
+
+
 class Engine:
     """A model wrapped for data-parallel training with ZeRO stage 0-3. Build it with `zero.initialize`."""
 
@@ -85,6 +105,7 @@ class Engine:
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         reduce_groups: Sequence[ReduceGroup] = (),
         loss_scale_hooks: Sequence[LossScaleHook] = (),
+        param_init: ParamInit | None = None,
     ) -> None:
         _check_factories(optimizer, lr_scheduler)
         if dims.tp > 1 or dims.pp > 1:
@@ -99,6 +120,10 @@ class Engine:
         self.dims = dims
         self.dp = dims.dp
         self.loss_scale_hooks = list(loss_scale_hooks)
+        self.param_init = param_init
+        self._unmaterialised: dict[int, nn.Parameter] = {}  # meta-built parameters: new id -> old
+        self._meta_ids: dict[int, nn.Parameter] = {}
+        self._swap_meta_parameters(model, _check_meta(model, param_init))
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage3: Stage3Hooks | None = None
         reductions, owner = self._plan_reductions(model, reduce_groups)
@@ -128,6 +153,28 @@ class Engine:
         self._last_step_comm: dict[str, int] = {}
 
     # ------------------------------------------------------------------ construction
+    def _swap_meta_parameters(self, model: nn.Module, device: torch.device | None) -> None:
+        """Replace meta-device parameters by storage-less ones on `device` (filled when bucketed)."""
+        if device is None:
+            return
+        swapped: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if id(p) not in swapped:  # a tied parameter is swapped once, everywhere
+                    empty = torch.empty(0, device=device).set_(torch.UntypedStorage(0, device=device), 0,
+                                                                p.shape, torch.empty(p.shape, device="meta").stride())
+                    swapped[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
+                    self._unmaterialised[id(swapped[id(p)])] = p
+                setattr(module, name, swapped[id(p)])
+        self._meta_ids = swapped  # old id -> new parameter (reduce_groups name the old ones)
+
+    def _initial_values(self, name: str, p: nn.Parameter) -> torch.Tensor:
+        if id(p) not in self._unmaterialised:
+            return p.detach()
+        out = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        self.param_init(name, out)
+        return out
+
     def _plan_reductions(
         self, model: nn.Module, declared: Sequence[ReduceGroup]
     ) -> tuple[list[_Reduction], dict[int, int]]:
@@ -147,7 +194,7 @@ class Engine:
                     f"data x sequence parallel size {dims.dp_sp}: use a group of this engine's ParallelDims"
                 )
             names.append(rg.name)
-            for p in rg.params:
+            for p in (self._meta_ids.get(id(q), q) for q in rg.params):
                 if id(p) not in in_model:
                     raise ValueError(f"reduce group {rg.name!r} lists a parameter that is not in the model")
                 if id(p) in owner:
@@ -183,6 +230,7 @@ class Engine:
                         resident=resident,
                         reduce_group=reduction.name,
                         grad_group=reduction.grad_group,
+                        values=self._initial_values,
                     )
                     # Attach at once so each original parameter tensor is released before the next
                     # bucket is flattened: the build never holds two copies of the whole model.
@@ -495,6 +543,7 @@ def initialize(
     *,
     reduce_groups: Sequence[ReduceGroup] = (),
     loss_scale_hooks: Sequence[LossScaleHook] = (),
+    param_init: ParamInit | None = None,
 ) -> Engine:
     """Wrap `model` for training: shard per `config.stage` over the groups of `dims`.
 
@@ -505,9 +554,14 @@ def initialize(
     every backward with the factor the loss is multiplied by (fp16 loss scale / grad_accum_steps), so
     losses attached inside the model (gradients injected in backward, e.g. MoE balancing losses via
     `moe.loss_scale_hooks(model)`) are scaled exactly like the main loss.
+
+    A model built on the meta device (`Transformer(cfg, device="meta")`) is materialised bucket by bucket:
+    `param_init(name, tensor)` fills each parameter's fp32 values in place (on the CUDA device when there
+    is one, else the CPU), so no rank ever holds the whole model; at stage 3 one unit at a time. It must
+    not depend on the order it is called in (e.g. `Transformer.init_parameter`, seeded per name).
     """
     config = config if config is not None else ZeroConfig()
     dims = dims if dims is not None else ParallelDims()
     if group_size(dims.dp_sp_group) != dims.dp_sp:
         raise RuntimeError(f"{dims} does not match the process group sizes")
-    return Engine(model, optimizer, config, dims, lr_scheduler, reduce_groups, loss_scale_hooks)
+    return Engine(model, optimizer, config, dims, lr_scheduler, reduce_groups, loss_scale_hooks, param_init)

@@ -33,6 +33,9 @@ class DeviceMasters:
     """fp32 masters and optimizer state on the compute device; in fp32 the master IS the shard."""
 
     kind = "none"
+    #: True when reduced gradients leave memory as they arrive (accumulate_grad / grad_sq_sum replace the
+    #: in-memory gradient list of step()).
+    spills_grads = False
 
     def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory) -> None:
         self.buckets = buckets
@@ -52,7 +55,11 @@ class DeviceMasters:
     def grad_ready(self, index: int, grad: torch.Tensor) -> None:
         """A bucket's reduced gradient of the last micro-batch is final (an early-copy opportunity)."""
 
-    def step(self, grads: list[torch.Tensor]) -> None:
+    def clear_grads(self) -> None:
+        """Gradients of the current step are dropped (after a step, an overflow skip or zero_grad)."""
+
+    def step(self, grads: list[torch.Tensor] | None, scale: float = 1.0, clip: float = 1.0) -> None:
+        """Step with `grads` already multiplied by `scale` and `clip` (stores that spill apply them)."""
         for m, g in zip(self.masters, grads):
             m.grad = g
         self.optimizer.step()
@@ -171,7 +178,10 @@ class NvmeMasters(DeviceMasters):
         self.buckets = buckets
         self.aliased = [False] * len(buckets)
         self.state_keys, self.scalar_keys = _probe_state_keys(factory)
-        fields = ["master", *self.state_keys]
+        # Stages 2-3 reduce gradients bucket by bucket in backward: each reduced shard goes to the file at
+        # once (accumulated there over micro-batches), so no rank keeps the gradients in memory either.
+        self.spills_grads = config.stage >= 2
+        fields = ["master", *self.state_keys, *(["grad"] if self.spills_grads else [])]
         numels = [b.shard_size for b in buckets]
         check_nvme_path(config.nvme_path, sum(numels) * _F32 * len(fields), "optimizer state")
         self.files = [TensorFile(config.nvme_path, f"rank{rank}-optimizer{i}", n, fields, torch.float32)
@@ -182,6 +192,11 @@ class NvmeMasters(DeviceMasters):
         self.window = nn.Parameter(torch.zeros(self.chunk))
         self.optimizer = factory([self.window])
         self.scalars: dict[str, object] | None = None  # scalar state (e.g. `step`) once the state exists
+        self.max_in_flight = config.offload_buffer_count  # gradient writes queued before backward waits
+        self.grad_jobs: list[Future] = []
+        self.grad_last: dict[int, Future] = {}  # each bucket's latest gradient job
+        self.grad_written = [False] * len(buckets)  # this step's gradient is in the file
+        self.grad_sq = [0.0] * len(buckets)  # its sum of squares, from the last micro-batch's write
         for i, b in enumerate(buckets):
             self.write_master(i, b.read_shard())
 
@@ -190,6 +205,51 @@ class NvmeMasters(DeviceMasters):
         return [(i, s, min(self.chunk, f.numel - s)) for i, f in enumerate(self.files)
                 for s in range(0, f.numel, self.chunk)]
 
+    # ------------------------------------------------------------------ spilled gradients
+    def accumulate_grad(self, index: int, grad: torch.Tensor, final: bool) -> None:
+        """Add a bucket's reduced gradient shard (fp32) into its file in the background; `final`: the
+        last micro-batch of the step, so the sum of squares is taken for the gradient norm."""
+        host = grad.to("cpu") if grad.is_cuda else grad  # the caller drops its reference
+        first = not self.grad_written[index]
+        self.grad_written[index] = True
+        earlier = self.grad_last.get(index)
+        if earlier is not None:
+            earlier.result()  # the same bucket's previous contribution is in the file before we add to it
+        self.grad_last[index] = self.io.submit(self._accumulate, index, host, first, final)
+        self.grad_jobs.append(self.grad_last[index])
+        while len(self.grad_jobs) > self.max_in_flight:
+            self.grad_jobs.pop(0).result()
+
+    def _accumulate(self, index: int, grad: torch.Tensor, first: bool, final: bool) -> None:
+        f, sq = self.files[index], 0.0
+        buf = None if first else torch.empty(min(self.chunk, f.numel))
+        for start in range(0, f.numel, self.chunk):
+            part = grad[start : start + self.chunk]
+            if buf is not None:
+                part = f.read("grad", start, buf[: part.numel()]).add_(part)
+            if final:
+                sq += float(part.double().square().sum())
+            f.write("grad", start, part)
+        if final:
+            self.grad_sq[index] = sq
+
+    def _wait_grads(self) -> None:
+        for job in self.grad_jobs:
+            job.result()
+        self.grad_jobs.clear()
+        self.grad_last.clear()
+
+    def grad_sq_sum(self, weights: list[float]) -> float:
+        """Sum over buckets of weight x (sum of squares of this step's gradient shard)."""
+        self._wait_grads()
+        return sum(w * sq for w, sq, done in zip(weights, self.grad_sq, self.grad_written) if done)
+
+    def clear_grads(self) -> None:
+        self._wait_grads()
+        self.grad_written = [False] * len(self.files)
+        self.grad_sq = [0.0] * len(self.files)
+
+    # ------------------------------------------------------------------ step
     def _read(self, slot: _Slot, job: tuple[int, int, int]) -> None:
         i, start, n = job
         if slot.pending is not None:
@@ -198,6 +258,11 @@ class NvmeMasters(DeviceMasters):
         fields = ["master", *self.state_keys] if self.scalars is not None else ["master"]
         for field in fields:
             self.files[i].read(field, start, slot.fields[field][:n])
+        if self.spills_grads:
+            if self.grad_written[i]:
+                self.files[i].read("grad", start, slot.grad[:n])
+            else:
+                slot.grad[:n].zero_()  # no gradient this step (a bucket no micro-batch reached)
 
     def _write(self, slot: _Slot, job: tuple[int, int, int]) -> None:
         i, start, n = job
@@ -205,11 +270,17 @@ class NvmeMasters(DeviceMasters):
             self.files[i].write(field, start, buf[:n])
 
     @torch.no_grad()
-    def _step_chunk(self, slot: _Slot, job: tuple[int, int, int], grad: torch.Tensor) -> dict:
+    def _step_chunk(self, slot: _Slot, job: tuple[int, int, int], grad: torch.Tensor | None, scale: float,
+                    clip: float) -> dict:
         i, start, n = job
-        slot.grad[:n].copy_(grad[start : start + n], non_blocking=True)
-        if grad.is_cuda:
-            torch.cuda.current_stream().synchronize()
+        if grad is None:  # spilled: read with the chunk; unscale and clip here, as step() would have
+            slot.grad[:n].mul_(scale)
+            if clip < 1.0:
+                slot.grad[:n].mul_(clip)
+        else:
+            slot.grad[:n].copy_(grad[start : start + n], non_blocking=True)
+            if grad.is_cuda:
+                torch.cuda.current_stream().synchronize()
         self.window.data = slot.fields["master"][:n]
         self.window.grad = slot.grad[:n]
         state: dict = {}
@@ -225,7 +296,8 @@ class NvmeMasters(DeviceMasters):
         self.buckets[i].write_shard(slot.fields["master"][:n], start)
         return {k: state[k] for k in self.scalar_keys}
 
-    def step(self, grads: list[torch.Tensor]) -> None:
+    def step(self, grads: list[torch.Tensor] | None, scale: float = 1.0, clip: float = 1.0) -> None:
+        self._wait_grads()
         jobs = self._jobs()
         ahead = len(self.slots) - 1  # one slot is being stepped while the others read or write
         reads = {j: self.io.submit(self._read, self.slots[j % len(self.slots)], jobs[j])
@@ -234,7 +306,7 @@ class NvmeMasters(DeviceMasters):
         for j, job in enumerate(jobs):
             slot = self.slots[j % len(self.slots)]
             reads.pop(j).result()
-            new_scalars = self._step_chunk(slot, job, grads[job[0]])
+            new_scalars = self._step_chunk(slot, job, None if grads is None else grads[job[0]], scale, clip)
             slot.pending = self.io.submit(self._write, slot, job)
             if j + ahead < len(jobs):
                 nxt = j + ahead
@@ -293,6 +365,7 @@ class NvmeMasters(DeviceMasters):
         return sum(f.size_bytes() for f in self.files)
 
     def close(self) -> None:
+        self._wait_grads()
         self.io.shutdown(wait=True)
         for f in self.files:
             f.close()

@@ -306,7 +306,10 @@ class ZeroOptimizer:
         self.last_grad_norm: float | None = None
 
     def _reduced(self, b: FlatBucket) -> None:
-        if self.final_micro_batch:
+        if self.masters.spills_grads:  # into the store's file at once: the shard leaves memory
+            self.masters.accumulate_grad(self._index[b], b.grad_acc, self.final_micro_batch)
+            b.grad_acc = None
+        elif self.final_micro_batch:
             self.masters.grad_ready(self._index[b], b.grad_acc)
 
     @property
@@ -319,42 +322,49 @@ class ZeroOptimizer:
             norms = torch._foreach_norm(grads)
             for b, n in zip(self.trainable, norms):
                 local += n.double() ** 2 / b.replicas
-        local = local.to(self.device)
+        return self._all_reduce_sum(local)
+
+    def _all_reduce_sum(self, local: torch.Tensor | float) -> float:
+        local = torch.as_tensor(local, dtype=torch.float64).reshape(1).to(self.device)
         comm.all_reduce(local, self.norm_group)
         return float(local)
 
     def step(self) -> bool:
         """Reduce (stages 0-1), unscale, clip, step, publish. False when fp16 overflow skipped the step."""
         self.reducer.reduce(self.config.overlap_comm)
-        grads = []
-        for b in self.trainable:
-            g = b.grad_acc
-            if g is None:
-                g = torch.zeros(b.shard_size, dtype=torch.float32, device=b.device)
-            grads.append(g)
-        grads = self.masters.collect_grads(grads)  # where the step runs (the host, when offloaded)
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / (self.dp * self.loss_scale))
-        norm = math.sqrt(self.grad_norm_sq(grads))
+        scale = 1.0 / (self.dp * self.loss_scale)
+        if self.masters.spills_grads:  # the gradients are in files: the store unscales and clips as it steps
+            grads = None
+            local = self.masters.grad_sq_sum([scale * scale / b.replicas for b in self.trainable])
+            norm = math.sqrt(self._all_reduce_sum(local))
+        else:
+            grads = self.masters.collect_grads(self._grad_shards())  # where the step runs (the host, offloaded)
+            if grads:
+                torch._foreach_mul_(grads, scale)
+            norm = math.sqrt(self.grad_norm_sq(grads))
         self.last_grad_norm = norm
         if not math.isfinite(norm) and self.scaler is not None:
             self.scaler.update(overflow=True)
             self.clear_grads()
             return False
-        clip = self.config.clip_grad_norm
-        if clip and grads:
-            coef = min(1.0, clip / (norm + 1e-6))
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
-        self.masters.step(grads)  # updates the masters and writes the new values into the shards
+        coef = min(1.0, self.config.clip_grad_norm / (norm + 1e-6)) if self.config.clip_grad_norm else 1.0
+        if grads and coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+        self.masters.step(grads, scale, coef)  # updates the masters and writes the new values into the shards
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         self.gather_shards()
         self.clear_grads()
         return True
 
+    def _grad_shards(self) -> list[torch.Tensor]:
+        """Each trainable bucket's reduced fp32 gradient shard (zeros for one that got none)."""
+        return [b.grad_acc if b.grad_acc is not None
+                else torch.zeros(b.shard_size, dtype=torch.float32, device=b.device) for b in self.trainable]
+
     def clear_grads(self) -> None:
         self.reducer.clear()
+        self.masters.clear_grads()
 
     @torch.no_grad()
     def load_masters(self, values: list[torch.Tensor]) -> None:

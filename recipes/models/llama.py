@@ -7,6 +7,7 @@ parallelism converts the `MoELayer`s, and the runtime wraps the whole module, al
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -185,6 +186,12 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, i, device=device) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False, device=device)
+        # Every parameter's init is seeded by this and its name: the same values in any order, so a
+        # meta-device model materialised piece by piece (zero.initialize(param_init=...)) equals this one.
+        self.init_seed = torch.initial_seed()
+        self._moe_params = {n for n, p in self.named_parameters()
+                            if n.startswith("layers.") and self.cfg.is_moe_layer(int(n.split(".")[1]))
+                            and ".feed_forward." in n}
         if torch.device(device or "cpu").type != "meta":
             self.reset_parameters()
 
@@ -194,20 +201,28 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 style init: N(0, 0.02), output projections of residual branches scaled by 1/sqrt(2L)
-        so the residual stream's variance does not grow with depth."""
-        std = self.cfg.init_std
-        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
-        # MoE feed-forwards (built by build_moe) initialise their router and experts themselves.
-        moe_params = {id(p) for i, layer in enumerate(self.layers) if self.cfg.is_moe_layer(i)
-                      for p in layer.feed_forward.parameters()}
+        """GPT-2 style init (see init_parameter); MoE feed-forwards (built by build_moe) keep their own."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight") or id(p) in moe_params:
-                continue  # RMSNorm gains stay at 1
-            if name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, 0.0, resid_std)
-            else:
-                nn.init.normal_(p, 0.0, std)
+            if name not in self._moe_params:
+                self.init_parameter(name, p)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        """Fill `tensor` with the initial values of parameter `name`: N(0, init_std), output projections of
+        residual branches scaled by 1/sqrt(2L) so the residual stream's variance does not grow with depth,
+        RMSNorm gains 1. Seeded by (init_seed, name), so the order of calls does not matter."""
+        if name in self._moe_params:
+            raise NotImplementedError(f"{name}: per-parameter (meta-device) init of MoE layers is not implemented; "
+                                      "build MoE models on a real device")
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+            return
+        std = self.cfg.init_std
+        if name.endswith(("wo.weight", "w2.weight")):
+            std /= math.sqrt(2 * self.cfg.n_layers)
+        seed = (self.init_seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+        gen = torch.Generator(device=tensor.device).manual_seed(seed)
+        nn.init.normal_(tensor, 0.0, std, generator=gen)
 
     def forward_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> final-normed hidden states [b, s, dim]."""
