@@ -70,6 +70,10 @@ class ZeroConfig:
     offload_buffer_count: chunks in flight at once (read ahead / being stepped / written behind); the
         resident memory of the nvme step is about buffer_count x chunk_size x (2 + state tensors) x 4 bytes.
     offload_io_threads: background threads doing the file reads and writes.
+    host_mmap_threshold: with any offload, glibc's mmap threshold is pinned to this many bytes (0 leaves
+        the allocator alone). glibc raises the threshold to the size of each large block it frees, after
+        which the gather/free cycle of stage 3 is served from heaps that keep freed pages, and resident
+        memory creeps up step after step; a fixed threshold returns every larger block at once.
     """
 
     stage: int = 0
@@ -92,6 +96,7 @@ class ZeroConfig:
     offload_chunk_size: int = 1 << 20
     offload_buffer_count: int = 4
     offload_io_threads: int = 2
+    host_mmap_threshold: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -153,6 +158,7 @@ class ZeroConfig:
         _int_at_least("offload_chunk_size", self.offload_chunk_size, 1)
         _int_at_least("offload_buffer_count", self.offload_buffer_count, 2)
         _int_at_least("offload_io_threads", self.offload_io_threads, 1)
+        _int_at_least("host_mmap_threshold", self.host_mmap_threshold, 0)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -19,7 +19,7 @@ from torch.distributed import ProcessGroup
 
 from zero import comm
 from zero.config import ZeroConfig
-from zero.nvme import check_nvme_path
+from zero.nvme import check_nvme_path, pin_mmap_threshold
 from zero.optimizer import FullGradReducer, ZeroOptimizer
 from zero.partition import FlatBucket, split_into_buckets
 from zero.stage3 import Stage3Hooks, assign_parameters, find_units
@@ -124,6 +124,8 @@ class Engine:
         self._unmaterialised: dict[int, nn.Parameter] = {}  # meta-built parameters: new id -> old
         self._meta_ids: dict[int, nn.Parameter] = {}
         self._swap_meta_parameters(model, _check_meta(model, param_init))
+        if config.host_mmap_threshold and (config.offload_optimizer, config.offload_params) != ("none", "none"):
+            pin_mmap_threshold(config.host_mmap_threshold)  # bounded host memory needs a well-behaved allocator
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage3: Stage3Hooks | None = None
         reductions, owner = self._plan_reductions(model, reduce_groups)
@@ -168,12 +170,18 @@ class Engine:
                 setattr(module, name, swapped[id(p)])
         self._meta_ids = swapped  # old id -> new parameter (reduce_groups name the old ones)
 
-    def _initial_values(self, name: str, p: nn.Parameter) -> torch.Tensor:
+    @torch.no_grad()
+    def _fill_initial_values(self, name: str, p: nn.Parameter, view: torch.Tensor) -> None:
+        """Write `p`'s initial values into its bucket view; a meta-built one is initialised there (fp32
+        values, cast like an eagerly built model's: in place when the buffer is fp32, no temporary)."""
         if id(p) not in self._unmaterialised:
-            return p.detach()
-        out = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        self.param_init(name, out)
-        return out
+            view.copy_(p.detach())
+        elif view.dtype == torch.float32:
+            self.param_init(name, view)
+        else:
+            out = torch.empty(p.shape, dtype=torch.float32, device=view.device)
+            self.param_init(name, out)
+            view.copy_(out)
 
     def _plan_reductions(
         self, model: nn.Module, declared: Sequence[ReduceGroup]
@@ -230,7 +238,7 @@ class Engine:
                         resident=resident,
                         reduce_group=reduction.name,
                         grad_group=reduction.grad_group,
-                        values=self._initial_values,
+                        fill=self._fill_initial_values,
                     )
                     # Attach at once so each original parameter tensor is released before the next
                     # bucket is flattened: the build never holds two copies of the whole model.

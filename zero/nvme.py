@@ -52,6 +52,19 @@ def check_nvme_path(path: str, needed_bytes: int, what: str) -> None:
         )
 
 
+def pin_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold at `nbytes` (blocks this large are returned to the OS when freed);
+    False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, int(nbytes)))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def _bytes_view(t: torch.Tensor) -> memoryview:
     # Through uint8: numpy has no bfloat16, and the file only moves bytes.
     return memoryview(t.detach().contiguous().view(torch.uint8).numpy()).cast("B")

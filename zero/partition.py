@@ -47,7 +47,7 @@ class FlatBucket:
         resident: bool,
         reduce_group: str = "dense",
         grad_group: ProcessGroup | None = None,
-        values: Callable[[str, nn.Parameter], torch.Tensor] | None = None,
+        fill: Callable[[str, nn.Parameter, torch.Tensor], None] | None = None,
     ) -> None:
         if not params:
             raise ValueError("a FlatBucket needs at least one parameter")
@@ -75,11 +75,14 @@ class FlatBucket:
         self.replicas = group_size(group) // self.world
         self.device = params[0].device
         self.full = torch.zeros(self.padded, dtype=dtype, device=self.device)
-        # `values(name, p)` gives a parameter's initial values (default: its data; the engine passes one
-        # that materialises parameters built on the meta device).
+        # `fill(name, p, view)` writes a parameter's initial values into its view of the buffer (default:
+        # a copy of its data; the engine passes one that materialises parameters built on the meta device).
         with torch.no_grad():
-            for p, name, o, n in zip(params, names, self.offsets, self.numels):
-                self.full[o : o + n].copy_((values(name, p) if values else p.detach()).reshape(-1))
+            for p, name, view in zip(params, names, self.param_views(self.full)):
+                if fill is not None:
+                    fill(name, p, view)
+                else:
+                    view.copy_(p.detach())
         self.local: torch.Tensor | None = None  # this rank's shard when not resident (device or host)
         self.home = "none"  # where a non-resident shard waits between gathers (see attach)
         self.file: TensorFile | None = None  # the shard's file when home == "nvme"

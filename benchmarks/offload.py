@@ -1,0 +1,828 @@
+"""Offload: our host AdamW step, ZeRO-3 with optimizer offload, the largest model under a memory cap, and
+stage 3 against DeepSpeed ZeRO-3 and PyTorch FSDP2 on two architectures.
+
+Part 1 times one AdamW step over 100M fp32 parameters in host memory: the optimizer our engine builds for
+an offloaded step against DeepSpeedCPUAdam and torch's fused and default AdamW. Part 2 trains the ~52M
+Llama of benchmarks/zero.py at stage 3 on 2 gloo ranks with optimizer offload none / cpu / nvme, against
+DeepSpeed ZeRO-3 with the same offload. Part 3 searches (doubling, then bisection of the depth) the
+largest Llama that trains a step under a peak-RSS cap per rank, stage 3 alone against stage 3 with the
+optimizer and the parameters offloaded to nvme files. Part 4 compares stage 3 without offload against
+DeepSpeed ZeRO-3 and FSDP2 on the Llama and on a GPT-2-style model. Every run is a fresh set of
+processes; parts 2 and 4 run their variants in alternating rounds so load on a shared machine hits all.
+
+    python -m benchmarks.offload                   # all four parts
+    python -m benchmarks.offload --parts 1,2       # some of them
+    python -m benchmarks.offload --quick           # tiny sizes: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import defaultdict
+from dataclasses import replace
+
+# Run as a script, this folder leads sys.path and its zero.py would shadow the zero package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0]) == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
+
+from benchmarks.zero import WORLD, _engine_step, _install_counters, _model_config, _rss  # noqa: E402
+from tests.multirank import free_port  # noqa: E402
+
+# The AdamW of every framework here (benchmarks/zero.py's hyper-parameters); no gradient clipping anywhere.
+ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class ProbeFailed(RuntimeError):
+    """A run that ended for lack of memory: over the RSS cap, killed by the kernel, or a MemoryError."""
+
+
+# ---------------------------------------------------------------------------- processes
+def _worker(rank: int, world: int, port: int, threads: int, fn, fn_args: tuple, results) -> None:
+    # Before torch loads: OpenMP runtimes (torch's and DeepSpeed's C++ ops) read it once at start.
+    os.environ.update({"OMP_NUM_THREADS": str(threads), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        results.put((rank, fn(*fn_args)))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _rss_mb(pid: int) -> float:
+    import psutil
+
+    try:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def _check_running(procs: list, results, rss_cap_mb: float | None, deadline: float, what: str) -> None:
+    """Raise when a run waited on must end: a rank over the RSS cap, a rank dead, or the time is up."""
+    if rss_cap_mb is not None:
+        seen = max(_rss_mb(p.pid) for p in procs)
+        if seen > rss_cap_mb:
+            raise ProbeFailed(f"RSS {seen:.0f} MB passed the cap, killed")
+    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+    if dead and results.empty():
+        raise ProbeFailed(f"a rank died with exit code {dead[0]} (-9: killed, e.g. out of memory)")
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"{what} did not finish in time")
+
+
+def spawn(fn, fn_args: tuple, *, world: int = WORLD, threads: int = 1, timeout: float = 900.0,
+          rss_cap_mb: float | None = None, env: dict[str, str] | None = None) -> list:
+    """Run `fn(*fn_args)` on `world` fresh processes (gloo when world > 1); the results in rank order.
+
+    `env` is added to the processes' environment from their start (e.g. C allocator settings).
+
+    With `rss_cap_mb`, a rank seen above the cap ends the run at once with ProbeFailed (the probe
+    has failed anyway, and this keeps an oversized probe from taking the machine's memory).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, threads, fn, fn_args, results)) for r in range(world)]
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+    out: dict = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world:
+            try:
+                rank, value = results.get(timeout=0.1)
+            except queue.Empty:
+                _check_running(procs, results, rss_cap_mb, deadline, f"{fn.__name__}{fn_args[:3]}")
+                continue
+            if isinstance(value, str):
+                if "MemoryError" in value or "out of memory" in value:
+                    raise ProbeFailed(f"rank {rank}: {value.strip().splitlines()[-1]}")
+                raise RuntimeError(f"{fn.__name__}{fn_args[:3]} rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive() and len(out) < world:
+                p.kill()  # only our own children, and only when the run is abandoned
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _verdict(value: float | None, limit: float) -> str:
+    if value is None:
+        return "not measured"
+    return f"{value:.2f} <= {limit}: met" if value <= limit else f"{value:.2f} > {limit}: MISSED"
+
+
+# ---------------------------------------------------------------------------- part 1: host AdamW step
+def _host_adamw(n_params: int, n_tensors: int, repeats: int) -> dict:
+    """One process: the same AdamW step on `n_params` host fp32 elements, by each implementation."""
+    import torch
+    import torch.nn as nn
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    import zero
+
+    warnings.filterwarnings("ignore")
+    n = n_params // n_tensors
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(n, generator=g) * 0.02 for _ in range(n_tensors)]
+    grads = [torch.randn(n, generator=g) * 1e-3 for _ in range(n_tensors)]
+
+    def params() -> list[nn.Parameter]:
+        out = [nn.Parameter(t.clone()) for t in init]
+        for p, gr in zip(out, grads):
+            p.grad = gr  # shared by every variant: no optimizer here writes its gradient
+        return out
+
+    class Flat(nn.Module):
+        """`n_tensors` flat parameters; forward(grads) = sum(p * grad), so backward leaves .grad == grads."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = nn.ParameterList(nn.Parameter(t.clone()) for t in init)
+
+        def forward(self, coefficients: list[torch.Tensor]) -> torch.Tensor:
+            return sum((p * c).sum() for p, c in zip(self.weights, coefficients))
+
+    # Ours: what the engine runs for an offloaded step. World 1, stage 1, fp32 masters and AdamW state in
+    # host memory (HostMasters), the optimizer built by zero.FastAdamW (the recipe's factory). Buckets of
+    # one tensor each, so its masters are the same n_tensors flat tensors the peers step.
+    config = zero.ZeroConfig(stage=1, offload_optimizer="cpu", clip_grad_norm=None, reduce_bucket_size=n)
+    engine = zero.initialize(Flat(), zero.FastAdamW(**ADAMW), config, zero.ParallelDims(dp=1))
+
+    def engine_backward() -> None:
+        engine.backward(engine(grads))
+
+    def engine_step() -> None:
+        engine.step()
+
+    def ours_optimizer_step() -> None:
+        engine.optimizer.step()
+
+    ds = DeepSpeedCPUAdam(params(), adamw_mode=True, **ADAMW)
+    fused = torch.optim.AdamW(params(), fused=True, **ADAMW)
+    default = torch.optim.AdamW(params(), **ADAMW)  # on CPU tensors: the single-tensor for-loop path
+    foreach = torch.optim.AdamW(params(), foreach=True, **ADAMW)
+
+    # Warm-up: one step each (state allocation), which also checks that all compute the same update.
+    engine_backward()
+    engine.step()
+    for opt in (ds, fused, default, foreach):
+        opt.step()
+    reference = [p.detach() for p in default.param_groups[0]["params"]]
+
+    def max_diff(values) -> float:
+        return max(float((a.detach() - b).abs().max()) for a, b in zip(values, reference))
+
+    first_step_diff = {
+        "ours engine.step()": max_diff(list(engine.module.weights)),
+        "DeepSpeedCPUAdam": max_diff(ds.param_groups[0]["params"]),
+        "torch AdamW fused": max_diff(fused.param_groups[0]["params"]),
+        "torch AdamW foreach": max_diff(foreach.param_groups[0]["params"]),
+        "torch AdamW default": 0.0,
+    }
+    # From here the engine's optimizer is stepped directly over its masters; their .grad are set once
+    # (equal-sized random gradients; which goes to which does not matter for the time).
+    for p, gr in zip(engine.optimizer.param_groups[0]["params"], grads):
+        p.grad = gr
+    variants = {
+        "ours engine.optimizer.step()": (ours_optimizer_step, None),
+        "ours engine.step()": (engine_step, engine_backward),
+        "DeepSpeedCPUAdam": (ds.step, None),
+        "torch AdamW fused": (fused.step, None),
+        "torch AdamW default": (default.step, None),
+        "torch AdamW foreach": (foreach.step, None),
+    }
+    times: dict[str, list[float]] = defaultdict(list)
+    names = list(variants)
+    for r in range(repeats):
+        # Round-robin, the order rotated every round: load drift and what ran just before (a slow step's
+        # temporaries, memory traffic) reach every variant alike.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step, prepare = variants[name]
+            if prepare is not None:
+                prepare()  # untimed: the backward that leaves the gradients engine.step() reduces
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+            if name == "ours engine.step()":  # it sets and clears its masters' .grad: restore them
+                for p, gr in zip(engine.optimizer.param_groups[0]["params"], grads):
+                    p.grad = gr
+    kind = "fused" if engine.optimizer.defaults.get("fused") else "foreach"
+    engine.close()
+    return {"times": dict(times), "first_step_diff": first_step_diff, "ours_kind": kind,
+            "threads": torch.get_num_threads(), "n_params": n * n_tensors, "n_tensors": n_tensors,
+            "engine_optimizer": type(engine.optimizer).__name__}
+
+
+def part1(args) -> dict:
+    n_params = 4_000_000 if args.quick else args.adam_params
+    (res,) = spawn(_host_adamw, (n_params, args.adam_tensors, args.repeats), world=1, threads=args.adam_threads,
+                   timeout=args.timeout)
+    med = {k: statistics.median(v) for k, v in res["times"].items()}
+    ours = med["ours engine.optimizer.step()"]
+    peers = ["DeepSpeedCPUAdam", "torch AdamW fused", "torch AdamW default"]
+    fastest = min(peers, key=med.__getitem__)
+    print(f"\n## Part 1: host AdamW step, {res['n_params'] / 1e6:.0f}M fp32 parameters in {res['n_tensors']} "
+          f"tensors, 1 process, {res['threads']} threads; {args.repeats} rounds, each optimizer once per "
+          "round in a rotating order; median")
+    print(f"ours = engine.optimizer.step(): the {res['engine_optimizer']} ({res['ours_kind']}) that zero.FastAdamW "
+          "built over the engine's host fp32 masters (ZeroConfig(stage=1, offload_optimizer='cpu'), world 1)\n")
+    diff = res["first_step_diff"]
+    # Paired: this optimizer's time over ours in the same round (> 1: ours is faster), median over rounds.
+    ours_times = res["times"]["ours engine.optimizer.step()"]
+    paired = {k: statistics.median(t / o for t, o in zip(v, ours_times)) for k, v in res["times"].items()}
+    rows = [[name, f"{t:.4f}", f"{res['n_params'] / t / 1e6:.0f}", f"{med[fastest] / t:.2f}", f"{paired[name]:.2f}",
+             " ".join(f"{x:.4f}" for x in res["times"][name]), f"{diff.get(name, diff['ours engine.step()']):.1e}"]
+            for name, t in med.items()]
+    print(_table(["optimizer", "median s", "M params/s", "throughput vs fastest peer (medians)",
+                  "its time / ours, same round (median)", "every step s", "max abs diff vs default after step 1"],
+                 rows))
+    print(f"\ntarget ours >= fastest peer ({fastest}): throughput ratio of medians {med[fastest] / ours:.2f}, "
+          f"median of same-round ratios {paired[fastest]:.2f} "
+          f"({'met' if paired[fastest] >= 1.0 else 'MISSED'} on the same-round ratio)")
+    return {"median_s": med, "paired": paired, **res}
+
+
+# ---------------------------------------------------------------------------- models
+def _gpt2_class():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class GPT2Block(nn.Module):
+        """Pre-LayerNorm block: multi-head causal attention and a 4x GELU MLP, with biases."""
+
+        def __init__(self, dim: int, n_heads: int) -> None:
+            super().__init__()
+            self.n_heads = n_heads
+            self.ln_1 = nn.LayerNorm(dim)
+            self.qkv = nn.Linear(dim, 3 * dim)
+            self.attn_proj = nn.Linear(dim, dim)
+            self.ln_2 = nn.LayerNorm(dim)
+            self.fc = nn.Linear(dim, 4 * dim)
+            self.mlp_proj = nn.Linear(4 * dim, dim)
+
+        def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+            b, s, d = x_BSD.shape
+            # [b, s, 3d] -> 3 x [b, heads, s, head_dim]
+            q, k, v = self.qkv(self.ln_1(x_BSD)).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+            x_BSD = x_BSD + self.attn_proj(y)
+            return x_BSD + self.mlp_proj(F.gelu(self.fc(self.ln_2(x_BSD)), approximate="tanh"))
+
+    class GPT2(nn.Module):
+        """GPT-2-style decoder: learned positions, LayerNorm, GELU MLP, output tied to the token embedding."""
+
+        def __init__(self, vocab_size: int, dim: int, n_layers: int, n_heads: int, max_seq_len: int) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(vocab_size, dim)
+            self.wpe = nn.Embedding(max_seq_len, dim)
+            self.layers = nn.ModuleList(GPT2Block(dim, n_heads) for _ in range(n_layers))
+            self.ln_f = nn.LayerNorm(dim)
+            # GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2L), zero biases.
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    nn.init.zeros_(p)
+                elif p.dim() > 1:
+                    std = 0.02 / math.sqrt(2 * n_layers) if name.endswith("proj.weight") else 0.02
+                    nn.init.normal_(p, 0.0, std)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            h = self.wte(tokens) + self.wpe(positions)
+            for layer in self.layers:
+                h = layer(h)
+            return F.linear(self.ln_f(h), self.wte.weight)
+
+    return GPT2
+
+
+def build_model(arch: str, quick: bool, n_layers: int | None = None, meta: bool = False):
+    """The Llama of benchmarks/zero.py (depth optionally changed), or a GPT-2-style model of about its size.
+
+    meta=True (Llama only) builds it on the meta device for the engine to materialise (param_init)."""
+    import torch
+
+    torch.manual_seed(0)
+    cfg = _model_config(quick)
+    if n_layers is not None:
+        cfg = replace(cfg, n_layers=n_layers)
+    if arch == "llama":
+        from recipes.models.llama import Transformer
+
+        return Transformer(cfg, device="meta" if meta else None), cfg.vocab_size
+    if arch == "gpt2":
+        # The Llama's vocabulary, width, depth and heads: 12 x 3.15M + 16.5M embeddings = 54.3M parameters.
+        return _gpt2_class()(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.max_seq_len), cfg.vocab_size
+    raise ValueError(f"arch={arch!r}: use llama or gpt2")
+
+
+# ---------------------------------------------------------------------------- parts 2 and 4: one run
+def _deepspeed_config(args, offload: str, nvme_dir: str | None) -> dict:
+    zero_opt: dict = {"stage": 3, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
+                      "overlap_comm": True, "contiguous_gradients": True}
+    if offload == "cpu":
+        zero_opt["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    elif offload == "nvme":
+        zero_opt["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": False,
+                                         "buffer_count": 4, "fast_init": False}
+    return {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        # DeepSpeed builds its own optimizer from this: DeepSpeedCPUAdam with an offloaded optimizer,
+        # else its FusedAdam (the CPU build of its fused_adam op here).
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+        "zero_optimization": zero_opt,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _train(framework: str, arch: str, offload: str, args) -> dict:
+    """Train `arch` at stage 3 for warmup + steps batches under `framework`; step time, memory, losses."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    warnings.filterwarnings("ignore")
+    rank = dist.get_rank()
+    counts: dict = defaultdict(float)
+    _install_counters(counts)
+    baseline_rss = _rss()
+    model, vocab = build_model(arch, args.quick)
+    n_params = sum(p.numel() for p in model.parameters())
+    nvme_dir = None
+    if offload == "nvme":
+        nvme_dir = tempfile.mkdtemp(prefix=f"offload-{framework}-rank{rank}-", dir=args.nvme_dir)
+    close = None
+    try:
+        if framework == "ours":
+            import zero
+
+            config = zero.ZeroConfig(stage=3, clip_grad_norm=None, reduce_bucket_size=args.bucket,
+                                     allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1,
+                                     offload_optimizer=offload, nvme_path=nvme_dir)
+            engine = zero.initialize(model, zero.FastAdamW(**ADAMW), config, zero.ParallelDims(dp=WORLD))
+            train_step, close = _engine_step(engine), engine.close
+            kind = "fused" if engine.optimizer.defaults.get("fused") else "foreach"
+            optimizer = f"FastAdamW: torch AdamW {kind}"
+        elif framework == "deepspeed":
+            import deepspeed
+
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                              config=_deepspeed_config(args, offload, nvme_dir),
+                                              dist_init_required=False)
+            train_step, close = _engine_step(engine), engine.destroy
+            optimizer = type(engine.basic_optimizer).__name__
+        elif framework in ("fsdp2", "fsdp2-fused"):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            assert offload == "none", "FSDP2 runs without offload here"
+            mesh = init_device_mesh("cpu", (WORLD,))
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            fused = framework == "fsdp2-fused"
+            opt = torch.optim.AdamW(model.parameters(), fused=fused or None, **ADAMW)
+            optimizer = "torch AdamW fused" if fused else "torch AdamW default"
+
+            def train_step(x, y):
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return loss
+        else:
+            raise ValueError(framework)
+
+        g = torch.Generator().manual_seed(1234)
+        batches = [torch.randint(0, vocab, (WORLD * args.batch, args.seq + 1), generator=g)
+                   for _ in range(args.warmup + args.steps)]
+        times, losses, step_bytes = [], [], []
+        for i, tokens in enumerate(batches):
+            local = tokens[rank * args.batch:(rank + 1) * args.batch]
+            dist.barrier()
+            before = sum(counts.values())
+            t0 = time.perf_counter()
+            loss = train_step(local[:, :-1], local[:, 1:])
+            dist.barrier()
+            elapsed = time.perf_counter() - t0
+            step_bytes.append(sum(counts.values()) - before)
+            losses.append(loss.item())
+            if i >= args.warmup:
+                times.append(elapsed)
+    finally:
+        if close is not None:
+            close()
+        if nvme_dir is not None:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+    return {
+        "params": n_params,
+        "optimizer": optimizer,
+        "step_s": statistics.median(times),
+        "losses": losses,
+        "bytes_per_step": statistics.median(step_bytes[args.warmup:]),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "baseline_rss_mb": baseline_rss,
+    }
+
+
+def _run_rounds(variants: list[tuple[str, str, str]], args) -> list[dict]:
+    """Every (framework, arch, offload) once per round, rounds alternating: A B C, A B C, ...
+
+    Returns one row per variant: the per-round figures (slowest rank's step time, largest rank's RSS)
+    and their medians over rounds.
+    """
+    runs: dict = defaultdict(list)
+    for r in range(args.rounds):
+        for fw, arch, offload in variants:
+            ranks = spawn(_train, (fw, arch, offload, args), timeout=args.timeout)
+            losses = [sum(x["losses"][i] for x in ranks) / WORLD for i in range(len(ranks[0]["losses"]))]
+            run = {"step_s": max(x["step_s"] for x in ranks), "peak_rss_mb": max(x["peak_rss_mb"] for x in ranks),
+                   "train_rss_mb": max(x["peak_rss_mb"] - x["baseline_rss_mb"] for x in ranks),
+                   "bytes_per_step": max(x["bytes_per_step"] for x in ranks), "losses": losses,
+                   "params": ranks[0]["params"], "optimizer": ranks[0]["optimizer"]}
+            runs[(fw, arch, offload)].append(run)
+            print(f"round {r + 1}: {fw} {arch} offload={offload}: {run['step_s']:.3f} s/step", file=sys.stderr,
+                  flush=True)
+    rows = []
+    for (fw, arch, offload), per_round in runs.items():
+        rows.append({"framework": fw, "arch": arch, "offload": offload, "rounds": per_round,
+                     **{k: statistics.median(x[k] for x in per_round)
+                        for k in ("step_s", "peak_rss_mb", "train_rss_mb", "bytes_per_step")},
+                     "losses": per_round[0]["losses"], "params": per_round[0]["params"],
+                     "optimizer": per_round[0]["optimizer"]})
+    return rows
+
+
+def _find(rows: list[dict], **match) -> dict | None:
+    return next((r for r in rows if all(r[k] == v for k, v in match.items())), None)
+
+
+def _loss_spread(rows: list[dict]) -> float:
+    """Largest difference between any run's loss at a step and the first run's (every round)."""
+    ref = rows[0]["rounds"][0]["losses"]
+    return max(abs(a - b) for r in rows for run in r["rounds"] for a, b in zip(run["losses"], ref))
+
+
+def _aio_available() -> tuple[bool, str]:
+    """Whether DeepSpeed's async IO op (needed for its nvme offload) builds and loads here."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        builder = AsyncIOBuilder()
+        if not builder.is_compatible(verbose=False):
+            return False, "AsyncIOBuilder().is_compatible() is False (libaio-dev missing?)"
+        builder.load(verbose=False)
+        return True, "async_io op loads"
+    except Exception as e:  # any build or import failure means: no DeepSpeed nvme here
+        return False, f"async_io op does not load: {type(e).__name__}: {e}"
+
+
+def _part_header(title: str, args) -> None:
+    print(f"\n## {title}")
+    print(f"{WORLD} gloo ranks, 1 thread each, batch {args.batch}x{args.seq} per rank, {args.warmup} warm-up + "
+          f"{args.steps} measured steps (median), {args.rounds} alternating round(s); step time = slowest rank, "
+          "RSS = largest rank; the summary takes the median over rounds")
+
+
+def _print_runs(rows: list[dict], columns: list[tuple[str, object]], args) -> None:
+    """One table per round, then the summary; `columns` are (header, row -> str given that round's rows)."""
+    header = [h for h, _ in columns] + ["peak RSS MB", "train RSS MB", "MB sent/step", "losses"]
+
+    def render(view: list[dict]) -> list[list[str]]:
+        return [[fn(r, view) for _, fn in columns] + [f"{r['peak_rss_mb']:.0f}", f"{r['train_rss_mb']:.0f}",
+                                                      f"{r['bytes_per_step'] / 2**20:.1f}",
+                                                      " ".join(f"{x:.4f}" for x in r["losses"])] for r in view]
+
+    for i in range(args.rounds):
+        view = [{**r, **r["rounds"][i]} for r in rows]
+        print(f"\nround {i + 1}\n")
+        print(_table(header, render(view)))
+    print(f"\nsummary (median over {args.rounds} round(s))\n")
+    print(_table(header, render(rows)))
+
+
+def part2(args) -> dict:
+    aio, aio_note = _aio_available()
+    variants = [("ours", "llama", "none"), ("ours", "llama", "cpu"), ("deepspeed", "llama", "cpu"),
+                ("ours", "llama", "nvme")]
+    if aio:
+        variants.append(("deepspeed", "llama", "nvme"))
+    rows = _run_rounds(variants, args)
+    _part_header(f"Part 2: ZeRO-3 with optimizer offload, Llama {rows[0]['params'] / 1e6:.1f}M", args)
+    print(f"DeepSpeed nvme offload: {aio_note}; nvme_path = a temp dir under {args.nvme_dir or tempfile.gettempdir()}")
+
+    def vs_ds(r, view):
+        ds = _find(view, framework="deepspeed", offload=r["offload"])
+        return _fmt(r["step_s"] / ds["step_s"]) if ds else "-"
+
+    def vs_none(r, view):
+        base = _find(view, framework="ours", offload="none")
+        return _fmt(r["step_s"] / base["step_s"])
+
+    _print_runs(rows, [("offload", lambda r, v: r["offload"]), ("framework", lambda r, v: r["framework"]),
+                       ("optimizer", lambda r, v: r["optimizer"]), ("step s", lambda r, v: f"{r['step_s']:.3f}"),
+                       ("vs DeepSpeed same offload", vs_ds), ("vs ours no offload", vs_none)], args)
+    print(f"\nlosses: largest difference from the first run, over every run and step: {_loss_spread(rows):.2e}")
+    ratio = {}
+    for offload in ("cpu", "nvme"):
+        ours, ds = _find(rows, framework="ours", offload=offload), _find(rows, framework="deepspeed", offload=offload)
+        ratio[offload] = ours["step_s"] / ds["step_s"] if ds else None
+        print(f"target ours <= 0.8x DeepSpeed, {offload} offload: {_verdict(ratio[offload], 0.8)}")
+    cpu_vs_none = _find(rows, framework="ours", offload="cpu")["step_s"] / _find(rows, framework="ours",
+                                                                                  offload="none")["step_s"]
+    print(f"target ours cpu offload <= 1.3x ours without offload: {_verdict(cpu_vs_none, 1.3)}")
+    return {"rows": rows, "aio": aio_note}
+
+
+def part4(args) -> dict:
+    variants = [(fw, arch, "none") for arch in ("llama", "gpt2")
+                for fw in ("ours", "deepspeed", "fsdp2", "fsdp2-fused")]
+    rows = _run_rounds(variants, args)
+    _part_header("Part 4: stage 3 without offload, ours vs DeepSpeed ZeRO-3 vs FSDP2", args)
+
+    def ratio_to(fw):
+        def fn(r, view):
+            peer = _find(view, framework=fw, arch=r["arch"])
+            return _fmt(r["step_s"] / peer["step_s"])
+        return fn
+
+    _print_runs(rows, [("model", lambda r, v: f"{r['arch']} {r['params'] / 1e6:.1f}M"),
+                       ("framework", lambda r, v: r["framework"]), ("optimizer", lambda r, v: r["optimizer"]),
+                       ("step s", lambda r, v: f"{r['step_s']:.3f}"), ("vs DeepSpeed", ratio_to("deepspeed")),
+                       ("vs FSDP2", ratio_to("fsdp2")), ("vs FSDP2 fused", ratio_to("fsdp2-fused"))], args)
+    for arch in ("llama", "gpt2"):
+        arch_rows = [r for r in rows if r["arch"] == arch]
+        ours = _find(rows, framework="ours", arch=arch)["step_s"]
+        fsdp = min(_find(rows, framework=f, arch=arch)["step_s"] for f in ("fsdp2", "fsdp2-fused"))
+        ds = _find(rows, framework="deepspeed", arch=arch)["step_s"]
+        print(f"{arch}: losses differ by at most {_loss_spread(arch_rows):.2e}; "
+              f"target <= 0.8x DeepSpeed: {_verdict(ours / ds, 0.8)}; "
+              f"target <= 1.0x the faster FSDP2: {_verdict(ours / fsdp, 1.0)}")
+    return {"rows": rows}
+
+
+# ---------------------------------------------------------------------------- part 3: largest model under a cap
+def _probe(mode: str, n_layers: int, steps: int, args) -> dict:
+    """Build the Llama with `n_layers` blocks, wrap it at stage 3 (`mode` none or nvme), train `steps` steps."""
+    import torch.distributed as dist
+
+    import zero
+
+    warnings.filterwarnings("ignore")
+
+    def peak_mb() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    marks = {"start": peak_mb()}
+    # On the meta device, as the recipe builds stage-3 models: the engine materialises it unit by unit.
+    model, vocab = build_model("llama", args.quick, n_layers, meta=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    marks["built"] = peak_mb()
+    rank = dist.get_rank()
+    nvme_dir = tempfile.mkdtemp(prefix=f"offload-probe-rank{rank}-", dir=args.nvme_dir) if mode == "nvme" else None
+    engine = None
+    try:
+        config = zero.ZeroConfig(stage=3, clip_grad_norm=None, overlap_comm=True, prefetch_depth=1,
+                                 offload_optimizer=mode, offload_params=mode, nvme_path=nvme_dir)
+        engine = zero.initialize(model, zero.FastAdamW(**ADAMW), config, zero.ParallelDims(dp=WORLD),
+                                 param_init=model.init_parameter)
+        del model
+        marks["wrapped"] = peak_mb()
+        train_step = _engine_step(engine)
+        # One fixed batch, stepped on repeatedly: the loss must fall as the model fits it.
+        import torch
+
+        g = torch.Generator().manual_seed(1234)
+        tokens = torch.randint(0, vocab, (WORLD * args.probe_batch, args.probe_seq + 1), generator=g)
+        local = tokens[rank * args.probe_batch:(rank + 1) * args.probe_batch]
+        losses, times = [], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            loss = train_step(local[:, :-1], local[:, 1:])
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        marks["trained"] = peak_mb()
+    finally:
+        if engine is not None:
+            engine.close()
+        if nvme_dir is not None:
+            shutil.rmtree(nvme_dir, ignore_errors=True)
+    return {"params": n_params, "marks": marks, "losses": losses, "times": times}
+
+
+# The C allocator of the probe processes. glibc's default raises its mmap threshold to the size of each
+# large block it frees, after which blocks of the stage-3 gather/free cycle come from heaps that keep
+# freed pages (RSS grows step after step); a fixed threshold returns every block over 1 MiB at once.
+ALLOCATORS = {"glibc": {}, "mmap-1MiB": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}}
+
+
+def _try(mode: str, n_layers: int, steps: int, allocator: str, args, log: list[dict], cap: bool = True) -> bool:
+    """One probe in fresh processes; it passes when every rank's peak RSS stayed under the cap.
+
+    cap=False lets it run past the cap (it is then reported, not killed).
+    """
+    t0 = time.perf_counter()
+    row = {"allocator": allocator, "mode": mode, "n_layers": n_layers, "steps": steps}
+    try:
+        ranks = spawn(_probe, (mode, n_layers, steps, args), timeout=args.timeout,
+                      rss_cap_mb=args.cap_mb if cap else None, env=ALLOCATORS[allocator])
+    except ProbeFailed as e:
+        row.update(ok=False, reason=str(e))
+    else:
+        marks = {k: max(r["marks"][k] for r in ranks) for k in ranks[0]["marks"]}
+        ok = marks["trained"] <= args.cap_mb
+        losses = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(steps)]
+        row.update(ok=ok, reason="" if ok else "ru_maxrss over the cap", params=ranks[0]["params"], marks=marks,
+                   losses=losses, step_s=max(statistics.median(r["times"]) for r in ranks))
+    row["wall_s"] = time.perf_counter() - t0
+    log.append(row)
+    peak = _fmt(row.get("marks", {}).get("trained"), ".0f")
+    print(f"probe {allocator} {mode} {n_layers} layers x {steps} steps: {'pass' if row['ok'] else 'fail'} "
+          f"(peak {peak} MB{', ' + row['reason'] if row['reason'] else ''}) in {row['wall_s']:.0f} s",
+          file=sys.stderr, flush=True)
+    return row["ok"]
+
+
+def _search(fits, start: int, deadline: float) -> tuple[int, int | None, bool]:
+    """Largest depth n with fits(n): double from `start` to the first failure (halve while the start
+    fails), then bisect to within ~5%. Returns (largest passing or 0, smallest failing or None, completed)."""
+    lo, hi, n = 0, None, start
+    while hi is None or (lo == 0 and hi > 1) or hi - lo > max(1, lo // 20):
+        if time.monotonic() > deadline:
+            return lo, hi, False
+        if fits(n):
+            lo = n
+        else:
+            hi = n
+        n = 2 * lo if hi is None else hi // 2 if lo == 0 else (lo + hi) // 2
+    return lo, hi, True
+
+
+def _part3_allocator(allocator: str, args, deadline: float) -> dict:
+    log: list[dict] = []
+    found = {}
+    for mode in ("none", "nvme"):
+        # The offloaded search starts where stage 3 alone stopped: it only has to go up.
+        start = max(2 if args.quick else 12, found.get("none", (0,))[0])
+        found[mode] = _search(lambda n, mode=mode: _try(mode, n, 1, allocator, args, log), start, deadline)
+    final = None
+    if found["nvme"][0]:
+        final_log: list[dict] = []
+        _try("nvme", found["nvme"][0], args.final_steps, allocator, args, final_log, cap=False)
+        final = final_log[0]
+
+    def count(n: int) -> int:
+        return _params_of(n, args.quick)
+
+    print(f"\n### allocator {allocator} ({ALLOCATORS[allocator] or 'glibc defaults'})\n")
+    rows = []
+    for r in log + ([final] if final else []):
+        m = r.get("marks", {})
+        rows.append([r["mode"], str(r["n_layers"]), f"{count(r['n_layers']) / 1e6:.1f}", str(r["steps"]),
+                     "pass" if r["ok"] else "fail", _fmt(m.get("start"), ".0f"), _fmt(m.get("built"), ".0f"),
+                     _fmt(m.get("wrapped"), ".0f"), _fmt(m.get("trained"), ".0f"), _fmt(r.get("step_s"), ".2f"),
+                     f"{r['wall_s']:.0f}", r["reason"] or "-"])
+    print(_table(["offload", "layers", "params M", "steps", "result", "peak MB at start", "after build",
+                  "after initialize", "after steps", "step s", "probe wall s", "why failed"], rows))
+    print()
+    for mode in ("none", "nvme"):
+        lo, hi, done = found[mode]
+        print(f"{mode}: largest passing {f'{lo} layers, {count(lo) / 1e6:.1f}M' if lo else '-'}; smallest failing "
+              f"{f'{hi} layers, {count(hi) / 1e6:.1f}M' if hi else '-'}{'' if done else ' (cut by the time limit)'}")
+    ratio = count(found["nvme"][0]) / count(found["none"][0]) if found["none"][0] and found["nvme"][0] else None
+    print(f"target >= 5x the parameters with nvme offload: {_fmt(ratio)}x "
+          f"({'met' if ratio and ratio >= 5 else 'MISSED'})")
+    if final:
+        losses = final.get("losses", [])
+        trend = "-"
+        if len(losses) > 1:
+            monotone = all(b < a for a, b in zip(losses, losses[1:]))
+            trend = (f"{'falls' if losses[-1] < losses[0] else 'does NOT fall'} by {losses[0] - losses[-1]:.4f}, "
+                     f"{'' if monotone else 'not '}at every step")
+        peak = final.get("marks", {}).get("trained")
+        print(f"{args.final_steps} steps on one fixed batch at the largest nvme size ({found['nvme'][0]} layers): "
+              f"losses {' '.join(f'{x:.4f}' for x in losses) or '-'} ({trend}); "
+              f"peak RSS {_fmt(peak, '.0f')} MB ({'under' if peak and peak <= args.cap_mb else 'OVER'} the cap)"
+              f"{'; ' + final['reason'] if final['reason'] else ''}")
+    return {"log": log, "final": final, "found": found, "ratio": ratio}
+
+
+def part3(args) -> dict:
+    allocators = args.allocators.split(",")
+    print(f"\n## Part 3: largest Llama (benchmarks/zero.py width, depth searched) that trains a step under "
+          f"{args.cap_mb:.0f} MB peak RSS per rank")
+    print(f"stage 3 alone vs stage 3 with offload_optimizer=nvme and offload_params=nvme; {WORLD} gloo ranks, "
+          f"1 thread each, batch {args.probe_batch}x{args.probe_seq} per rank, fp32, zero.FastAdamW. Each probe "
+          "builds the model on the meta device (as the recipe does at stage 3), wraps it and trains one step in fresh processes; "
+          "peak RSS = ru_maxrss (largest rank), read after building, after zero.initialize and after the "
+          "step; a probe also fails when the parent sees a rank's RSS over the cap (it is then killed). "
+          f"Time limit {args.max_minutes:.0f} min, split between the allocator settings.")
+    out = {}
+    for allocator in allocators:
+        deadline = time.monotonic() + args.max_minutes * 60 / len(allocators)
+        out[allocator] = _part3_allocator(allocator, args, deadline)
+    return out
+
+
+def _params_of(n_layers: int, quick: bool) -> int:
+    return replace(_model_config(quick), n_layers=n_layers).num_params()
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps (smoke run)")
+    parser.add_argument("--parts", default="1,2,3,4")
+    parser.add_argument("--adam-params", type=int, default=100_000_000, help="part 1: fp32 elements stepped")
+    parser.add_argument("--adam-tensors", type=int, default=4, help="part 1: split into this many tensors")
+    parser.add_argument("--adam-threads", type=int, default=2, help="part 1: threads of its single process")
+    parser.add_argument("--repeats", type=int, default=None, help="part 1: timed steps per optimizer")
+    parser.add_argument("--rounds", type=int, default=None, help="parts 2, 4: alternating rounds of all variants")
+    parser.add_argument("--steps", type=int, default=None, help="parts 2, 4: measured steps (after warmup)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2, help="parts 2, 4: sequences per rank")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--bucket", type=int, default=25_000_000, help="reduce/all-gather bucket elements")
+    parser.add_argument("--rss-cap-gib", type=float, default=None, help="part 3: peak RSS cap per rank")
+    parser.add_argument("--max-minutes", type=float, default=None, help="part 3: time limit of the search")
+    parser.add_argument("--probe-batch", type=int, default=1, help="part 3: sequences per rank")
+    parser.add_argument("--probe-seq", type=int, default=32, help="part 3: tokens per sequence")
+    parser.add_argument("--final-steps", type=int, default=5, help="part 3: steps at the largest nvme size")
+    parser.add_argument("--allocators", default="glibc,mmap-1MiB",
+                        help=f"part 3: one search per C allocator setting, of {list(ALLOCATORS)}")
+    parser.add_argument("--nvme-dir", default=None, help="where the nvme temp dirs go (default: the system temp)")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--json", default=None, help="also write the raw results here")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.repeats = args.repeats or (3 if quick else 18)
+    args.rounds = args.rounds or (1 if quick else 2)
+    args.steps = args.steps or (2 if quick else 4)
+    args.cap_mb = 1024 * (args.rss_cap_gib or (0.6 if quick else 1.5))
+    args.max_minutes = args.max_minutes or (3 if quick else 24)
+    parts = {int(p) for p in args.parts.split(",")}
+    out = {}
+    t0 = time.perf_counter()
+    for part, fn in ((1, part1), (2, part2), (3, part3), (4, part4)):
+        if part in parts:
+            start = time.perf_counter()
+            out[f"part{part}"] = fn(args)
+            print(f"\n(part {part} took {(time.perf_counter() - start) / 60:.1f} min)", flush=True)
+    print(f"\ntotal {(time.perf_counter() - t0) / 60:.1f} min; command: python -m benchmarks.offload "
+          f"{' '.join(argv if argv is not None else sys.argv[1:])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
