@@ -127,7 +127,7 @@ def spawn(fn, fn_args: tuple, *, world: int = WORLD, threads: int = 1, timeout: 
                 _check_running(procs, results, rss_cap_mb, deadline, f"{fn.__name__}{fn_args[:3]}")
                 continue
             if isinstance(value, str):
-                if "MemoryError" in value or "out of memory" in value:
+                if any(k in value for k in ("MemoryError", "out of memory", "OffloadError", "No space left")):
                     raise ProbeFailed(f"rank {rank}: {value.strip().splitlines()[-1]}")
                 raise RuntimeError(f"{fn.__name__}{fn_args[:3]} rank {rank} failed:\n{value}")
             out[rank] = value
@@ -628,7 +628,7 @@ def _probe(mode: str, n_layers: int, steps: int, args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     marks["built"] = peak_mb()
     rank = dist.get_rank()
-    nvme_dir = tempfile.mkdtemp(prefix=f"offload-probe-rank{rank}-", dir=args.nvme_dir) if mode == "nvme" else None
+    nvme_dir = tempfile.mkdtemp(prefix=f"rank{rank}-", dir=args.probe_dir) if mode == "nvme" else None
     engine = None
     try:
         config = zero.ZeroConfig(stage=3, clip_grad_norm=None, overlap_comm=True, prefetch_depth=1,
@@ -672,7 +672,13 @@ def _try(mode: str, n_layers: int, steps: int, allocator: str, args, log: list[d
     """
     t0 = time.perf_counter()
     row = {"allocator": allocator, "mode": mode, "n_layers": n_layers, "steps": steps}
+    # Files of every rank: parameter shards (fp32) and the optimizer's master, two moments and gradient.
+    disk_need = _params_of(n_layers, args.quick) * (4 + 16) * 1.05
+    args.probe_dir = tempfile.mkdtemp(prefix="offload-probe-", dir=args.nvme_dir)  # removed even if killed
     try:
+        if mode == "nvme" and disk_need > shutil.disk_usage(args.probe_dir).free:
+            raise ProbeFailed(f"needs {disk_need / 2**30:.0f} GiB of nvme files, "
+                              f"{shutil.disk_usage(args.probe_dir).free / 2**30:.0f} GiB free")
         ranks = spawn(_probe, (mode, n_layers, steps, args), timeout=args.timeout,
                       rss_cap_mb=args.cap_mb if cap else None, env=ALLOCATORS[allocator])
     except ProbeFailed as e:
@@ -683,6 +689,8 @@ def _try(mode: str, n_layers: int, steps: int, allocator: str, args, log: list[d
         losses = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(steps)]
         row.update(ok=ok, reason="" if ok else "ru_maxrss over the cap", params=ranks[0]["params"], marks=marks,
                    losses=losses, step_s=max(statistics.median(r["times"]) for r in ranks))
+    finally:
+        shutil.rmtree(args.probe_dir, ignore_errors=True)
     row["wall_s"] = time.perf_counter() - t0
     log.append(row)
     peak = _fmt(row.get("marks", {}).get("trained"), ".0f")
@@ -762,7 +770,8 @@ def part3(args) -> dict:
           f"{args.cap_mb:.0f} MB peak RSS per rank")
     print(f"stage 3 alone vs stage 3 with offload_optimizer=nvme and offload_params=nvme; {WORLD} gloo ranks, "
           f"1 thread each, batch {args.probe_batch}x{args.probe_seq} per rank, fp32, zero.FastAdamW. Each probe "
-          "builds the model on the meta device (as the recipe does at stage 3), wraps it and trains one step in fresh processes; "
+          "builds the model on the meta device (as the recipe does at stage 3), wraps it and trains one step "
+          "in fresh processes; "
           "peak RSS = ru_maxrss (largest rank), read after building, after zero.initialize and after the "
           "step; a probe also fails when the parent sees a rank's RSS over the cap (it is then killed). "
           f"Time limit {args.max_minutes:.0f} min, split between the allocator settings.")

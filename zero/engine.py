@@ -124,7 +124,7 @@ class Engine:
         self._unmaterialised: dict[int, nn.Parameter] = {}  # meta-built parameters: new id -> old
         self._meta_ids: dict[int, nn.Parameter] = {}
         self._swap_meta_parameters(model, _check_meta(model, param_init))
-        if config.host_mmap_threshold and (config.offload_optimizer, config.offload_params) != ("none", "none"):
+        if config.host_mmap_threshold and config.offload_params == "nvme":
             pin_mmap_threshold(config.host_mmap_threshold)  # bounded host memory needs a well-behaved allocator
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage3: Stage3Hooks | None = None

@@ -79,10 +79,18 @@ class TensorFile:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         size = numel * self.itemsize * len(self.fields)
-        if size and hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(self.fd, 0, size)  # no ENOSPC in the middle of a step
-        else:
-            os.ftruncate(self.fd, size)
+        try:
+            if size and hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(self.fd, 0, size)  # no ENOSPC in the middle of a step
+            else:
+                os.ftruncate(self.fd, size)
+        except OSError as e:
+            TensorFile._remove(self.fd, self.path)
+            # The up-front check saw enough space, but other processes (ranks sharing the disk) took it since.
+            raise OffloadError(f"zero.nvme_path={directory!r}: cannot reserve {size} bytes for {name} "
+                               f"({e.strerror}); {disk_free_bytes(directory)} bytes are free now. Ranks of one "
+                               "machine that share a disk need the sum of their files: free space, or give "
+                               "them separate disks") from None
         self._finalizer = weakref.finalize(self, TensorFile._remove, self.fd, self.path)
         atexit.register(self._finalizer)
 
