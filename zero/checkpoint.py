@@ -39,6 +39,14 @@ def _write(obj: dict, target: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict | None = None) -> None:
     """Collective: every rank writes its shard; the directory appears at `path` only if all succeeded."""
     rank, world, group = _world()
@@ -80,12 +88,17 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
             "dtype": engine.config.dtype,
             "global_steps": engine.global_steps,
         }
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        with open(tmp / "meta.json", "w") as f:
+            f.write(json.dumps(meta))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)  # the shard files' directory entries reach the disk before the rename
         # The only window without a complete `path` is between these renames; load falls back to `.old`.
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)
             path.rename(old)
         tmp.rename(path)
+        _fsync_dir(path.parent)  # the rename survives a power loss before the old copy goes
         shutil.rmtree(old, ignore_errors=True)
     comm.barrier(group)
 

@@ -9,6 +9,7 @@ never read again (a restart starts from a checkpoint, which is written atomicall
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import secrets
 import shutil
@@ -21,6 +22,7 @@ from zero.config import ConfigError
 
 #: One name per process: every file this process creates carries it.
 RUN_TOKEN = secrets.token_hex(4)
+_SERIAL = itertools.count()
 
 
 class OffloadError(ConfigError):
@@ -74,7 +76,8 @@ class TensorFile:
     """Fields of `numel` elements of `dtype` laid end to end in one file, space reserved up front."""
 
     def __init__(self, directory: str, name: str, numel: int, fields: list[str], dtype: torch.dtype) -> None:
-        self.path = os.path.join(directory, f"zero-{RUN_TOKEN}-{name}.bin")
+        # The serial keeps two live engines of one process (same name, same directory) apart.
+        self.path = os.path.join(directory, f"zero-{RUN_TOKEN}-{next(_SERIAL)}-{name}.bin")
         self.numel, self.fields, self.dtype = numel, list(fields), dtype
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -126,3 +126,20 @@ def test_nvme_target_errors_come_before_training(tmp_path, monkeypatch):
         zero.ZeroConfig(stage=2, offload_params="cpu")
     with pytest.raises(zero.ConfigError, match="needs zero.stage >= 1"):
         zero.ZeroConfig(stage=0, offload_optimizer="cpu")
+
+
+def test_two_engines_share_an_nvme_directory(tmp_path):
+    def engine(seed):
+        config = zero.ZeroConfig(stage=3, offload_optimizer="nvme", offload_params="nvme", nvme_path=str(tmp_path))
+        return zero.initialize(build(seed=seed, tie=True), ADAMW, config)
+
+    a = engine(0)
+    before = a.full_state_dict()
+    b = engine(1)  # same names, same directory: it must not truncate a's files
+    after = a.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    b_state = b.full_state_dict()
+    a.close()  # removes a's files only
+    assert all(torch.equal(b_state[k], v) for k, v in b.full_state_dict().items())
+    b.close()
+    assert os.listdir(tmp_path) == []
