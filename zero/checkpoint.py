@@ -58,7 +58,7 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
         tmp.mkdir(parents=True)
     comm.barrier(group)
     state = {
-        "engine": engine.state_dict(),
+        "engine": engine.state_dict(file_backed=True),  # written below, before any further step
         "client_state": client_state,
         "rng": {
             "torch": torch.get_rng_state(),
@@ -119,7 +119,8 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
             "resume with the same world size, or convert through "
             "engine.full_state_dict()/load_full_state_dict()"
         )
-    state = torch.load(_shard_file(path, rank), map_location="cpu", weights_only=False)
+    # Memory-mapped: an offloaded engine streams each tensor to where it lives without holding them all.
+    state = torch.load(_shard_file(path, rank), map_location="cpu", weights_only=False, mmap=True)
     engine.load_state_dict(state["engine"])
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])

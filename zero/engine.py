@@ -418,15 +418,19 @@ class Engine:
             for b in self.buckets
         ]
 
-    def state_dict(self) -> dict:
-        """This rank's shard of the training state (what its checkpoint file holds)."""
+    def state_dict(self, *, file_backed: bool = False) -> dict:
+        """This rank's shard of the training state (what its checkpoint file holds).
+
+        file_backed=True lets nvme-offloaded optimizer state come as tensors mapped from its files rather
+        than copies in memory (so a larger-than-memory state can be saved); they follow the files, so
+        serialise them before the next step. save_checkpoint does so."""
         return {
             "format": "zero-sharded-v1",
             "stage": self.config.stage,
             "dtype": self.config.dtype,
             "layout": self._layout(),
             "shards": [self._shard_values(b).detach().clone() for b in self.buckets],
-            "optimizer": self.zero_optimizer.masters.state_dict(),
+            "optimizer": self.zero_optimizer.masters.state_dict(file_backed),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.zero_optimizer.scaler.state_dict() if self.zero_optimizer.scaler else None,
             "buffers": {n: b.detach().clone() for n, b in self.module.named_buffers()},

@@ -117,6 +117,23 @@ class TensorFile:
             while done < view.nbytes:
                 done += os.pwrite(self.fd, view[done:], offset + done)
 
+    def mapped(self, field: str) -> torch.Tensor:
+        """The field as a read-only tensor backed by the file's pages (no copy in anonymous memory: the
+        kernel can drop the pages again, so saving a larger-than-memory state does not need the memory).
+        Valid until the file is written again; callers serialise it at once."""
+        import warnings
+
+        import numpy as np
+
+        if not self.numel:
+            return torch.empty(0, dtype=self.dtype)
+        os.fsync(self.fd)
+        array = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._offset(field, 0),
+                          shape=(self.numel * self.itemsize,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only numpy memory: we never write to it
+            return torch.from_numpy(array).view(self.dtype)
+
     def read_all(self, field: str) -> torch.Tensor:
         return self.read(field, 0, torch.empty(self.numel, dtype=self.dtype))
 

@@ -80,7 +80,7 @@ class DeviceMasters:
     def write_master(self, index: int, values: torch.Tensor) -> None:
         self.masters[index].copy_(values)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, file_backed: bool = False) -> dict:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
@@ -328,14 +328,17 @@ class NvmeMasters(DeviceMasters):
     def write_master(self, index: int, values: torch.Tensor) -> None:
         self.files[index].write("master", 0, values)
 
-    def state_dict(self) -> dict:
-        """The torch optimizer state dict the on-device optimizer would have (read from the files)."""
+    def state_dict(self, file_backed: bool = False) -> dict:
+        """The torch optimizer state dict the on-device optimizer would have (read from the files).
+
+        file_backed=True gives tensors mapped from the files instead of copies: no memory is needed for
+        them, but they follow the files, so they must be serialised before the next step (checkpoints)."""
         group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
         state = {}
         if self.scalars is not None:
             for i, f in enumerate(self.files):
                 entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.scalars.items()}
-                entry.update({k: f.read_all(k) for k in self.state_keys})
+                entry.update({k: f.mapped(k) if file_backed else f.read_all(k) for k in self.state_keys})
                 state[i] = entry
         return {"state": state, "param_groups": [{**group, "params": list(range(len(self.files)))}]}
 
