@@ -192,7 +192,7 @@ class Transformer(nn.Module):
         self._moe_params = {n for n, p in self.named_parameters()
                             if n.startswith("layers.") and self.cfg.is_moe_layer(int(n.split(".")[1]))
                             and ".feed_forward." in n}
-        if torch.device(device or "cpu").type != "meta":
+        if not self.tok_embeddings.weight.is_meta:  # built on the meta device (argument or context): no values
             self.reset_parameters()
 
     @property
