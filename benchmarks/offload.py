@@ -39,7 +39,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0]) == _HERE:
     sys.path[0] = os.path.dirname(_HERE)
 
-from benchmarks.zero import WORLD, _engine_step, _install_counters, _model_config, _rss  # noqa: E402
+from benchmarks.zero import (  # noqa: E402
+    WORLD,
+    _engine_step,
+    _install_counters,
+    _model_config,
+    _rss,
+    timed_steps,
+)
 from tests.multirank import free_port  # noqa: E402
 
 # The AdamW of every framework here (benchmarks/zero.py's hyper-parameters); no gradient clipping anywhere.
@@ -442,22 +449,7 @@ def _train(framework: str, arch: str, offload: str, args) -> dict:
         else:
             raise ValueError(framework)
 
-        g = torch.Generator().manual_seed(1234)
-        batches = [torch.randint(0, vocab, (WORLD * args.batch, args.seq + 1), generator=g)
-                   for _ in range(args.warmup + args.steps)]
-        times, losses, step_bytes = [], [], []
-        for i, tokens in enumerate(batches):
-            local = tokens[rank * args.batch:(rank + 1) * args.batch]
-            dist.barrier()
-            before = sum(counts.values())
-            t0 = time.perf_counter()
-            loss = train_step(local[:, :-1], local[:, 1:])
-            dist.barrier()
-            elapsed = time.perf_counter() - t0
-            step_bytes.append(sum(counts.values()) - before)
-            losses.append(loss.item())
-            if i >= args.warmup:
-                times.append(elapsed)
+        times, losses, step_bytes = timed_steps(train_step, vocab, rank, counts, args)
     finally:
         if close is not None:
             close()

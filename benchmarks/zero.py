@@ -101,6 +101,31 @@ def _engine_step(engine):
     return train_step
 
 
+def timed_steps(train_step, vocab: int, rank: int, counts: dict, args) -> tuple[list, list, list]:
+    """Warm-up then measured steps on fixed random batches (this rank's rows of each global batch):
+    (measured step seconds, every loss, bytes sent per step), every step between two barriers."""
+    import torch
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(1234)
+    batches = [torch.randint(0, vocab, (WORLD * args.batch, args.seq + 1), generator=g)
+               for _ in range(args.warmup + args.steps)]
+    times, losses, step_bytes = [], [], []
+    for i, tokens in enumerate(batches):
+        local = tokens[rank * args.batch:(rank + 1) * args.batch]
+        dist.barrier()
+        before = sum(counts.values())
+        t0 = time.perf_counter()
+        loss = train_step(local[:, :-1], local[:, 1:])
+        dist.barrier()
+        elapsed = time.perf_counter() - t0
+        step_bytes.append(sum(counts.values()) - before)
+        losses.append(loss.item())
+        if i >= args.warmup:
+            times.append(elapsed)
+    return times, losses, step_bytes
+
+
 def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
@@ -163,22 +188,7 @@ def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
     else:
         raise ValueError(framework)
 
-    g = torch.Generator().manual_seed(1234)
-    batches = [torch.randint(0, cfg.vocab_size, (WORLD * args.batch, args.seq + 1), generator=g)
-               for _ in range(args.warmup + args.steps)]
-    times, losses, step_bytes = [], [], []
-    for i, tokens in enumerate(batches):
-        local = tokens[rank * args.batch:(rank + 1) * args.batch]
-        dist.barrier()
-        before = sum(counts.values())
-        t0 = time.perf_counter()
-        loss = train_step(local[:, :-1], local[:, 1:])
-        dist.barrier()
-        elapsed = time.perf_counter() - t0
-        step_bytes.append(sum(counts.values()) - before)
-        losses.append(loss.item())
-        if i >= args.warmup:
-            times.append(elapsed)
+    times, losses, step_bytes = timed_steps(train_step, cfg.vocab_size, rank, counts, args)
     return {
         "params": n_params,
         "step_s": statistics.median(times),
