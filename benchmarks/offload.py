@@ -45,6 +45,7 @@ from benchmarks.zero import (  # noqa: E402
     _install_counters,
     _model_config,
     _rss,
+    fsdp2_step,
     timed_steps,
 )
 from tests.multirank import free_port  # noqa: E402
@@ -393,9 +394,7 @@ def _deepspeed_config(args, offload: str, nvme_dir: str | None) -> dict:
 
 def _train(framework: str, arch: str, offload: str, args) -> dict:
     """Train `arch` at stage 3 for warmup + steps batches under `framework`; step time, memory, losses."""
-    import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     warnings.filterwarnings("ignore")
     rank = dist.get_rank()
@@ -428,24 +427,10 @@ def _train(framework: str, arch: str, offload: str, args) -> dict:
             train_step, close = _engine_step(engine), engine.destroy
             optimizer = type(engine.basic_optimizer).__name__
         elif framework in ("fsdp2", "fsdp2-fused"):
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
             assert offload == "none", "FSDP2 runs without offload here"
-            mesh = init_device_mesh("cpu", (WORLD,))
-            for layer in model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
             fused = framework == "fsdp2-fused"
-            opt = torch.optim.AdamW(model.parameters(), fused=fused or None, **ADAMW)
+            train_step = fsdp2_step(model, fused=fused or None, **ADAMW)
             optimizer = "torch AdamW fused" if fused else "torch AdamW default"
-
-            def train_step(x, y):
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return loss
         else:
             raise ValueError(framework)
 

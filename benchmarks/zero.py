@@ -101,6 +101,29 @@ def _engine_step(engine):
     return train_step
 
 
+def fsdp2_step(model, **adamw):
+    """FSDP2 (`fully_shard` on every block of `model.layers` and on the root) with torch AdamW: one step."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
+
+    def train_step(x, y):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return train_step
+
+
 def timed_steps(train_step, vocab: int, rank: int, counts: dict, args) -> tuple[list, list, list]:
     """Warm-up then measured steps on fixed random batches (this rank's rows of each global batch):
     (measured step seconds, every loss, bytes sent per step), every step between two barriers."""
@@ -129,7 +152,6 @@ def timed_steps(train_step, vocab: int, rank: int, counts: dict, args) -> tuple[
 def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     warnings.filterwarnings("ignore")
     rank = dist.get_rank()
@@ -170,21 +192,7 @@ def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
                                           config=ds_config, dist_init_required=False)
         train_step = _engine_step(engine)
     elif framework == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), **adamw)
-
-        def train_step(x, y):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+        train_step = fsdp2_step(model, **adamw)
     else:
         raise ValueError(framework)
 
