@@ -121,8 +121,8 @@ class Engine:
         self.dp = dims.dp
         self.loss_scale_hooks = list(loss_scale_hooks)
         self.param_init = param_init
-        self._unmaterialised: dict[int, nn.Parameter] = {}  # meta-built parameters: new id -> old
-        self._meta_ids: dict[int, nn.Parameter] = {}
+        self._unmaterialised: set[int] = set()  # ids of the storage-less stand-ins of meta-built parameters
+        self._meta_ids: dict[int, nn.Parameter] = {}  # meta parameter id -> stand-in (reduce_groups name the former)
         self._swap_meta_parameters(model, _check_meta(model, param_init))
         if config.host_mmap_threshold and config.offload_params == "nvme":
             pin_mmap_threshold(config.host_mmap_threshold)  # bounded host memory needs a well-behaved allocator
@@ -159,16 +159,14 @@ class Engine:
         """Replace meta-device parameters by storage-less ones on `device` (filled when bucketed)."""
         if device is None:
             return
-        swapped: dict[int, nn.Parameter] = {}
         for module in model.modules():
             for name, p in list(module.named_parameters(recurse=False)):
-                if id(p) not in swapped:  # a tied parameter is swapped once, everywhere
+                if id(p) not in self._meta_ids:  # a tied parameter is swapped once, everywhere
                     empty = torch.empty(0, device=device).set_(torch.UntypedStorage(0, device=device), 0,
-                                                                p.shape, torch.empty(p.shape, device="meta").stride())
-                    swapped[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
-                    self._unmaterialised[id(swapped[id(p)])] = p
-                setattr(module, name, swapped[id(p)])
-        self._meta_ids = swapped  # old id -> new parameter (reduce_groups name the old ones)
+                                                                p.shape, p.stride())
+                    self._meta_ids[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
+                    self._unmaterialised.add(id(self._meta_ids[id(p)]))
+                setattr(module, name, self._meta_ids[id(p)])
 
     @torch.no_grad()
     def _fill_initial_values(self, name: str, p: nn.Parameter, view: torch.Tensor) -> None:

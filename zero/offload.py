@@ -242,7 +242,7 @@ class NvmeMasters(DeviceMasters):
     def grad_sq_sum(self, weights: list[float]) -> float:
         """Sum over buckets of weight x (sum of squares of this step's gradient shard)."""
         self._wait_grads()
-        return sum(w * sq for w, sq, done in zip(weights, self.grad_sq, self.grad_written) if done)
+        return sum(w * sq for w, sq in zip(weights, self.grad_sq))  # 0 for a bucket without a gradient
 
     def clear_grads(self) -> None:
         self._wait_grads()

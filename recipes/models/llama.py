@@ -189,9 +189,8 @@ class Transformer(nn.Module):
         # Every parameter's init is seeded by this and its name: the same values in any order, so a
         # meta-device model materialised piece by piece (zero.initialize(param_init=...)) equals this one.
         self.init_seed = torch.initial_seed()
-        self._moe_params = {n for n, p in self.named_parameters()
-                            if n.startswith("layers.") and self.cfg.is_moe_layer(int(n.split(".")[1]))
-                            and ".feed_forward." in n}
+        self._moe_params = {f"layers.{i}.feed_forward.{n}" for i, layer in enumerate(self.layers)
+                            if cfg.is_moe_layer(i) for n, _ in layer.feed_forward.named_parameters()}
         if not self.tok_embeddings.weight.is_meta:  # built on the meta device (argument or context): no values
             self.reset_parameters()
 
