@@ -8,6 +8,7 @@ from .dispatch import AllToAllDispatcher, LocalDispatcher, TokenDispatcher
 from .experts import GroupedExperts
 from .layer import MoELayer, collect_moe_stats, loss_scale_hooks, set_aux_loss_scale, update_router_biases
 from .parallel import (
+    ExpertTensorParallel,
     apply_expert_parallel,
     expert_parameters,
     expert_reduce_group,
@@ -20,4 +21,5 @@ __all__ = [
     "MoELayer", "TopKRouter", "GroupedExperts", "TokenDispatcher", "LocalDispatcher", "AllToAllDispatcher",
     "apply_expert_parallel", "expert_parameters", "expert_reduce_group", "set_fused_grad_accumulation",
     "loss_scale_hooks", "update_router_biases", "collect_moe_stats", "set_aux_loss_scale", "set_stats_group",
+    "ExpertTensorParallel",
 ]

@@ -257,6 +257,13 @@ class GroupedExperts(nn.Module):
         base = self.expert_range[0]
         self.num_experts, self.expert_range = stop - start, (base + start, base + stop)
 
+    def keep_hidden(self, start: int, stop: int) -> None:
+        """Keep hidden units [start, stop) of every expert (expert tensor parallelism): the output is then
+        this slice's partial sum of the expert MLP, to be summed over the ranks holding the other slices."""
+        self.w_in = nn.Parameter(_hidden_columns(self.w_in.data, self.ffn_dim, start, stop, self.activation))
+        self.w_out = nn.Parameter(self.w_out.data[:, start:stop].clone())
+        self.ffn_dim = stop - start
+
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [M, dim] in contiguous per-expert segments of sizes tokens_per_expert [E_local] -> [M, dim]."""
         fuse = self.fuse_grad_accumulation
@@ -276,6 +283,14 @@ class GroupedExperts(nn.Module):
                                      self.fuse_grad_accumulation)
 
 
+def _hidden_columns(w: torch.Tensor, hidden: int, start: int, stop: int, activation: str) -> torch.Tensor:
+    """Columns of hidden units [start, stop) of an input weight [..., hidden] or, for SwiGLU,
+    [..., 2 * hidden] laid out gate | up (the slice keeps both halves of each unit)."""
+    if activation == "swiglu":
+        return torch.cat([w[..., start:stop], w[..., hidden + start : hidden + stop]], dim=-1).clone()
+    return w[..., start:stop].clone()
+
+
 class SharedExperts(nn.Module):
     """Always-on dense MLP (width num_shared * ffn_dim) added to the routed output (DeepSeekMoE)."""
 
@@ -286,6 +301,14 @@ class SharedExperts(nn.Module):
         self.w_out = nn.Linear(hidden, dim, bias=False)
         for lin in (self.w_in, self.w_out):
             nn.init.normal_(lin.weight, std=init_std)
+
+    def keep_hidden(self, start: int, stop: int) -> None:
+        """Keep hidden units [start, stop): the output becomes this slice's partial sum."""
+        hidden = self.w_out.weight.shape[1]
+        w_in = _hidden_columns(self.w_in.weight.data.t(), hidden, start, stop, self.activation).t()
+        self.w_in.weight = nn.Parameter(w_in.contiguous())
+        self.w_out.weight = nn.Parameter(self.w_out.weight.data[:, start:stop].contiguous())
+        self.w_in.out_features, self.w_out.in_features = w_in.shape[0], stop - start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_out(_activate(self.w_in(x), self.activation))

@@ -80,6 +80,7 @@ class MoELayer(nn.Module):
         self.bias_update_rate, self.seq_aux = bias_update_rate, seq_aux
         self.stats_group = stats_group
         self.ep_group: ProcessGroup | None = None
+        self.tp_group: ProcessGroup | None = None  # expert tensor parallel (see set_tensor_parallel)
         self.dispatcher: TokenDispatcher = LocalDispatcher(num_experts)
         if ep_size > 1:
             self.set_expert_parallel(AllToAllDispatcher(ep_group, num_experts), ep_group)
@@ -97,6 +98,41 @@ class MoELayer(nn.Module):
                              f"{self.experts.num_experts}; keep the matching slice of experts first")
         self.dispatcher = dispatcher
         self.ep_group = ep_group if group_size(ep_group) > 1 else None
+
+    def set_tensor_parallel(self, tp_group: ProcessGroup | None) -> dict[nn.Parameter, int]:
+        """Expert tensor parallelism over `tp_group`: every routed and shared expert keeps its slice of the
+        hidden units, so each rank computes a partial sum of the layer's output.
+
+        The layer then takes the full sequence (all-gathered by the norm before it, identical on every tp
+        rank), routes it identically everywhere and reduce-scatters its output back to sequence shards.
+        The router weight is replicated: its gradient (partial, through each rank's partial expert
+        outputs) is summed over tp, and the balancing losses, computed identically on every tp rank,
+        are weighted 1/tp so their gradient counts once. Returns each parameter's layout over tp."""
+        from zero.tensor_parallel import ShardLayout, substitute_parameters, sum_grad
+
+        tp, rank = group_size(tp_group), group_rank(tp_group)
+        if tp == 1:
+            return {}
+        if self.tp_group is not None:
+            raise ValueError("this MoELayer is already tensor-parallel")
+        hidden = self.experts.ffn_dim
+        if hidden % tp:
+            raise ValueError(f"expert tensor parallelism splits each expert's hidden units: the expert ffn_dim "
+                             f"{hidden} must be divisible by tp={tp}")
+        size = hidden // tp
+        self.experts.keep_hidden(rank * size, (rank + 1) * size)
+        if self.shared_experts is not None:
+            shared = self.shared_experts.w_out.weight.shape[1]
+            self.shared_experts.keep_hidden(rank * shared // tp, (rank + 1) * shared // tp)
+        substitute_parameters(self.router, {"weight": lambda w: sum_grad(w, tp_group)})
+        self.tp_group = tp_group
+        swiglu = self.experts.activation == "swiglu"
+        layouts = {"router.weight": ShardLayout(None, replicas=tp),
+                   "experts.w_in": ShardLayout(2, halves=swiglu), "experts.w_out": ShardLayout(1)}
+        if self.shared_experts is not None:
+            layouts.update({"shared_experts.w_in.weight": ShardLayout(0, halves=swiglu),
+                            "shared_experts.w_out.weight": ShardLayout(1)})
+        return layouts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:
@@ -122,6 +158,9 @@ class MoELayer(nn.Module):
         if self.training and self.bias_update_rate > 0:
             self.load_since_update += plan.routed_per_expert.to(self.load_since_update.dtype)
         loss = self.aux_loss_coef * aux + self.z_loss_coef * z
+        tp = group_size(self.tp_group)
+        if tp > 1:
+            loss = loss / tp  # computed identically on every tp rank: its gradient must count once
         if (self.training and torch.is_grad_enabled() and loss.requires_grad
                 and (self.aux_loss_coef or self.z_loss_coef)):
             y = attach_loss(y, loss, self.balancing_loss_scale)
@@ -136,6 +175,10 @@ class MoELayer(nn.Module):
             "aux_loss": aux.detach(),
             "z_loss": z.detach(),
         }
+        if tp > 1:  # partial sums of the hidden slices: summed over tp onto this rank's sequence shard
+            from zero.tensor_parallel import reduce_scatter_sequence
+
+            y = reduce_scatter_sequence(y, self.tp_group, dim=max(y.dim() - 2, 0))
         return y
 
 

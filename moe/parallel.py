@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from zero.engine import ReduceGroup
+from zero.tensor_parallel import Style
 from zero.topology import group_rank, group_size
 
 from .dispatch import AllToAllDispatcher, LocalDispatcher
@@ -75,3 +76,15 @@ def set_stats_group(module: nn.Module, stats_group: ProcessGroup | None) -> nn.M
     for layer in moe_layers(module):
         layer.stats_group = stats_group
     return module
+
+
+class ExpertTensorParallel(Style):
+    """Tensor-parallel plan style for an MoELayer: split every expert's hidden units over tp
+    (see MoELayer.set_tensor_parallel)."""
+
+    def apply(self, module, group):
+        from .layer import MoELayer
+
+        if not isinstance(module, MoELayer):
+            raise TypeError(f"ExpertTensorParallel applies to MoELayer, not {type(module).__name__}")
+        return module.set_tensor_parallel(group)

@@ -6,8 +6,9 @@ state dicts, atomic checkpoints and per-rank memory / communication metrics.
 
 from __future__ import annotations
 
+import itertools
 import resource
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,13 +107,13 @@ class Engine:
         reduce_groups: Sequence[ReduceGroup] = (),
         loss_scale_hooks: Sequence[LossScaleHook] = (),
         param_init: ParamInit | None = None,
+        replicated_params: Mapping[nn.Parameter, int] | None = None,
     ) -> None:
+        replicated_params = dict(replicated_params or {})
         _check_factories(optimizer, lr_scheduler)
-        if dims.tp > 1 or dims.pp > 1:
-            raise NotImplementedError(
-                f"the ZeRO engine supports data, sequence and expert parallelism; tp={dims.tp}, pp={dims.pp} "
-                "(tensor/pipeline parallel gradient reduction and norms) are not implemented"
-            )
+        if not all(isinstance(k, int) and k >= 1 for k in replicated_params.values()):
+            raise ValueError("replicated_params maps parameters to the number of tensor-parallel ranks holding "
+                             "them (an int >= 1)")
         if not all(callable(h) for h in loss_scale_hooks):
             raise TypeError("loss_scale_hooks must be callables taking the loss multiplier (a float)")
         self.module = model
@@ -124,6 +125,8 @@ class Engine:
         self._unmaterialised: set[int] = set()  # ids of the storage-less stand-ins of meta-built parameters
         self._meta_ids: dict[int, nn.Parameter] = {}  # meta parameter id -> stand-in (reduce_groups name the former)
         self._swap_meta_parameters(model, _check_meta(model, param_init))
+        # Parameters held identically by k tensor-parallel ranks: bucketed apart, counted once in the norm.
+        self._tp_replicas = {id(self._meta_ids.get(id(p), p)): k for p, k in replicated_params.items() if k > 1}
         if config.host_mmap_threshold and config.offload_params == "nvme":
             pin_mmap_threshold(config.host_mmap_threshold)  # bounded host memory needs a well-behaved allocator
         self._rank = dist.get_rank() if dist.is_initialized() else 0
@@ -135,11 +138,14 @@ class Engine:
             # Reverse registration order approximates backward order, so buckets fill front to back.
             named = list(model.named_parameters())[::-1]
             self.buckets = self._make_buckets(named, reductions, owner, True, config.reduce_bucket_size)
+        # The global gradient norm spans every rank holding distinct gradients: with tensor or pipeline
+        # parallelism that is the whole world (replicas are divided out per bucket).
+        norm_group = dims.dp_sp_group if dims.tp == 1 and dims.pp == 1 else dist.group.WORLD
         self.zero_optimizer = ZeroOptimizer(
             self.buckets,
             config,
             self.dp,
-            dims.dp_sp_group,
+            norm_group,
             optimizer,
             on_bucket_complete=self.stage3.on_bucket_reduced if self.stage3 else None,
             rank=self._rank,
@@ -221,9 +227,11 @@ class Engine:
     ) -> list[FlatBucket]:
         """Buckets for `named`, split by (reduction, trainable), each kind cut at max_numel elements."""
         out = []
+        kinds = sorted({self._tp_replicas.get(id(p), 1) for _, p in named})
         for k, reduction in enumerate(reductions):
-            for trainable in (True, False):
-                sel = [(n, p) for n, p in named if owner.get(id(p), 0) == k and p.requires_grad == trainable]
+            for trainable, tp_replicas in itertools.product((True, False), kinds):
+                sel = [(n, p) for n, p in named if owner.get(id(p), 0) == k and p.requires_grad == trainable
+                       and self._tp_replicas.get(id(p), 1) == tp_replicas]
                 if not sel:
                     continue
                 for chunk in split_into_buckets(sel, max_numel or sum(p.numel() for _, p in sel)):
@@ -238,6 +246,7 @@ class Engine:
                         grad_group=reduction.grad_group,
                         fill=self._fill_initial_values,
                     )
+                    b.replicas *= tp_replicas  # ranks holding each element, for the global gradient norm
                     # Attach at once so each original parameter tensor is released before the next
                     # bucket is flattened: the build never holds two copies of the whole model.
                     b.broadcast_from_first_rank()
@@ -294,29 +303,49 @@ class Engine:
         if self._comm_mark is None and self.module.training:
             self._comm_mark = comm.stats.snapshot()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def before_forward(self) -> None:
+        """Call before running the module other than through `engine(...)` (e.g. a pipeline schedule)."""
         self._mark_comm()
         if self.stage3 is not None:
             self.stage3.gather_root()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.before_forward()
         return self.module(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self(*args, **kwargs)
 
+    @property
+    def loss_multiplier(self) -> float:
+        """What a micro-batch's loss is multiplied by before backward: fp16 loss scale / grad_accum_steps."""
+        return self.zero_optimizer.loss_scale / self.config.grad_accum_steps
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate loss / grad_accum_steps (times the fp16 loss scale) and reduce what is ready."""
+        self.before_backward()
+        (loss * self.loss_multiplier).backward()
+        self.after_backward()
+
+    def before_backward(self, final: bool | None = None) -> None:
+        """Prepare a backward that the caller runs itself on `loss * engine.loss_multiplier` (e.g. a pipeline
+        schedule); `final` says it completes the accumulation cycle (default: counted by micro-batches)."""
         self._mark_comm()
-        scale = self.zero_optimizer.loss_scale / self.config.grad_accum_steps
         # Losses attached inside the model (e.g. MoE balancing losses) backpropagate with the same factor.
         for hook in self.loss_scale_hooks:
-            hook(scale)
-        self.zero_optimizer.final_micro_batch = self._micro_since_step + 1 >= self.config.grad_accum_steps
-        (loss * scale).backward()
+            hook(self.loss_multiplier)
+        if final is None:
+            final = self._micro_since_step + 1 >= self.config.grad_accum_steps
+        self.zero_optimizer.final_micro_batch = final
+
+    def after_backward(self, micro_batches: int = 1) -> None:
+        """Reduce what the backward just produced; it completed `micro_batches` micro-batches (a pipeline
+        rank with several stages runs several backwards per micro-batch and counts the last)."""
         self.zero_optimizer.reducer.after_backward()
         if self.stage3 is not None:
             self.stage3.after_backward()
-        self.micro_steps += 1
-        self._micro_since_step += 1
+        self.micro_steps += micro_batches
+        self._micro_since_step += micro_batches
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -554,6 +583,7 @@ def initialize(
     reduce_groups: Sequence[ReduceGroup] = (),
     loss_scale_hooks: Sequence[LossScaleHook] = (),
     param_init: ParamInit | None = None,
+    replicated_params: Mapping[nn.Parameter, int] | None = None,
 ) -> Engine:
     """Wrap `model` for training: shard per `config.stage` over the groups of `dims`.
 
@@ -569,9 +599,15 @@ def initialize(
     `param_init(name, tensor)` fills each parameter's fp32 values in place (on the CUDA device when there
     is one, else the CPU), so no rank ever holds the whole model; at stage 3 one unit at a time. It must
     not depend on the order it is called in (e.g. `Transformer.init_parameter`, seeded per name).
+
+    With tensor parallelism each rank passes its local slices (the engine shards them over dp like
+    any parameter) and `replicated_params` (from `zero.tensor_parallel.apply_tensor_parallel`): the
+    parameters held identically by k tp ranks, so the global gradient norm counts them once. With
+    pipeline parallelism `model` is this rank's stages (`Pipeline.module`).
     """
     config = config if config is not None else ZeroConfig()
     dims = dims if dims is not None else ParallelDims()
     if group_size(dims.dp_sp_group) != dims.dp_sp:
         raise RuntimeError(f"{dims} does not match the process group sizes")
-    return Engine(model, optimizer, config, dims, lr_scheduler, reduce_groups, loss_scale_hooks, param_init)
+    return Engine(model, optimizer, config, dims, lr_scheduler, reduce_groups, loss_scale_hooks, param_init,
+                  replicated_params)

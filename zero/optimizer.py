@@ -232,6 +232,13 @@ class HookGradReducer:
 
     def after_backward(self) -> None:
         """End of one backward: launch what is left, agree on late gradients, wait, accumulate."""
+        # Gradients written into .grad without autograd's accumulation (e.g. a pipeline schedule's
+        # separate weight-gradient pass) have not passed the hooks: take them now.
+        for chain in self.chains.values():
+            for progress in chain:
+                for i, p in enumerate(progress.bucket.params):
+                    if p.grad is not None:
+                        self._on_grad(progress, i, p)
         for key in self.chains:
             self._advance(key, flush=True)
         for chain in self.chains.values():

@@ -126,13 +126,13 @@ class Attention(nn.Module):
         self.attn_fn = attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        # Head counts come from the projections' widths: tensor parallelism leaves each rank a slice of heads.
+        q = self.wq(x).unflatten(-1, (-1, self.head_dim))  # [b, s, h, head_dim]
+        k = self.wk(x).unflatten(-1, (-1, self.head_dim))
+        v = self.wv(x).unflatten(-1, (-1, self.head_dim))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.attn_fn(q, k, v, causal=True)  # [b, s, h, head_dim]
-        return self.wo(out.reshape(b, s, self.n_heads * self.head_dim))
+        return self.wo(out.flatten(-2))
 
 
 class FeedForward(nn.Module):
@@ -176,6 +176,22 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """The divisibility rules of this model's tensor-parallel plan, with the rule in the message."""
+    if cfg.n_heads % tp:
+        raise ValueError(f"tp={tp} must divide model.n_heads={cfg.n_heads} (attention heads are split over tp)")
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        raise ValueError(f"tp={tp} and model.n_kv_heads={cfg.n_kv_heads}: kv heads are split over tp when tp "
+                         "divides them, or replicated when they divide tp; neither holds")
+    if cfg.vocab_size % tp:
+        raise ValueError(f"tp={tp} must divide model.vocab_size={cfg.vocab_size} (vocabulary-parallel embedding)")
+    if cfg.ffn_dim % tp:
+        raise ValueError(f"tp={tp} must divide model.ffn_dim={cfg.ffn_dim} (MLP hidden units are split over tp)")
+    if cfg.moe.num_experts and (cfg.moe.ffn_dim or cfg.ffn_dim) % tp:
+        raise ValueError(f"tp={tp} must divide the expert hidden width {cfg.moe.ffn_dim or cfg.ffn_dim} "
+                         "(expert tensor parallelism)")
 
 
 class Transformer(nn.Module):
@@ -223,6 +239,49 @@ class Transformer(nn.Module):
         gen = torch.Generator(device=tensor.device).manual_seed(seed)
         nn.init.normal_(tensor, 0.0, std, generator=gen)
 
+    def tensor_parallel_plan(self, tp: int) -> dict:
+        """How this model splits over tp ranks (zero.tensor_parallel.apply_tensor_parallel): vocabulary-
+        parallel embedding (and tied head), sequence-parallel norms, column-parallel q/k/v and MLP input,
+        row-parallel attention output and MLP output, expert tensor parallelism for MoE layers."""
+        from zero.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallelNorm, VocabParallelEmbedding
+
+        check_tensor_parallel(self.cfg, tp)
+        plan: dict = {"tok_embeddings": VocabParallelEmbedding()}
+        for i in range(len(self.layers)):
+            p = f"layers.{i}"
+            plan[f"{p}.attention_norm"] = SequenceParallelNorm(gather_output=True)
+            plan[f"{p}.attention.wq"] = ColwiseParallel(units=self.cfg.n_heads)
+            plan[f"{p}.attention.wk"] = ColwiseParallel(units=self.cfg.n_kv_heads)
+            plan[f"{p}.attention.wv"] = ColwiseParallel(units=self.cfg.n_kv_heads)
+            plan[f"{p}.attention.wo"] = RowwiseParallel()
+            plan[f"{p}.ffn_norm"] = SequenceParallelNorm(gather_output=True)
+            if self.cfg.is_moe_layer(i):
+                from moe import ExpertTensorParallel
+
+                plan[f"{p}.feed_forward"] = ExpertTensorParallel()
+            else:
+                plan[f"{p}.feed_forward.w1"] = ColwiseParallel()
+                plan[f"{p}.feed_forward.w3"] = ColwiseParallel()
+                plan[f"{p}.feed_forward.w2"] = RowwiseParallel()
+        # The final norm gathers the sequence: the (tied or own) head then gives vocabulary-sliced logits.
+        plan["norm"] = SequenceParallelNorm(gather_output=True)
+        if self.output is not None:
+            plan["output"] = ColwiseParallel()
+        return plan
+
+    def pipeline_stage(self, layers: range, first: bool, last: bool) -> nn.Module:
+        """A pipeline stage holding `layers` (the embedding when `first`; final norm and head when `last`),
+        sharing this model's modules and parameter names (see zero.pipeline)."""
+        return PipelineStageModule(self, layers, first, last)
+
+    def pipeline_shapes(self, tokens_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(activation between stages, last stage's output) for a micro-batch of tokens [b, s]: hidden
+        [b, s / tp, dim] (sequence-parallel shards under tensor parallelism) and logits [b, s, vocab / tp]."""
+        b, s = tokens_shape
+        local_vocab = self.output_weight.shape[0]
+        tp = self.cfg.vocab_size // local_vocab
+        return (b, s // tp, self.cfg.dim), (b, s, local_vocab)
+
     def forward_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> final-normed hidden states [b, s, dim]."""
         position_ids = position_ids_for(tokens, position_ids)
@@ -258,3 +317,45 @@ class Transformer(nn.Module):
             nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
             tokens = torch.cat([tokens, nxt], dim=1)
         return tokens[:, prompt.shape[1]:]
+
+
+class PipelineStageModule(nn.Module):
+    """Consecutive layers of a Transformer as one pipeline stage; its parameter names are the model's.
+
+    forward(x, position_ids): x is the token ids on the first stage, else the hidden states from the
+    stage before; returns hidden states, or logits (vocabulary-sliced under tensor parallelism) on the
+    last stage. Position ids come to every stage beside the activations (they are not sent).
+    """
+
+    def __init__(self, model: Transformer, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.cfg, self.first, self.last = model.cfg, first, last
+        self.tied = last and model.output is None
+        if first:
+            self.tok_embeddings = model.tok_embeddings
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        if last:
+            self.norm = model.norm
+            if model.output is not None:
+                self.output = model.output
+            elif not first:
+                raise NotImplementedError(
+                    "tied embeddings across pipeline stages (the head on the last stage reading the first "
+                    "stage's embedding) are not implemented: set model.tie_embeddings=false with parallel.pp > 1")
+            else:
+                self.tok_embeddings = model.tok_embeddings
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.first:
+            tokens = x
+            x = self.tok_embeddings(tokens)
+        if position_ids is None:
+            raise ValueError("pipeline stages need position_ids beside their input (pass them to every stage)")
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if self.last:
+            x = self.norm(x)
+            weight = self.tok_embeddings.weight if self.tied else self.output.weight
+            x = F.linear(x, weight)
+        return x.contiguous()  # sent to the next stage as it is

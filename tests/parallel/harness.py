@@ -1,0 +1,157 @@
+"""One training loop for every parallel layout (dp, tp, pp, sp, ep, ZeRO stage, pipeline schedule).
+
+`train(layout)` builds the tiny Llama below on each rank, applies the layout from outside (expert,
+tensor, sequence, pipeline parallelism), trains a few steps on fixed data through the ZeRO engine and
+returns the global-batch losses, gradient norms and the full parameters (assembled over every axis).
+Run with a world of one it is the single-rank reference the parallel runs must equal.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import zero
+from recipes.models.llama import ModelConfig, MoEConfig, Transformer
+from zero.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+
+SEQ, ROWS, MICRO, STEPS, LR = 16, 2, 4, 3, 0.5
+IGNORE = -100
+
+
+def model_config(moe: bool = False, **overrides) -> ModelConfig:
+    base = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
+                tie_embeddings=False)
+    base.update(overrides)
+    if moe:
+        base["moe"] = MoEConfig(num_experts=4, top_k=2, ffn_dim=32, first_dense=1, aux_loss_coef=1e-2,
+                                z_loss_coef=1e-3)
+    return ModelConfig(**base)
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global micro-batch (ROWS rows) of a step: tokens and shifted labels."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    seq = torch.randint(0, 64, (ROWS, SEQ + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def train(layout: dict, moe: bool = False, model_overrides: dict | None = None, steps: int = STEPS,
+          stage: int = 0, schedule: str = "1f1b", virtual_stages: int | None = None,
+          dtype: str = "fp32", ckpt_dir: str | None = None, resume_from: str | None = None) -> dict:
+    dims = zero.ParallelDims(**layout)
+    coord = dims.coordinate() if dims.distributed else {"dp": 0, "sp": 0, "tp": 0, "pp": 0, "ep": 0, "edp": 0}
+    torch.manual_seed(0)
+    model = Transformer(model_config(moe, **(model_overrides or {})))
+    declarations: dict = {}
+    if moe:
+        from moe import apply_expert_parallel, expert_reduce_group, loss_scale_hooks, set_stats_group
+
+        apply_expert_parallel(model, dims.ep_group)
+        set_stats_group(model, dims.sp_group)
+    tp = apply_tensor_parallel(model, dims.tp_group)
+    if dims.sp > 1:
+        from sequence_parallel import apply_ulysses
+
+        apply_ulysses(model, dims.sp_group)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss_sum, count = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), dims.tp_group, IGNORE)
+        if dims.sp > 1:
+            from sequence_parallel import sp_loss
+
+            return sp_loss(loss_sum, count, dims.sp_group)
+        return loss_sum / count.clamp(min=1)
+
+    pipe = None
+    module = model
+    if dims.pp > 1:
+        from zero.pipeline import apply_pipeline
+
+        pipe = apply_pipeline(model, dims, schedule, microbatches=MICRO, loss_fn=loss_fn,
+                              virtual_stages=virtual_stages)
+        module = pipe.module
+    if moe:
+        declarations = {"reduce_groups": [expert_reduce_group(module, dims.expert_data_parallel_group)],
+                        "loss_scale_hooks": loss_scale_hooks(module)}
+    engine = zero.initialize(
+        module, functools.partial(torch.optim.SGD, lr=LR),
+        zero.ZeroConfig(stage=stage, grad_accum_steps=MICRO, clip_grad_norm=1.0, dtype=dtype,
+                        reduce_bucket_size=2000),
+        dims, replicated_params=tp.replicated_params, **declarations)
+    start = 0
+    if resume_from is not None:
+        start = engine.load_checkpoint(resume_from)["step"]
+
+    def shard(tokens, labels):
+        per = ROWS // dims.dp
+        tokens, labels = (t[coord["dp"] * per:(coord["dp"] + 1) * per] for t in (tokens, labels))
+        if dims.sp > 1:
+            from sequence_parallel import shard_sequence
+
+            return shard_sequence(tokens, labels, dims.sp_group, ignore_index=IGNORE)
+        return tokens, labels, torch.arange(SEQ).expand_as(tokens)
+
+    losses, norms, first = [], [], None
+    for step in range(start, steps):
+        micro = [shard(*batch(step, i)) for i in range(MICRO)]
+        if pipe is not None:
+            tokens, labels, pos = (torch.cat(t) for t in zip(*micro))
+            loss = pipe.train_step(engine, tokens, labels, position_ids=pos)
+        else:
+            loss = 0.0
+            for tokens, labels, pos in micro:
+                logits = engine(tokens, pos)
+                value = loss_fn(logits, labels)
+                engine.backward(value)
+                loss += value.item() / MICRO
+        engine.step()
+        if moe:
+            from moe import update_router_biases
+
+            update_router_biases(engine.module, dims.dp_sp_group)
+        t = torch.tensor([loss], dtype=torch.float64)
+        if dims.dp > 1:
+            dist.all_reduce(t, group=dims.dp_group)
+        losses.append(float(t) / dims.dp)
+        norms.append(engine.global_grad_norm)
+        if step == start:
+            first = full_parameters(engine, tp, dims, coord)
+        if ckpt_dir is not None and step + 1 == steps // 2 + 1:
+            engine.save_checkpoint(ckpt_dir, client_state={"step": step + 1})
+    return {"losses": losses, "norms": norms, "first": first, "final": full_parameters(engine, tp, dims, coord)}
+
+
+def full_parameters(engine, tp, dims: zero.ParallelDims, coord: dict) -> dict[str, torch.Tensor] | None:
+    """Every parameter assembled to its single-rank shape (on rank 0; None elsewhere)."""
+    local = tp.full_state_dict(engine.full_state_dict())
+    if not dims.distributed:
+        return local
+    everyone = [None] * dims.world_size
+    dist.all_gather_object(everyone, (coord, local))
+    if dist.get_rank() != 0:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for c, state in everyone:
+        for name, value in state.items():
+            if ".experts.w_" in name:
+                experts.setdefault(name, {})[c["ep"]] = value
+            else:
+                out.setdefault(name, value)
+    for name, parts in experts.items():
+        out[name] = torch.cat([parts[k] for k in sorted(parts)], 0)
+    return out
+
+
+def assert_matches(result: dict, reference: dict, rtol: float = 1e-5, atol: float = 2e-6) -> None:
+    """Losses, gradient norms and parameters (after the first step: the gradient) equal the reference."""
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=rtol, atol=atol)
+    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=rtol, atol=atol)
+    for key in ("first", "final"):
+        assert set(result[key]) == set(reference[key]), set(result[key]) ^ set(reference[key])
+        for name, value in reference[key].items():
+            torch.testing.assert_close(result[key][name], value, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")

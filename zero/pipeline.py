@@ -1,0 +1,313 @@
+"""Pipeline parallelism: `apply_pipeline` splits a model into stages over the pp ranks and runs one of
+torch.distributed.pipelining's schedules, with the ZeRO engine reducing each stage's gradients.
+
+    pipe = apply_pipeline(model, dims, schedule="1f1b", microbatches=m, loss_fn=loss_fn)
+    engine = zero.initialize(pipe.module, ...)           # this rank's stages only
+    losses = pipe.train_step(engine, tokens, labels, position_ids=pos)   # m forwards and backwards
+    engine.step()
+
+The model provides `pipeline_stage(layers, first, last)` (a module running those layers; the first
+stage embeds, the last returns the output the loss reads) and `pipeline_shapes(tokens_shape)` (the
+shape of the activation sent between stages and of the last stage's output). Stages are balanced by
+parameter count unless `split` lists the layers of each stage. The micro-batches are the engine's
+gradient-accumulation micro-batches: `tokens` holds m of them stacked along the batch dimension, in
+order, and the loss of each is scaled exactly as `engine.backward` would scale it.
+
+Schedules and their stages per rank (`virtual_stages`): gpipe and 1f1b one; interleaved_1f1b,
+looped_bfs and interleaved_zb any number (default 2, placed round-robin: rank r holds stages r, r+p,
+...); zbv and dualpipev exactly 2 placed in a V (rank r holds stages r and 2p-1-r).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import pipelining as pl
+
+from zero import comm
+from zero.topology import LayoutError, ParallelDims
+
+#: name -> (torch schedule class, stages per rank: None = any (default 2), else that exact number, V placement)
+SCHEDULES: dict[str, tuple[str, int | None, bool]] = {
+    "gpipe": ("ScheduleGPipe", 1, False),
+    "1f1b": ("Schedule1F1B", 1, False),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", None, False),
+    "looped_bfs": ("ScheduleLoopedBFS", None, False),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", None, False),
+    "zbv": ("ScheduleZBVZeroBubble", 2, True),
+    "dualpipev": ("ScheduleDualPipeV", 2, True),
+}
+
+
+def resolve_virtual_stages(schedule: str, virtual_stages: int | None) -> int:
+    """Stages per rank for `schedule` (its default when None); clear errors for the rest."""
+    if schedule not in SCHEDULES:
+        raise LayoutError(f"parallel.pp_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    _, fixed, _ = SCHEDULES[schedule]
+    if virtual_stages is None:
+        return fixed or 2
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise LayoutError(f"parallel.pp_virtual_stages={virtual_stages!r} must be an integer >= 1")
+    if fixed is not None and virtual_stages != fixed:
+        raise LayoutError(f"parallel.pp_schedule={schedule} runs exactly {fixed} stage(s) per rank; "
+                          f"parallel.pp_virtual_stages={virtual_stages} does not fit it (leave it unset)")
+    return virtual_stages
+
+
+def check_pipeline_layout(schedule: str, pp: int, virtual_stages: int | None, n_layers: int,
+                          microbatches: int, split: Sequence[int] | None = None) -> int:
+    """Validate a pipeline layout before any process group exists; returns the stages per rank."""
+    v = resolve_virtual_stages(schedule, virtual_stages)
+    stages = pp * v
+    if n_layers < stages:
+        raise LayoutError(f"parallel.pp={pp} x {v} stage(s) per rank = {stages} stages but the model has "
+                          f"{n_layers} layers: every stage needs a layer (use pp <= {n_layers // v})")
+    if split is not None:
+        if len(split) != stages or any(not isinstance(k, int) or k < 1 for k in split) or sum(split) != n_layers:
+            raise LayoutError(f"parallel.pp_split={list(split)} must list {stages} positive layer counts summing "
+                              f"to model.n_layers={n_layers}")
+    if schedule != "gpipe" and microbatches < pp:
+        raise LayoutError(f"parallel.pp_schedule={schedule} needs at least pp={pp} micro-batches per step "
+                          f"(train.grad_accum={microbatches}); raise train.grad_accum or use gpipe")
+    if v > 1 and schedule in ("interleaved_1f1b", "interleaved_zb") and microbatches % pp:
+        raise LayoutError(f"parallel.pp_schedule={schedule} needs the micro-batches per step "
+                          f"(train.grad_accum={microbatches}) to be a multiple of pp={pp}")
+    return v
+
+
+def balance(costs: Sequence[int], parts: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
+    """Split consecutive items with `costs` into `parts` non-empty runs minimising the largest run's
+    cost (the first run also pays `first_extra`, the last `last_extra`); returns the run lengths."""
+    n = len(costs)
+    if parts > n:
+        raise LayoutError(f"{parts} stages for {n} layers")
+
+    def runs_within(limit: int) -> list[int] | None:
+        out, i = [], 0
+        for part in range(parts):
+            extra = (first_extra if part == 0 else 0) + (last_extra if part == parts - 1 else 0)
+            if part == parts - 1:
+                return out + [n - i] if extra + sum(costs[i:]) <= limit else None
+            left = parts - part - 1  # runs still to fill after this one, each needs a layer
+            total, j = extra + costs[i], i + 1
+            if total > limit:
+                return None
+            while j < n - left and total + costs[j] <= limit:  # greedy: as many layers as fit
+                total += costs[j]
+                j += 1
+            out.append(j - i)
+            i = j
+        return out
+
+    lo = max(max(costs), first_extra + costs[0], last_extra + costs[-1])
+    hi = sum(costs) + first_extra + last_extra
+    while lo < hi:  # binary search on the largest stage cost
+        mid = (lo + hi) // 2
+        if runs_within(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return runs_within(lo)
+
+
+def stage_indices(pp_rank: int, pp: int, v: int, v_shape: bool) -> list[int]:
+    """The global stage indices this pp rank holds (round-robin, or a V for zbv/dualpipev)."""
+    if v_shape:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(v)]
+
+
+class LocalStages(nn.Module):
+    """This rank's stage modules as one module with the model's own parameter names (children of the
+    stages are merged by name; ModuleDicts key by key), so checkpoints, per-name initialisation and the
+    engine see the same names as on one rank."""
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        super().__init__()
+        for stage in stages:
+            for name, child in stage.named_children():
+                mine = self._modules.get(name)
+                if mine is None:
+                    self.add_module(name, nn.ModuleDict(dict(child.items())) if isinstance(child, nn.ModuleDict)
+                                    else child)
+                elif isinstance(mine, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
+                    for key, sub in child.items():
+                        if key in mine:
+                            raise ValueError(f"two pipeline stages on this rank hold {name}.{key}")
+                        mine[key] = sub
+                elif mine is not child:
+                    raise ValueError(f"two pipeline stages on this rank hold different modules named {name!r}")
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline rank's stages run through Pipeline.train_step / eval_step, not forward")
+
+
+class _EngineStage(pl.PipelineStage):
+    """A PipelineStage that tells the pipeline when gradients are produced, so the ZeRO engine can
+    scale attached losses before and reduce gradients after each backward (full or weight-only)."""
+
+    def __init__(self, *args, runner: Pipeline, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.runner = runner
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        if not self.has_backward:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        self.runner._before_grads(full_backward)
+        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        if full_backward:
+            self.runner._after_grads()
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        if not self.has_backward:
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        self.runner._before_grads(True)
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        self.runner._after_grads()
+
+
+@dataclass
+class StagePlan:
+    index: int  # global stage index
+    layers: range
+    first: bool
+    last: bool
+
+
+class Pipeline:
+    """This rank's part of a pipeline: its stage modules, their plan, and the schedule (built on first use).
+
+    `loss_fn(output, target) -> loss` (a micro-batch's mean loss) runs on the last stage per
+    micro-batch; what is backpropagated is that loss times the engine's loss multiplier, and
+    `train_step` returns the mean of the micro-batches' losses (on every rank of the pipeline).
+    """
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, schedule: str, virtual_stages: int,
+                 plans: list[StagePlan], microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.dims, self.schedule_name, self.v = dims, schedule, virtual_stages
+        self.plans, self.microbatches, self.loss_fn = plans, microbatches, loss_fn
+        self.num_stages = dims.pp * virtual_stages
+        self.stage_modules = [model.pipeline_stage(p.layers, p.first, p.last) for p in plans]
+        self.module = LocalStages(self.stage_modules)
+        self._shapes = model.pipeline_shapes
+        self._schedule = None
+        self._engine = None
+        self._key = None
+        self._grads_done = 0
+        self._loss_values: list[torch.Tensor] = []
+        self.holds_last_stage = any(p.last for p in plans)
+        self.holds_first_stage = any(p.first for p in plans)
+
+    # -------------------------------------------------------------- engine hooks (called by the stages)
+    def _before_grads(self, produces_grads: bool) -> None:
+        if produces_grads:
+            final = self._grads_done + 1 == self.microbatches * self.v
+            self._engine.before_backward(final=final)
+
+    def _after_grads(self) -> None:
+        self._grads_done += 1
+        # One micro-batch is complete when the rank's earliest stage (the last backward of each
+        # micro-batch on this rank) has produced its gradients: count micro-batches by v's.
+        self._engine.after_backward(micro_batches=1 if self._grads_done % self.v == 0 else 0)
+
+    # -------------------------------------------------------------- schedule
+    def _build(self, engine, tokens: torch.Tensor, has_backward: bool) -> None:
+        m = self.microbatches
+        if tokens.shape[0] % m:
+            raise ValueError(f"the batch of {tokens.shape[0]} rows does not split into {m} micro-batches")
+        mb_shape = (tokens.shape[0] // m, *tokens.shape[1:])
+        act_shape, out_shape = self._shapes(mb_shape)
+        dtype = engine.config.torch_dtype
+        device = engine.device
+        meta = {"device": "meta"}
+        stages = []
+        for plan, module in zip(self.plans, self.stage_modules):
+            inp = (torch.empty(mb_shape, dtype=tokens.dtype, **meta) if plan.first
+                   else torch.empty(act_shape, dtype=dtype, **meta, requires_grad=has_backward))
+            # requires_grad marks what carries gradients back (the static metadata derives the grads from it)
+            out = torch.empty(out_shape if plan.last else act_shape, dtype=dtype, **meta, requires_grad=has_backward)
+            stages.append(_EngineStage(module, plan.index, self.num_stages, device, input_args=(inp,),
+                                       output_args=(out,), group=self.dims.pp_group, runner=self))
+        cls = getattr(pl, SCHEDULES[self.schedule_name][0])
+        kwargs = {"n_microbatches": m, "loss_fn": self._loss, "scale_grads": False}
+        self._schedule = cls(stages[0], **kwargs) if SCHEDULES[self.schedule_name][1] == 1 else cls(stages, **kwargs)
+        self._engine = engine
+        self._key = (tuple(tokens.shape), tokens.dtype)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(output, target)
+        self._loss_values.append(loss.detach())
+        if not torch.is_grad_enabled() or not self._training:
+            return loss
+        return loss * self._engine.loss_multiplier
+
+    def _run(self, engine, tokens, target, training: bool, **kwargs) -> float:
+        if self._schedule is None or self._key != (tuple(tokens.shape), tokens.dtype) or self._engine is not engine:
+            self._build(engine, tokens, training)
+        self._training = training
+        self._loss_values = []
+        self._grads_done = 0
+        engine.before_forward()
+        args = (tokens,) if self.holds_first_stage else ()
+        tgt = target if self.holds_last_stage else None
+        if training:
+            self._schedule.step(*args, target=tgt, **kwargs)
+        else:
+            with torch.no_grad():
+                self._schedule.eval(*args, target=tgt, **kwargs)
+        total = torch.zeros(1, dtype=torch.float64, device=engine.device)
+        if self.holds_last_stage:
+            total += torch.stack(self._loss_values).double().mean()
+        # The last stage knows the loss: every pp rank gets it (one scalar all-reduce).
+        comm.all_reduce(total, self.dims.pp_group)
+        return float(total)
+
+    def train_step(self, engine, tokens: torch.Tensor, target: torch.Tensor, **kwargs) -> float:
+        """Forward and backward of the m micro-batches stacked in `tokens` (every rank passes its data
+        shard; keyword tensors such as position_ids are split alike and reach every stage). Gradients
+        are reduced by `engine`; call engine.step() after. Returns the mean micro-batch loss."""
+        return self._run(engine, tokens, target, True, **kwargs)
+
+    def eval_step(self, engine, tokens: torch.Tensor, target: torch.Tensor, **kwargs) -> float:
+        """Forward only (no gradients); returns the mean micro-batch loss."""
+        return self._run(engine, tokens, target, False, **kwargs)
+
+
+def apply_pipeline(model: nn.Module, dims: ParallelDims, schedule: str = "1f1b", *,
+                   microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   virtual_stages: int | None = None, split: Sequence[int] | None = None) -> Pipeline:
+    """This rank's pipeline stages of `model` over `dims.pp` ranks (see the module doc).
+
+    `model` needs `layers` (the blocks to split), `pipeline_stage(layers, first, last)` and
+    `pipeline_shapes(tokens_shape)`. `split` lists the number of layers per stage (all pp x virtual
+    stages, in order); by default stages are balanced by parameter count, the embedding counted on
+    the first stage and the final norm and head on the last.
+    """
+    for need in ("layers", "pipeline_stage", "pipeline_shapes"):
+        if not hasattr(model, need):
+            raise TypeError(f"{type(model).__name__} has no {need}: apply_pipeline needs layers, "
+                            "pipeline_stage(layers, first, last) and pipeline_shapes(tokens_shape)")
+    n_layers = len(model.layers)
+    v = check_pipeline_layout(schedule, dims.pp, virtual_stages, n_layers, microbatches, split)
+    stages = dims.pp * v
+    if split is None:
+        costs = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+
+        def own(first: bool, last: bool) -> int:
+            stage = model.pipeline_stage(range(0), first, last)
+            return sum(p.numel() for p in stage.parameters())
+
+        split = balance(costs, stages, own(True, False), own(False, True) if stages > 1 else 0)
+    starts = [sum(split[:k]) for k in range(stages)]
+    pp_rank = dims.coordinate()["pp"] if dims.distributed else 0
+    plans = [StagePlan(i, range(starts[i], starts[i] + split[i]), i == 0, i == stages - 1)
+             for i in stage_indices(pp_rank, dims.pp, v, SCHEDULES[schedule][2])]
+    if not dist.is_initialized() and dims.pp > 1:
+        raise LayoutError("pipeline parallelism needs torch.distributed (launch with torchrun)")
+    return Pipeline(model, dims, schedule, v, plans, microbatches, loss_fn)

@@ -1,0 +1,417 @@
+"""Tensor parallelism (Megatron-style, with sequence-parallel norms) over plain local tensors.
+
+`apply_tensor_parallel(model, tp_group)` reads the model's plan (`model.tensor_parallel_plan(tp)`: module
+name -> style) and converts each named module in place: its weights are sliced to this rank's part
+and its forward gains the collectives around it. Parameters stay ordinary tensors holding the local
+slice (no DTensor wrapper), so the ZeRO engine flattens, shards over dp, offloads, checkpoints and
+materialises them exactly like any other parameter, and no dispatch layer runs per op.
+
+Between blocks the activations are split along the sequence over the tp ranks (sequence
+parallelism): a norm runs on its sequence shard and all-gathers its output once for the column-
+parallel projections that follow; row-parallel projections reduce-scatter their partial sums back to
+sequence shards. So each block does one all-gather and one reduce-scatter for attention and one
+each for the MLP, and no rank stores a full-sequence activation between blocks.
+
+Styles (the vocabulary of a plan):
+  SequenceParallelNorm(gather_output)  replicated weights over a sequence shard; grads summed over tp
+  ColwiseParallel(units)               output features sliced; `units` < tp replicates whole units
+                                       (GQA kv heads when kv_heads < tp)
+  RowwiseParallel()                    input features sliced; output reduce-scattered over sequence
+  VocabParallelEmbedding()             vocabulary rows sliced; output reduce-scattered over sequence
+and `vocab_parallel_cross_entropy` computes the loss from vocabulary-sliced logits without gathering them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from zero import comm
+from zero.topology import group_rank, group_size
+
+
+# ---------------------------------------------------------------------- autograd collectives
+def _gather_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    world = group_size(group)
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather_into_tensor(out, moved, group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    world = group_size(group)
+    moved = x.movedim(dim, 0).contiguous()
+    if moved.shape[0] % world:
+        raise ValueError(f"dimension {dim} of size {moved.shape[0]} does not divide over {world} tensor-parallel "
+                         "ranks: the sequence length must be a multiple of tp (times sp)")
+    out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.reduce_scatter_tensor(out, moved, group)
+    return out.movedim(0, dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather along `dim`; backward: reduce-scatter (the gathered tensor feeds partial sums)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_dim(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Forward: sum partial results and keep this rank's sequence shard; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_dim(grad, ctx.group, ctx.dim), None, None
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (weights replicated over tp that
+    each rank differentiates on its own sequence shard, or with its own slice of the features)."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        comm.all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _SumGradSlots(torch.autograd.Function):
+    """Identity forward on one `slot` of `slots` replicated units; backward sums each slot's gradient over
+    the ranks holding that slot (one all-reduce over the tp group of a [slots, ...] buffer)."""
+
+    @staticmethod
+    def forward(ctx, w, group, slot, slots):
+        ctx.group, ctx.slot, ctx.slots = group, slot, slots
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        buf = grad.new_zeros((ctx.slots, *grad.shape))
+        buf[ctx.slot].copy_(grad)
+        comm.all_reduce(buf, ctx.group)
+        return buf[ctx.slot], None, None, None
+
+
+def gather_sequence(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
+    """All-gather sequence shards along `dim` (backward: reduce-scatter). Identity for one rank."""
+    return x if group_size(group) == 1 else _GatherSequence.apply(x, group, dim)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
+    """Sum partial results over the group, keeping this rank's shard of `dim` (backward: all-gather)."""
+    return x if group_size(group) == 1 else _ReduceScatterSequence.apply(x, group, dim)
+
+
+def sum_grad(w: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """`w` unchanged, with its gradient summed over `group` in backward."""
+    return w if group_size(group) == 1 else _SumGrad.apply(w, group)
+
+
+def substitute_parameters(module: nn.Module, transform: Mapping[str, Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    """Make `module`'s forward see `transform[name](param)` in place of each named direct parameter.
+
+    The parameters themselves stay registered (same names, same tensors for the optimizer, checkpoints
+    and ZeRO); only the forward reads the transformed tensor, so e.g. a gradient reduction can be
+    inserted between a weight and its uses without the module knowing.
+    """
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        saved = {name: module._parameters[name] for name in transform}
+        try:
+            for name, fn in transform.items():
+                module._parameters[name] = fn(saved[name])
+            return inner(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    module.forward = forward
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup | None,
+                                 ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token losses, count of counted tokens) from logits [N, V/tp] sliced by vocabulary over `group`.
+
+    The logits are never gathered: the max, the sum of exponentials and the target logit are each
+    reduced over the group (three small all-reduces over [N]). Gradients flow to each rank's slice.
+    """
+    if group_size(group) == 1:
+        loss = F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+        return loss, (labels != ignore_index).sum()
+    return _VocabParallelCE.apply(logits, labels, group, ignore_index)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, group, ignore_index):
+        local_v = logits.shape[-1]
+        start = group_rank(group) * local_v
+        x = logits.float()
+        row_max = x.max(dim=-1).values
+        comm.all_reduce(row_max, group, op=torch.distributed.ReduceOp.MAX)
+        x = x - row_max[:, None]
+        exp = x.exp()
+        sum_exp = exp.sum(-1)
+        comm.all_reduce(sum_exp, group)
+        valid = labels != ignore_index
+        local = (labels >= start) & (labels < start + local_v) & valid
+        idx = (labels - start).clamp(0, local_v - 1)
+        target = torch.where(local, x.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(row_max))
+        comm.all_reduce(target, group)
+        losses = torch.where(valid, sum_exp.log() - target, torch.zeros_like(target))
+        probs = exp.div_(sum_exp[:, None])
+        ctx.save_for_backward(probs, idx, local, valid)
+        ctx.dtype = logits.dtype
+        return losses.sum(), valid.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_count):
+        probs, idx, local, valid = ctx.saved_tensors
+        grad = probs
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows[local], idx[local]] -= 1.0
+        grad.mul_(valid[:, None].to(grad.dtype) * grad_loss)
+        return grad.to(ctx.dtype), None, None, None
+
+
+# ---------------------------------------------------------------------- styles
+@dataclass(frozen=True)
+class ShardLayout:
+    """How one parameter is laid out over the tp ranks: sliced along `dim` (None: replicated), as
+    `halves` (two stacked halves, e.g. SwiGLU gate | up, each sliced alike), or as one of `slots` whole
+    units when there are fewer units than ranks. `replicas`: tp ranks holding each element."""
+
+    dim: int | None
+    replicas: int = 1
+    slots: int = 0
+    halves: bool = False
+
+    def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every tp rank's local tensor (rank order)."""
+        if self.dim is None:
+            return parts[0]
+        if self.slots:
+            world = len(parts)
+            return torch.cat([parts[k * world // self.slots] for k in range(self.slots)], self.dim)
+        if self.halves:
+            halves = [p.chunk(2, self.dim) for p in parts]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], self.dim)
+        return torch.cat(list(parts), self.dim)
+
+
+REPLICATED = ShardLayout(None)
+def _rank_slice(total: int, world: int, rank: int, what: str) -> slice:
+    if total % world:
+        raise ValueError(f"{what} of size {total} does not divide over tp={world}")
+    size = total // world
+    return slice(rank * size, (rank + 1) * size)
+
+
+def _replace(module: nn.Module, name: str, value: torch.Tensor) -> nn.Parameter:
+    old = module._parameters[name]
+    p = nn.Parameter(value.detach().clone().contiguous(), requires_grad=old.requires_grad)
+    module._parameters[name] = p
+    return p
+
+
+class Style:
+    """How one module is split over the tp group. `apply` converts it in place and returns the layout
+    of each of its parameters (by name within the module)."""
+
+    def apply(self, module: nn.Module, group: ProcessGroup) -> dict[str, ShardLayout]:
+        raise NotImplementedError
+
+
+class SequenceParallelNorm(Style):
+    """A module with replicated parameters (a norm) applied to sequence shards; its parameter gradients
+    are partial per shard and are summed over tp. `gather_output` all-gathers the sequence after it (the
+    input of the column-parallel layers that follow)."""
+
+    def __init__(self, gather_output: bool = False, seq_dim: int = 1) -> None:
+        self.gather_output, self.seq_dim = gather_output, seq_dim
+
+    def apply(self, module, group):
+        names = [n for n, p in module.named_parameters(recurse=False)]
+        substitute_parameters(module, {n: functools.partial(sum_grad, group=group) for n in names})
+        if self.gather_output:
+            module.register_forward_hook(lambda m, args, out: gather_sequence(out, group, self.seq_dim))
+        return {n: ShardLayout(None, replicas=group_size(group)) for n in names}
+
+
+class ColwiseParallel(Style):
+    """nn.Linear split by output features (weight rows; a bias likewise). Its input is the full sequence
+    (gathered by the norm before it), its output this rank's features.
+
+    `units` (e.g. kv heads) groups the rows: with units >= tp each rank takes units / tp whole units;
+    with fewer units than ranks each rank takes the one unit its slice of the model needs, replicated
+    on tp / units ranks, whose gradients are summed over them.
+    """
+
+    def __init__(self, units: int | None = None) -> None:
+        self.units = units
+
+    def apply(self, module, group):
+        world, rank = group_size(group), group_rank(group)
+        rows = module.weight.shape[0]
+        units = self.units or world
+        if rows % units:
+            raise ValueError(f"{rows} output features do not split into {units} units")
+        if units >= world:
+            sl = _rank_slice(rows, world, rank, "output features")
+            replicas = 1
+        else:
+            if world % units:
+                raise ValueError(f"tp={world} is not a multiple of the {units} units (kv heads) it replicates")
+            slot = rank * units // world
+            size = rows // units
+            sl = slice(slot * size, (slot + 1) * size)
+            replicas = world // units
+        names = [n for n in ("weight", "bias") if module._parameters.get(n) is not None]
+        for n in names:
+            _replace(module, n, module._parameters[n][sl])
+        module.out_features = module.weight.shape[0]
+        if replicas > 1:
+            slot = rank * units // world
+            substitute_parameters(module, {n: functools.partial(_sum_grad_slots, group=group, slot=slot, slots=units)
+                                           for n in names})
+            return {n: ShardLayout(0, replicas=replicas, slots=units) for n in names}
+        return dict.fromkeys(names, ShardLayout(0))
+
+
+def _sum_grad_slots(w, group, slot, slots):
+    return _SumGradSlots.apply(w, group, slot, slots)
+
+
+class RowwiseParallel(Style):
+    """nn.Linear split by input features (weight columns). Its input is this rank's features, its output
+    the partial sum, reduce-scattered to this rank's sequence shard (a bias is added once, after)."""
+
+    def __init__(self, seq_dim: int = 1) -> None:
+        self.seq_dim = seq_dim
+
+    def apply(self, module, group):
+        world, rank = group_size(group), group_rank(group)
+        sl = _rank_slice(module.weight.shape[1], world, rank, "input features")
+        _replace(module, "weight", module.weight[:, sl])
+        module.in_features = module.weight.shape[1]
+
+        def forward(x):
+            y = reduce_scatter_sequence(F.linear(x, module.weight), group, self.seq_dim)
+            # The bias is replicated and added to a sequence shard: its gradient is summed over tp.
+            return y if module.bias is None else y + sum_grad(module.bias, group)
+
+        module.forward = forward
+        out = {"weight": ShardLayout(1)}
+        if module.bias is not None:
+            out["bias"] = ShardLayout(None, replicas=world)
+        return out
+
+
+class VocabParallelEmbedding(Style):
+    """nn.Embedding split by vocabulary rows: each rank looks up the tokens in its range (zeros elsewhere)
+    and the partial embeddings are reduce-scattered to sequence shards. A tied output projection that
+    reads the same weight then yields vocabulary-sliced logits (see vocab_parallel_cross_entropy)."""
+
+    def __init__(self, seq_dim: int = 1) -> None:
+        self.seq_dim = seq_dim
+
+    def apply(self, module, group):
+        world, rank = group_size(group), group_rank(group)
+        vocab = module.weight.shape[0]
+        sl = _rank_slice(vocab, world, rank, "vocabulary")
+        _replace(module, "weight", module.weight[sl])
+        start, stop = sl.start, sl.stop
+        module.num_embeddings = stop - start
+
+        def forward(tokens):
+            inside = (tokens >= start) & (tokens < stop)
+            local = torch.where(inside, tokens - start, torch.zeros_like(tokens))
+            out = F.embedding(local, module.weight, module.padding_idx, module.max_norm, module.norm_type,
+                              module.scale_grad_by_freq, module.sparse)
+            out = out * inside.unsqueeze(-1).to(out.dtype)
+            return reduce_scatter_sequence(out, group, self.seq_dim)
+
+        module.forward = forward
+        return {"weight": ShardLayout(0)}
+
+
+@dataclass
+class TensorParallel:
+    """What apply_tensor_parallel did: the tp group and each parameter's layout (by model name)."""
+
+    group: ProcessGroup | None
+    layouts: dict[str, ShardLayout] = field(default_factory=dict)
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+
+    @property
+    def replicated_params(self) -> dict[nn.Parameter, int]:
+        """Parameters held identically by k > 1 tp ranks: `zero.initialize(replicated_params=...)`."""
+        return {self.params[n]: lay.replicas for n, lay in self.layouts.items() if lay.replicas > 1}
+
+    def full_state_dict(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Assemble full tensors from every tp rank's `local` state dict (names as the model's); names
+        without a layout are taken as they are. Collective over the tp group."""
+        world = group_size(self.group)
+        out = {}
+        for name, t in local.items():
+            layout = self.layouts.get(name)
+            if layout is None or layout.dim is None or world == 1:
+                out[name] = t
+                continue
+            flat = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
+            comm.all_gather_into_tensor(flat, t.contiguous().view(-1), self.group)
+            out[name] = layout.assemble(list(flat.view(world, *t.shape).unbind(0)))
+        return out
+
+
+def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup | None,
+                          plan: Mapping[str, Style] | None = None) -> TensorParallel:
+    """Split `model` over `tp_group` per `plan` (default: `model.tensor_parallel_plan(tp)`), in place.
+
+    Returns the layouts; pass `.replicated_params` to `zero.initialize(..., replicated_params=...)` so
+    the global gradient norm counts replicated parameters once. A tp group of one rank changes nothing.
+    """
+    result = TensorParallel(tp_group)
+    tp = group_size(tp_group)
+    if tp == 1:
+        return result
+    if plan is None:
+        make_plan = getattr(model, "tensor_parallel_plan", None)
+        if make_plan is None:
+            raise TypeError(f"{type(model).__name__} has no tensor_parallel_plan(tp); pass plan= "
+                            "(module name -> zero.tensor_parallel style)")
+        plan = make_plan(tp)
+    modules = dict(model.named_modules())
+    missing = [n for n in plan if n not in modules]
+    if missing:
+        raise ValueError(f"the tensor-parallel plan names modules the model does not have: {missing[:5]}")
+    for name, style in plan.items():
+        for pname, layout in style.apply(modules[name], tp_group).items():
+            result.layouts[f"{name}.{pname}"] = layout
+    params = dict(model.named_parameters(remove_duplicate=False))
+    result.params = {n: params[n] for n in result.layouts}
+    return result
