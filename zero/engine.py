@@ -338,12 +338,14 @@ class Engine:
             final = self._micro_since_step + 1 >= self.config.grad_accum_steps
         self.zero_optimizer.final_micro_batch = final
 
-    def after_backward(self, micro_batches: int = 1) -> None:
+    def after_backward(self, micro_batches: int = 1, more_backwards: bool = False) -> None:
         """Reduce what the backward just produced; it completed `micro_batches` micro-batches (a pipeline
-        rank with several stages runs several backwards per micro-batch and counts the last)."""
+        rank with several stages runs several backwards per micro-batch and counts the last).
+        `more_backwards`: further backwards through forwards already run follow (a pipeline schedule),
+        so ZeRO-3 keeps the parameters they need gathered."""
         self.zero_optimizer.reducer.after_backward()
         if self.stage3 is not None:
-            self.stage3.after_backward()
+            self.stage3.after_backward(keep_gathered=more_backwards)
         self.micro_steps += micro_batches
         self._micro_since_step += micro_batches
 

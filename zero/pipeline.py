@@ -20,8 +20,9 @@ looped_bfs and interleaved_zb any number (default 2, placed round-robin: rank r 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -154,20 +155,68 @@ class _EngineStage(pl.PipelineStage):
         super().__init__(*args, **kwargs)
         self.runner = runner
 
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        start = time.perf_counter()
+        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self.runner._record("F", self.stage_index, fwd_chunk_id, start, len(self.fwd_cache))
+        return out
+
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         if not self.has_backward:
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        start = time.perf_counter()
         self.runner._before_grads(full_backward)
         super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         if full_backward:
             self.runner._after_grads()
+        self.runner._record("B" if full_backward else "I", self.stage_index, bwd_chunk_id, start, len(self.fwd_cache))
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         if not self.has_backward:
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        start = time.perf_counter()
         self.runner._before_grads(True)
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
         self.runner._after_grads()
+        self.runner._record("W", self.stage_index, bwd_chunk_id, start, len(self.fwd_cache))
+
+
+@dataclass
+class Action:
+    """One computation of a stage in the last step: kind F (forward), B (full backward), I (input-gradient
+    backward) or W (weight-gradient backward), times from time.perf_counter(), and the micro-batches
+    whose activations the stage held right after it."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    held: int
+
+
+@dataclass
+class StepTimeline:
+    """What this rank computed in the last pipeline step, for bubble and memory measurements."""
+
+    start: float = 0.0
+    end: float = 0.0
+    actions: list[Action] = field(default_factory=list)
+
+    @property
+    def busy(self) -> float:
+        return sum(a.end - a.start for a in self.actions)
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the step's wall time this rank computed nothing (waiting on the pipeline)."""
+        total = self.end - self.start
+        return max(0.0, 1.0 - self.busy / total) if total > 0 else 0.0
+
+    @property
+    def max_held(self) -> int:
+        """Most micro-batches whose activations one stage of this rank held at once."""
+        return max((a.held for a in self.actions), default=0)
 
 
 @dataclass
@@ -200,10 +249,14 @@ class Pipeline:
         self._key = None
         self._grads_done = 0
         self._loss_values: list[torch.Tensor] = []
+        self.timeline = StepTimeline()  # the last step's computations on this rank
         self.holds_last_stage = any(p.last for p in plans)
         self.holds_first_stage = any(p.first for p in plans)
 
     # -------------------------------------------------------------- engine hooks (called by the stages)
+    def _record(self, kind: str, stage: int, microbatch: int, start: float, held: int) -> None:
+        self.timeline.actions.append(Action(kind, stage, microbatch, start, time.perf_counter(), held))
+
     def _before_grads(self, produces_grads: bool) -> None:
         if produces_grads:
             final = self._grads_done + 1 == self.microbatches * self.v
@@ -213,7 +266,8 @@ class Pipeline:
         self._grads_done += 1
         # One micro-batch is complete when the rank's earliest stage (the last backward of each
         # micro-batch on this rank) has produced its gradients: count micro-batches by v's.
-        self._engine.after_backward(micro_batches=1 if self._grads_done % self.v == 0 else 0)
+        self._engine.after_backward(micro_batches=1 if self._grads_done % self.v == 0 else 0,
+                                    more_backwards=self._grads_done < self.microbatches * self.v)
 
     # -------------------------------------------------------------- schedule
     def _build(self, engine, tokens: torch.Tensor, has_backward: bool) -> None:
@@ -253,6 +307,7 @@ class Pipeline:
         self._loss_values = []
         self._grads_done = 0
         engine.before_forward()
+        self.timeline = StepTimeline(start=time.perf_counter())
         args = (tokens,) if self.holds_first_stage else ()
         tgt = target if self.holds_last_stage else None
         if training:
@@ -260,6 +315,7 @@ class Pipeline:
         else:
             with torch.no_grad():
                 self._schedule.eval(*args, target=tgt, **kwargs)
+        self.timeline.end = time.perf_counter()
         total = torch.zeros(1, dtype=torch.float64, device=engine.device)
         if self.holds_last_stage:
             total += torch.stack(self._loss_values).double().mean()

@@ -22,14 +22,16 @@ def _in_backward() -> bool:
 
 
 def find_units(module: nn.Module, class_names: tuple[str, ...] | None) -> list[tuple[str, nn.Module]]:
-    """Outermost submodules that form gather units: named classes, or the children of every ModuleList."""
+    """Outermost submodules that form gather units: named classes, or the children of every ModuleList
+    (or ModuleDict, e.g. a pipeline stage's blocks keyed by layer number)."""
     units: list[tuple[str, nn.Module]] = []
 
     def visit(prefix: str, parent: nn.Module) -> None:
         for name, child in parent.named_children():
             full = f"{prefix}{name}"
             is_unit = (
-                (type(child).__name__ in class_names) if class_names else isinstance(parent, nn.ModuleList)
+                (type(child).__name__ in class_names) if class_names
+                else isinstance(parent, (nn.ModuleList, nn.ModuleDict))
             )
             if is_unit:
                 units.append((full, child))
@@ -173,6 +175,9 @@ class Stage3Hooks:
             pos = self.order.index(i)
             self._prefetch(list(range(pos - 1, pos - 1 - self.prefetch_depth, -1)))
 
-    def after_backward(self) -> None:
-        self.release_all()
+    def after_backward(self, keep_gathered: bool = False) -> None:
+        """End of a backward: free everything, unless more backwards of the same forwards follow (a
+        pipeline schedule's micro-batches), which still need the root."""
+        if not keep_gathered:
+            self.release_all()
         self.recording = False

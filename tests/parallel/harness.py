@@ -12,7 +12,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import zero
 from recipes.models.llama import ModelConfig, MoEConfig, Transformer
@@ -22,13 +21,15 @@ SEQ, ROWS, MICRO, STEPS, LR = 16, 2, 4, 3, 0.5
 IGNORE = -100
 
 
-def model_config(moe: bool = False, **overrides) -> ModelConfig:
+def model_config(moe: bool | dict = False, **overrides) -> ModelConfig:
+    """The tiny model; `moe` True (or a dict of MoEConfig overrides) makes layers 1-3 MoE layers."""
     base = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
                 tie_embeddings=False)
     base.update(overrides)
     if moe:
-        base["moe"] = MoEConfig(num_experts=4, top_k=2, ffn_dim=32, first_dense=1, aux_loss_coef=1e-2,
-                                z_loss_coef=1e-3)
+        settings = dict(num_experts=4, top_k=2, ffn_dim=32, first_dense=1, aux_loss_coef=1e-2, z_loss_coef=1e-3)
+        settings.update(moe if isinstance(moe, dict) else {})
+        base["moe"] = MoEConfig(**settings)
     return ModelConfig(**base)
 
 
@@ -39,7 +40,7 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1], seq[:, 1:]
 
 
-def train(layout: dict, moe: bool = False, model_overrides: dict | None = None, steps: int = STEPS,
+def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None = None, steps: int = STEPS,
           stage: int = 0, schedule: str = "1f1b", virtual_stages: int | None = None,
           dtype: str = "fp32", ckpt_dir: str | None = None, resume_from: str | None = None) -> dict:
     dims = zero.ParallelDims(**layout)
@@ -154,4 +155,5 @@ def assert_matches(result: dict, reference: dict, rtol: float = 1e-5, atol: floa
     for key in ("first", "final"):
         assert set(result[key]) == set(reference[key]), set(result[key]) ^ set(reference[key])
         for name, value in reference[key].items():
-            torch.testing.assert_close(result[key][name], value, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(result[key][name], value, rtol=rtol, atol=atol,
+                                       msg=lambda m, n=name: f"{n}: {m}")
