@@ -108,6 +108,7 @@ class Engine:
         loss_scale_hooks: Sequence[LossScaleHook] = (),
         param_init: ParamInit | None = None,
         replicated_params: Mapping[nn.Parameter, int] | None = None,
+        tied_params: Mapping[nn.Parameter, ProcessGroup | None] | None = None,
     ) -> None:
         replicated_params = dict(replicated_params or {})
         _check_factories(optimizer, lr_scheduler)
@@ -127,6 +128,8 @@ class Engine:
         self._swap_meta_parameters(model, _check_meta(model, param_init))
         # Parameters held identically by k tensor-parallel ranks: bucketed apart, counted once in the norm.
         self._tp_replicas = {id(self._meta_ids.get(id(p), p)): k for p, k in replicated_params.items() if k > 1}
+        # Parameters with a copy on other ranks (a pipeline's tied embedding and head): gradients summed there.
+        self._tied = {id(self._meta_ids.get(id(p), p)): g for p, g in (tied_params or {}).items() if g is not None}
         if config.host_mmap_threshold and config.offload_params == "nvme":
             pin_mmap_threshold(config.host_mmap_threshold)  # bounded host memory needs a well-behaved allocator
         self._rank = dist.get_rank() if dist.is_initialized() else 0
@@ -150,6 +153,10 @@ class Engine:
             on_bucket_complete=self.stage3.on_bucket_reduced if self.stage3 else None,
             rank=self._rank,
         )
+        if self._tied and self.zero_optimizer.masters.spills_grads:
+            raise NotImplementedError("parameters tied across pipeline stages with gradients spilled to nvme "
+                                      "(offload_optimizer=nvme at stage >= 2) are not implemented; offload to cpu "
+                                      "or untie the embeddings")
         self.optimizer = self.zero_optimizer.optimizer
         self.device = self.zero_optimizer.device
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
@@ -227,11 +234,14 @@ class Engine:
     ) -> list[FlatBucket]:
         """Buckets for `named`, split by (reduction, trainable), each kind cut at max_numel elements."""
         out = []
-        kinds = sorted({self._tp_replicas.get(id(p), 1) for _, p in named})
+        def kind(p: nn.Parameter) -> tuple[int, int]:  # apart: tp-replicated alike, each tied parameter alone
+            return self._tp_replicas.get(id(p), 1), id(p) if id(p) in self._tied else 0
+
+        kinds = sorted({kind(p) for _, p in named})
         for k, reduction in enumerate(reductions):
-            for trainable, tp_replicas in itertools.product((True, False), kinds):
+            for trainable, (tp_replicas, tied) in itertools.product((True, False), kinds):
                 sel = [(n, p) for n, p in named if owner.get(id(p), 0) == k and p.requires_grad == trainable
-                       and self._tp_replicas.get(id(p), 1) == tp_replicas]
+                       and kind(p) == (tp_replicas, tied)]
                 if not sel:
                     continue
                 for chunk in split_into_buckets(sel, max_numel or sum(p.numel() for _, p in sel)):
@@ -247,6 +257,9 @@ class Engine:
                         fill=self._fill_initial_values,
                     )
                     b.replicas *= tp_replicas  # ranks holding each element, for the global gradient norm
+                    if tied:
+                        b.tie_group = self._tied[tied]
+                        b.replicas *= group_size(b.tie_group)
                     # Attach at once so each original parameter tensor is released before the next
                     # bucket is flattened: the build never holds two copies of the whole model.
                     b.broadcast_from_first_rank()
@@ -586,6 +599,7 @@ def initialize(
     loss_scale_hooks: Sequence[LossScaleHook] = (),
     param_init: ParamInit | None = None,
     replicated_params: Mapping[nn.Parameter, int] | None = None,
+    tied_params: Mapping[nn.Parameter, ProcessGroup | None] | None = None,
 ) -> Engine:
     """Wrap `model` for training: shard per `config.stage` over the groups of `dims`.
 
@@ -605,11 +619,13 @@ def initialize(
     With tensor parallelism each rank passes its local slices (the engine shards them over dp like
     any parameter) and `replicated_params` (from `zero.tensor_parallel.apply_tensor_parallel`): the
     parameters held identically by k tp ranks, so the global gradient norm counts them once. With
-    pipeline parallelism `model` is this rank's stages (`Pipeline.module`).
+    pipeline parallelism `model` is this rank's stages (`Pipeline.module`) and `tied_params`
+    (`Pipeline.tied_params`) maps each parameter that has a copy on another stage (a tied embedding and
+    head) to the group of its copies: their gradients are summed there before every step.
     """
     config = config if config is not None else ZeroConfig()
     dims = dims if dims is not None else ParallelDims()
     if group_size(dims.dp_sp_group) != dims.dp_sp:
         raise RuntimeError(f"{dims} does not match the process group sizes")
     return Engine(model, optimizer, config, dims, lr_scheduler, reduce_groups, loss_scale_hooks, param_init,
-                  replicated_params)
+                  replicated_params, tied_params)

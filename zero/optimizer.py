@@ -316,7 +316,7 @@ class ZeroOptimizer:
         if self.masters.spills_grads:  # into the store's file at once: the shard leaves memory
             self.masters.accumulate_grad(self._index[b], b.grad_acc, self.final_micro_batch)
             b.grad_acc = None
-        elif self.final_micro_batch:
+        elif self.final_micro_batch and b.tie_group is None:  # a tied one changes at the step: no early copy
             self.masters.grad_ready(self._index[b], b.grad_acc)
 
     @property
@@ -339,6 +339,11 @@ class ZeroOptimizer:
     def step(self) -> bool:
         """Reduce (stages 0-1), unscale, clip, step, publish. False when fp16 overflow skipped the step."""
         self.reducer.reduce(self.config.overlap_comm)
+        for b in self.trainable:
+            if b.tie_group is not None:  # the copies' gradients (same shard layout) are summed
+                if b.grad_acc is None:
+                    b.grad_acc = torch.zeros(b.shard_size, dtype=torch.float32, device=b.device)
+                comm.all_reduce(b.grad_acc, b.tie_group)
         scale = 1.0 / (self.dp * self.loss_scale)
         if self.masters.spills_grads:  # the gradients are in files: the store unscales and clips as it steps
             grads = None

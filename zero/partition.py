@@ -36,6 +36,10 @@ class FlatBucket:
     the re-gather for backward.
     """
 
+    #: The group of ranks holding a copy of these parameters elsewhere in the model (e.g. an embedding
+    #: tied to a head on another pipeline stage): reduced gradients are summed over it before the step.
+    tie_group: ProcessGroup | None = None
+
     def __init__(
         self,
         params: list[nn.Parameter],

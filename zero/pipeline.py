@@ -252,6 +252,34 @@ class Pipeline:
         self.timeline = StepTimeline()  # the last step's computations on this rank
         self.holds_last_stage = any(p.last for p in plans)
         self.holds_first_stage = any(p.first for p in plans)
+        self.tied_params = self._tie(model)
+
+    def _tie(self, model: nn.Module) -> dict[nn.Parameter, dist.ProcessGroup]:
+        """Parameters both the first and the last stage use (a tied embedding and head) when those stages
+        sit on different ranks: each keeps a copy, and the engine sums their gradients over the group of
+        the two ranks (one group per data/sequence/tensor coordinate). Collective over the world."""
+        dims, last = self.dims, self.num_stages - 1
+        first_rank = 0
+        # V placement brings the last stage back to the first rank; round-robin puts it on rank last % pp.
+        last_rank = 0 if SCHEDULES[self.schedule_name][2] else last % dims.pp
+        if first_rank == last_rank or dims.pp == 1:
+            return {}
+        n = len(model.layers)
+        head = dict(model.pipeline_stage(range(n, n), False, True).named_parameters())
+        tied = [name for name, p in model.pipeline_stage(range(0), True, False).named_parameters()
+                if head.get(name) is p]
+        if not tied:
+            return {}
+        mine = None
+        inner = dims.dp * dims.sp * dims.tp  # ranks per pipeline stage; pp is the outermost mesh dimension
+        for offset in range(inner):  # every rank creates every group, in the same order
+            group = dist.new_group([first_rank * inner + offset, last_rank * inner + offset])
+            if dist.get_rank() % inner == offset:
+                mine = group
+        if not (self.holds_first_stage or self.holds_last_stage):
+            return {}
+        params = dict(self.module.named_parameters())
+        return {params[name]: mine for name in tied}
 
     # -------------------------------------------------------------- engine hooks (called by the stages)
     def _record(self, kind: str, stage: int, microbatch: int, start: float, held: int) -> None:
@@ -341,7 +369,9 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, schedule: str = "1f1b",
     """This rank's pipeline stages of `model` over `dims.pp` ranks (see the module doc).
 
     `model` needs `layers` (the blocks to split), `pipeline_stage(layers, first, last)` and
-    `pipeline_shapes(tokens_shape)`. `split` lists the number of layers per stage (all pp x virtual
+    `pipeline_shapes(tokens_shape)`. Pass `pipe.tied_params` to zero.initialize: a parameter used by
+    both the first and the last stage (tied embeddings) has a copy on each, with gradients summed.
+    `split` lists the number of layers per stage (all pp x virtual
     stages, in order); by default stages are balanced by parameter count, the embedding counted on
     the first stage and the final norm and head on the last.
     """

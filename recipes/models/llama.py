@@ -324,7 +324,8 @@ class PipelineStageModule(nn.Module):
 
     forward(x, position_ids): x is the token ids on the first stage, else the hidden states from the
     stage before; returns hidden states, or logits (vocabulary-sliced under tensor parallelism) on the
-    last stage. Position ids come to every stage beside the activations (they are not sent).
+    last stage. Position ids come to every stage beside the activations (they are not sent). With tied
+    embeddings the last stage holds the embedding as its head.
     """
 
     def __init__(self, model: Transformer, layers: range, first: bool, last: bool) -> None:
@@ -338,11 +339,7 @@ class PipelineStageModule(nn.Module):
             self.norm = model.norm
             if model.output is not None:
                 self.output = model.output
-            elif not first:
-                raise NotImplementedError(
-                    "tied embeddings across pipeline stages (the head on the last stage reading the first "
-                    "stage's embedding) are not implemented: set model.tie_embeddings=false with parallel.pp > 1")
-            else:
+            else:  # the tied head: on another rank than the first stage it is a copy (zero.pipeline ties them)
                 self.tok_embeddings = model.tok_embeddings
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ IGNORE = -100
 def model_config(moe: bool | dict = False, **overrides) -> ModelConfig:
     """The tiny model; `moe` True (or a dict of MoEConfig overrides) makes layers 1-3 MoE layers."""
     base = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32,
-                tie_embeddings=False)
+                tie_embeddings=True)
     base.update(overrides)
     if moe:
         settings = dict(num_experts=4, top_k=2, ffn_dim=32, first_dense=1, aux_loss_coef=1e-2, z_loss_coef=1e-3)
@@ -82,7 +82,8 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
         module, functools.partial(torch.optim.SGD, lr=LR),
         zero.ZeroConfig(stage=stage, grad_accum_steps=MICRO, clip_grad_norm=1.0, dtype=dtype,
                         reduce_bucket_size=2000),
-        dims, replicated_params=tp.replicated_params, **declarations)
+        dims, replicated_params=tp.replicated_params, tied_params=pipe.tied_params if pipe else None,
+        **declarations)
     start = 0
     if resume_from is not None:
         start = engine.load_checkpoint(resume_from)["step"]
