@@ -229,11 +229,12 @@ def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
         hook(scale)
 
 
-def collect_moe_stats(module: nn.Module) -> dict[str, float | list[float]]:
+def collect_moe_stats(module: nn.Module, start: int = 0) -> dict[str, float | list[float]]:
     """Per-layer metrics of the last forward: `moe/layer{i}/{aux_loss,z_loss,load_max,load_min,dropped}`
-    as floats and `moe/layer{i}/tokens_per_expert` as a list (this rank's tokens, all experts)."""
+    as floats and `moe/layer{i}/tokens_per_expert` as a list (this rank's tokens, all experts). Layers
+    are numbered from `start` (e.g. the MoE layers before a pipeline stage)."""
     out: dict[str, float | list[float]] = {}
-    for i, m in enumerate(moe_layers(module)):
+    for i, m in enumerate(moe_layers(module), start=start):
         s = m.last_stats
         if not s:
             continue

@@ -49,12 +49,59 @@ def check_config(cfg: DictConfig) -> None:
             f"train.seq_len={cfg.train.seq_len} does not fit the model: model.max_seq_len={cfg.model.max_seq_len}; "
             "lower train.seq_len or raise model.max_seq_len"
         )
-    if cfg.parallel.tp > 1:
-        raise NotImplementedError("tensor parallelism (parallel.tp > 1) is not implemented yet; use tp=1")
-    if cfg.parallel.pp > 1:
-        raise NotImplementedError("pipeline parallelism (parallel.pp > 1) is not implemented yet; use pp=1")
     if cfg.parallel.ep > 1 and cfg.model.moe.num_experts == 0:
         raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model.moe.num_experts > 0)")
+    check_layout(cfg)
+
+
+def check_layout(cfg: DictConfig) -> None:
+    """Tensor, sequence and pipeline parallel rules against the model, before any process group exists."""
+    from zero.pipeline import check_pipeline_layout
+
+    par, model = cfg.parallel, cfg.model
+    for key in ("dp", "tp", "pp", "sp", "ep"):
+        if key != "dp" or par.dp is not None:
+            _positive_int(cfg, f"parallel.{key}")
+    tp, sp, pp = par.tp, par.sp, par.pp
+    if tp > 1:
+        from recipes.models.llama import check_tensor_parallel
+
+        try:
+            check_tensor_parallel(model_config(cfg), tp)
+        except ValueError as e:
+            raise ConfigError(f"{e}; e.g. parallel.tp={_divisor_hint(model.n_heads, tp)}") from None
+        for key in ("tiled_loss", "tiled_mlp"):
+            if cfg.train[key]:
+                raise ConfigError(f"train.{key} with parallel.tp > 1 is not supported (the tensor-parallel MLP and "
+                                  "vocabulary-parallel loss already split that work); turn it off")
+    if sp > 1 and model.n_heads // tp < sp:
+        raise ConfigError(f"tp={tp} leaves {model.n_heads // tp} attention heads per rank and Ulysses splits them "
+                          f"over sp={sp}: the rule is sp <= n_heads / tp; use sp <= {max(model.n_heads // tp, 1)}")
+    if cfg.train.seq_len % (tp * sp):
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of tp x sp = {tp * sp} "
+                          "(the sequence is split over both)")
+    if pp > 1 and cfg.train.tiled_loss:
+        raise ConfigError("train.tiled_loss with parallel.pp > 1 is not supported (the last stage computes the "
+                          "loss from its logits); turn it off")
+    if pp > 1:
+        split = None if par.pp_split is None else list(par.pp_split)
+        check_pipeline_layout(par.pp_schedule, pp, par.pp_virtual_stages, model.n_layers, cfg.train.grad_accum, split)
+    elif par.pp_split is not None:
+        raise ConfigError("parallel.pp_split is set but parallel.pp=1; set pp to the number of stages")
+
+
+def _divisor_hint(n: int, tp: int) -> int:
+    """The largest degree <= tp dividing n (for 'a layout that would work' in errors)."""
+    return max(d for d in range(1, tp + 1) if n % d == 0)
+
+
+def model_config(cfg: DictConfig):
+    """The model's config from the recipe's `model` group."""
+    from recipes.models.llama import ModelConfig, MoEConfig
+
+    values = OmegaConf.to_container(cfg.model, resolve=True)
+    moe = MoEConfig(**values.pop("moe", {}))
+    return ModelConfig(**values, moe=moe)
 
 
 def check_run_dir(run_dir: str) -> Path:

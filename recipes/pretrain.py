@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -21,11 +22,13 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 import zero
-from recipes.config import ConfigError, atomic_write_text, check_config, check_run_dir
+from recipes.config import ConfigError, atomic_write_text, check_config, check_run_dir, model_config
 from recipes.data import BatchSpec, DataError, build_streams
-from recipes.models.llama import ModelConfig, MoEConfig, Transformer
+from recipes.models.llama import Transformer
 from recipes.tracking import MetricsLogger
 from zero import comm
+from zero.pipeline import Pipeline, apply_pipeline
+from zero.tensor_parallel import TensorParallel, apply_tensor_parallel, gather_sequence, vocab_parallel_cross_entropy
 from zero.topology import default_device
 
 IGNORE_INDEX = -100
@@ -66,16 +69,24 @@ class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
 
 def builds_on_meta(cfg: DictConfig) -> bool:
     """Stage 3 dense models are built on the meta device and materialised by the engine unit by unit
-    (Transformer.init_parameter gives the values an eager build would), so no rank holds the whole model."""
-    return cfg.zero.stage == 3 and not cfg.model.moe.num_experts
+    (Transformer.init_parameter gives the values an eager build would), so no rank holds the whole model.
+    (Not under tensor parallelism: its parameters are slices of what init_parameter fills.)"""
+    return cfg.zero.stage == 3 and not cfg.model.moe.num_experts and cfg.parallel.tp == 1
 
 
-def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> Transformer:
-    """The full model, identically initialised on every rank, then parallelised from outside."""
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    moe_cfg = MoEConfig(**model_cfg.pop("moe", {}))
+@dataclass
+class Parallelism:
+    """What was applied to the model from outside: tensor-parallel layouts and this rank's pipeline."""
+
+    tp: TensorParallel
+    pipe: Pipeline | None = None
+
+
+def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> tuple[Transformer, Parallelism]:
+    """The full model, identically initialised on every rank, then parallelised from outside: experts over
+    ep, tensor parallel over tp, heads over sp (Ulysses), then this rank's pipeline stages over pp."""
     meta = builds_on_meta(cfg)
-    model = Transformer(ModelConfig(**model_cfg, moe=moe_cfg), device="meta" if meta else None)
+    model = Transformer(model_config(cfg), device="meta" if meta else None)
     untileable: tuple[type, ...] = ()
     if cfg.model.moe.num_experts:
         from moe import MoELayer, apply_expert_parallel, set_stats_group
@@ -84,6 +95,7 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> Transformer:
         # Under sp the token statistics are summed over the sequence, so a split sequence routes as a whole.
         set_stats_group(model, dims.sp_group)
         untileable = (MoELayer,)  # tiling would make router statistics per tile (see TiledMLP)
+    tp = apply_tensor_parallel(model, dims.tp_group)  # slices heads first; Ulysses splits what is left
     if dims.sp > 1:
         from sequence_parallel import apply_ulysses
 
@@ -97,24 +109,34 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> Transformer:
 
         apply_activation_checkpointing(model, offload=cfg.train.offload_activations)
     # One process per device: the model lives on this rank's GPU where there is one (else the CPU).
-    return model if meta else model.to(default_device())
+    model = model if meta else model.to(default_device())
+    parallel = Parallelism(tp)
+    if dims.pp > 1:
+        p = cfg.parallel
+        parallel.pipe = apply_pipeline(model, dims, p.pp_schedule, microbatches=cfg.train.grad_accum,
+                                       loss_fn=functools.partial(logits_loss, dims=dims),
+                                       virtual_stages=p.pp_virtual_stages,
+                                       split=None if p.pp_split is None else list(p.pp_split))
+    return model, parallel
 
 
-def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims) -> zero.Engine:
-    """The ZeRO engine over `model`, told what the model's MoE layers need from it."""
+def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims,
+                 parallel: Parallelism) -> zero.Engine:
+    """The ZeRO engine over this rank's part of `model`, told what its layers need from it."""
     o = cfg.optim
-    moe_declarations = {}
+    pipe = parallel.pipe
+    module = model if pipe is None else pipe.module  # under pp: this rank's stages only
+    declarations = {"replicated_params": parallel.tp.replicated_params,
+                    "tied_params": pipe.tied_params if pipe is not None else None}
     if cfg.model.moe.num_experts:
         from moe import expert_reduce_group, loss_scale_hooks
 
-        moe_declarations = {
-            # Experts are replicated only across the expert-data-parallel ranks: reduce them there.
-            "reduce_groups": [expert_reduce_group(model, dims.expert_data_parallel_group)],
-            # Balancing losses backpropagate beside the main loss, so they take its scale (1/accum, fp16).
-            "loss_scale_hooks": loss_scale_hooks(model),
-        }
+        # Experts are replicated only across the expert-data-parallel ranks: reduce them there.
+        declarations["reduce_groups"] = [expert_reduce_group(module, dims.expert_data_parallel_group)]
+        # Balancing losses backpropagate beside the main loss, so they take its scale (1/accum, fp16).
+        declarations["loss_scale_hooks"] = loss_scale_hooks(module)
     engine = zero.initialize(
-        model,
+        module,
         # The fastest AdamW where the step runs (fused on CPU and CUDA), offloaded or not.
         optimizer=zero.FastAdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay),
         config=zero.ZeroConfig(grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=o.grad_clip,
@@ -123,9 +145,10 @@ def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims) -
         lr_scheduler=functools.partial(ScheduleLR, cfg=cfg),
         # A meta-device model is materialised by the engine (on this rank's GPU where there is one).
         param_init=model.init_parameter if builds_on_meta(cfg) else None,
-        **moe_declarations,
+        **declarations,
     )
-    if cfg.model.moe.num_experts and engine.grads_accumulate_in_place:
+    # (Not under pp: a zero-bubble schedule's separate weight-gradient pass needs the gradients returned.)
+    if cfg.model.moe.num_experts and engine.grads_accumulate_in_place and pipe is None:
         from moe import set_fused_grad_accumulation
 
         # .grad are stable flat-buffer views without hooks: experts may add their gradients in place.
@@ -150,16 +173,40 @@ def lm_loss(engine, tokens: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
         hidden = engine(tokens, position_ids, return_hidden=True)
         loss_sum, count = tiled_cross_entropy(hidden.flatten(0, 1), engine.module.output_weight,
                                               labels.flatten(), ignore_index=IGNORE_INDEX)
-    else:
-        logits = engine(tokens, position_ids)
-        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
-        count = (labels != IGNORE_INDEX).sum()
+        if dims.sp > 1:
+            from sequence_parallel import sp_loss
+
+            return sp_loss(loss_sum, count, dims.sp_group)
+        return loss_sum / count.clamp(min=1)
+    return logits_loss(engine(tokens, position_ids), labels, dims)
+
+
+def logits_loss(logits: torch.Tensor, labels: torch.Tensor, dims: zero.ParallelDims) -> torch.Tensor:
+    """Mean next-token cross-entropy from logits [b, s, vocab] (vocabulary-sliced under tp, never gathered)
+    over the whole sequence (sp) of this data shard. Also the last pipeline stage's loss function."""
+    loss_sum, count = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), dims.tp_group,
+                                                   IGNORE_INDEX)
     if dims.sp > 1:
         from sequence_parallel import sp_loss
 
         return sp_loss(loss_sum, count, dims.sp_group)
     return loss_sum / count.clamp(min=1)
+
+
+def stacked_micro_batches(stream, index: int, cfg: DictConfig, dims: zero.ParallelDims,
+                          device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The train.grad_accum micro-batches of batch `index` stacked along the batch dimension (a pipeline
+    splits them back in order), each shard of the sequence under sp, with their position ids."""
+    parts = []
+    for micro in range(cfg.train.grad_accum):
+        x, y = (t.to(device, non_blocking=True) for t in stream.batch(index, micro, dims.dp_rank))
+        if dims.sp > 1:
+            from sequence_parallel import shard_sequence
+
+            parts.append(shard_sequence(x, y, dims.sp_group, ignore_index=IGNORE_INDEX))
+        else:
+            parts.append((x, y, torch.arange(x.shape[1], device=device).expand_as(x)))
+    return tuple(torch.cat(t) for t in zip(*parts))
 
 
 def mean_over_dp(value: float, dims: zero.ParallelDims) -> float:
@@ -201,11 +248,15 @@ def memory_metrics(dims: zero.ParallelDims) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims) -> float:
-    """Mean loss over `train.eval_batches` fixed held-out global batches."""
+def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims, pipe: Pipeline | None = None) -> float:
+    """Mean loss over `train.eval_batches` fixed held-out global batches (from the last pipeline stage)."""
     engine.module.eval()
     total = 0.0
     for i in range(cfg.train.eval_batches):
+        if pipe is not None:
+            x, y, pos = stacked_micro_batches(val_stream, i, cfg, dims, engine.device)
+            total += pipe.eval_step(engine, x, y, position_ids=pos) * cfg.train.grad_accum
+            continue
         for micro in range(cfg.train.grad_accum):
             x, y = (t.to(engine.device, non_blocking=True) for t in val_stream.batch(i, micro, dims.dp_rank))
             total += lm_loss(engine, x, y, cfg, dims).item()
@@ -230,12 +281,28 @@ def save_checkpoint(engine, run_dir: Path, step: int, is_rank0: bool) -> None:
     comm.barrier()
 
 
-def moe_step_metrics(model, loads: dict[str, list[float]]) -> dict:
-    """Scalar per-layer MoE metrics of the step; tokens per expert are summed into `loads`."""
+def moe_stats(engine, cfg: DictConfig, dims: zero.ParallelDims, pipe: Pipeline | None) -> dict:
+    """Per-layer MoE statistics numbered over the whole model: under pp each stage numbers its layers
+    after the MoE layers of the stages before it, and every rank gets every stage's (one gather)."""
     from moe import collect_moe_stats
 
+    if pipe is None:
+        return collect_moe_stats(engine.module)
+    model_cfg = model_config(cfg)
+    mine = {}
+    for plan, stage in zip(pipe.plans, pipe.stage_modules):
+        before = sum(model_cfg.is_moe_layer(i) for i in range(plan.layers.start))
+        mine.update(collect_moe_stats(stage, start=before))
     out = {}
-    for key, value in collect_moe_stats(model).items():
+    for part in comm.all_gather_object(mine, dims.pp_group):
+        out.update(part)
+    return dict(sorted(out.items()))
+
+
+def moe_step_metrics(stats: dict, loads: dict[str, list[float]]) -> dict:
+    """Scalar per-layer MoE metrics of the step; tokens per expert are summed into `loads`."""
+    out = {}
+    for key, value in stats.items():
         if isinstance(value, list):
             loads[key] = [a + b for a, b in zip(loads.get(key, [0.0] * len(value)), value)]
         else:
@@ -271,29 +338,43 @@ def expert_load_report(loads: dict[str, list[float]], run_dir: Path) -> str:
 
 def sample(engine, cfg: DictConfig, dims: zero.ParallelDims) -> str:
     """Generate bytes from the prompt. Every rank runs it in lockstep (same generator), so sharded
-    experts and parameters take part; under sp the attention runs locally on the full sequence."""
+    experts and parameters take part; under sp the attention runs locally on the full sequence; under
+    tp the context is padded at its end to a multiple of tp (causal: earlier logits are unchanged) and
+    the vocabulary slices of the logits are gathered."""
     from sequence_parallel import local_attention
 
     model = engine.module
     prompt = torch.tensor([list(cfg.train.sample_prompt.encode())], dtype=torch.long, device=engine.device)
     gen = torch.Generator(device=engine.device).manual_seed(cfg.train.seed)
+
+    def forward(context: torch.Tensor) -> torch.Tensor:
+        n = context.shape[1]
+        padded = F.pad(context, (0, -n % dims.tp))
+        return gather_sequence(engine(padded), dims.tp_group, dim=-1)[:, :n]
+
     model.eval()
     try:
         with local_attention(model):
-            out = model.generate(prompt, cfg.train.sample_tokens, generator=gen, forward=engine)
+            out = model.generate(prompt, cfg.train.sample_tokens, generator=gen, forward=forward)
     finally:
         model.train()
     return (cfg.train.sample_prompt.encode() + bytes(out[0].clamp(max=255).tolist())).decode("utf-8", "replace")
 
 
-def train_step(engine: zero.Engine, stream, step: int, cfg: DictConfig, dims: zero.ParallelDims) -> float:
-    """One optimizer step over `train.grad_accum` micro-batches; returns the global-batch mean loss."""
+def train_step(engine: zero.Engine, stream, step: int, cfg: DictConfig, dims: zero.ParallelDims,
+               pipe: Pipeline | None = None) -> float:
+    """One optimizer step over `train.grad_accum` micro-batches (the pipeline's micro-batches under pp);
+    returns the global-batch mean loss."""
     total = 0.0
-    for micro in range(cfg.train.grad_accum):
-        x, y = (t.to(engine.device, non_blocking=True) for t in stream.batch(step, micro, dims.dp_rank))
-        loss = lm_loss(engine, x, y, cfg, dims)
-        engine.backward(loss)
-        total += loss.item()
+    if pipe is not None:
+        x, y, pos = stacked_micro_batches(stream, step, cfg, dims, engine.device)
+        total = pipe.train_step(engine, x, y, position_ids=pos) * cfg.train.grad_accum
+    else:
+        for micro in range(cfg.train.grad_accum):
+            x, y = (t.to(engine.device, non_blocking=True) for t in stream.batch(step, micro, dims.dp_rank))
+            loss = lm_loss(engine, x, y, cfg, dims)
+            engine.backward(loss)
+            total += loss.item()
     engine.step()
     if cfg.model.moe.num_experts:
         from moe import update_router_biases
@@ -345,8 +426,9 @@ class Run:
         torch.manual_seed(t.seed)
         self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp, t.seq_len)
         self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, cfg.model.vocab_size)
-        self.model = build_model(cfg, self.dims)
-        self.engine = build_engine(cfg, self.model, self.dims)
+        self.model, self.parallel = build_model(cfg, self.dims)
+        self.pipe = self.parallel.pipe
+        self.engine = build_engine(cfg, self.model, self.dims, self.parallel)
         self.start_step = resume(self.engine, self.run_dir, cfg)
         if self.is_rank0:
             atomic_write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
@@ -355,8 +437,8 @@ class Run:
         self.expert_loads: dict[str, list[float]] = {}
         self.val_loss: float | None = None
         if self.is_rank0:
-            n_params = sum(p.numel() for p in self.model.parameters())
-            print(f"{self.dims} | model {n_params / 1e6:.2f}M params on rank 0 | run_dir {self.run_dir}"
+            n_params = sum(p.numel() for p in self.engine.module.parameters())
+            print(f"{self.dims} | {n_params / 1e6:.2f}M model params on rank 0 | run_dir {self.run_dir}"
                   + (f" | resumed at step {self.start_step}" if self.start_step else ""), flush=True)
 
     def step_record(self, step: int, loss: float, lr: float, dt: float) -> dict:
@@ -368,7 +450,8 @@ class Run:
         if self.cfg.zero.dtype == "fp16":
             record.update(loss_scale=engine_metrics["loss_scale"], skipped_steps=engine_metrics["skipped_steps"])
         if self.cfg.model.moe.num_experts:
-            record.update(moe_step_metrics(self.engine.module, self.expert_loads))
+            stats = moe_stats(self.engine, self.cfg, self.dims, self.pipe)
+            record.update(moe_step_metrics(stats, self.expert_loads))
         return record
 
     def loop(self) -> None:
@@ -381,11 +464,12 @@ class Run:
         for step in range(self.start_step, t.steps):
             t0 = time.perf_counter()
             lr = self.engine.get_lr()[0]
-            loss = train_step(self.engine, self.train_stream, step, self.cfg, self.dims)
+            loss = train_step(self.engine, self.train_stream, step, self.cfg, self.dims, self.pipe)
             record = self.step_record(step, loss, lr, time.perf_counter() - t0)
             done = step + 1
             if is_due(done, t.eval_every, t.steps):
-                self.val_loss = record["val_loss"] = evaluate(self.engine, self.val_stream, self.cfg, self.dims)
+                self.val_loss = record["val_loss"] = evaluate(self.engine, self.val_stream, self.cfg, self.dims,
+                                                              self.pipe)
             self.logger.log(done, record)
             if is_due(done, t.ckpt_every, t.steps):
                 save_checkpoint(self.engine, self.run_dir, done, self.is_rank0)
@@ -400,7 +484,10 @@ class Run:
         """Sample, expert-load report, summary and result file."""
         t = self.cfg.train
         result = {"val_loss": self.val_loss, "steps": t.steps, "run_dir": str(self.run_dir)}
-        if t.sample_tokens and t.steps > self.start_step:
+        if t.sample_tokens and t.steps > self.start_step and self.pipe is not None:
+            if self.is_rank0:
+                print("sample skipped: generation through pipeline stages is not implemented", flush=True)
+        elif t.sample_tokens and t.steps > self.start_step:
             text = sample(self.engine, self.cfg, self.dims)
             if self.is_rank0:
                 atomic_write_text(self.run_dir / "sample.txt", text)
