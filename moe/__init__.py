@@ -13,6 +13,7 @@ from .parallel import (
     expert_parameters,
     expert_reduce_group,
     set_fused_grad_accumulation,
+    set_repeatable_backward,
     set_stats_group,
 )
 from .router import TopKRouter
@@ -21,5 +22,5 @@ __all__ = [
     "MoELayer", "TopKRouter", "GroupedExperts", "TokenDispatcher", "LocalDispatcher", "AllToAllDispatcher",
     "apply_expert_parallel", "expert_parameters", "expert_reduce_group", "set_fused_grad_accumulation",
     "loss_scale_hooks", "update_router_biases", "collect_moe_stats", "set_aux_loss_scale", "set_stats_group",
-    "ExpertTensorParallel",
+    "ExpertTensorParallel", "set_repeatable_backward",
 ]

@@ -127,7 +127,7 @@ class _FusedExpertMLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w_in, w_out, gate, token_index, counts, activation, max_chunks, fuse_grad):
+    def forward(ctx, x, w_in, w_out, gate, token_index, counts, activation, max_chunks, fuse_grad, repeatable):
         out = x.new_zeros(x.shape)
         chunks = _expert_chunks(counts, max_chunks)
         acts = []
@@ -142,6 +142,7 @@ class _FusedExpertMLP(torch.autograd.Function):
         ctx.save_for_backward(x, w_in, w_out, gate, token_index)
         ctx.chunks, ctx.acts, ctx.counts, ctx.activation = chunks, acts, counts, activation
         ctx.params = (w_in, w_out) if fuse_grad else None
+        ctx.repeatable = repeatable
         return out
 
     @staticmethod
@@ -164,7 +165,8 @@ class _FusedExpertMLP(torch.autograd.Function):
         for i in range(len(ctx.chunks)):
             e0, e1, r0, r1 = ctx.chunks[i]
             h = ctx.acts[i]
-            ctx.acts[i] = None  # this chunk's pre-activation dies with the locals below
+            if not ctx.repeatable:
+                ctx.acts[i] = None  # this chunk's pre-activation dies with the locals below
             a = _activate(h, ctx.activation)  # recomputed (see the class doc)
             tok = token_index[r0:r1]
             g = gate[r0:r1].unsqueeze(1)
@@ -179,9 +181,10 @@ class _FusedExpertMLP(torch.autograd.Function):
                    accumulate=sink_in is not None)
             grad_x.index_add_(0, tok, _gmm(grad_h, w_in[e0:e1].transpose(-2, -1), counts[e0:e1]))
             del grad_h
-        ctx.acts = None
+        if not ctx.repeatable:
+            ctx.acts = None
         return (grad_x, None if sink_in is not None else grad_w_in, None if sink_out is not None else grad_w_out,
-                grad_gate, None, None, None, None, None)
+                grad_gate, None, None, None, None, None, None)
 
 
 def _wgrad(x: torch.Tensor, grad: torch.Tensor, counts: list[int], out: torch.Tensor,
@@ -228,6 +231,9 @@ class GroupedExperts(nn.Module):
     """
 
     fuse_grad_accumulation = False
+    #: Keep the saved activations through backward, for backwards that run twice over one graph (the
+    #: separate input- and weight-gradient passes of zero-bubble pipeline schedules); see moe.set_repeatable_backward.
+    repeatable_backward = False
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, activation: str = "swiglu",
                  expert_range: tuple[int, int] | None = None, init_std: float = 0.02) -> None:
@@ -280,7 +286,7 @@ class GroupedExperts(nn.Module):
         """
         return _FusedExpertMLP.apply(x.contiguous(), self.w_in, self.w_out, gate, token_index,
                                      tokens_per_expert.tolist(), self.activation, max_chunks,
-                                     self.fuse_grad_accumulation)
+                                     self.fuse_grad_accumulation, self.repeatable_backward)
 
 
 def _hidden_columns(w: torch.Tensor, hidden: int, start: int, stop: int, activation: str) -> torch.Tensor:

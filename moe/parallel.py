@@ -65,6 +65,15 @@ def set_fused_grad_accumulation(module: nn.Module, enabled: bool) -> nn.Module:
     return module
 
 
+def set_repeatable_backward(module: nn.Module, enabled: bool) -> nn.Module:
+    """Let backward run more than once over the same forward (every MoELayer in `module` keeps its saved
+    activations until the graph is freed instead of releasing them chunk by chunk): needed by pipeline
+    schedules that split backward into input- and weight-gradient passes (`Pipeline.splits_backward`)."""
+    for layer in moe_layers(module):
+        layer.experts.repeatable_backward = bool(enabled)
+    return module
+
+
 def set_stats_group(module: nn.Module, stats_group: ProcessGroup | None) -> nn.Module:
     """Set the group over which every MoELayer sums its balancing statistics (in place).
 

@@ -117,6 +117,10 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> tuple[Transformer, 
                                        loss_fn=functools.partial(logits_loss, dims=dims),
                                        virtual_stages=p.pp_virtual_stages,
                                        split=None if p.pp_split is None else list(p.pp_split))
+        if cfg.model.moe.num_experts and parallel.pipe.splits_backward:
+            from moe import set_repeatable_backward
+
+            set_repeatable_backward(model, True)  # its input and weight passes both run the experts' backward
     return model, parallel
 
 

@@ -281,14 +281,21 @@ class Pipeline:
         params = dict(self.module.named_parameters())
         return {params[name]: mine for name in tied}
 
+    @property
+    def splits_backward(self) -> bool:
+        """True for the zero-bubble schedules, whose input- and weight-gradient passes each run backward
+        over the same forward graph (custom autograd functions must not free what they saved)."""
+        return self.schedule_name in ("interleaved_zb", "zbv", "dualpipev")
+
     # -------------------------------------------------------------- engine hooks (called by the stages)
     def _record(self, kind: str, stage: int, microbatch: int, start: float, held: int) -> None:
         self.timeline.actions.append(Action(kind, stage, microbatch, start, time.perf_counter(), held))
 
     def _before_grads(self, produces_grads: bool) -> None:
-        if produces_grads:
-            final = self._grads_done + 1 == self.microbatches * self.v
-            self._engine.before_backward(final=final)
+        # Every backward pass, the input-gradient-only one of zero-bubble schedules included, sees the
+        # engine's loss multiplier in the losses attached inside the model.
+        final = produces_grads and self._grads_done + 1 == self.microbatches * self.v
+        self._engine.before_backward(final=final)
 
     def _after_grads(self) -> None:
         self._grads_done += 1

@@ -42,7 +42,7 @@ def _gather_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather_into_tensor(out, moved, group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
@@ -53,7 +53,7 @@ def _reduce_scatter_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch
                          "ranks: the sequence length must be a multiple of tp (times sp)")
     out = torch.empty((moved.shape[0] // world, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     comm.reduce_scatter_tensor(out, moved, group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -75,6 +75,10 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
         pipe = apply_pipeline(model, dims, schedule, microbatches=MICRO, loss_fn=loss_fn,
                               virtual_stages=virtual_stages)
         module = pipe.module
+        if moe and pipe.splits_backward:
+            from moe import set_repeatable_backward
+
+            set_repeatable_backward(module, True)
     if moe:
         declarations = {"reduce_groups": [expert_reduce_group(module, dims.expert_data_parallel_group)],
                         "loss_scale_hooks": loss_scale_hooks(module)}
@@ -122,7 +126,7 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
         norms.append(engine.global_grad_norm)
         if step == start:
             first = full_parameters(engine, tp, dims, coord)
-        if ckpt_dir is not None and step + 1 == steps // 2 + 1:
+        if ckpt_dir is not None and step + 1 == steps - 1:
             engine.save_checkpoint(ckpt_dir, client_state={"step": step + 1})
     return {"losses": losses, "norms": norms, "first": first, "final": full_parameters(engine, tp, dims, coord)}
 
