@@ -84,6 +84,7 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
     if rank == 0:
         meta = {
             "world_size": world,
+            "layout": _layout(engine),
             "stage": engine.config.stage,
             "dtype": engine.config.dtype,
             "global_steps": engine.global_steps,
@@ -103,6 +104,11 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
     comm.barrier(group)
 
 
+def _layout(engine: Engine) -> dict[str, int]:
+    d = engine.dims
+    return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "sp": d.sp, "ep": d.ep}
+
+
 def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
     """Collective: restore engine state and RNG from `path`; returns this rank's client_state."""
     rank, world, _ = _world()
@@ -119,6 +125,12 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
             "resume with the same world size, or convert through "
             "engine.full_state_dict()/load_full_state_dict()"
         )
+    saved = meta.get("layout")
+    if saved is not None and saved != _layout(engine):
+        fmt = ", ".join(f"{k}={v}" for k, v in saved.items())
+        raise ValueError(f"checkpoint {path} was written with the parallel layout {fmt} but this run has "
+                         f"{', '.join(f'{k}={v}' for k, v in _layout(engine).items())}: resume with the same "
+                         "layout (reshard through engine.full_state_dict()/load_full_state_dict())")
     # Memory-mapped: an offloaded engine streams each tensor to where it lives without holding them all.
     state = torch.load(_shard_file(path, rank), map_location="cpu", weights_only=False, mmap=True)
     engine.load_state_dict(state["engine"])

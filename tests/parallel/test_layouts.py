@@ -100,3 +100,17 @@ def test_checkpoint_resume(tmp_path, layout, world):
     assert resumed["losses"] == whole["losses"][3:]  # bit-exact continuation
     for name, value in whole["final"].items():
         assert resumed["final"][name].equal(value), name
+
+
+def _save_then_load_other_layout(directory: str) -> str:
+    train({"pp": 2, "tp": 2}, steps=2, ckpt_dir=directory)
+    try:
+        train({"dp": 2, "tp": 2}, steps=2, resume_from=directory)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_checkpoint_from_another_layout_is_refused_by_name(tmp_path):
+    message = run_multirank(_save_then_load_other_layout, 4, str(tmp_path / "ckpt"), timeout=300)[0]
+    assert "parallel layout dp=1, tp=2, pp=2" in message and "dp=2, tp=2, pp=1" in message
