@@ -441,8 +441,10 @@ class Run:
         self.expert_loads: dict[str, list[float]] = {}
         self.val_loss: float | None = None
         if self.is_rank0:
-            n_params = sum(p.numel() for p in self.engine.module.parameters())
-            print(f"{self.dims} | {n_params / 1e6:.2f}M model params on rank 0 | run_dir {self.run_dir}"
+            total = model_config(cfg).num_params()
+            mine = sum(p.numel() for p in self.engine.module.parameters())
+            print(f"{self.dims} | model {total / 1e6:.2f}M params, {mine / 1e6:.2f}M on rank 0 | "
+                  f"run_dir {self.run_dir}"
                   + (f" | resumed at step {self.start_step}" if self.start_step else ""), flush=True)
 
     def step_record(self, step: int, loss: float, lr: float, dt: float) -> dict:
