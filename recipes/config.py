@@ -69,7 +69,7 @@ def check_layout(cfg: DictConfig) -> None:
         try:
             check_tensor_parallel(model_config(cfg), tp)
         except ValueError as e:
-            raise ConfigError(f"{e}; e.g. parallel.tp={_divisor_hint(model.n_heads, tp)}") from None
+            raise ConfigError(f"{e}; e.g. parallel.tp={_tp_that_works(cfg, tp)}") from None
         for key in ("tiled_loss", "tiled_mlp"):
             if cfg.train[key]:
                 raise ConfigError(f"train.{key} with parallel.tp > 1 is not supported (the tensor-parallel MLP and "
@@ -90,9 +90,17 @@ def check_layout(cfg: DictConfig) -> None:
         raise ConfigError("parallel.pp_split is set but parallel.pp=1; set pp to the number of stages")
 
 
-def _divisor_hint(n: int, tp: int) -> int:
-    """The largest degree <= tp dividing n (for 'a layout that would work' in errors)."""
-    return max(d for d in range(1, tp + 1) if n % d == 0)
+def _tp_that_works(cfg: DictConfig, tp: int) -> int:
+    """The largest tensor-parallel degree below `tp` that this model accepts (a layout that would work)."""
+    from recipes.models.llama import check_tensor_parallel
+
+    for degree in range(tp - 1, 1, -1):
+        try:
+            check_tensor_parallel(model_config(cfg), degree)
+            return degree
+        except ValueError:
+            continue
+    return 1
 
 
 def model_config(cfg: DictConfig):

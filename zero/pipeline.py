@@ -305,7 +305,7 @@ class Pipeline:
                                     more_backwards=self._grads_done < self.microbatches * self.v)
 
     # -------------------------------------------------------------- schedule
-    def _build(self, engine, tokens: torch.Tensor, has_backward: bool) -> None:
+    def _build(self, engine, tokens: torch.Tensor) -> None:
         m = self.microbatches
         if tokens.shape[0] % m:
             raise ValueError(f"the batch of {tokens.shape[0]} rows does not split into {m} micro-batches")
@@ -317,9 +317,9 @@ class Pipeline:
         stages = []
         for plan, module in zip(self.plans, self.stage_modules):
             inp = (torch.empty(mb_shape, dtype=tokens.dtype, **meta) if plan.first
-                   else torch.empty(act_shape, dtype=dtype, **meta, requires_grad=has_backward))
+                   else torch.empty(act_shape, dtype=dtype, **meta, requires_grad=True))
             # requires_grad marks what carries gradients back (the static metadata derives the grads from it)
-            out = torch.empty(out_shape if plan.last else act_shape, dtype=dtype, **meta, requires_grad=has_backward)
+            out = torch.empty(out_shape if plan.last else act_shape, dtype=dtype, **meta, requires_grad=True)
             stages.append(_EngineStage(module, plan.index, self.num_stages, device, input_args=(inp,),
                                        output_args=(out,), group=self.dims.pp_group, runner=self))
         cls = getattr(pl, SCHEDULES[self.schedule_name][0])
@@ -337,7 +337,7 @@ class Pipeline:
 
     def _run(self, engine, tokens, target, training: bool, **kwargs) -> float:
         if self._schedule is None or self._key != (tuple(tokens.shape), tokens.dtype) or self._engine is not engine:
-            self._build(engine, tokens, training)
+            self._build(engine, tokens)
         self._training = training
         self._loss_values = []
         self._grads_done = 0

@@ -42,7 +42,8 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None = None, steps: int = STEPS,
           stage: int = 0, schedule: str = "1f1b", virtual_stages: int | None = None,
-          dtype: str = "fp32", ckpt_dir: str | None = None, resume_from: str | None = None) -> dict:
+          dtype: str = "fp32", ckpt_dir: str | None = None, resume_from: str | None = None,
+          eval_first: bool = False) -> dict:
     dims = zero.ParallelDims(**layout)
     coord = dims.coordinate() if dims.distributed else {"dp": 0, "sp": 0, "tp": 0, "pp": 0, "ep": 0, "edp": 0}
     torch.manual_seed(0)
@@ -101,7 +102,9 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
             return shard_sequence(tokens, labels, dims.sp_group, ignore_index=IGNORE)
         return tokens, labels, torch.arange(SEQ).expand_as(tokens)
 
-    losses, norms, first = [], [], None
+    losses, norms, first, evaluated = [], [], None, None
+    if eval_first:  # a forward-only pass before any training (its loss from the last stage)
+        evaluated = evaluate(engine, pipe, dims, [shard(*batch(99, i)) for i in range(MICRO)], loss_fn)
     for step in range(start, steps):
         micro = [shard(*batch(step, i)) for i in range(MICRO)]
         if pipe is not None:
@@ -128,7 +131,23 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
             first = full_parameters(engine, tp, dims, coord)
         if ckpt_dir is not None and step + 1 == steps - 1:
             engine.save_checkpoint(ckpt_dir, client_state={"step": step + 1})
-    return {"losses": losses, "norms": norms, "first": first, "final": full_parameters(engine, tp, dims, coord)}
+    return {"losses": losses, "norms": norms, "first": first, "final": full_parameters(engine, tp, dims, coord),
+            "eval": evaluated}
+
+
+@torch.no_grad()
+def evaluate(engine, pipe, dims: zero.ParallelDims, micro: list, loss_fn) -> float:
+    engine.eval()
+    if pipe is not None:
+        tokens, labels, pos = (torch.cat(t) for t in zip(*micro))
+        value = pipe.eval_step(engine, tokens, labels, position_ids=pos)
+    else:
+        value = sum(loss_fn(engine(t, p), y).item() for t, y, p in micro) / len(micro)
+    engine.train()
+    t = torch.tensor([value], dtype=torch.float64)
+    if dims.dp > 1:
+        dist.all_reduce(t, group=dims.dp_group)
+    return float(t) / dims.dp
 
 
 def full_parameters(engine, tp, dims: zero.ParallelDims, coord: dict) -> dict[str, torch.Tensor] | None:
@@ -157,6 +176,8 @@ def assert_matches(result: dict, reference: dict, rtol: float = 1e-5, atol: floa
     """Losses, gradient norms and parameters (after the first step: the gradient) equal the reference."""
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=rtol, atol=atol)
     torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=rtol, atol=atol)
+    if result["eval"] is not None:
+        assert abs(result["eval"] - reference["eval"]) <= atol + rtol * abs(reference["eval"])
     for key in ("first", "final"):
         assert set(result[key]) == set(reference[key]), set(result[key]) ^ set(reference[key])
         for name, value in reference[key].items():

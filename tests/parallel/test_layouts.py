@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 @functools.cache
 def _reference(key: str) -> dict:
     kwargs = json.loads(key)
-    return train({}, **{k: v for k, v in kwargs.items() if k in ("moe", "model_overrides", "steps")})
+    return train({}, **{k: v for k, v in kwargs.items() if k in ("moe", "model_overrides", "steps", "eval_first")})
 
 
 def _many(cases: list[tuple[dict, dict]]) -> list[dict]:
@@ -51,7 +51,7 @@ def test_pp2_every_schedule_with_dp2():
 
 def test_pp2_schedules_on_two_ranks_untied_and_zero_stages():
     cases = [({"pp": 2}, {"schedule": s, "model_overrides": {"tie_embeddings": False}}) for s in ("1f1b", "zbv")]
-    cases += [({"pp": 2}, {"stage": stage}) for stage in (1, 2, 3)]
+    cases += [({"pp": 2}, {"stage": stage, "eval_first": stage == 1}) for stage in (1, 2, 3)]
     cases += [({"pp": 2}, {"stage": 2, "schedule": "interleaved_zb"}),
               ({"pp": 2}, {"stage": 3, "schedule": "dualpipev"})]
     _check(2, cases)
@@ -69,7 +69,7 @@ def test_tp2_tied_and_untied():
 
 def test_tp4_and_tp_composed_with_dp_pp_sp():
     # tp=4 with 2 kv heads: each kv head is replicated on two ranks, its gradient summed over them.
-    _check(4, [({"tp": 4}, {}), ({"dp": 2, "tp": 2}, {"stage": 2}), ({"pp": 2, "tp": 2}, {}),
+    _check(4, [({"tp": 4}, {}), ({"dp": 2, "tp": 2}, {"stage": 2}), ({"pp": 2, "tp": 2}, {"eval_first": True}),
                ({"pp": 2, "tp": 2}, {"schedule": "zbv"}), ({"sp": 2, "tp": 2}, {"stage": 1})])
 
 
