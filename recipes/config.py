@@ -77,7 +77,7 @@ def check_layout(cfg: DictConfig) -> None:
     if sp > 1 and model.n_heads // tp < sp:
         raise ConfigError(f"tp={tp} leaves {model.n_heads // tp} attention heads per rank and Ulysses splits them "
                           f"over sp={sp}: the rule is sp <= n_heads / tp; use sp <= {max(model.n_heads // tp, 1)}")
-    if cfg.train.seq_len % (tp * sp):
+    if tp > 1 and cfg.train.seq_len % (tp * sp):  # (sp alone pads the sequence to a multiple of sp)
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of tp x sp = {tp * sp} "
                           "(the sequence is split over both)")
     if pp > 1 and cfg.train.tiled_loss:

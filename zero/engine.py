@@ -75,6 +75,24 @@ def _check_factories(optimizer: object, lr_scheduler: object) -> None:
         )
 
 
+def _norm_group(dims: ParallelDims) -> ProcessGroup | None:
+    """The ranks over which the global gradient norm sums: every rank holding distinct gradients, so with
+    tensor or pipeline parallelism the whole world (replicas are divided out per bucket)."""
+    return dims.dp_sp_group if dims.tp == 1 and dims.pp == 1 else dist.group.WORLD
+
+
+def _check_declarations(config: ZeroConfig, replicated: dict, tied: dict, loss_scale_hooks: Sequence) -> None:
+    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in replicated.values()):
+        raise ValueError("replicated_params maps parameters to the number of tensor-parallel ranks holding "
+                         "them (an int >= 1)")
+    if any(g is not None for g in tied.values()) and config.offload_optimizer == "nvme" and config.stage >= 2:
+        raise NotImplementedError("parameters tied across pipeline stages with gradients spilled to nvme "
+                                  "(offload_optimizer=nvme at stage >= 2) are not implemented; offload to cpu, "
+                                  "use stage 1 or untie the embeddings")
+    if not all(callable(h) for h in loss_scale_hooks):
+        raise TypeError("loss_scale_hooks must be callables taking the loss multiplier (a float)")
+
+
 def _check_meta(model: nn.Module, param_init: ParamInit | None) -> torch.device | None:
     """The device meta-device parameters are materialised on (None when there are none); clear errors first."""
     if param_init is not None and not callable(param_init):
@@ -110,13 +128,9 @@ class Engine:
         replicated_params: Mapping[nn.Parameter, int] | None = None,
         tied_params: Mapping[nn.Parameter, ProcessGroup | None] | None = None,
     ) -> None:
-        replicated_params = dict(replicated_params or {})
+        replicated_params, tied_params = dict(replicated_params or {}), dict(tied_params or {})
         _check_factories(optimizer, lr_scheduler)
-        if not all(isinstance(k, int) and k >= 1 for k in replicated_params.values()):
-            raise ValueError("replicated_params maps parameters to the number of tensor-parallel ranks holding "
-                             "them (an int >= 1)")
-        if not all(callable(h) for h in loss_scale_hooks):
-            raise TypeError("loss_scale_hooks must be callables taking the loss multiplier (a float)")
+        _check_declarations(config, replicated_params, tied_params, loss_scale_hooks)
         self.module = model
         self.config = config
         self.dims = dims
@@ -129,7 +143,7 @@ class Engine:
         # Parameters held identically by k tensor-parallel ranks: bucketed apart, counted once in the norm.
         self._tp_replicas = {id(self._meta_ids.get(id(p), p)): k for p, k in replicated_params.items() if k > 1}
         # Parameters with a copy on other ranks (a pipeline's tied embedding and head): gradients summed there.
-        self._tied = {id(self._meta_ids.get(id(p), p)): g for p, g in (tied_params or {}).items() if g is not None}
+        self._tied = {id(self._meta_ids.get(id(p), p)): g for p, g in tied_params.items() if g is not None}
         if config.host_mmap_threshold and config.offload_params == "nvme":
             pin_mmap_threshold(config.host_mmap_threshold)  # bounded host memory needs a well-behaved allocator
         self._rank = dist.get_rank() if dist.is_initialized() else 0
@@ -141,22 +155,15 @@ class Engine:
             # Reverse registration order approximates backward order, so buckets fill front to back.
             named = list(model.named_parameters())[::-1]
             self.buckets = self._make_buckets(named, reductions, owner, True, config.reduce_bucket_size)
-        # The global gradient norm spans every rank holding distinct gradients: with tensor or pipeline
-        # parallelism that is the whole world (replicas are divided out per bucket).
-        norm_group = dims.dp_sp_group if dims.tp == 1 and dims.pp == 1 else dist.group.WORLD
         self.zero_optimizer = ZeroOptimizer(
             self.buckets,
             config,
             self.dp,
-            norm_group,
+            _norm_group(dims),
             optimizer,
             on_bucket_complete=self.stage3.on_bucket_reduced if self.stage3 else None,
             rank=self._rank,
         )
-        if self._tied and self.zero_optimizer.masters.spills_grads:
-            raise NotImplementedError("parameters tied across pipeline stages with gradients spilled to nvme "
-                                      "(offload_optimizer=nvme at stage >= 2) are not implemented; offload to cpu "
-                                      "or untie the embeddings")
         self.optimizer = self.zero_optimizer.optimizer
         self.device = self.zero_optimizer.device
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None

@@ -304,8 +304,8 @@ def test_bad_engine_arguments_raise() -> None:
     model = build()
     with pytest.raises(TypeError, match="factory"):
         zero.initialize(model, torch.optim.AdamW(model.parameters()))
-    with pytest.raises(NotImplementedError, match="tp=2"):
-        zero.initialize(model, OPT, dims=zero.ParallelDims(tp=2, world_size=2))
+    with pytest.raises(ValueError, match="replicated_params maps parameters"):
+        zero.initialize(model, OPT, replicated_params={next(model.parameters()): 0})
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
