@@ -80,6 +80,10 @@ def check_layout(cfg: DictConfig) -> None:
     if tp > 1 and cfg.train.seq_len % (tp * sp):  # (sp alone pads the sequence to a multiple of sp)
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of tp x sp = {tp * sp} "
                           "(the sequence is split over both)")
+    if pp > 1 and model.tie_embeddings and cfg.zero.offload_optimizer == "nvme" and cfg.zero.stage >= 2:
+        raise ConfigError("model.tie_embeddings=true with parallel.pp > 1 and zero.offload_optimizer=nvme at "
+                          "zero.stage >= 2 is not supported (the tied gradients would be summed in nvme files); "
+                          "use zero.offload_optimizer=cpu, zero.stage=1 or model.tie_embeddings=false")
     if pp > 1 and cfg.train.tiled_loss:
         raise ConfigError("train.tiled_loss with parallel.pp > 1 is not supported (the last stage computes the "
                           "loss from its logits); turn it off")

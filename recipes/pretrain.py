@@ -343,8 +343,9 @@ def expert_load_report(loads: dict[str, list[float]], run_dir: Path) -> str:
 def sample(engine, cfg: DictConfig, dims: zero.ParallelDims) -> str:
     """Generate bytes from the prompt. Every rank runs it in lockstep (same generator), so sharded
     experts and parameters take part; under sp the attention runs locally on the full sequence; under
-    tp the context is padded at its end to a multiple of tp (causal: earlier logits are unchanged) and
-    the vocabulary slices of the logits are gathered."""
+    tp the context is padded at its end to a multiple of tp (causal attention leaves the earlier logits
+    unchanged; a capacity-limited MoE counts the padding in its capacity) and the vocabulary slices of
+    the logits are gathered."""
     from sequence_parallel import local_attention
 
     model = engine.module

@@ -111,7 +111,7 @@ def _layout(engine: Engine) -> dict[str, int]:
 
 def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
     """Collective: restore engine state and RNG from `path`; returns this rank's client_state."""
-    rank, world, _ = _world()
+    rank, world, group = _world()
     path = Path(path)
     if not path.exists() and path.with_name(path.name + ".old").exists():
         path = path.with_name(path.name + ".old")  # a save was interrupted between its two renames
@@ -133,6 +133,13 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
                          "layout (reshard through engine.full_state_dict()/load_full_state_dict())")
     # Memory-mapped: an offloaded engine streams each tensor to where it lives without holding them all.
     state = torch.load(_shard_file(path, rank), map_location="cpu", weights_only=False, mmap=True)
+    # Every rank learns whether any rank cannot load its shard, so all of them fail together (none waits).
+    problem = engine.state_mismatch(state["engine"])
+    failed = torch.tensor([problem is not None], dtype=torch.int32, device=engine.device)
+    comm.all_reduce(failed, group, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise ValueError(problem or f"checkpoint {path} does not match this engine on another rank "
+                                    "(see its error); resume with the same model and layout")
     engine.load_state_dict(state["engine"])
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])

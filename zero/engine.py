@@ -241,8 +241,11 @@ class Engine:
     ) -> list[FlatBucket]:
         """Buckets for `named`, split by (reduction, trainable), each kind cut at max_numel elements."""
         out = []
+        # Each tied parameter in a bucket of its own, ordered by name (the same order on every rank).
+        tie_order = {id(p): k for k, (_, p) in enumerate(sorted(named, key=lambda x: x[0]), 1) if id(p) in self._tied}
+
         def kind(p: nn.Parameter) -> tuple[int, int]:  # apart: tp-replicated alike, each tied parameter alone
-            return self._tp_replicas.get(id(p), 1), id(p) if id(p) in self._tied else 0
+            return self._tp_replicas.get(id(p), 1), tie_order.get(id(p), 0)
 
         kinds = sorted({kind(p) for _, p in named})
         for k, reduction in enumerate(reductions):
@@ -265,7 +268,7 @@ class Engine:
                     )
                     b.replicas *= tp_replicas  # ranks holding each element, for the global gradient norm
                     if tied:
-                        b.tie_group = self._tied[tied]
+                        b.tie_group = self._tied[id(chunk[0][1])]
                         b.replicas *= group_size(b.tie_group)
                     # Attach at once so each original parameter tensor is released before the next
                     # bucket is flattened: the build never holds two copies of the whole model.
@@ -347,10 +350,14 @@ class Engine:
         (loss * self.loss_multiplier).backward()
         self.after_backward()
 
-    def before_backward(self, final: bool | None = None) -> None:
+    def before_backward(self, final: bool | None = None, gather_parameters: bool = False) -> None:
         """Prepare a backward that the caller runs itself on `loss * engine.loss_multiplier` (e.g. a pipeline
-        schedule); `final` says it completes the accumulation cycle (default: counted by micro-batches)."""
+        schedule); `final` says it completes the accumulation cycle (default: counted by micro-batches).
+        `gather_parameters`: at stage 3 gather every parameter first, for a backward that does not pass
+        through the modules' hooks (a pipeline's separate weight-gradient pass)."""
         self._mark_comm()
+        if gather_parameters and self.stage3 is not None:
+            self.stage3.gather_units()
         # Losses attached inside the model (e.g. MoE balancing losses) backpropagate with the same factor.
         for hook in self.loss_scale_hooks:
             hook(self.loss_multiplier)
@@ -491,18 +498,21 @@ class Engine:
         }
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
+    def state_mismatch(self, state: dict) -> str | None:
+        """Why `state` (a state_dict of this rank) cannot be loaded into this engine, or None if it can."""
         if state.get("format") != "zero-sharded-v1":
-            raise ValueError("not a sharded engine state dict (expected format 'zero-sharded-v1')")
+            return "not a sharded engine state dict (expected format 'zero-sharded-v1')"
         if state["layout"] != self._layout() or state["stage"] != self.config.stage:
-            raise ValueError(
-                f"checkpoint layout (stage {state['stage']}, {len(state['layout'])} buckets) does not match "
-                f"this engine (stage {self.config.stage}, {len(self.buckets)} buckets): load it with the "
-                "same "
-                "model, "
-                "stage, bucket sizes and parallel layout, or go through "
-                "full_state_dict()/load_full_state_dict()"
-            )
+            return (f"checkpoint layout (stage {state['stage']}, {len(state['layout'])} buckets) does not match "
+                    f"this engine (stage {self.config.stage}, {len(self.buckets)} buckets): load it with the same "
+                    "model, stage, bucket sizes and parallel layout (pipeline split and schedule included), or "
+                    "go through full_state_dict()/load_full_state_dict()")
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        problem = self.state_mismatch(state)
+        if problem is not None:
+            raise ValueError(problem)
         if self.stage3 is not None:
             self.stage3.release_all()
         self.zero_optimizer.clear_grads()

@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.distributed import pipelining as pl
 
 from zero import comm
+from zero.stage3 import BlockDict
 from zero.topology import LayoutError, ParallelDims
 
 #: name -> (torch schedule class, stages per rank: None = any (default 2), else that exact number, V placement)
@@ -124,8 +125,8 @@ def stage_indices(pp_rank: int, pp: int, v: int, v_shape: bool) -> list[int]:
 
 class LocalStages(nn.Module):
     """This rank's stage modules as one module with the model's own parameter names (children of the
-    stages are merged by name; ModuleDicts key by key), so checkpoints, per-name initialisation and the
-    engine see the same names as on one rank."""
+    stages are merged by name; ModuleDicts key by key into a BlockDict, whose blocks are ZeRO-3 units), so
+    checkpoints, per-name initialisation and the engine see the same names as on one rank."""
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         super().__init__()
@@ -133,7 +134,7 @@ class LocalStages(nn.Module):
             for name, child in stage.named_children():
                 mine = self._modules.get(name)
                 if mine is None:
-                    self.add_module(name, nn.ModuleDict(dict(child.items())) if isinstance(child, nn.ModuleDict)
+                    self.add_module(name, BlockDict(dict(child.items())) if isinstance(child, nn.ModuleDict)
                                     else child)
                 elif isinstance(mine, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
                     for key, sub in child.items():
@@ -165,19 +166,19 @@ class _EngineStage(pl.PipelineStage):
         if not self.has_backward:
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         start = time.perf_counter()
-        self.runner._before_grads(full_backward)
+        self.runner._before_grads(self.stage_index, full_backward)
         super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         if full_backward:
-            self.runner._after_grads()
+            self.runner._after_grads(self.stage_index)
         self.runner._record("B" if full_backward else "I", self.stage_index, bwd_chunk_id, start, len(self.fwd_cache))
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         if not self.has_backward:
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
         start = time.perf_counter()
-        self.runner._before_grads(True)
+        self.runner._before_grads(self.stage_index, True, weight_pass=True)
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
-        self.runner._after_grads()
+        self.runner._after_grads(self.stage_index)
         self.runner._record("W", self.stage_index, bwd_chunk_id, start, len(self.fwd_cache))
 
 
@@ -247,7 +248,7 @@ class Pipeline:
         self._schedule = None
         self._engine = None
         self._key = None
-        self._grads_done = 0
+        self._grads_done, self._counted, self._stage_done = 0, 0, {}
         self._loss_values: list[torch.Tensor] = []
         self.timeline = StepTimeline()  # the last step's computations on this rank
         self.holds_last_stage = any(p.last for p in plans)
@@ -270,12 +271,8 @@ class Pipeline:
                 if head.get(name) is p]
         if not tied:
             return {}
-        mine = None
         inner = dims.dp * dims.sp * dims.tp  # ranks per pipeline stage; pp is the outermost mesh dimension
-        for offset in range(inner):  # every rank creates every group, in the same order
-            group = dist.new_group([first_rank * inner + offset, last_rank * inner + offset])
-            if dist.get_rank() % inner == offset:
-                mine = group
+        mine = dims.group_of([[first_rank * inner + k, last_rank * inner + k] for k in range(inner)])
         if not (self.holds_first_stage or self.holds_last_stage):
             return {}
         params = dict(self.module.named_parameters())
@@ -291,22 +288,32 @@ class Pipeline:
     def _record(self, kind: str, stage: int, microbatch: int, start: float, held: int) -> None:
         self.timeline.actions.append(Action(kind, stage, microbatch, start, time.perf_counter(), held))
 
-    def _before_grads(self, produces_grads: bool) -> None:
+    def _before_grads(self, stage: int, produces_grads: bool, weight_pass: bool = False) -> None:
         # Every backward pass, the input-gradient-only one of zero-bubble schedules included, sees the
-        # engine's loss multiplier in the losses attached inside the model.
-        final = produces_grads and self._grads_done + 1 == self.microbatches * self.v
-        self._engine.before_backward(final=final)
+        # engine's loss multiplier in the losses attached inside the model. A stage's last gradient-
+        # producing pass of the step is final for the gradients it completes.
+        final = produces_grads and self._stage_done.get(stage, 0) + 1 == self.microbatches
+        # A weight-gradient pass runs without the hooks that gather ZeRO-3 parameters: gather them first.
+        self._engine.before_backward(final=final, gather_parameters=weight_pass)
 
-    def _after_grads(self) -> None:
+    def _after_grads(self, stage: int) -> None:
         self._grads_done += 1
-        # One micro-batch is complete when the rank's earliest stage (the last backward of each
-        # micro-batch on this rank) has produced its gradients: count micro-batches by v's.
-        self._engine.after_backward(micro_batches=1 if self._grads_done % self.v == 0 else 0,
-                                    more_backwards=self._grads_done < self.microbatches * self.v)
+        self._stage_done[stage] = self._stage_done.get(stage, 0) + 1
+        # Reduce once per micro-batch of this rank (every v gradient-producing passes) rather than after
+        # every stage's pass (the reduction is linear, so passes may share it), and after each stage's
+        # final pass, so everything that stage completes is reduced while the pass is marked final.
+        if self._grads_done % self.v == 0 or self._stage_done[stage] == self.microbatches:
+            counted, self._counted = self._counted, self._grads_done // self.v
+            self._engine.after_backward(micro_batches=self._counted - counted,
+                                        more_backwards=self._grads_done < self.microbatches * self.v)
 
     # -------------------------------------------------------------- schedule
     def _build(self, engine, tokens: torch.Tensor) -> None:
         m = self.microbatches
+        if engine.config.grad_accum_steps != m:
+            raise ValueError(f"the pipeline runs {m} micro-batches per step but the engine accumulates "
+                             f"grad_accum_steps={engine.config.grad_accum_steps}: they are the same micro-batches, "
+                             "so set ZeroConfig(grad_accum_steps=microbatches)")
         if tokens.shape[0] % m:
             raise ValueError(f"the batch of {tokens.shape[0]} rows does not split into {m} micro-batches")
         mb_shape = (tokens.shape[0] // m, *tokens.shape[1:])
@@ -340,7 +347,7 @@ class Pipeline:
             self._build(engine, tokens)
         self._training = training
         self._loss_values = []
-        self._grads_done = 0
+        self._grads_done, self._counted, self._stage_done = 0, 0, {}
         engine.before_forward()
         self.timeline = StepTimeline(start=time.perf_counter())
         args = (tokens,) if self.holds_first_stage else ()

@@ -21,9 +21,14 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class BlockDict(nn.ModuleDict):
+    """Consecutive blocks keyed by their index in the whole model (e.g. a pipeline rank's layers, whose
+    names stay those of the full model): like a ModuleList's children, each one is a ZeRO-3 unit."""
+
+
 def find_units(module: nn.Module, class_names: tuple[str, ...] | None) -> list[tuple[str, nn.Module]]:
     """Outermost submodules that form gather units: named classes, or the children of every ModuleList
-    (or ModuleDict, e.g. a pipeline stage's blocks keyed by layer number)."""
+    (and BlockDict)."""
     units: list[tuple[str, nn.Module]] = []
 
     def visit(prefix: str, parent: nn.Module) -> None:
@@ -31,7 +36,7 @@ def find_units(module: nn.Module, class_names: tuple[str, ...] | None) -> list[t
             full = f"{prefix}{name}"
             is_unit = (
                 (type(child).__name__ in class_names) if class_names
-                else isinstance(parent, (nn.ModuleList, nn.ModuleDict))
+                else isinstance(parent, (nn.ModuleList, BlockDict))
             )
             if is_unit:
                 units.append((full, child))
@@ -123,6 +128,17 @@ class Stage3Hooks:
         for b in self.unit_buckets[i]:
             b.free()
 
+    def gather_units(self) -> None:
+        """Gather every unit now (a weight-gradient pass runs backward without the hooks that gather)."""
+        for i in range(len(self.units)):
+            self._gather(i, async_op=False)
+            self._wait(i)
+
+    def release_units(self) -> None:
+        """Free every unit but keep the root (more backwards of this step's forwards follow)."""
+        for i in range(len(self.units)):
+            self._free(i)
+
     def release_all(self) -> None:
         """Free every unit and the root (end of backward, before an optimizer step changes the shards)."""
         for i in range(len(self.units)):
@@ -178,6 +194,8 @@ class Stage3Hooks:
     def after_backward(self, keep_gathered: bool = False) -> None:
         """End of a backward: free everything, unless more backwards of the same forwards follow (a
         pipeline schedule's micro-batches), which still need the root."""
-        if not keep_gathered:
+        if keep_gathered:
+            self.release_units()
+        else:
             self.release_all()
         self.recording = False

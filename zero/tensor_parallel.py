@@ -281,6 +281,8 @@ class ColwiseParallel(Style):
         if rows % units:
             raise ValueError(f"{rows} output features do not split into {units} units")
         if units >= world:
+            if units % world:
+                raise ValueError(f"{units} units (e.g. kv heads) do not split evenly over tp={world}")
             sl = _rank_slice(rows, world, rank, "output features")
             replicas = 1
         else:

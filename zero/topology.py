@@ -157,6 +157,20 @@ class ParallelDims:
         """Expert-parameter gradient reduction group (replicas of the same experts)."""
         return self._group("edp")
 
+    def group_of(self, partition: list[list[int]]) -> ProcessGroup | None:
+        """The process group of this rank among `partition` (disjoint lists of global ranks; None if this
+        rank is in none). Every group of the partition is created once per ParallelDims and reused.
+        Collective the first time: every rank calls it with the same partition."""
+        key = ("partition", tuple(tuple(ranks) for ranks in partition))
+        if key not in self._twins:
+            mine = None
+            for ranks in partition:  # every rank creates every group, in the same order (torch requires it)
+                created = dist.new_group(list(ranks))
+                if dist.get_rank() in ranks:
+                    mine = created
+            self._twins[key] = mine
+        return self._twins[key]
+
     def twin_groups(self, groups: dict[str, ProcessGroup | None]) -> dict[str, ProcessGroup | None]:
         """For each named group, a second process group over the same ranks (None stays None).
 

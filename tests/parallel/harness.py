@@ -43,7 +43,7 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None = None, steps: int = STEPS,
           stage: int = 0, schedule: str = "1f1b", virtual_stages: int | None = None,
           dtype: str = "fp32", ckpt_dir: str | None = None, resume_from: str | None = None,
-          eval_first: bool = False) -> dict:
+          eval_first: bool = False, zero_options: dict | None = None) -> dict:
     dims = zero.ParallelDims(**layout)
     coord = dims.coordinate() if dims.distributed else {"dp": 0, "sp": 0, "tp": 0, "pp": 0, "ep": 0, "edp": 0}
     torch.manual_seed(0)
@@ -86,7 +86,7 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
     engine = zero.initialize(
         module, functools.partial(torch.optim.SGD, lr=LR),
         zero.ZeroConfig(stage=stage, grad_accum_steps=MICRO, clip_grad_norm=1.0, dtype=dtype,
-                        reduce_bucket_size=2000),
+                        reduce_bucket_size=2000, **(zero_options or {})),
         dims, replicated_params=tp.replicated_params, tied_params=pipe.tied_params if pipe else None,
         **declarations)
     start = 0

@@ -114,3 +114,46 @@ def _save_then_load_other_layout(directory: str) -> str:
 def test_checkpoint_from_another_layout_is_refused_by_name(tmp_path):
     message = run_multirank(_save_then_load_other_layout, 4, str(tmp_path / "ckpt"), timeout=300)[0]
     assert "parallel layout dp=1, tp=2, pp=2" in message and "dp=2, tp=2, pp=1" in message
+
+
+def test_zero3_moe_zero_bubble_and_offload_with_virtual_stages(tmp_path):
+    # The weight-gradient passes of zero-bubble schedules run without ZeRO-3's gather hooks (the experts'
+    # backward reads their weights); with two stages per rank a stage's final pass marks its gradients
+    # final for offloaded stores (nvme computes the norm from them).
+    nvme = {"offload_optimizer": "nvme", "nvme_path": str(tmp_path), "offload_chunk_size": 1000}
+    _check(2, [({"pp": 2}, {"moe": True, "stage": 3, "schedule": "interleaved_zb"}),
+               ({"pp": 2}, {"moe": True, "stage": 3, "schedule": "zbv"}),
+               ({"pp": 2}, {"stage": 2, "schedule": "looped_bfs", "zero_options": nvme,
+                            "model_overrides": {"tie_embeddings": False}}),
+               ({"pp": 2}, {"stage": 2, "schedule": "interleaved_zb", "zero_options": {"offload_optimizer": "cpu"}})])
+
+
+def _mismatched_microbatches() -> str:
+    import torch
+
+    import zero
+    from recipes.models.llama import Transformer
+    from tests.parallel.harness import model_config
+    from zero.pipeline import apply_pipeline
+
+    dims = zero.ParallelDims(pp=2)
+    pipe = apply_pipeline(Transformer(model_config()), dims, microbatches=2, loss_fn=lambda out, y: out.sum())
+    engine = zero.initialize(pipe.module, OPT_SGD, zero.ZeroConfig(grad_accum_steps=4), dims,
+                             tied_params=pipe.tied_params)
+    try:
+        pipe.train_step(engine, torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long),
+                        position_ids=torch.zeros(4, 16, dtype=torch.long))
+    except ValueError as e:
+        return str(e)
+    return "ran"
+
+
+def OPT_SGD(params):
+    import torch
+
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def test_pipeline_refuses_microbatches_other_than_the_engines_accumulation():
+    for message in run_multirank(_mismatched_microbatches, 2):
+        assert "runs 2 micro-batches per step but the engine accumulates grad_accum_steps=4" in message
