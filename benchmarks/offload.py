@@ -795,19 +795,26 @@ def main(argv: list[str] | None = None) -> None:
     args.steps = args.steps or (2 if quick else 4)
     args.cap_mb = 1024 * (args.rss_cap_gib or (0.6 if quick else 1.5))
     args.max_minutes = args.max_minutes or (3 if quick else 24)
-    parts = {int(p) for p in args.parts.split(",")}
+    run_parts("offload", (part1, part2, part3, part4), args, argv)
+
+
+def run_parts(name: str, parts, args, argv: list[str] | None) -> dict:
+    """Run the selected parts (`args.parts`, e.g. "1,3") in order, print their times and the command,
+    and write the results to `args.json` if given."""
+    chosen = {int(p) for p in args.parts.split(",")}
     out = {}
     t0 = time.perf_counter()
-    for part, fn in ((1, part1), (2, part2), (3, part3), (4, part4)):
-        if part in parts:
+    for part, fn in enumerate(parts, start=1):
+        if part in chosen:
             start = time.perf_counter()
             out[f"part{part}"] = fn(args)
             print(f"\n(part {part} took {(time.perf_counter() - start) / 60:.1f} min)", flush=True)
-    print(f"\ntotal {(time.perf_counter() - t0) / 60:.1f} min; command: python -m benchmarks.offload "
+    print(f"\ntotal {(time.perf_counter() - t0) / 60:.1f} min; command: python -m benchmarks.{name} "
           f"{' '.join(argv if argv is not None else sys.argv[1:])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
+    return out
 
 
 if __name__ == "__main__":

@@ -75,6 +75,9 @@ def check_pipeline_layout(schedule: str, pp: int, virtual_stages: int | None, n_
     if schedule != "gpipe" and microbatches < pp:
         raise LayoutError(f"parallel.pp_schedule={schedule} needs at least pp={pp} micro-batches per step "
                           f"(train.grad_accum={microbatches}); raise train.grad_accum or use gpipe")
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        raise LayoutError(f"parallel.pp_schedule=dualpipev needs at least as many micro-batches as stages "
+                          f"(2 x pp = {2 * pp}; train.grad_accum={microbatches}); raise train.grad_accum")
     if v > 1 and schedule in ("interleaved_1f1b", "interleaved_zb") and microbatches % pp:
         raise LayoutError(f"parallel.pp_schedule={schedule} needs the micro-batches per step "
                           f"(train.grad_accum={microbatches}) to be a multiple of pp={pp}")
@@ -156,10 +159,15 @@ class _EngineStage(pl.PipelineStage):
         super().__init__(*args, **kwargs)
         self.runner = runner
 
+    def _held(self) -> int:
+        """Micro-batches whose activations this stage holds: awaiting backward, or (zero-bubble schedules)
+        their weight-gradient pass after the input-gradient one."""
+        return len(self.fwd_cache) + len(self.backward_state)
+
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         start = time.perf_counter()
         out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        self.runner._record("F", self.stage_index, fwd_chunk_id, start, len(self.fwd_cache))
+        self.runner._record("F", self.stage_index, fwd_chunk_id, start, self._held())
         return out
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
@@ -170,7 +178,7 @@ class _EngineStage(pl.PipelineStage):
         super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         if full_backward:
             self.runner._after_grads(self.stage_index)
-        self.runner._record("B" if full_backward else "I", self.stage_index, bwd_chunk_id, start, len(self.fwd_cache))
+        self.runner._record("B" if full_backward else "I", self.stage_index, bwd_chunk_id, start, self._held())
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         if not self.has_backward:
@@ -179,7 +187,7 @@ class _EngineStage(pl.PipelineStage):
         self.runner._before_grads(self.stage_index, True, weight_pass=True)
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
         self.runner._after_grads(self.stage_index)
-        self.runner._record("W", self.stage_index, bwd_chunk_id, start, len(self.fwd_cache))
+        self.runner._record("W", self.stage_index, bwd_chunk_id, start, self._held())
 
 
 @dataclass
@@ -210,7 +218,9 @@ class StepTimeline:
 
     @property
     def idle_fraction(self) -> float:
-        """Share of the step's wall time this rank computed nothing (waiting on the pipeline)."""
+        """Share of this rank's own step (from its call of train_step until its part is done) in which it
+        computed nothing. A stage that finishes early does not count the time until the others finish:
+        compare windows over all ranks for the pipeline's bubble (benchmarks/pipeline.py does)."""
         total = self.end - self.start
         return max(0.0, 1.0 - self.busy / total) if total > 0 else 0.0
 
