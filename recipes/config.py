@@ -32,8 +32,14 @@ def check_config(cfg: DictConfig) -> None:
     for key in ("train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum"):
         _positive_int(cfg, key)
     for key in ("train.eval_every", "train.ckpt_every", "train.eval_batches", "train.sample_tokens",
-                "train.tiled_mlp", "optim.warmup_steps"):
+                "train.tiled_mlp", "optim.warmup_steps", "train.keep_checkpoints"):
         _positive_int(cfg, key, minimum=0)
+    _positive_int(cfg, "train.max_nonfinite_steps")
+    if not isinstance(cfg.train.resume, (bool, str)) or cfg.train.resume == "":
+        raise ConfigError(f"train.resume={cfg.train.resume!r} must be auto, true, false or a checkpoint directory")
+    if any(not 0 <= b < 1 for b in cfg.optim.betas) or len(cfg.optim.betas) != 2:
+        raise ConfigError(f"optim.betas={list(cfg.optim.betas)} must be two values in [0, 1)")
+    check_model(cfg)
     if not isinstance(cfg.train.seed, int):
         raise ConfigError(f"train.seed={cfg.train.seed!r} must be an integer")
     if not cfg.optim.lr > 0:
@@ -52,6 +58,20 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.parallel.ep > 1 and cfg.model.moe.num_experts == 0:
         raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model.moe.num_experts > 0)")
     check_layout(cfg)
+
+
+def check_model(cfg: DictConfig) -> None:
+    """The model's own rules (dims, heads, MoE routing) as one-line errors, before any process group."""
+    try:
+        model_config(cfg)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+    m = cfg.model.moe
+    if m.num_experts:
+        if not 1 <= m.top_k <= m.num_experts:
+            raise ConfigError(f"model.moe.top_k={m.top_k} must be in [1, model.moe.num_experts={m.num_experts}]")
+        if m.router not in ("softmax", "sigmoid"):
+            raise ConfigError(f"model.moe.router={m.router!r} must be softmax or sigmoid")
 
 
 def check_layout(cfg: DictConfig) -> None:

@@ -6,10 +6,13 @@ the runtime engine, then the training loop with evaluation, checkpoints, metrics
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import math
 import os
+import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -268,20 +271,30 @@ def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims, pipe:
     return mean_over_dp(total / (cfg.train.eval_batches * cfg.train.grad_accum), dims)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.exists():
-        return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if path.exists() else None
+CHECKPOINT_NAME = re.compile(r"^step_\d{7}$")
 
 
-def save_checkpoint(engine, run_dir: Path, step: int, is_rank0: bool) -> None:
+class DivergenceError(RuntimeError):
+    """Training produced non-finite losses or gradients for too many consecutive steps."""
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoint directories, newest first."""
+    directory = run_dir / "checkpoints"
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name)), reverse=True)
+
+
+def save_checkpoint(engine, run_dir: Path, step: int, is_rank0: bool, keep: int = 0) -> None:
+    """Save step `step`, point `latest` at it, and keep only the newest `keep` checkpoints (0: all)."""
     name = f"step_{step:07d}"
     engine.save_checkpoint(run_dir / "checkpoints" / name,
                            client_state={"step": step, "rng": torch.get_rng_state()})
     if is_rank0:  # the pointer moves only after the checkpoint is complete
         atomic_write_text(run_dir / "checkpoints" / "latest", name)
+        for old in checkpoints(run_dir)[keep:] if keep else []:
+            shutil.rmtree(old, ignore_errors=True)
     comm.barrier()
 
 
@@ -388,14 +401,69 @@ def train_step(engine: zero.Engine, stream, step: int, cfg: DictConfig, dims: ze
     return mean_over_dp(total / cfg.train.grad_accum, dims)
 
 
-def resume(engine: zero.Engine, run_dir: Path, cfg: DictConfig) -> int:
-    """Load the latest checkpoint of run_dir (when train.resume) and return the step to start from."""
-    ckpt = latest_checkpoint(run_dir) if cfg.train.resume else None
-    if ckpt is None:
+def resume(engine: zero.Engine, run_dir: Path, cfg: DictConfig, is_rank0: bool) -> int:
+    """Load the checkpoint train.resume selects and return the step to start from.
+
+    auto / true: the newest checkpoint of run_dir that verifies, saying which newer ones were skipped and
+    why; if checkpoints exist but none verifies it is an error, never a silent restart. false: start
+    from step 0, refused when run_dir already has checkpoints. A path: that checkpoint, verified."""
+    mode, found = cfg.train.resume, checkpoints(run_dir)
+    if mode in (False, "false"):
+        if found:
+            raise ConfigError(f"run_dir {run_dir} has {len(found)} checkpoint(s) (newest {found[0].name}) and "
+                              "train.resume=false would train over them: choose another run_dir or train.resume=auto")
         return 0
-    client_state = engine.load_checkpoint(ckpt)
-    torch.set_rng_state(client_state["rng"])
-    return client_state["step"]
+    explicit = mode not in (True, "true", "auto")
+    skipped: list[str] = []
+    for path in [Path(mode)] if explicit else found:
+        try:
+            client_state = engine.load_checkpoint(path)
+        except zero.CheckpointError as e:
+            if explicit:
+                raise
+            skipped.append(str(e))
+            continue
+        if is_rank0:
+            note = f" (skipped {len(skipped)} newer: {'; '.join(skipped)})" if skipped else ""
+            print(f"resuming from {path}{note}", flush=True)
+        torch.set_rng_state(client_state["rng"])
+        return client_state["step"]
+    if found:
+        raise zero.CheckpointError(f"none of the {len(found)} checkpoints in {run_dir / 'checkpoints'} can be "
+                                   f"loaded (newest: {skipped[0]}); repair or remove them, or choose another run_dir")
+    return 0
+
+
+def finite_or_none(value):
+    """JSON-safe: non-finite floats become null (result files stay valid JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    return value
+
+
+def lock_run_dir(run_dir: Path, world) -> object:
+    """Hold an exclusive lock on run_dir for this process's lifetime (rank 0); a second run on the same
+    directory is refused on every rank with the holder's pid."""
+    handle, problem = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        handle = open(run_dir / ".lock", "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+        except BlockingIOError:
+            handle.seek(0)
+            problem = (f"run_dir {run_dir} is in use by another run (pid {handle.read().strip() or '?'}); "
+                       "wait for it to finish or choose another run_dir")
+            handle.close()
+    problem = comm.all_gather_object(problem, world)[0]
+    if problem is not None:
+        raise ConfigError(problem)
+    return handle
 
 
 def is_due(done: int, every: int, steps: int) -> bool:
@@ -428,19 +496,21 @@ class Run:
         # Every rank writes to rank 0's run_dir (its timestamp may differ by a second on other ranks).
         world = None if self.dims.world_size == 1 else dist.group.WORLD
         self.run_dir = check_run_dir(comm.all_gather_object(str(cfg.run_dir), world)[0])
+        self.lock = lock_run_dir(self.run_dir, world)
         torch.manual_seed(t.seed)
         self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp, t.seq_len)
         self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, cfg.model.vocab_size)
         self.model, self.parallel = build_model(cfg, self.dims)
         self.pipe = self.parallel.pipe
         self.engine = build_engine(cfg, self.model, self.dims, self.parallel)
-        self.start_step = resume(self.engine, self.run_dir, cfg)
+        self.start_step = resume(self.engine, self.run_dir, cfg, self.is_rank0)
         if self.is_rank0:
             atomic_write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         self.logger = MetricsLogger(self.run_dir, self.is_rank0, OmegaConf.to_container(cfg.wandb),
                                     OmegaConf.to_container(cfg, resolve=True), resume_step=self.start_step)
         self.expert_loads: dict[str, list[float]] = {}
         self.val_loss: float | None = None
+        self.bad_steps = 0  # consecutive steps with a non-finite loss or gradient
         if self.is_rank0:
             total = model_config(cfg).num_params()
             mine = sum(p.numel() for p in self.engine.module.parameters())
@@ -452,14 +522,34 @@ class Run:
         """The metrics of one finished step (validation added by the caller)."""
         engine_metrics = self.engine.metrics()
         record = {"loss": loss, "lr": lr, "grad_norm": float(self.engine.global_grad_norm),
+                  "skipped_steps": engine_metrics["skipped_steps"],
                   "tokens_per_s": self.spec.global_batch * self.cfg.train.seq_len / dt, "step_time_s": dt,
                   "comm_bytes": engine_metrics["comm_bytes_per_step"], **memory_metrics(self.dims)}
         if self.cfg.zero.dtype == "fp16":
-            record.update(loss_scale=engine_metrics["loss_scale"], skipped_steps=engine_metrics["skipped_steps"])
+            record.update(loss_scale=engine_metrics["loss_scale"])
         if self.cfg.model.moe.num_experts:
             stats = moe_stats(self.engine, self.cfg, self.dims, self.pipe)
             record.update(moe_step_metrics(stats, self.expert_loads))
         return record
+
+    def guard_divergence(self, done: int, record: dict) -> None:
+        """Count consecutive bad steps (non-finite loss, or a gradient the engine refused; under fp16 only
+        once the loss scale is at its minimum); past train.max_nonfinite_steps log, write the result and
+        stop (the engine never applied those gradients, and no checkpoint is saved)."""
+        finite_grad = math.isfinite(record["grad_norm"])
+        if self.cfg.zero.dtype == "fp16":
+            finite_grad = finite_grad or self.engine.loss_scale > self.engine.config.min_loss_scale
+        self.bad_steps = 0 if math.isfinite(record["loss"]) and finite_grad else self.bad_steps + 1
+        if self.bad_steps < self.cfg.train.max_nonfinite_steps:
+            return
+        message = (f"training diverged: {self.bad_steps} consecutive steps up to step {done} had a non-finite "
+                   f"loss ({record['loss']}) or gradient norm ({record['grad_norm']}); the last checkpoint "
+                   "holds the last finite state (lower optim.lr or raise optim.warmup_steps)")
+        self.logger.log(done, record)
+        if self.is_rank0:
+            result = {"status": "diverged", "step": done, "message": message, "val_loss": self.val_loss}
+            atomic_write_text(self.run_dir / "result.json", json.dumps(finite_or_none(result)))
+        raise DivergenceError(message)
 
     def loop(self) -> None:
         t = self.cfg.train
@@ -474,12 +564,13 @@ class Run:
             loss = train_step(self.engine, self.train_stream, step, self.cfg, self.dims, self.pipe)
             record = self.step_record(step, loss, lr, time.perf_counter() - t0)
             done = step + 1
+            self.guard_divergence(done, record)
             if is_due(done, t.eval_every, t.steps):
                 self.val_loss = record["val_loss"] = evaluate(self.engine, self.val_stream, self.cfg, self.dims,
                                                               self.pipe)
             self.logger.log(done, record)
             if is_due(done, t.ckpt_every, t.steps):
-                save_checkpoint(self.engine, self.run_dir, done, self.is_rank0)
+                save_checkpoint(self.engine, self.run_dir, done, self.is_rank0, t.keep_checkpoints)
             if progress is not None:
                 progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                                      **({"val": f"{self.val_loss:.3f}"} if self.val_loss is not None else {}))
@@ -503,14 +594,22 @@ class Run:
             report_expert_load(self.expert_loads, self.dims, self.run_dir, self.is_rank0)
         if self.is_rank0:
             self.logger.summary({"final_val_loss": self.val_loss})
-            atomic_write_text(self.run_dir / "result.json", json.dumps(result))
+            atomic_write_text(self.run_dir / "result.json", json.dumps(finite_or_none({"status": "complete",
+                                                                                        **result})))
         self.logger.finish()
         return result
 
 
 def train(cfg: DictConfig) -> dict:
-    """A whole run: build everything, train `train.steps` steps, then sample and report."""
+    """A whole run: build everything, train `train.steps` steps, then sample and report. A run that is
+    already complete (resumed at train.steps) keeps its results and says so."""
     run = Run(cfg)
+    if run.start_step >= cfg.train.steps and (run.run_dir / "result.json").exists():
+        if run.is_rank0:
+            print(f"run {run.run_dir} is complete ({run.start_step} steps); raise train.steps to continue it",
+                  flush=True)
+        run.logger.finish()
+        return json.loads((run.run_dir / "result.json").read_text())
     run.loop()
     return run.finish()
 
@@ -519,9 +618,13 @@ def train(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
-    except (ConfigError, zero.ConfigError, DataError, zero.LayoutError, NotImplementedError) as e:
+    except (ConfigError, zero.ConfigError, DataError, zero.LayoutError, zero.CheckpointError,
+            NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except DivergenceError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,11 +1,16 @@
-"""Sharded, atomic checkpoints: each rank writes its own shard file into a directory.
+"""Sharded, atomic, verified checkpoints: each rank writes its own shard file into a directory.
 
 Ranks write into `<path>.tmp`; only when every rank succeeded is the directory renamed over `<path>`,
-so a failed or interrupted save leaves the previous checkpoint untouched.
+so a failed or interrupted save leaves the previous checkpoint untouched. `meta.json`, written last,
+lists every shard with its size and SHA-256, and each shard records its rank and step. Loading (and
+`verify_checkpoint`) checks all of it on every rank and agrees across ranks before any collective that
+depends on the shards, so a truncated, corrupted or foreign shard stops every rank with the same
+one-line error naming the file, never a hang.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -20,6 +25,15 @@ from zero import comm
 
 if TYPE_CHECKING:
     from zero.engine import Engine
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the checkpoint, the file and the problem."""
+
+
+def _digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _world() -> tuple[int, int, object]:
@@ -58,6 +72,7 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
         tmp.mkdir(parents=True)
     comm.barrier(group)
     state = {
+        "shard": {"rank": rank, "world_size": world, "global_steps": engine.global_steps},
         "engine": engine.state_dict(file_backed=True),  # written below, before any further step
         "client_state": client_state,
         "rng": {
@@ -67,8 +82,11 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
         },
     }
     error: BaseException | None = None
+    info = None
     try:
         _write(state, _shard_file(tmp, rank))
+        shard = _shard_file(tmp, rank)
+        info = {"file": shard.name, "bytes": shard.stat().st_size, "sha256": _digest(shard)}
     except Exception as e:  # reported collectively below so no rank is left waiting
         error = e
     failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=engine.device)
@@ -81,9 +99,12 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
             f"saving checkpoint {path} failed on {int(failed)} rank(s) (this rank: {error!r}); "
             "the previous checkpoint at that path is left intact"
         ) from error
+    shards = comm.all_gather_object(info, group)
     if rank == 0:
         meta = {
+            "format": "zero-checkpoint-v2",
             "world_size": world,
+            "shards": shards,
             "layout": _layout(engine),
             "stage": engine.config.stage,
             "dtype": engine.config.dtype,
@@ -109,37 +130,80 @@ def _layout(engine: Engine) -> dict[str, int]:
     return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "sp": d.sp, "ep": d.ep}
 
 
+def _problem(engine: Engine, path: Path, rank: int, world: int) -> tuple[str | None, dict | None]:
+    """Why this rank cannot load its part of the checkpoint at `path` (None if it can), and its meta."""
+    meta_file = path / "meta.json"
+    if not meta_file.exists():
+        return f"no checkpoint at {path} (missing meta.json)", None
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as e:
+        return f"{meta_file}: unreadable ({e})", None
+    if meta.get("world_size") != world:
+        return (f"checkpoint {path} was written by {meta.get('world_size')} ranks but this run has {world}: "
+                "resume with the same world size, or convert through "
+                "engine.full_state_dict()/load_full_state_dict()"), meta
+    saved = meta.get("layout")
+    if saved is not None and saved != _layout(engine):
+        fmt = ", ".join(f"{k}={v}" for k, v in saved.items())
+        return (f"checkpoint {path} was written with the parallel layout {fmt} but this run has "
+                f"{', '.join(f'{k}={v}' for k, v in _layout(engine).items())}: resume with the same layout "
+                "(reshard through engine.full_state_dict()/load_full_state_dict())"), meta
+    shard = _shard_file(path, rank)
+    if not shard.exists():
+        return f"{shard}: missing", meta
+    listed = meta.get("shards")
+    if listed is not None:  # checkpoints written before checksums were recorded have none to check
+        entry = listed[rank] if rank < len(listed) else None
+        if entry is None or entry.get("file") != shard.name:
+            return f"{meta_file}: does not list {shard.name}", meta
+        size = shard.stat().st_size
+        if size != entry["bytes"]:
+            return f"{shard}: {size} bytes, the checkpoint lists {entry['bytes']} (truncated or replaced)", meta
+        if _digest(shard) != entry["sha256"]:
+            return f"{shard}: checksum mismatch (corrupted, or a shard of another checkpoint)", meta
+    return None, meta
+
+
+def verify_checkpoint(engine: Engine, path: str | os.PathLike) -> dict:
+    """Collective: check the checkpoint at `path` on every rank (metadata, layout, each shard's size and
+    checksum) and agree; raise the same CheckpointError on every rank if any rank's part is unusable.
+    Returns the checkpoint's metadata."""
+    rank, world, group = _world()
+    path = Path(path)
+    if not path.exists() and path.with_name(path.name + ".old").exists():
+        path = path.with_name(path.name + ".old")  # a save was interrupted between its two renames
+    problem, meta = _problem(engine, path, rank, world)
+    problems = comm.all_gather_object(problem, group)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+    return meta
+
+
 def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
     """Collective: restore engine state and RNG from `path`; returns this rank's client_state."""
     rank, world, group = _world()
     path = Path(path)
     if not path.exists() and path.with_name(path.name + ".old").exists():
         path = path.with_name(path.name + ".old")  # a save was interrupted between its two renames
-    meta_file = path / "meta.json"
-    if not meta_file.exists():
-        raise FileNotFoundError(f"no checkpoint at {path} (missing meta.json)")
-    meta = json.loads(meta_file.read_text())
-    if meta["world_size"] != world:
-        raise ValueError(
-            f"checkpoint {path} was written by {meta['world_size']} ranks but this run has {world}: "
-            "resume with the same world size, or convert through "
-            "engine.full_state_dict()/load_full_state_dict()"
-        )
-    saved = meta.get("layout")
-    if saved is not None and saved != _layout(engine):
-        fmt = ", ".join(f"{k}={v}" for k, v in saved.items())
-        raise ValueError(f"checkpoint {path} was written with the parallel layout {fmt} but this run has "
-                         f"{', '.join(f'{k}={v}' for k, v in _layout(engine).items())}: resume with the same "
-                         "layout (reshard through engine.full_state_dict()/load_full_state_dict())")
+    meta = verify_checkpoint(engine, path)
     # Memory-mapped: an offloaded engine streams each tensor to where it lives without holding them all.
-    state = torch.load(_shard_file(path, rank), map_location="cpu", weights_only=False, mmap=True)
+    shard = _shard_file(path, rank)
+    try:
+        state = torch.load(shard, map_location="cpu", weights_only=False, mmap=True)
+        own = state.get("shard", {"rank": rank, "global_steps": meta.get("global_steps")})
+        problem = (f"{shard}: holds rank {own['rank']} at step {own['global_steps']}, the checkpoint is rank "
+                   f"{rank} at step {meta.get('global_steps')}"
+                   if (own["rank"], own["global_steps"]) != (rank, meta.get("global_steps")) else
+                   engine.state_mismatch(state["engine"]))
+    except Exception as e:  # unreadable despite a matching checksum (e.g. written by another torch)
+        state, problem = None, f"{shard}: unreadable ({type(e).__name__}: {e})"
     # Every rank learns whether any rank cannot load its shard, so all of them fail together (none waits).
-    problem = engine.state_mismatch(state["engine"])
-    failed = torch.tensor([problem is not None], dtype=torch.int32, device=engine.device)
-    comm.all_reduce(failed, group, op=dist.ReduceOp.MAX)
-    if failed.item():
-        raise ValueError(problem or f"checkpoint {path} does not match this engine on another rank "
-                                    "(see its error); resume with the same model and layout")
+    problems = comm.all_gather_object(problem, group)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
     engine.load_state_dict(state["engine"])
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])

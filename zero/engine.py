@@ -169,7 +169,7 @@ class Engine:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken
-        self.skipped_steps = 0  # fp16 steps skipped for inf/nan gradients
+        self.skipped_steps = 0  # steps skipped for a non-finite gradient (fp16 overflow or divergence)
         self._micro_since_step = 0
         self._comm_mark: dict[str, int] | None = None  # comm.stats at the start of this step's first pass
         self._last_step_comm: dict[str, int] = {}

@@ -355,8 +355,9 @@ class ZeroOptimizer:
                 torch._foreach_mul_(grads, scale)
             norm = math.sqrt(self.grad_norm_sq(grads))
         self.last_grad_norm = norm
-        if not math.isfinite(norm) and self.scaler is not None:
-            self.scaler.update(overflow=True)
+        if not math.isfinite(norm):  # never apply a non-finite gradient: the weights stay finite
+            if self.scaler is not None:
+                self.scaler.update(overflow=True)
             self.clear_grads()
             return False
         coef = min(1.0, self.config.clip_grad_norm / (norm + 1e-6)) if self.config.clip_grad_norm else 1.0

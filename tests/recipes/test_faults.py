@@ -1,0 +1,119 @@
+"""Runs that survive faults: verified checkpoints with fallback, no silent restart, divergence stops,
+one run per run_dir, finished runs kept, model errors in one line."""
+
+import fcntl
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import zero
+from recipes.config import ConfigError
+from recipes.pretrain import DivergenceError, train
+from tests.recipes.test_pretrain import TINY, _cfg, _losses, _run_cli
+
+
+def _ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:07d}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("whole")
+    train(_cfg(run_dir, "train.steps=8", "train.eval_every=4", "train.ckpt_every=2", "train.keep_checkpoints=0"))
+    return run_dir
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("wandb", ".lock"))
+    return dst
+
+
+def test_latest_pointing_at_a_missing_checkpoint_resumes_from_the_newest_intact_one(uninterrupted, tmp_path, capsys):
+    run = _copy(uninterrupted, tmp_path / "run")
+    shutil.rmtree(_ckpt(run, 8))  # `latest` still names step 8
+    train(_cfg(run, "train.steps=8", "train.eval_every=4", "train.ckpt_every=2"))
+    assert "resuming from" in capsys.readouterr().out
+    assert _losses(run) == _losses(uninterrupted)  # steps 7-8 retrained exactly, none twice
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 8
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign"])
+def test_damaged_newest_checkpoint_is_skipped_by_name(uninterrupted, tmp_path, capsys, damage):
+    run = _copy(uninterrupted, tmp_path / "run")
+    shard = _ckpt(run, 8) / "rank00000.pt"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif damage == "garbage":
+        shard.write_bytes(b"\x00garbage" * 100)
+    else:  # a shard of another step mixed in
+        shutil.copy(_ckpt(run, 4) / "rank00000.pt", shard)
+    train(_cfg(run, "train.steps=8", "train.eval_every=4", "train.ckpt_every=2"))
+    out = capsys.readouterr().out
+    assert f"resuming from {_ckpt(run, 6)}" in out and "rank00000.pt" in out
+    assert _losses(run) == _losses(uninterrupted)
+
+
+def test_no_usable_checkpoint_is_an_error_not_a_restart(uninterrupted, tmp_path):
+    run = _copy(uninterrupted, tmp_path / "run")
+    for step in (2, 4, 6, 8):
+        (_ckpt(run, step) / "rank00000.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(zero.CheckpointError, match="none of the 4 checkpoints"):
+        train(_cfg(run, "train.steps=10"))
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 8  # nothing overwritten
+    with pytest.raises(ConfigError, match="train.resume=false would train over them"):
+        train(_cfg(run, "train.steps=10", "train.resume=false"))
+
+
+def test_keep_checkpoints_and_finished_run_kept(tmp_path, capsys):
+    cfg = _cfg(tmp_path, "train.steps=6", "train.eval_every=3", "train.ckpt_every=1", "train.keep_checkpoints=2")
+    first = train(cfg)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_0000005", "step_0000006"]
+    before = (tmp_path / "result.json").read_text()
+    again = train(cfg)  # the same command once more: nothing retrained, nothing rewritten
+    assert "is complete (6 steps)" in capsys.readouterr().out
+    assert (tmp_path / "result.json").read_text() == before and again["val_loss"] == first["val_loss"] is not None
+
+
+def test_divergence_stops_with_valid_result_and_finite_checkpoints(tmp_path):
+    with pytest.raises(DivergenceError, match="consecutive steps"):
+        train(_cfg(tmp_path, "train.steps=30", "optim.lr=1e6", "optim.warmup_steps=0", "train.ckpt_every=1",
+                   "train.max_nonfinite_steps=2"))
+    result = json.loads((tmp_path / "result.json").read_text())  # valid JSON, says what happened
+    assert result["status"] == "diverged" and result["step"] < 30
+    import torch
+
+    for ckpt in (tmp_path / "checkpoints").glob("step_*"):
+        state = torch.load(ckpt / "rank00000.pt", weights_only=False)
+        assert all(torch.isfinite(s).all() for s in state["engine"]["shards"]), ckpt
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["skipped_steps"] >= 2  # the refused steps are in the metrics
+
+
+def test_divergence_exit_code_on_the_command_line(tmp_path):
+    proc = _run_cli(*TINY, f"run_dir={tmp_path}", "train.steps=30", "optim.lr=1e6", "optim.warmup_steps=0",
+                    "train.max_nonfinite_steps=2", timeout=120)
+    assert proc.returncode == 3 and "training diverged" in proc.stderr
+
+
+def test_second_run_on_the_same_run_dir_is_refused(tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242")
+        held.flush()
+        with pytest.raises(ConfigError, match="in use by another run"):
+            train(_cfg(tmp_path, "train.steps=2"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["model.n_heads=3"], "model.dim=64 must be divisible by model.n_heads=3"),
+    (["model=moe_tiny", "model.moe.top_k=9"], "model.moe.top_k=9 must be in [1, model.moe.num_experts=8]"),
+    (["model=moe_tiny", "model.moe.router=relu"], "model.moe.router='relu' must be softmax or sigmoid"),
+    (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5] must be two values in [0, 1)"),
+])
+def test_model_and_optimizer_values_are_one_line_errors(tmp_path, args, message):
+    proc = _run_cli(*TINY, f"run_dir={tmp_path}", *args, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
