@@ -53,6 +53,15 @@ def _write(obj: dict, target: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _write_meta(directory: Path, meta: dict) -> None:
+    """meta.json, written last, then the directory's entries reach the disk before any rename."""
+    with open(directory / "meta.json", "w") as f:
+        f.write(json.dumps(meta))
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -110,11 +119,7 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
             "dtype": engine.config.dtype,
             "global_steps": engine.global_steps,
         }
-        with open(tmp / "meta.json", "w") as f:
-            f.write(json.dumps(meta))
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)  # the shard files' directory entries reach the disk before the rename
+        _write_meta(tmp, meta)
         # The only window without a complete `path` is between these renames; load falls back to `.old`.
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)
