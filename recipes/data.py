@@ -70,6 +70,18 @@ def load_bin(path: str | os.PathLike, dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+def check_token_ids(tokens: np.ndarray, vocab_size: int, what: str, chunk: int = 1 << 24) -> None:
+    """Every token id < vocab_size, checked over the whole file before training (in chunks of a memmap:
+    one pass at memory bandwidth, a few seconds per GB), so a bad id fails now, not at step 90,000."""
+    for start in range(0, len(tokens), chunk):
+        part = tokens[start : start + chunk]
+        top = int(part.max())
+        if top >= vocab_size:
+            where = start + int(np.argmax(part >= vocab_size))
+            raise DataError(f"{what}: token id {top} (first bad id at position {where}) is >= "
+                            f"model.vocab_size={vocab_size}")
+
+
 @dataclass
 class BatchSpec:
     """How each optimizer step's global batch is split: dp ranks x grad_accum micro batches."""
@@ -124,6 +136,8 @@ def build_streams(data_cfg, spec: BatchSpec, seed: int, vocab_size: int) -> tupl
     elif kind == "bin":
         train = load_bin(data_cfg.train_path, data_cfg.dtype)
         val = load_bin(data_cfg.val_path, data_cfg.dtype)
+        for name, tokens in (("data.train_path", train), ("data.val_path", val)):
+            check_token_ids(tokens, vocab_size, f"{name}={data_cfg[name.split('.')[1]]!r}")
     else:
         raise DataError(f"data.kind={kind!r} is unknown; use 'stdlib' or 'bin'")
     # Validation draws from its own seed stream so changing the train seed does not move the eval set.

@@ -502,11 +502,24 @@ class Engine:
         """Why `state` (a state_dict of this rank) cannot be loaded into this engine, or None if it can."""
         if state.get("format") != "zero-sharded-v1":
             return "not a sharded engine state dict (expected format 'zero-sharded-v1')"
-        if state["layout"] != self._layout() or state["stage"] != self.config.stage:
-            return (f"checkpoint layout (stage {state['stage']}, {len(state['layout'])} buckets) does not match "
-                    f"this engine (stage {self.config.stage}, {len(self.buckets)} buckets): load it with the same "
-                    "model, stage, bucket sizes and parallel layout (pipeline split and schedule included), or "
-                    "go through full_state_dict()/load_full_state_dict()")
+        if state["stage"] != self.config.stage:
+            return (f"checkpoint written at ZeRO stage {state['stage']} but this engine is stage {self.config.stage}: "
+                    "resume at the same stage, or go through full_state_dict()/load_full_state_dict()")
+        mine = self._layout()
+        if state["layout"] != mine:
+            k = next((i for i, (a, b) in enumerate(zip(state["layout"], mine)) if a != b), min(len(mine),
+                                                                                          len(state["layout"])))
+            theirs = state["layout"][k] if k < len(state["layout"]) else None
+            ours = mine[k] if k < len(mine) else None
+
+            def show(b: dict | None) -> str:
+                return "none" if b is None else f"{b['names'][0]}{' ...' if len(b['names']) > 1 else ''} " \
+                    f"({sum(b['numels'])} elements, {b['world']}-way)"
+
+            return (f"checkpoint bucket {k} of {len(state['layout'])} holds {show(theirs)} but this engine's bucket "
+                    f"{k} of {len(mine)} holds {show(ours)}: load it with the same model, bucket sizes and parallel "
+                    "layout (pipeline split and expert parallelism included), or go through "
+                    "full_state_dict()/load_full_state_dict()")
         return None
 
     def load_state_dict(self, state: dict) -> None:

@@ -3,7 +3,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from recipes.data import BatchSpec, DataError, TokenStream, build_streams, load_bin, stdlib_corpus
+from recipes.data import BatchSpec, DataError, TokenStream, build_streams, check_token_ids, load_bin, stdlib_corpus
 
 
 def test_stdlib_corpus_splits_and_determinism():
@@ -51,6 +51,16 @@ def test_bin_files(tmp_path):
         load_bin(tmp_path / "missing.bin", "uint16")
     with pytest.raises(DataError, match=">= model.vocab_size"):
         build_streams(cfg, BatchSpec(2, 1, 1, 8), seed=0, vocab_size=100)[0].batch(0, 0, 0)
+    # One bad id deep in the file is found before training starts, not when a batch draws it.
+    bad = np.zeros(100_000, dtype=np.uint16)
+    bad[97_531] = 300
+    bad.tofile(tmp_path / "bad.bin")
+    cfg_bad = OmegaConf.create({"kind": "bin", "train_path": str(tmp_path / "bad.bin"), "val_path": str(path),
+                                "dtype": "uint16"})
+    with pytest.raises(DataError, match="train_path=.*token id 300 \\(first bad id at position 97531\\)"):
+        check_token_ids(load_bin(tmp_path / "bad.bin", "uint16"), 256, "data.train_path='bad.bin'", chunk=4096)
+    with pytest.raises(DataError, match="first bad id at position 97531"):
+        build_streams(cfg_bad, BatchSpec(2, 1, 1, 8), seed=0, vocab_size=300)
     (tmp_path / "odd.bin").write_bytes(b"abc")
     with pytest.raises(DataError, match="not a multiple"):
         load_bin(tmp_path / "odd.bin", "uint16")

@@ -117,3 +117,19 @@ def test_model_and_optimizer_values_are_one_line_errors(tmp_path, args, message)
     proc = _run_cli(*TINY, f"run_dir={tmp_path}", *args, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_bucket_mismatch_names_what_differs(tmp_path):
+    import functools
+
+    import torch
+
+    def engine(width: int):
+        model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2))
+        return zero.initialize(model, functools.partial(torch.optim.SGD, lr=0.1))
+
+    engine(4).save_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(zero.CheckpointError, match=r"checkpoint bucket 0 of 1 holds 1.bias ... \(30 elements, "
+                                                   r"1-way\) but this engine's bucket 0 of 1 holds 1.bias ... "
+                                                   r"\(37 elements"):
+        engine(5).load_checkpoint(tmp_path / "ckpt")
