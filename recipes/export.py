@@ -1,0 +1,238 @@
+"""Consolidated export and import in the Hugging Face Llama / Mixtral layout (safetensors + config.json).
+
+    python -m recipes.export <run_dir or checkpoint directory> <out_dir>
+
+writes `model.safetensors` and `config.json` that `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`
+loads, giving the same logits as our model on the same tokens: dense models as `LlamaForCausalLM`, MoE
+models (every layer MoE, softmax router renormalised over the top k, SwiGLU experts, no shared experts
+or expert bias) as `MixtralForCausalLM`. `import_hf(directory)` reads such a directory back into our
+ModelConfig and state dict (`engine.load_full_state_dict` or `Transformer.load_state_dict` take it).
+
+Our rotary embedding rotates interleaved pairs (x[2i], x[2i+1]); Hugging Face's rotates the two halves
+of each head, so q and k rows are reordered per head on the way out (and back on the way in): the
+attention scores are unchanged. Checkpoints written with data and ZeRO parallelism are consolidated
+from their shards; tensor, pipeline, expert or sequence parallel checkpoints are not (yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from recipes.models.llama import ModelConfig, MoEConfig, Transformer
+
+
+class ExportError(ValueError):
+    """A model or checkpoint that cannot be exported in the requested layout."""
+
+
+def _rope_order(rows: int, head_dim: int, inverse: bool = False) -> torch.Tensor:
+    """Row permutation from interleaved rotary pairs to rotate-half (or back), per head."""
+    per_head = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    if inverse:
+        per_head = torch.argsort(per_head)
+    return (torch.arange(0, rows, head_dim)[:, None] + per_head[None, :]).reshape(-1)
+
+
+def _check_exportable(cfg: ModelConfig) -> None:
+    m = cfg.moe
+    if not m.num_experts:
+        return
+    problems = []
+    if m.every != 1 or m.first_dense:
+        problems.append("every layer must be MoE (model.moe.every=1, first_dense=0)")
+    if m.router != "softmax" or not m.renormalize or m.num_groups > 1:
+        problems.append("the router must be softmax renormalised over the top k, without groups")
+    if m.activation != "swiglu" or m.num_shared_experts:
+        problems.append("experts must be SwiGLU, without shared experts")
+    if problems:
+        raise ExportError("this MoE model has no Mixtral equivalent: " + "; ".join(problems))
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json for `transformers` (LlamaForCausalLM or MixtralForCausalLM)."""
+    common = {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+        "initializer_range": cfg.init_std, "torch_dtype": "float32", "moe_lst": asdict(cfg),
+    }
+    if cfg.moe.num_experts:
+        m = cfg.moe
+        return {**common, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "intermediate_size": m.ffn_dim or cfg.ffn_dim, "num_local_experts": m.num_experts,
+                "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
+                "output_router_logits": False}
+    return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "intermediate_size": cfg.ffn_dim, "mlp_bias": False}
+
+
+def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our full state dict -> Hugging Face tensor names and layouts."""
+    _check_exportable(cfg)
+    hd = cfg.head_dim
+    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["output.weight"]
+    for i in range(cfg.n_layers):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        wq, wk = state[p + "attention.wq.weight"], state[p + "attention.wk.weight"]
+        out[q + "self_attn.q_proj.weight"] = wq[_rope_order(wq.shape[0], hd)]
+        out[q + "self_attn.k_proj.weight"] = wk[_rope_order(wk.shape[0], hd)]
+        out[q + "self_attn.v_proj.weight"] = state[p + "attention.wv.weight"]
+        out[q + "self_attn.o_proj.weight"] = state[p + "attention.wo.weight"]
+        out[q + "input_layernorm.weight"] = state[p + "attention_norm.weight"]
+        out[q + "post_attention_layernorm.weight"] = state[p + "ffn_norm.weight"]
+        if cfg.is_moe_layer(i):
+            bias = state.get(p + "feed_forward.router.expert_bias")
+            if bias is not None and bias.abs().max() > 0:
+                raise ExportError(f"layer {i}'s router has a non-zero expert bias (aux-loss-free balancing), "
+                                  "which Mixtral's router does not have")
+            out[q + "block_sparse_moe.gate.weight"] = state[p + "feed_forward.router.weight"]
+            w_in, w_out = state[p + "feed_forward.experts.w_in"], state[p + "feed_forward.experts.w_out"]
+            ffn = w_out.shape[1]
+            for e in range(w_in.shape[0]):
+                x = f"{q}block_sparse_moe.experts.{e}."
+                out[x + "w1.weight"] = w_in[e, :, :ffn].t()
+                out[x + "w3.weight"] = w_in[e, :, ffn:].t()
+                out[x + "w2.weight"] = w_out[e].t()
+        else:
+            for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                out[f"{q}mlp.{theirs}.weight"] = state[f"{p}feed_forward.{ours}.weight"]
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+
+
+def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors (as written by to_hf or another Llama / Mixtral) -> our state dict."""
+    hd = cfg.head_dim
+    out = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["output.weight"] = hf["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        wq, wk = hf[q + "self_attn.q_proj.weight"], hf[q + "self_attn.k_proj.weight"]
+        out[p + "attention.wq.weight"] = wq[_rope_order(wq.shape[0], hd, inverse=True)]
+        out[p + "attention.wk.weight"] = wk[_rope_order(wk.shape[0], hd, inverse=True)]
+        out[p + "attention.wv.weight"] = hf[q + "self_attn.v_proj.weight"]
+        out[p + "attention.wo.weight"] = hf[q + "self_attn.o_proj.weight"]
+        out[p + "attention_norm.weight"] = hf[q + "input_layernorm.weight"]
+        out[p + "ffn_norm.weight"] = hf[q + "post_attention_layernorm.weight"]
+        if cfg.is_moe_layer(i):
+            out[p + "feed_forward.router.weight"] = hf[q + "block_sparse_moe.gate.weight"]
+            experts = range(cfg.moe.num_experts)
+            x = f"{q}block_sparse_moe.experts."
+            out[p + "feed_forward.experts.w_in"] = torch.stack(
+                [torch.cat([hf[f"{x}{e}.w1.weight"].t(), hf[f"{x}{e}.w3.weight"].t()], dim=1) for e in experts])
+            out[p + "feed_forward.experts.w_out"] = torch.stack([hf[f"{x}{e}.w2.weight"].t() for e in experts])
+        else:
+            for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                out[f"{p}feed_forward.{ours}.weight"] = hf[f"{q}mlp.{theirs}.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path) -> Path:
+    """Write `model.safetensors` and `config.json` for our full state dict into out_dir."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(to_hf(state, cfg), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
+    return out_dir
+
+
+def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Our ModelConfig and state dict from a Hugging Face Llama / Mixtral directory (safetensors)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text())
+    if "moe_lst" in config:
+        values = dict(config["moe_lst"])
+        cfg = ModelConfig(**{**values, "moe": MoEConfig(**values.pop("moe"))})
+    else:
+        moe = MoEConfig()
+        if config.get("model_type") == "mixtral":
+            moe = MoEConfig(num_experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
+                            ffn_dim=config["intermediate_size"])
+        cfg = ModelConfig(vocab_size=config["vocab_size"], dim=config["hidden_size"],
+                          n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
+                          n_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+                          ffn_dim=config["intermediate_size"], max_seq_len=config["max_position_embeddings"],
+                          rope_theta=config.get("rope_theta", 10000.0), norm_eps=config["rms_norm_eps"],
+                          tie_embeddings=config.get("tie_word_embeddings", False), moe=moe)
+    hf: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        hf.update(load_file(str(f)))
+    return cfg, from_hf(hf, cfg)
+
+
+def consolidate(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Our full state dict from a checkpoint written under data parallelism and ZeRO stages 0-3."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    layout = meta.get("layout", {})
+    other = {k: v for k, v in layout.items() if k != "dp" and v != 1}
+    if other:
+        raise ExportError(f"checkpoint {checkpoint} was written with {other}: only data-parallel / ZeRO "
+                          "checkpoints are consolidated offline; export from a run with that layout's engine "
+                          "(engine.full_state_dict()) instead")
+    shards = [torch.load(checkpoint / f"rank{r:05d}.pt", map_location="cpu", weights_only=False, mmap=True)["engine"]
+              for r in range(meta["world_size"])]
+    state: dict[str, torch.Tensor] = {}
+    for k, bucket in enumerate(shards[0]["layout"]):
+        parts = [s["shards"][k].reshape(-1) for s in shards] if bucket["world"] > 1 else [shards[0]["shards"][k]]
+        flat = torch.cat(parts)
+        offset = 0
+        for name, numel in zip(bucket["names"], bucket["numels"]):
+            state[name] = flat[offset : offset + numel].clone()
+            offset += numel
+    state.update(shards[0]["buffers"])
+    return state
+
+
+def export(source: str | Path, out_dir: str | Path) -> Path:
+    """Export a run directory (its newest checkpoint) or one checkpoint directory to out_dir."""
+    source = Path(source)
+    if (source / "checkpoints").is_dir():
+        found = sorted(p for p in (source / "checkpoints").iterdir() if p.name.startswith("step_") and p.is_dir()
+                       and p.name[5:].isdigit())
+        if not found:
+            raise ExportError(f"{source} has no checkpoint to export")
+        run_dir, checkpoint = source, found[-1]
+    elif (source / "meta.json").exists():
+        run_dir, checkpoint = source.parent.parent, source
+    else:
+        raise ExportError(f"{source} is neither a run directory nor a checkpoint directory")
+    run_cfg = OmegaConf.load(run_dir / "config.yaml")
+    values = OmegaConf.to_container(run_cfg.model, resolve=True)
+    cfg = ModelConfig(**{**values, "moe": MoEConfig(**values.pop("moe"))})
+    flat = consolidate(checkpoint)
+    shapes = {n: p.shape for n, p in Transformer(cfg, device="meta").state_dict().items()}
+    state = {n: (v.reshape(shapes[n]) if n in shapes else v) for n, v in flat.items()}
+    if cfg.tie_embeddings:
+        state.pop("output.weight", None)
+    return save_hf(state, cfg, out_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", help="a run directory (its newest checkpoint) or a checkpoint directory")
+    parser.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.source, args.out_dir)
+    except (ExportError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+
+
+if __name__ == "__main__":
+    main()
