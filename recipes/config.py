@@ -35,6 +35,8 @@ def check_config(cfg: DictConfig) -> None:
                 "train.tiled_mlp", "optim.warmup_steps", "train.keep_checkpoints"):
         _positive_int(cfg, key, minimum=0)
     _positive_int(cfg, "train.max_nonfinite_steps")
+    if not cfg.train.collective_timeout_s > 0:
+        raise ConfigError(f"train.collective_timeout_s={cfg.train.collective_timeout_s!r} must be > 0")
     if not isinstance(cfg.train.resume, (bool, str)) or cfg.train.resume == "":
         raise ConfigError(f"train.resume={cfg.train.resume!r} must be auto, true, false or a checkpoint directory")
     if any(not 0 <= b < 1 for b in cfg.optim.betas) or len(cfg.optim.betas) != 2:

@@ -6,6 +6,8 @@ the runtime engine, then the training loop with evaluation, checkpoints, metrics
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import fcntl
 import functools
 import json
@@ -37,13 +39,18 @@ from zero.topology import default_device
 IGNORE_INDEX = -100
 
 
-def init_distributed() -> None:
-    """Join the torchrun process group when launched with several processes."""
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Join the torchrun process group when launched with several processes. A collective that does not
+    complete within `timeout_s` (a rank stopped answering) raises on the ranks waiting for it."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class HangError(RuntimeError):
+    """A collective did not complete within train.collective_timeout_s."""
 
 
 def lr_at(step: int, cfg: DictConfig) -> float:
@@ -489,7 +496,7 @@ class Run:
 
     def __init__(self, cfg: DictConfig) -> None:
         check_config(cfg)
-        init_distributed()
+        init_distributed(cfg.train.collective_timeout_s)
         self.cfg, t = cfg, cfg.train
         self.dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")})
         self.is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -532,6 +539,20 @@ class Run:
             record.update(moe_step_metrics(stats, self.expert_loads))
         return record
 
+    @contextlib.contextmanager
+    def collective_watch(self, step: int):
+        """Turn a collective that timed out (gloo and NCCL raise RuntimeError naming the timeout) into a
+        HangError naming the step, the rank and the setting."""
+        try:
+            yield
+        except RuntimeError as e:
+            text = str(e).lower()
+            if self.dims.world_size == 1 or not ("timed out" in text or "timeout" in text):
+                raise
+            raise HangError(f"step {step + 1}: a collective did not complete within train.collective_timeout_s="
+                            f"{self.cfg.train.collective_timeout_s} s on rank {dist.get_rank()} (another rank stopped "
+                            f"answering): {str(e).splitlines()[0][:200]}") from None
+
     def guard_divergence(self, done: int, record: dict) -> None:
         """Count consecutive bad steps (non-finite loss, or a gradient the engine refused; under fp16 only
         once the loss scale is at its minimum); past train.max_nonfinite_steps log, write the result and
@@ -561,19 +582,22 @@ class Run:
         for step in range(self.start_step, t.steps):
             t0 = time.perf_counter()
             lr = self.engine.get_lr()[0]
-            loss = train_step(self.engine, self.train_stream, step, self.cfg, self.dims, self.pipe)
-            record = self.step_record(step, loss, lr, time.perf_counter() - t0)
-            done = step + 1
-            self.guard_divergence(done, record)
-            if is_due(done, t.eval_every, t.steps):
-                self.val_loss = record["val_loss"] = evaluate(self.engine, self.val_stream, self.cfg, self.dims,
-                                                              self.pipe)
-            self.logger.log(done, record)
-            if is_due(done, t.ckpt_every, t.steps):
-                save_checkpoint(self.engine, self.run_dir, done, self.is_rank0, t.keep_checkpoints)
+            with self.collective_watch(step):
+                loss = train_step(self.engine, self.train_stream, step, self.cfg, self.dims, self.pipe)
+                record = self.step_record(step, loss, lr, time.perf_counter() - t0)
+                done = step + 1
+                self.guard_divergence(done, record)
+                if is_due(done, t.eval_every, t.steps):
+                    self.val_loss = record["val_loss"] = evaluate(self.engine, self.val_stream, self.cfg, self.dims,
+                                                                  self.pipe)
+                self.logger.log(done, record)
+                if is_due(done, t.ckpt_every, t.steps):
+                    save_checkpoint(self.engine, self.run_dir, done, self.is_rank0, t.keep_checkpoints)
             if progress is not None:
-                progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                     **({"val": f"{self.val_loss:.3f}"} if self.val_loss is not None else {}))
+                extra = {"val": f"{self.val_loss:.3f}"} if self.val_loss is not None else {}
+                if "loss_scale" in record:  # fp16: the scale and the steps skipped for overflow
+                    extra.update(scale=f"{record['loss_scale']:.0f}", skipped=record["skipped_steps"])
+                progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", **extra)
                 progress.update(1)
         if progress is not None:
             progress.close()
@@ -625,6 +649,9 @@ def main(cfg: DictConfig) -> None:
     except DivergenceError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
+    except HangError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(4)  # do not wait on the process group: its peer is not answering
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

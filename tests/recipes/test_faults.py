@@ -133,3 +133,4 @@ def test_bucket_mismatch_names_what_differs(tmp_path):
                                                    r"1-way\) but this engine's bucket 0 of 1 holds 1.bias ... "
                                                    r"\(37 elements"):
         engine(5).load_checkpoint(tmp_path / "ckpt")
+
