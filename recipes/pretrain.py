@@ -441,6 +441,42 @@ def resume(engine: zero.Engine, run_dir: Path, cfg: DictConfig, is_rank0: bool) 
     return 0
 
 
+RESUME_KEYS = ("model", "data", "train.seed", "train.seq_len")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def check_resumed_config(cfg: DictConfig, run_dir: Path, dims: zero.ParallelDims, is_rank0: bool) -> None:
+    """Compare the config of a run that will resume with the one its run_dir was started with: a change
+    that breaks resume (model, data, seed, sequence length, global batch) is refused by name; other changes
+    (steps, cadences, ...) are reported and appended to config_changes.jsonl."""
+    saved_file = run_dir / "config.yaml"
+    if not saved_file.exists():
+        return
+    old = _flat(OmegaConf.to_container(OmegaConf.load(saved_file), resolve=True))
+    new = _flat(OmegaConf.to_container(cfg, resolve=True))
+    changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+               if old.get(k) != new.get(k) and k != "run_dir"}
+    t_old = {k: old.get(f"train.{k}") for k in ("micro_batch_size", "grad_accum")}
+    old_batch = t_old["micro_batch_size"] * t_old["grad_accum"] * (old.get("parallel.dp") or dims.dp)
+    new_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * dims.dp
+    breaking = [k for k in changed if k.startswith(RESUME_KEYS)]
+    if old_batch != new_batch:
+        breaking.append(f"global batch ({old_batch} -> {new_batch} sequences)")
+    if breaking:
+        raise ConfigError(f"run_dir {run_dir} was started with another {', '.join(breaking)}; resuming would not "
+                          "continue that run: restore those values or choose another run_dir")
+    if changed and is_rank0:
+        print("config changed since this run started: " + ", ".join(f"{k}: {a!r} -> {b!r}"
+                                                                    for k, (a, b) in changed.items()), flush=True)
+        with open(run_dir / "config_changes.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "changes": {k: list(v) for k, v in changed.items()}}) + "\n")
+
+
 def finite_or_none(value):
     """JSON-safe: non-finite floats become null (result files stay valid JSON)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -504,6 +540,8 @@ class Run:
         world = None if self.dims.world_size == 1 else dist.group.WORLD
         self.run_dir = check_run_dir(comm.all_gather_object(str(cfg.run_dir), world)[0])
         self.lock = lock_run_dir(self.run_dir, world)
+        if checkpoints(self.run_dir) and cfg.train.resume not in (False, "false"):
+            check_resumed_config(cfg, self.run_dir, self.dims, self.is_rank0)
         torch.manual_seed(t.seed)
         self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp, t.seq_len)
         self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, cfg.model.vocab_size)

@@ -134,3 +134,15 @@ def test_bucket_mismatch_names_what_differs(tmp_path):
                                                    r"\(37 elements"):
         engine(5).load_checkpoint(tmp_path / "ckpt")
 
+
+
+def test_resuming_with_a_config_that_breaks_the_run_is_refused(uninterrupted, tmp_path, capsys):
+    run = _copy(uninterrupted, tmp_path / "run")
+    with pytest.raises(ConfigError, match="started with another model.dim"):
+        train(_cfg(run, "train.steps=10", "model.dim=32"))
+    with pytest.raises(ConfigError, match=r"global batch \(4 -> 8 sequences\)"):
+        train(_cfg(run, "train.steps=10", "train.micro_batch_size=8"))
+    train(_cfg(run, "train.steps=9", "train.eval_every=3", "train.ckpt_every=2"))  # harmless: recorded
+    assert "train.steps: 8 -> 9" in capsys.readouterr().out
+    assert "train.steps" in (run / "config_changes.jsonl").read_text()
+    assert sorted(_losses(run)) == list(range(1, 10))
