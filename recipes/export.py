@@ -74,22 +74,33 @@ def hf_config(cfg: ModelConfig) -> dict:
             "intermediate_size": cfg.ffn_dim, "mlp_bias": False}
 
 
+# Names that only change (ours, theirs): model-level, per layer, and the dense MLP's.
+_TOP = (("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight"))
+_LAYER = (("attention.wv.weight", "self_attn.v_proj.weight"), ("attention.wo.weight", "self_attn.o_proj.weight"),
+          ("attention_norm.weight", "input_layernorm.weight"), ("ffn_norm.weight", "post_attention_layernorm.weight"))
+_MLP = (("feed_forward.w1.weight", "mlp.gate_proj.weight"), ("feed_forward.w3.weight", "mlp.up_proj.weight"),
+        ("feed_forward.w2.weight", "mlp.down_proj.weight"))
+
+
+def _renamed(src: dict[str, torch.Tensor], cfg: ModelConfig, to_hf: bool) -> dict[str, torch.Tensor]:
+    """Every tensor that only changes name, in the requested direction (q/k and experts are not here)."""
+    pairs = list(_TOP) + ([] if cfg.tie_embeddings else [("output.weight", "lm_head.weight")])
+    for i in range(cfg.n_layers):
+        layer = _LAYER if cfg.is_moe_layer(i) else _LAYER + _MLP
+        pairs += [(f"layers.{i}.{a}", f"model.layers.{i}.{b}") for a, b in layer]
+    return {b: src[a] for a, b in pairs} if to_hf else {a: src[b] for a, b in pairs}
+
+
 def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our full state dict -> Hugging Face tensor names and layouts."""
     _check_exportable(cfg)
     hd = cfg.head_dim
-    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = state["output.weight"]
+    out = _renamed(state, cfg, to_hf=True)
     for i in range(cfg.n_layers):
         p, q = f"layers.{i}.", f"model.layers.{i}."
         wq, wk = state[p + "attention.wq.weight"], state[p + "attention.wk.weight"]
         out[q + "self_attn.q_proj.weight"] = wq[_rope_order(wq.shape[0], hd)]
         out[q + "self_attn.k_proj.weight"] = wk[_rope_order(wk.shape[0], hd)]
-        out[q + "self_attn.v_proj.weight"] = state[p + "attention.wv.weight"]
-        out[q + "self_attn.o_proj.weight"] = state[p + "attention.wo.weight"]
-        out[q + "input_layernorm.weight"] = state[p + "attention_norm.weight"]
-        out[q + "post_attention_layernorm.weight"] = state[p + "ffn_norm.weight"]
         if cfg.is_moe_layer(i):
             bias = state.get(p + "feed_forward.router.expert_bias")
             if bias is not None and bias.abs().max() > 0:
@@ -103,27 +114,18 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
                 out[x + "w1.weight"] = w_in[e, :, :ffn].t()
                 out[x + "w3.weight"] = w_in[e, :, ffn:].t()
                 out[x + "w2.weight"] = w_out[e].t()
-        else:
-            for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                out[f"{q}mlp.{theirs}.weight"] = state[f"{p}feed_forward.{ours}.weight"]
     return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
 
 
 def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Hugging Face tensors (as written by to_hf or another Llama / Mixtral) -> our state dict."""
     hd = cfg.head_dim
-    out = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["output.weight"] = hf["lm_head.weight"]
+    out = _renamed(hf, cfg, to_hf=False)
     for i in range(cfg.n_layers):
         p, q = f"layers.{i}.", f"model.layers.{i}."
         wq, wk = hf[q + "self_attn.q_proj.weight"], hf[q + "self_attn.k_proj.weight"]
         out[p + "attention.wq.weight"] = wq[_rope_order(wq.shape[0], hd, inverse=True)]
         out[p + "attention.wk.weight"] = wk[_rope_order(wk.shape[0], hd, inverse=True)]
-        out[p + "attention.wv.weight"] = hf[q + "self_attn.v_proj.weight"]
-        out[p + "attention.wo.weight"] = hf[q + "self_attn.o_proj.weight"]
-        out[p + "attention_norm.weight"] = hf[q + "input_layernorm.weight"]
-        out[p + "ffn_norm.weight"] = hf[q + "post_attention_layernorm.weight"]
         if cfg.is_moe_layer(i):
             out[p + "feed_forward.router.weight"] = hf[q + "block_sparse_moe.gate.weight"]
             experts = range(cfg.moe.num_experts)
@@ -131,9 +133,6 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Te
             out[p + "feed_forward.experts.w_in"] = torch.stack(
                 [torch.cat([hf[f"{x}{e}.w1.weight"].t(), hf[f"{x}{e}.w3.weight"].t()], dim=1) for e in experts])
             out[p + "feed_forward.experts.w_out"] = torch.stack([hf[f"{x}{e}.w2.weight"].t() for e in experts])
-        else:
-            for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                out[f"{p}feed_forward.{ours}.weight"] = hf[f"{q}mlp.{theirs}.weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
 
