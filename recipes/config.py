@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -131,11 +132,9 @@ def _tp_that_works(cfg: DictConfig, tp: int) -> int:
 
 def model_config(cfg: DictConfig):
     """The model's config from the recipe's `model` group."""
-    from recipes.models.llama import ModelConfig, MoEConfig
+    from recipes.models.llama import ModelConfig
 
-    values = OmegaConf.to_container(cfg.model, resolve=True)
-    moe = MoEConfig(**values.pop("moe", {}))
-    return ModelConfig(**values, moe=moe)
+    return ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))  # its moe dict becomes a MoEConfig
 
 
 def check_run_dir(run_dir: str) -> Path:
@@ -148,6 +147,17 @@ def check_run_dir(run_dir: str) -> Path:
     except OSError as e:
         raise ConfigError(f"run_dir={run_dir!r} cannot be written ({e.strerror}); choose another run_dir") from None
     return path
+
+
+CHECKPOINT_NAME = re.compile(r"^step_\d{7}$")
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoint directories (`<run_dir>/checkpoints/step_NNNNNNN`), newest first."""
+    directory = Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name)), reverse=True)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

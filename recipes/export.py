@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from recipes.config import checkpoints, model_config
 from recipes.models.llama import ModelConfig, MoEConfig, Transformer
 
 
@@ -154,8 +155,7 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
     if "moe_lst" in config:
-        values = dict(config["moe_lst"])
-        cfg = ModelConfig(**{**values, "moe": MoEConfig(**values.pop("moe"))})
+        cfg = ModelConfig(**config["moe_lst"])  # written by hf_config: our own fields (moe as a dict)
     else:
         moe = MoEConfig()
         if config.get("model_type") == "mixtral":
@@ -200,18 +200,15 @@ def export(source: str | Path, out_dir: str | Path) -> Path:
     """Export a run directory (its newest checkpoint) or one checkpoint directory to out_dir."""
     source = Path(source)
     if (source / "checkpoints").is_dir():
-        found = sorted(p for p in (source / "checkpoints").iterdir() if p.name.startswith("step_") and p.is_dir()
-                       and p.name[5:].isdigit())
+        found = checkpoints(source)
         if not found:
             raise ExportError(f"{source} has no checkpoint to export")
-        run_dir, checkpoint = source, found[-1]
+        run_dir, checkpoint = source, found[0]
     elif (source / "meta.json").exists():
         run_dir, checkpoint = source.parent.parent, source
     else:
         raise ExportError(f"{source} is neither a run directory nor a checkpoint directory")
-    run_cfg = OmegaConf.load(run_dir / "config.yaml")
-    values = OmegaConf.to_container(run_cfg.model, resolve=True)
-    cfg = ModelConfig(**{**values, "moe": MoEConfig(**values.pop("moe"))})
+    cfg = model_config(OmegaConf.load(run_dir / "config.yaml"))
     flat = consolidate(checkpoint)
     shapes = {n: p.shape for n, p in Transformer(cfg, device="meta").state_dict().items()}
     state = {n: (v.reshape(shapes[n]) if n in shapes else v) for n, v in flat.items()}

@@ -13,7 +13,6 @@ import functools
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 import zero
-from recipes.config import ConfigError, atomic_write_text, check_config, check_run_dir, model_config
+from recipes.config import ConfigError, atomic_write_text, check_config, check_run_dir, checkpoints, model_config
 from recipes.data import BatchSpec, DataError, build_streams
 from recipes.models.llama import Transformer
 from recipes.tracking import MetricsLogger
@@ -278,19 +277,8 @@ def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims, pipe:
     return mean_over_dp(total / (cfg.train.eval_batches * cfg.train.grad_accum), dims)
 
 
-CHECKPOINT_NAME = re.compile(r"^step_\d{7}$")
-
-
 class DivergenceError(RuntimeError):
     """Training produced non-finite losses or gradients for too many consecutive steps."""
-
-
-def checkpoints(run_dir: Path) -> list[Path]:
-    """The run's complete checkpoint directories, newest first."""
-    directory = run_dir / "checkpoints"
-    if not directory.is_dir():
-        return []
-    return sorted((p for p in directory.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name)), reverse=True)
 
 
 def save_checkpoint(engine, run_dir: Path, step: int, is_rank0: bool, keep: int = 0) -> None:

@@ -170,28 +170,35 @@ def _problem(engine: Engine, path: Path, rank: int, world: int) -> tuple[str | N
     return None, meta
 
 
+def _resolve(path: str | os.PathLike) -> Path:
+    """`path`, or its `.old` copy when a save was interrupted between its two renames."""
+    path = Path(path)
+    if not path.exists() and path.with_name(path.name + ".old").exists():
+        return path.with_name(path.name + ".old")
+    return path
+
+
+def _agree(problem: str | None, group) -> None:
+    """Collective: raise the first rank's problem (in rank order) on every rank, if any rank has one."""
+    first = next((p for p in comm.all_gather_object(problem, group) if p is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
 def verify_checkpoint(engine: Engine, path: str | os.PathLike) -> dict:
     """Collective: check the checkpoint at `path` on every rank (metadata, layout, each shard's size and
     checksum) and agree; raise the same CheckpointError on every rank if any rank's part is unusable.
     Returns the checkpoint's metadata."""
     rank, world, group = _world()
-    path = Path(path)
-    if not path.exists() and path.with_name(path.name + ".old").exists():
-        path = path.with_name(path.name + ".old")  # a save was interrupted between its two renames
-    problem, meta = _problem(engine, path, rank, world)
-    problems = comm.all_gather_object(problem, group)
-    first = next((p for p in problems if p is not None), None)
-    if first is not None:
-        raise CheckpointError(first)
+    problem, meta = _problem(engine, _resolve(path), rank, world)
+    _agree(problem, group)
     return meta
 
 
 def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
     """Collective: restore engine state and RNG from `path`; returns this rank's client_state."""
     rank, world, group = _world()
-    path = Path(path)
-    if not path.exists() and path.with_name(path.name + ".old").exists():
-        path = path.with_name(path.name + ".old")  # a save was interrupted between its two renames
+    path = _resolve(path)
     meta = verify_checkpoint(engine, path)
     # Memory-mapped: an offloaded engine streams each tensor to where it lives without holding them all.
     shard = _shard_file(path, rank)
@@ -204,11 +211,7 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
                    engine.state_mismatch(state["engine"]))
     except Exception as e:  # unreadable despite a matching checksum (e.g. written by another torch)
         state, problem = None, f"{shard}: unreadable ({type(e).__name__}: {e})"
-    # Every rank learns whether any rank cannot load its shard, so all of them fail together (none waits).
-    problems = comm.all_gather_object(problem, group)
-    first = next((p for p in problems if p is not None), None)
-    if first is not None:
-        raise CheckpointError(first)
+    _agree(problem, group)  # all ranks fail together when any cannot load its shard (none waits)
     engine.load_state_dict(state["engine"])
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])

@@ -141,8 +141,7 @@ class Stage3Hooks:
 
     def release_all(self) -> None:
         """Free every unit and the root (end of backward, before an optimizer step changes the shards)."""
-        for i in range(len(self.units)):
-            self._free(i)
+        self.release_units()
         for b in self.root_buckets:
             b.free()
         self.root_gathered = False

@@ -157,11 +157,12 @@ class ParallelDims:
         """Expert-parameter gradient reduction group (replicas of the same experts)."""
         return self._group("edp")
 
-    def group_of(self, partition: list[list[int]]) -> ProcessGroup | None:
+    def group_of(self, partition: list[list[int]], tag: str = "partition") -> ProcessGroup | None:
         """The process group of this rank among `partition` (disjoint lists of global ranks; None if this
-        rank is in none). Every group of the partition is created once per ParallelDims and reused.
-        Collective the first time: every rank calls it with the same partition."""
-        key = ("partition", tuple(tuple(ranks) for ranks in partition))
+        rank is in none). Every group of the partition is created once per (tag, partition) and
+        ParallelDims and reused; another tag gets groups of its own over the same ranks. Collective the
+        first time: every rank calls it with the same partition."""
+        key = (tag, tuple(tuple(ranks) for ranks in partition))
         if key not in self._twins:
             mine = None
             for ranks in partition:  # every rank creates every group, in the same order (torch requires it)
@@ -187,17 +188,9 @@ class ParallelDims:
         everyone = comm.all_gather_object(mine, dist.group.WORLD)
         out: dict[str, ProcessGroup | None] = {}
         for name, group in groups.items():
-            partition = tuple(sorted({tuple(ranks[name]) for ranks in everyone if ranks[name] is not None}))
-            key = (name, partition)
-            if key not in self._twins:
-                twin = None
-                # Every rank creates every group of the partition, in the same order (torch requires it).
-                for ranks in partition:
-                    created = dist.new_group(list(ranks))
-                    if dist.get_rank() in ranks:
-                        twin = created
-                self._twins[key] = twin
-            out[name] = None if group is None else self._twins[key]
+            partition = sorted({tuple(ranks[name]) for ranks in everyone if ranks[name] is not None})
+            twin = self.group_of([list(ranks) for ranks in partition], tag=f"twin:{name}")
+            out[name] = None if group is None else twin
         return out
 
     # ---------------------------------------------------------------- coordinates
