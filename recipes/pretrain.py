@@ -38,14 +38,19 @@ from zero.topology import default_device
 IGNORE_INDEX = -100
 
 
+#: The backend's own collective timeout is a backstop this long after the watchdog's (zero.comm).
+BACKSTOP_TIMEOUT_S = 60.0
+
+
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the torchrun process group when launched with several processes. A collective that does not
-    complete within `timeout_s` (a rank stopped answering) raises on the ranks waiting for it."""
+    complete within `timeout_s` (a rank stopped answering) ends the ranks waiting for it: zero.comm's
+    watchdog (started by Run) does that; the backend's timeout, BACKSTOP_TIMEOUT_S later, is a backstop."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s + BACKSTOP_TIMEOUT_S))
 
 
 class HangError(RuntimeError):
@@ -522,6 +527,9 @@ class Run:
         check_config(cfg)
         init_distributed(cfg.train.collective_timeout_s)
         self.cfg, t = cfg, cfg.train
+        self.run_dir: Path | None = None  # known after the first collective
+        if dist.is_initialized():  # every collective from here on is watched (zero.comm's watchdog)
+            comm.start_watchdog(t.collective_timeout_s, self.record_hang, setting="train.collective_timeout_s")
         self.dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")})
         self.is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
         # Every rank writes to rank 0's run_dir (its timestamp may differ by a second on other ranks).
@@ -567,8 +575,10 @@ class Run:
 
     @contextlib.contextmanager
     def collective_watch(self, step: int):
-        """Turn a collective that timed out (gloo and NCCL raise RuntimeError naming the timeout) into a
-        HangError naming the step, the rank and the setting."""
+        """Name the step to the collective watchdog, and (its backstop) turn a collective that the backend
+        timed out (gloo and NCCL raise RuntimeError naming the timeout) into a HangError naming the step,
+        the rank and the setting."""
+        comm.set_step(step + 1)
         try:
             yield
         except RuntimeError as e:
@@ -578,6 +588,14 @@ class Run:
             raise HangError(f"step {step + 1}: a collective did not complete within train.collective_timeout_s="
                             f"{self.cfg.train.collective_timeout_s} s on rank {dist.get_rank()} (another rank stopped "
                             f"answering): {str(e).splitlines()[0][:200]}") from None
+        finally:
+            comm.set_step(None)
+
+    def record_hang(self, hang: comm.Hang) -> None:
+        """Called by the watchdog before it ends this rank (exit 4): result.json says the run hung."""
+        if self.run_dir is not None:
+            result = {"status": "hung", "step": hang.step, "rank": hang.rank, "message": str(hang)}
+            atomic_write_text(self.run_dir / "result.json", json.dumps(result))
 
     def guard_divergence(self, done: int, record: dict) -> None:
         """Count consecutive bad steps (non-finite loss, or a gradient the engine refused; under fp16 only
@@ -653,15 +671,19 @@ class Run:
 def train(cfg: DictConfig) -> dict:
     """A whole run: build everything, train `train.steps` steps, then sample and report. A run that is
     already complete (resumed at train.steps) keeps its results and says so."""
-    run = Run(cfg)
-    if run.start_step >= cfg.train.steps and (run.run_dir / "result.json").exists():
-        if run.is_rank0:
-            print(f"run {run.run_dir} is complete ({run.start_step} steps); raise train.steps to continue it",
-                  flush=True)
-        run.logger.finish()
-        return json.loads((run.run_dir / "result.json").read_text())
-    run.loop()
-    return run.finish()
+    try:
+        run = Run(cfg)
+        result_file = run.run_dir / "result.json"
+        if run.start_step >= cfg.train.steps and result_file.exists():
+            if run.is_rank0:
+                print(f"run {run.run_dir} is complete ({run.start_step} steps); raise train.steps to continue it",
+                      flush=True)
+            run.logger.finish()
+            return json.loads(result_file.read_text())
+        run.loop()
+        return run.finish()
+    finally:
+        comm.stop_watchdog()
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")

@@ -4,13 +4,26 @@ A group of None means a single rank: every wrapper then does the local equivalen
 communication, so layers written against this module run unchanged without torch.distributed.
 Byte counts are what this rank puts on the wire under the usual ring / pairwise algorithms, so
 benchmarks can compare measured volume with the theory (e.g. 2 * params for data-parallel all-reduce).
+
+Hang watchdog: every wrapper records, per thread, which collective is in flight (kind, group size,
+since when); `start_watchdog(timeout_s, on_hang)` starts a daemon thread that ends the process
+(exit code 4) with one line naming the rank, the step (`set_step`) and the collective once one has
+been in flight longer than `timeout_s`, whatever the backend's own timeout does. Asynchronous
+collectives are watched while their handle's `wait()` blocks; `watched(kind, group)` covers
+communication made elsewhere (a pipeline schedule's point-to-point sends and receives) and
+`unwatched()` the local computation inside such a section.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import threading
+import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,6 +69,154 @@ def counting(reset: bool = True) -> Iterator[CommStats]:
     yield stats
 
 
+# ---------------------------------------------------------------------------- hang watchdog
+# Thread id -> what that thread waits on, innermost last: [kind, ranks, since] entries, or None while a
+# watched section computes locally. Each collective pushes and pops one entry: no lock, no thread.
+_waiting: dict[int, list] = {}
+_step: int | None = None
+_watchdog: _Watchdog | None = None
+
+
+def set_step(step: int | None) -> None:
+    """The training step this process is in (None: outside the steps), named by hang reports."""
+    global _step
+    _step = step
+
+
+class _Waiting:
+    """Context: this thread waits on collective `kind` over `ranks` ranks (kind None: computes locally)."""
+
+    __slots__ = ("entry", "stack")
+
+    def __init__(self, kind: str | None, ranks: int) -> None:
+        self.entry = None if kind is None else [kind, ranks, 0.0]
+
+    def __enter__(self) -> None:
+        ident = threading.get_ident()
+        self.stack = _waiting.get(ident)
+        if self.stack is None:
+            self.stack = _waiting[ident] = []
+        if self.entry is not None:
+            self.entry[2] = time.monotonic()
+        self.stack.append(self.entry)
+
+    def __exit__(self, *exc) -> None:
+        self.stack.pop()
+        if self.stack and self.stack[-1] is not None:
+            self.stack[-1][2] = time.monotonic()  # the enclosing section starts waiting anew
+
+
+def watched(kind: str, group: ProcessGroup | None) -> contextlib.AbstractContextManager:
+    """`with comm.watched("pipeline send/recv", pp_group): ...`: communication made outside this module
+    (torch's pipeline schedules send and receive by themselves) watched as one collective over `group`."""
+    return _Waiting(kind, group_size(group))
+
+
+def unwatched() -> contextlib.AbstractContextManager:
+    """Local computation inside a `watched` section (a pipeline stage's forward): not waiting on anyone."""
+    return _Waiting(None, 0)
+
+
+class WatchedWork:
+    """The handle of an asynchronous collective: its `wait()` is watched like a synchronous collective."""
+
+    __slots__ = ("work", "kind", "ranks")
+
+    def __init__(self, work: dist.Work, kind: str, ranks: int) -> None:
+        self.work, self.kind, self.ranks = work, kind, ranks
+
+    def wait(self, *args) -> bool:
+        with _Waiting(self.kind, self.ranks):
+            return self.work.wait(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
+def _issue(kind: str, ranks: int, collective: Callable, *args, async_op: bool = False, **kwargs):
+    """Run a torch.distributed collective as watched (its handle too when asynchronous)."""
+    with _Waiting(kind, ranks):
+        work = collective(*args, async_op=async_op, **kwargs)
+    return WatchedWork(work, kind, ranks) if async_op else work
+
+
+@dataclass
+class Hang:
+    """A collective in flight on `rank` for longer than the watchdog's timeout."""
+
+    rank: int
+    step: int | None
+    kind: str
+    ranks: int
+    waited_s: float
+    timeout_s: float
+    setting: str
+
+    def __str__(self) -> str:
+        where = f"step {self.step}" if self.step is not None else "outside the training steps"
+        ranks = f"{self.ranks} rank" + ("s" if self.ranks != 1 else "")
+        return (f"rank {self.rank}, {where}: {self.kind} over {ranks} did not complete within "
+                f"{self.setting}={self.timeout_s:g} s (waited {self.waited_s:.1f} s): another rank stopped "
+                "answering")
+
+
+class _Watchdog(threading.Thread):
+    """Looks every `interval` seconds for a collective in flight longer than `timeout_s`."""
+
+    def __init__(self, timeout_s: float, on_hang: Callable[[Hang], None] | None, setting: str,
+                 exit_code: int) -> None:
+        super().__init__(name="collective-watchdog", daemon=True)
+        self.timeout_s, self.on_hang, self.setting, self.exit_code = timeout_s, on_hang, setting, exit_code
+        self.interval = min(0.5, timeout_s / 4)
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            now = time.monotonic()
+            for stack in list(_waiting.values()):
+                entry = stack[-1] if stack else None  # (a pop may race with this read: then skip)
+                if entry is not None and now - entry[2] > self.timeout_s:
+                    self.report(entry, now - entry[2])
+
+    def report(self, entry: list, waited_s: float) -> None:
+        """Print the hang, let the caller record it, and end the process: its main thread is blocked
+        inside the backend, so an exception could never reach it."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        hang = Hang(rank, _step, entry[0], entry[1], waited_s, self.timeout_s, self.setting)
+        print(f"error: {hang}; exiting with code {self.exit_code}", file=sys.stderr, flush=True)
+        # A callback that blocks (a dead file system) must not keep the process alive.
+        threading.Timer(30.0, os._exit, (self.exit_code,)).start()
+        try:
+            if self.on_hang is not None:
+                self.on_hang(hang)
+        except BaseException as e:
+            print(f"(recording the hang failed: {e!r})", file=sys.stderr, flush=True)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(self.exit_code)
+
+
+def start_watchdog(timeout_s: float, on_hang: Callable[[Hang], None] | None = None, *,
+                   setting: str = "timeout_s", exit_code: int = 4) -> None:
+    """End this process with `exit_code` once any collective has been in flight for `timeout_s` seconds
+    (checked every 0.5 s at most): one line on stderr names the rank, the step (`set_step`), the
+    collective and `setting` (the name of the timeout's setting), then `on_hang(hang)` runs (e.g. to
+    write a result file). Replaces a running watchdog; `stop_watchdog()` ends it."""
+    global _watchdog
+    stop_watchdog()
+    _watchdog = _Watchdog(timeout_s, on_hang, setting, exit_code)
+    _watchdog.start()
+
+
+def stop_watchdog() -> None:
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stopped.set()
+        _watchdog.join()
+        _watchdog = None
+
+
 # Newer torch renames the single-tensor collectives; older releases (>= 2.6) only have the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -70,7 +231,7 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceO
     if n == 1:
         return None
     stats.record("all_reduce", 2 * (n - 1) / n * _nbytes(tensor))
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _issue("all_reduce", n, dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None,
@@ -80,7 +241,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Pro
         output.copy_(input.reshape(output.shape))
         return None
     stats.record("all_gather", (n - 1) * _nbytes(input))
-    return _all_gather_single(output, input, group=group, async_op=async_op)
+    return _issue("all_gather", n, _all_gather_single, output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None,
@@ -90,7 +251,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Proc
         output.copy_(input.reshape(output.shape))
         return None
     stats.record("reduce_scatter", (n - 1) / n * _nbytes(input))
-    return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    return _issue("reduce_scatter", n, _reduce_scatter_single, output, input, op=op, group=group,
+                  async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None,
@@ -107,8 +269,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: ProcessG
         row = input[0].numel() * input.element_size() if input.dim() > 0 and input.shape[0] else 0
         sent = row * (sum(input_split_sizes) - input_split_sizes[me])
     stats.record("all_to_all", sent)
-    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
-                                  async_op=async_op)
+    return _issue("all_to_all", n, dist.all_to_all_single, output, input, output_split_sizes, input_split_sizes,
+                  group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, async_op: bool = False):
@@ -117,7 +279,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, async_
     if n == 1:
         return None
     stats.record("broadcast", _nbytes(tensor))
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _issue("broadcast", n, dist.broadcast, tensor, src=src, group=group, async_op=async_op)
 
 
 def all_gather_object(obj, group: ProcessGroup | None) -> list:
@@ -125,13 +287,15 @@ def all_gather_object(obj, group: ProcessGroup | None) -> list:
     if n == 1:
         return [obj]
     out = [None] * n
-    dist.all_gather_object(out, obj, group=group)
+    with _Waiting("all_gather_object", n):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
     if dist.is_initialized() and (group is not None or dist.get_world_size() > 1):
-        dist.barrier(group=group)
+        with _Waiting("barrier", dist.get_world_size(group)):
+            dist.barrier(group=group)
 
 
 # ---------------------------------------------------------------------------- differentiable

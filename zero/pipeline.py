@@ -166,7 +166,8 @@ class _EngineStage(pl.PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         start = time.perf_counter()
-        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        with comm.unwatched():
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         self.runner._record("F", self.stage_index, fwd_chunk_id, start, self._held())
         return out
 
@@ -174,19 +175,21 @@ class _EngineStage(pl.PipelineStage):
         if not self.has_backward:
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         start = time.perf_counter()
-        self.runner._before_grads(self.stage_index, full_backward)
-        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        if full_backward:
-            self.runner._after_grads(self.stage_index)
+        with comm.unwatched():
+            self.runner._before_grads(self.stage_index, full_backward)
+            super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            if full_backward:
+                self.runner._after_grads(self.stage_index)
         self.runner._record("B" if full_backward else "I", self.stage_index, bwd_chunk_id, start, self._held())
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         if not self.has_backward:
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
         start = time.perf_counter()
-        self.runner._before_grads(self.stage_index, True, weight_pass=True)
-        super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
-        self.runner._after_grads(self.stage_index)
+        with comm.unwatched():
+            self.runner._before_grads(self.stage_index, True, weight_pass=True)
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+            self.runner._after_grads(self.stage_index)
         self.runner._record("W", self.stage_index, bwd_chunk_id, start, self._held())
 
 
@@ -346,7 +349,8 @@ class Pipeline:
         self._key = (tuple(tokens.shape), tokens.dtype)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(output, target)
+        with comm.unwatched():
+            loss = self.loss_fn(output, target)
         self._loss_values.append(loss.detach())
         if not torch.is_grad_enabled() or not self._training:
             return loss
@@ -362,11 +366,14 @@ class Pipeline:
         self.timeline = StepTimeline(start=time.perf_counter())
         args = (tokens,) if self.holds_first_stage else ()
         tgt = target if self.holds_last_stage else None
-        if training:
-            self._schedule.step(*args, target=tgt, **kwargs)
-        else:
-            with torch.no_grad():
-                self._schedule.eval(*args, target=tgt, **kwargs)
+        # The schedule sends and receives activations by itself: its waits are watched as one collective
+        # over the pipeline ranks (the stages' computations in it are not waiting).
+        with comm.watched("pipeline send/recv", self.dims.pp_group):
+            if training:
+                self._schedule.step(*args, target=tgt, **kwargs)
+            else:
+                with torch.no_grad():
+                    self._schedule.eval(*args, target=tgt, **kwargs)
         self.timeline.end = time.perf_counter()
         total = torch.zeros(1, dtype=torch.float64, device=engine.device)
         if self.holds_last_stage:

@@ -3,7 +3,12 @@ one run per run_dir, finished runs kept, model errors in one line."""
 
 import fcntl
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +16,7 @@ import pytest
 import zero
 from recipes.config import ConfigError
 from recipes.pretrain import DivergenceError, train
-from tests.recipes.test_pretrain import TINY, _cfg, _losses, _run_cli
+from tests.recipes.test_pretrain import REPO, TINY, _cfg, _losses, _run_cli
 
 
 def _ckpt(run_dir: Path, step: int) -> Path:
@@ -135,7 +140,6 @@ def test_bucket_mismatch_names_what_differs(tmp_path):
         engine(5).load_checkpoint(tmp_path / "ckpt")
 
 
-
 def test_resuming_with_a_config_that_breaks_the_run_is_refused(uninterrupted, tmp_path, capsys):
     run = _copy(uninterrupted, tmp_path / "run")
     with pytest.raises(ConfigError, match="started with another model.dim"):
@@ -146,3 +150,23 @@ def test_resuming_with_a_config_that_breaks_the_run_is_refused(uninterrupted, tm
     assert "train.steps: 8 -> 9" in capsys.readouterr().out
     assert "train.steps" in (run / "config_changes.jsonl").read_text()
     assert sorted(_losses(run)) == list(range(1, 10))
+
+
+def test_a_rank_that_sleeps_inside_a_step_ends_the_run_within_the_timeout(tmp_path):
+    """Rank 1 stops answering at the start of step 3 (tests/recipes/stall_rank.py); rank 0, waiting in that
+    step's first collective, exits with code 4 naming the step and the collective once
+    train.collective_timeout_s has passed, and torchrun ends the sleeping rank with it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           "-m", "tests.recipes.stall_rank", "1", "3", "120", *TINY, f"run_dir={tmp_path}", "parallel.dp=2",
+           "train.steps=20", "train.collective_timeout_s=5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=90)
+    ended = time.time()
+    stalled = float(re.search(r"rank 1 stalls at step 3 from ([\d.]+)", proc.stdout).group(1))
+    assert re.search(r"^error: rank 0, step 3: (all_reduce|reduce_scatter|all_gather) over 2 ranks did not complete "
+                     r"within train.collective_timeout_s=5 s", proc.stderr, re.MULTILINE), proc.stderr
+    assert re.search(r"rank\s*: 0 .*\n\s*exitcode\s*: 4", proc.stderr), proc.stderr
+    print(f"the job ended {ended - stalled:.1f} s after rank 1 stopped answering")
+    assert 5 <= ended - stalled < 5 + 4  # checks every 0.5 s; torchrun's teardown of the sleeper
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "hung" and result["step"] == 3 and result["rank"] == 0
