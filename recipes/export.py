@@ -6,7 +6,8 @@ writes `model.safetensors` and `config.json` that `transformers.AutoModelForCaus
 loads, giving the same logits as our model on the same tokens: dense models as `LlamaForCausalLM`, MoE
 models (every layer MoE, softmax router renormalised over the top k, SwiGLU experts, no shared experts
 or expert bias) as `MixtralForCausalLM`. `import_hf(directory)` reads such a directory back into our
-ModelConfig and state dict (`engine.load_full_state_dict` or `Transformer.load_state_dict` take it).
+ModelConfig and state dict (`engine.load_full_state_dict` or `Transformer.load_state_dict` take it);
+the recipe's `train.init_from=<directory>` starts a run from it, checked with `weight_mismatches`.
 
 Our rotary embedding rotates interleaved pairs (x[2i], x[2i+1]); Hugging Face's rotates the two halves
 of each head, so q and k rows are reordered per head on the way out (and back on the way in): the
@@ -153,6 +154,10 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     from safetensors.torch import load_file
 
     directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not (directory / "config.json").is_file() or not files:
+        raise ExportError(f"{directory} is not a Hugging Face model directory: it needs config.json and "
+                          "*.safetensors (as `python -m recipes.export` writes)")
     config = json.loads((directory / "config.json").read_text())
     if "moe_lst" in config:
         cfg = ModelConfig(**config["moe_lst"])  # written by hf_config: our own fields (moe as a dict)
@@ -168,9 +173,33 @@ def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tenso
                           rope_theta=config.get("rope_theta", 10000.0), norm_eps=config["rms_norm_eps"],
                           tie_embeddings=config.get("tie_word_embeddings", False), moe=moe)
     hf: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
+    for f in files:
         hf.update(load_file(str(f)))
-    return cfg, from_hf(hf, cfg)
+    try:
+        return cfg, from_hf(hf, cfg)
+    except KeyError as e:
+        raise ExportError(f"{directory} lacks the tensor {e} that its config.json implies") from None
+
+
+def weight_keys(cfg: ModelConfig) -> dict[str, object]:
+    """The model settings that fix the weights' names and shapes (as `model.<key>` config names)."""
+    m = cfg.moe
+    keys: dict[str, object] = {"model.vocab_size": cfg.vocab_size, "model.dim": cfg.dim,
+                               "model.n_layers": cfg.n_layers, "model.n_heads": cfg.n_heads,
+                               "model.n_kv_heads": cfg.n_kv_heads, "model.tie_embeddings": cfg.tie_embeddings,
+                               "model.moe.num_experts": m.num_experts}
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
+        keys["model.ffn_dim"] = cfg.ffn_dim  # the width of the dense layers' MLP
+    if m.num_experts:
+        keys.update({"model.moe.ffn_dim": m.ffn_dim or cfg.ffn_dim, "model.moe.every": m.every,
+                     "model.moe.first_dense": m.first_dense, "model.moe.num_shared_experts": m.num_shared_experts})
+    return keys
+
+
+def weight_mismatches(ours: ModelConfig, theirs: ModelConfig) -> dict[str, tuple[object, object]]:
+    """Key -> (ours, theirs) for every weight-shaping setting on which two model configs differ."""
+    a, b = weight_keys(ours), weight_keys(theirs)
+    return {k: (a.get(k), b.get(k)) for k in list(a) + [k for k in b if k not in a] if a.get(k) != b.get(k)}
 
 
 def consolidate(checkpoint: Path) -> dict[str, torch.Tensor]:

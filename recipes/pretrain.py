@@ -96,11 +96,16 @@ class Parallelism:
     pipe: Pipeline | None = None
 
 
-def build_model(cfg: DictConfig, dims: zero.ParallelDims) -> tuple[Transformer, Parallelism]:
-    """The full model, identically initialised on every rank, then parallelised from outside: experts over
-    ep, tensor parallel over tp, heads over sp (Ulysses), then this rank's pipeline stages over pp."""
+def build_model(cfg: DictConfig, dims: zero.ParallelDims,
+                initial: dict[str, torch.Tensor] | None = None) -> tuple[Transformer, Parallelism]:
+    """The full model, identically initialised on every rank (with the `initial` weights when given), then
+    parallelised from outside: experts over ep, tensor parallel over tp, heads over sp (Ulysses), then this
+    rank's pipeline stages over pp. Each keeps its slice of the values the full model holds, so initial
+    weights need no slicing of their own (a meta-built model gets them from the engine: see Run)."""
     meta = builds_on_meta(cfg)
     model = Transformer(model_config(cfg), device="meta" if meta else None)
+    if initial is not None and not meta:
+        load_initial_weights(model, initial)
     untileable: tuple[type, ...] = ()
     if cfg.model.moe.num_experts:
         from moe import MoELayer, apply_expert_parallel, set_stats_group
@@ -172,6 +177,43 @@ def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims,
         # .grad are stable flat-buffer views without hooks: experts may add their gradients in place.
         set_fused_grad_accumulation(model, True)
     return engine
+
+
+def initial_weights(cfg: DictConfig, run_dir: Path, is_rank0: bool) -> dict[str, torch.Tensor] | None:
+    """The full weights train.init_from names (a Hugging Face Llama / Mixtral directory, as recipes.export
+    writes) for a fresh run, refused in one line naming every model key on which they differ from the
+    run's model. None without it, and when the run resumes (its checkpoint holds the weights: said once)."""
+    source, mode = cfg.train.init_from, cfg.train.resume
+    if source is None:
+        return None
+    if mode not in (False, "false") and (mode not in (True, "true", "auto") or checkpoints(run_dir)):
+        if is_rank0:
+            print(f"train.init_from={source} is not used: the run resumes from its checkpoint "
+                  f"(train.resume={mode})", flush=True)
+        return None
+    from recipes.export import ExportError, import_hf, weight_mismatches
+
+    try:
+        theirs, state = import_hf(source)
+    except ExportError as e:
+        raise ConfigError(f"train.init_from={source}: {e}") from None
+    differ = weight_mismatches(model_config(cfg), theirs)
+    if differ:
+        raise ConfigError(f"train.init_from={source} holds another model: "
+                          + ", ".join(f"{k}={a} here but {b} there" for k, (a, b) in differ.items())
+                          + "; set those keys to the directory's values or choose another directory")
+    return state
+
+
+def load_initial_weights(model: Transformer, state: dict[str, torch.Tensor]) -> None:
+    """Copy full weights into the full (not yet parallelised) model; only buffers may be absent (a router's
+    expert bias starts at zero)."""
+    result = model.load_state_dict(state, strict=False)
+    buffers = {name for name, _ in model.named_buffers()}
+    absent = [k for k in result.missing_keys if k not in buffers] + list(result.unexpected_keys)
+    if absent:
+        raise ConfigError(f"train.init_from: the weights do not fit the model (missing or unexpected: "
+                          f"{', '.join(absent[:5])}{' ...' if len(absent) > 5 else ''})")
 
 
 def lm_loss(engine, tokens: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
@@ -541,9 +583,12 @@ class Run:
         torch.manual_seed(t.seed)
         self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp, t.seq_len)
         self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, cfg.model.vocab_size)
-        self.model, self.parallel = build_model(cfg, self.dims)
+        initial = initial_weights(cfg, self.run_dir, self.is_rank0)
+        self.model, self.parallel = build_model(cfg, self.dims, initial)
         self.pipe = self.parallel.pipe
         self.engine = build_engine(cfg, self.model, self.dims, self.parallel)
+        if initial is not None and builds_on_meta(cfg):  # built without values: the engine takes them
+            self.engine.load_full_state_dict(initial)
         self.start_step = resume(self.engine, self.run_dir, cfg, self.is_rank0)
         if self.is_rank0:
             atomic_write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))

@@ -7,7 +7,7 @@ import torch
 
 from recipes.export import ExportError, export, import_hf, save_hf
 from recipes.models.llama import ModelConfig, MoEConfig, Transformer
-from tests.recipes.test_pretrain import _cfg
+from tests.recipes.test_pretrain import TINY, _cfg, _losses, _run_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,3 +65,65 @@ def test_moe_without_a_mixtral_equivalent_is_refused(tmp_path):
     model.cfg.moe.num_shared_experts = 1
     with pytest.raises(ExportError, match="no Mixtral equivalent.*shared experts"):
         save_hf(model.state_dict(), model.cfg, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Two-step runs (dense with untied head, MoE) exported with recipes.export: model args, val loss, dir."""
+    from recipes.pretrain import train
+
+    out = {}
+    for name, args in {"dense": ["model.tie_embeddings=false"], "moe": ["model=moe_tiny"]}.items():
+        run = tmp_path_factory.mktemp(name)
+        result = train(_cfg(run, "train.steps=2", *args))
+        out[name] = (args, result["val_loss"], export(run, run / "hf"))
+    return out
+
+
+@pytest.mark.parametrize("name, layout", [("dense", ["zero.stage=3"]), ("moe", ["zero.stage=2"])])
+def test_a_fresh_run_initialised_from_an_export_starts_with_its_weights(exported, tmp_path, name, layout):
+    """Its validation loss before any step is the exported run's last one, bit for bit (stage 3 dense models
+    are built on the meta device and take the weights from the engine; the others before parallelism)."""
+    from recipes.pretrain import Run, evaluate
+
+    args, val_loss, hf = exported[name]
+    run = Run(_cfg(tmp_path, "train.steps=2", f"train.init_from={hf}", *args, *layout))
+    try:
+        assert evaluate(run.engine, run.val_stream, run.cfg, run.dims, run.pipe) == val_loss
+    finally:
+        run.logger.finish()
+        run.lock.close()
+
+
+def test_init_from_is_refused_for_another_model_and_ignored_on_resume(exported, tmp_path, capsys):
+    from recipes.config import ConfigError
+    from recipes.pretrain import train
+
+    args, _, hf = exported["moe"]
+    with pytest.raises(ConfigError) as refused:
+        train(_cfg(tmp_path / "other", f"train.init_from={hf}", "model=moe_tiny", "model.dim=32",
+                   "model.moe.num_experts=4", "model.moe.top_k=1"))
+    message = str(refused.value)
+    assert message.startswith(f"train.init_from={hf} holds another model: model.dim=32 here but 64 there, "
+                              "model.moe.num_experts=4 here but 8 there;") and "\n" not in message
+    run = tmp_path / "run"
+    train(_cfg(run, "train.steps=1", f"train.init_from={hf}", *args))
+    capsys.readouterr()
+    train(_cfg(run, "train.steps=2", f"train.init_from={hf}", *args))  # resumes: the checkpoint wins
+    assert f"train.init_from={hf} is not used: the run resumes from its checkpoint" in capsys.readouterr().out
+
+
+def test_init_from_under_tensor_parallelism_matches_one_rank(exported, tmp_path):
+    """Weights are loaded into the full model before parallelism is applied, so every rank keeps its slice
+    (heads, vocabulary rows, expert weight columns; expert parallel ranks their experts) as it would of a
+    random init: the first step's loss equals the one-process run's, and is far from the random init's."""
+    from recipes.pretrain import train
+
+    args, _, hf = exported["moe"]
+    one, many = tmp_path / "one", tmp_path / "many"
+    train(_cfg(one, "train.steps=1", f"train.init_from={hf}", *args))
+    proc = _run_cli(*args, *TINY[1:], f"run_dir={many}", "train.steps=1", f"train.init_from={hf}", "parallel.tp=2",
+                    nproc=2, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _losses(many)[1] == pytest.approx(_losses(one)[1], rel=1e-5)
+    assert abs(_losses(one)[1] - _losses(exported["moe"][2].parent)[1]) > 0.01  # (the source run's first step)
