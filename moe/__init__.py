@@ -11,6 +11,7 @@ from .parallel import (
     ExpertTensorParallel,
     apply_expert_parallel,
     expert_parameters,
+    expert_placements,
     expert_reduce_group,
     set_fused_grad_accumulation,
     set_repeatable_backward,
@@ -20,7 +21,8 @@ from .router import TopKRouter
 
 __all__ = [
     "MoELayer", "TopKRouter", "GroupedExperts", "TokenDispatcher", "LocalDispatcher", "AllToAllDispatcher",
-    "apply_expert_parallel", "expert_parameters", "expert_reduce_group", "set_fused_grad_accumulation",
+    "apply_expert_parallel", "expert_parameters", "expert_placements", "expert_reduce_group",
+    "set_fused_grad_accumulation",
     "loss_scale_hooks", "update_router_biases", "collect_moe_stats", "set_aux_loss_scale", "set_stats_group",
     "ExpertTensorParallel", "set_repeatable_backward",
 ]

@@ -10,11 +10,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from zero.engine import ReduceGroup
+from zero.placement import Placement
 from zero.tensor_parallel import Style
 from zero.topology import group_rank, group_size
 
 from .dispatch import AllToAllDispatcher, LocalDispatcher
-from .layer import moe_layers
+from .layer import MoELayer, moe_layers
 
 
 def apply_expert_parallel(module: nn.Module, ep_group: ProcessGroup | None) -> nn.Module:
@@ -36,6 +37,22 @@ def apply_expert_parallel(module: nn.Module, ep_group: ProcessGroup | None) -> n
         layer.experts.keep_experts(rank * local, (rank + 1) * local)
         layer.set_expert_parallel(dispatcher, ep_group)
     return module
+
+
+def expert_placements(module: nn.Module) -> dict[str, Placement]:
+    """Where each rank's routed-expert weights lie in the full [num_experts, ...] weights, by parameter
+    name in `module`: pass them to `zero.initialize(placements=...)` (composed with tensor parallelism's,
+    `zero.placement.compose`) so checkpoints load under another expert-parallel size."""
+    out = {}
+    for prefix, layer in module.named_modules():
+        if not isinstance(layer, MoELayer):
+            continue
+        start, stop = layer.experts.expert_range
+        for pname, p in layer.experts.named_parameters(recurse=False):
+            if stop - start != layer.num_experts:
+                out[f"{prefix}.experts.{pname}".lstrip(".")] = Placement.along(p.shape, 0, layer.num_experts,
+                                                                                 [(0, start, stop - start)])
+    return out
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zero import comm
+from zero.reshard import CheckpointReader, ReshardError, resharded_state
 
 if TYPE_CHECKING:
     from zero.engine import Engine
@@ -70,8 +71,12 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict | None = None) -> None:
-    """Collective: every rank writes its shard; the directory appears at `path` only if all succeeded."""
+def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict | None = None,
+                    run_id: str | None = None) -> None:
+    """Collective: every rank writes its shard; the directory appears at `path` only if all succeeded.
+
+    `run_id` (e.g. the run directory's identity) is recorded in every shard and the metadata; loading
+    refuses a shard whose run, rank or step differs from the checkpoint's."""
     rank, world, group = _world()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -81,7 +86,7 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
         tmp.mkdir(parents=True)
     comm.barrier(group)
     state = {
-        "shard": {"rank": rank, "world_size": world, "global_steps": engine.global_steps},
+        "shard": {"rank": rank, "world_size": world, "global_steps": engine.global_steps, "run_id": run_id},
         "engine": engine.state_dict(file_backed=True),  # written below, before any further step
         "client_state": client_state,
         "rng": {
@@ -118,6 +123,7 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
             "stage": engine.config.stage,
             "dtype": engine.config.dtype,
             "global_steps": engine.global_steps,
+            "run_id": run_id,
         }
         _write_meta(tmp, meta)
         # The only window without a complete `path` is between these renames; load falls back to `.old`.
@@ -135,39 +141,59 @@ def _layout(engine: Engine) -> dict[str, int]:
     return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "sp": d.sp, "ep": d.ep}
 
 
-def _problem(engine: Engine, path: Path, rank: int, world: int) -> tuple[str | None, dict | None]:
-    """Why this rank cannot load its part of the checkpoint at `path` (None if it can), and its meta."""
+def describe_layout(meta: dict) -> str:
+    """A checkpoint's layout in words, e.g. 'dp=2 tp=1 pp=1 sp=1 ep=1, ZeRO stage 3, 2 ranks'."""
+    layout = " ".join(f"{k}={v}" for k, v in (meta.get("layout") or {}).items())
+    return f"{layout}, ZeRO stage {meta.get('stage')}, {meta.get('world_size')} ranks"
+
+
+def _read_meta(path: Path) -> tuple[str | None, dict | None]:
     meta_file = path / "meta.json"
     if not meta_file.exists():
         return f"no checkpoint at {path} (missing meta.json)", None
     try:
         meta = json.loads(meta_file.read_text())
-    except (OSError, ValueError) as e:
-        return f"{meta_file}: unreadable ({e})", None
-    if meta.get("world_size") != world:
-        return (f"checkpoint {path} was written by {meta.get('world_size')} ranks but this run has {world}: "
-                "resume with the same world size, or convert through "
-                "engine.full_state_dict()/load_full_state_dict()"), meta
-    saved = meta.get("layout")
-    if saved is not None and saved != _layout(engine):
-        fmt = ", ".join(f"{k}={v}" for k, v in saved.items())
-        return (f"checkpoint {path} was written with the parallel layout {fmt} but this run has "
-                f"{', '.join(f'{k}={v}' for k, v in _layout(engine).items())}: resume with the same layout "
-                "(reshard through engine.full_state_dict()/load_full_state_dict())"), meta
+        int(meta["world_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{meta_file}: unreadable ({type(e).__name__}: {e})", None
+    return None, meta
+
+
+def _shard_problem(path: Path, meta: dict, rank: int) -> str | None:
+    """Why shard `rank` of the checkpoint at `path` is unusable (missing, not listed, wrong size or
+    checksum), or None."""
     shard = _shard_file(path, rank)
     if not shard.exists():
-        return f"{shard}: missing", meta
+        return f"{shard}: missing"
     listed = meta.get("shards")
     if listed is not None:  # checkpoints written before checksums were recorded have none to check
         entry = listed[rank] if rank < len(listed) else None
         if entry is None or entry.get("file") != shard.name:
-            return f"{meta_file}: does not list {shard.name}", meta
+            return f"{path / 'meta.json'}: does not list {shard.name}"
         size = shard.stat().st_size
         if size != entry["bytes"]:
-            return f"{shard}: {size} bytes, the checkpoint lists {entry['bytes']} (truncated or replaced)", meta
+            return f"{shard}: {size} bytes, the checkpoint lists {entry['bytes']} (truncated or replaced)"
         if _digest(shard) != entry["sha256"]:
-            return f"{shard}: checksum mismatch (corrupted, or a shard of another checkpoint)", meta
-    return None, meta
+            return f"{shard}: checksum mismatch (corrupted, or a shard of another checkpoint)"
+    return None
+
+
+def _load_shard(path: Path, meta: dict, rank: int) -> dict:
+    """Shard `rank`'s state (memory-mapped: an offloaded engine streams each tensor to where it lives),
+    its record (rank, step, run) checked against the checkpoint's; raises CheckpointError."""
+    shard = _shard_file(path, rank)
+    try:
+        state = torch.load(shard, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # unreadable despite a matching checksum (e.g. written by another torch)
+        raise CheckpointError(f"{shard}: unreadable ({type(e).__name__}: {e})") from e
+    own = state.get("shard", {"rank": rank, "global_steps": meta.get("global_steps")})
+    if (own["rank"], own["global_steps"]) != (rank, meta.get("global_steps")):
+        raise CheckpointError(f"{shard}: holds rank {own['rank']} at step {own['global_steps']}, the checkpoint is "
+                              f"rank {rank} at step {meta.get('global_steps')}")
+    if own.get("run_id") != meta.get("run_id"):
+        raise CheckpointError(f"{shard}: written by run {own.get('run_id')}, the checkpoint is of run "
+                              f"{meta.get('run_id')}")
+    return state
 
 
 def _resolve(path: str | os.PathLike) -> Path:
@@ -185,34 +211,70 @@ def _agree(problem: str | None, group) -> None:
         raise CheckpointError(first)
 
 
-def verify_checkpoint(engine: Engine, path: str | os.PathLike) -> dict:
-    """Collective: check the checkpoint at `path` on every rank (metadata, layout, each shard's size and
-    checksum) and agree; raise the same CheckpointError on every rank if any rank's part is unusable.
-    Returns the checkpoint's metadata."""
-    rank, world, group = _world()
-    problem, meta = _problem(engine, _resolve(path), rank, world)
+def _verify(path: Path, rank: int, world: int, group) -> dict:
+    """Collective: the ranks share the integrity checks of every shard (rank r checks shards r, r + world,
+    ...) and agree; raises the same CheckpointError everywhere if anything is wrong. Returns the meta."""
+    problem, meta = _read_meta(path)
+    if problem is None:
+        for r in range(rank, int(meta["world_size"]), world):
+            problem = _shard_problem(path, meta, r)
+            if problem is not None:
+                break
     _agree(problem, group)
     return meta
 
 
+def verify_checkpoint(engine: Engine | None, path: str | os.PathLike) -> dict:
+    """Collective: check the checkpoint at `path` (metadata, every shard's presence, size and checksum)
+    on every rank and agree; raise the same CheckpointError on every rank if any part is unusable.
+    Returns the checkpoint's metadata. (A checkpoint of another layout verifies: loading reshards it.)"""
+    rank, world, group = _world()
+    return _verify(_resolve(path), rank, world, group)
+
+
+def _attempt(fn, group):
+    """Collective: fn() on every rank; if any rank fails, every rank raises the first failure."""
+    result, problem = None, None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - reported collectively so no rank is left waiting
+        problem = str(e) if isinstance(e, (CheckpointError, ReshardError)) else f"{type(e).__name__}: {e}"
+    _agree(problem, group)
+    return result
+
+
 def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
-    """Collective: restore engine state and RNG from `path`; returns this rank's client_state."""
+    """Collective: restore engine state and RNG from `path`; returns this rank's client_state.
+
+    A checkpoint written under the same layout is loaded shard by shard. Under another layout (world
+    size, dp/tp/pp/sp/ep sizes, ZeRO stage, bucket sizes) it is resharded: every rank reads its part of
+    the parameters and optimizer state from whichever shards hold it (see zero.reshard). Either way
+    `engine.loaded_checkpoint` says which happened. Rank r takes the RNG and client_state of the
+    checkpoint's rank r (rank 0's where the checkpoint had fewer ranks)."""
     rank, world, group = _world()
     path = _resolve(path)
-    meta = verify_checkpoint(engine, path)
-    # Memory-mapped: an offloaded engine streams each tensor to where it lives without holding them all.
-    shard = _shard_file(path, rank)
-    try:
-        state = torch.load(shard, map_location="cpu", weights_only=False, mmap=True)
-        own = state.get("shard", {"rank": rank, "global_steps": meta.get("global_steps")})
-        problem = (f"{shard}: holds rank {own['rank']} at step {own['global_steps']}, the checkpoint is rank "
-                   f"{rank} at step {meta.get('global_steps')}"
-                   if (own["rank"], own["global_steps"]) != (rank, meta.get("global_steps")) else
-                   engine.state_mismatch(state["engine"]))
-    except Exception as e:  # unreadable despite a matching checksum (e.g. written by another torch)
-        state, problem = None, f"{shard}: unreadable ({type(e).__name__}: {e})"
-    _agree(problem, group)  # all ranks fail together when any cannot load its shard (none waits)
-    engine.load_state_dict(state["engine"])
+    meta = _verify(path, rank, world, group)
+    same = (meta["world_size"] == world and meta.get("layout") in (None, _layout(engine))
+            and meta.get("stage", engine.config.stage) == engine.config.stage)
+
+    def own():
+        state = _load_shard(path, meta, rank)
+        return state, engine.state_mismatch(state["engine"])
+
+    state = mismatch = None
+    if same:
+        state, mismatch = _attempt(own, group)
+    if not same or any(m is not None for m in comm.all_gather_object(mismatch, group)):
+        def reshard():
+            reader = CheckpointReader(path, meta, lambda r: _load_shard(path, meta, r))
+            return resharded_state(engine, reader), reader.states[rank if rank < len(reader.states) else 0]
+
+        engine_state, state = _attempt(reshard, group)
+        engine.load_state_dict(engine_state)
+        engine.loaded_checkpoint = {"path": str(path), "resharded_from": describe_layout(meta)}
+    else:
+        engine.load_state_dict(state["engine"])
+        engine.loaded_checkpoint = {"path": str(path), "resharded_from": None}
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

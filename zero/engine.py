@@ -23,6 +23,7 @@ from zero.config import ZeroConfig
 from zero.nvme import check_nvme_path, pin_mmap_threshold
 from zero.optimizer import FullGradReducer, ZeroOptimizer
 from zero.partition import FlatBucket, split_into_buckets
+from zero.placement import Placement
 from zero.stage3 import Stage3Hooks, assign_parameters, find_units
 from zero.topology import ParallelDims, default_device, group_size
 
@@ -81,6 +82,24 @@ def _norm_group(dims: ParallelDims) -> ProcessGroup | None:
     return dims.dp_sp_group if dims.tp == 1 and dims.pp == 1 else dist.group.WORLD
 
 
+def _check_placements(model: nn.Module, placements: Mapping[str, Placement]) -> dict[str, Placement]:
+    """The placements of this module's parameters (names of other pipeline stages are ignored), each
+    checked against its parameter's shape; whole placements are dropped (that is the default)."""
+    out = {}
+    for name, p in model.named_parameters():
+        placement = placements.get(name)
+        if placement is None:
+            continue
+        if not isinstance(placement, Placement):
+            raise TypeError(f"placements[{name!r}] must be a zero.placement.Placement, got {type(placement).__name__}")
+        if tuple(p.shape) != placement.local_shape:
+            raise ValueError(f"placements[{name!r}] describes a local tensor of shape {placement.local_shape} but "
+                             f"the parameter has shape {tuple(p.shape)}")
+        if not placement.is_whole:
+            out[name] = placement
+    return out
+
+
 def _check_declarations(config: ZeroConfig, replicated: dict, tied: dict, loss_scale_hooks: Sequence) -> None:
     if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in replicated.values()):
         raise ValueError("replicated_params maps parameters to the number of tensor-parallel ranks holding "
@@ -127,6 +146,7 @@ class Engine:
         param_init: ParamInit | None = None,
         replicated_params: Mapping[nn.Parameter, int] | None = None,
         tied_params: Mapping[nn.Parameter, ProcessGroup | None] | None = None,
+        placements: Mapping[str, Placement] | None = None,
     ) -> None:
         replicated_params, tied_params = dict(replicated_params or {}), dict(tied_params or {})
         _check_factories(optimizer, lr_scheduler)
@@ -134,6 +154,7 @@ class Engine:
         self.module = model
         self.config = config
         self.dims = dims
+        self.placements = _check_placements(model, placements or {})
         self.dp = dims.dp
         self.loss_scale_hooks = list(loss_scale_hooks)
         self.param_init = param_init
@@ -173,6 +194,8 @@ class Engine:
         self._micro_since_step = 0
         self._comm_mark: dict[str, int] | None = None  # comm.stats at the start of this step's first pass
         self._last_step_comm: dict[str, int] = {}
+        #: Set by load_checkpoint: {"path": ..., "resharded_from": the checkpoint's layout or None}.
+        self.loaded_checkpoint: dict | None = None
 
     # ------------------------------------------------------------------ construction
     def _swap_meta_parameters(self, model: nn.Module, device: torch.device | None) -> None:
@@ -462,9 +485,15 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def _layout(self) -> list[dict]:
+        def placement(name: str) -> dict | None:
+            p = self.placements.get(name)
+            return None if p is None else p.to_json()
+
         return [
             {
                 "names": b.names,
+                "shapes": [list(s) for s in b.shapes],
+                "placements": [placement(n) for n in b.names],
                 "numels": b.numels,
                 "padded": b.padded,
                 "world": b.world,
@@ -599,11 +628,11 @@ class Engine:
                 buffers[n].copy_(v)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str, client_state: dict | None = None) -> None:
+    def save_checkpoint(self, path: str, client_state: dict | None = None, run_id: str | None = None) -> None:
         """Atomically write this rank's sharded state (plus its `client_state`) into directory `path`."""
         from zero.checkpoint import save_checkpoint
 
-        save_checkpoint(self, path, client_state)
+        save_checkpoint(self, path, client_state, run_id)
 
     def close(self) -> None:
         """Release what the engine holds outside the process (offload files); also done at exit."""
@@ -612,7 +641,8 @@ class Engine:
             b.close()
 
     def load_checkpoint(self, path: str) -> dict | None:
-        """Restore a checkpoint written by save_checkpoint; returns this rank's client_state."""
+        """Restore a checkpoint written by save_checkpoint under this or any other layout (resharded);
+        returns this rank's client_state."""
         from zero.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path)
@@ -630,6 +660,7 @@ def initialize(
     param_init: ParamInit | None = None,
     replicated_params: Mapping[nn.Parameter, int] | None = None,
     tied_params: Mapping[nn.Parameter, ProcessGroup | None] | None = None,
+    placements: Mapping[str, Placement] | None = None,
 ) -> Engine:
     """Wrap `model` for training: shard per `config.stage` over the groups of `dims`.
 
@@ -652,10 +683,15 @@ def initialize(
     pipeline parallelism `model` is this rank's stages (`Pipeline.module`) and `tied_params`
     (`Pipeline.tied_params`) maps each parameter that has a copy on another stage (a tied embedding and
     head) to the group of its copies: their gradients are summed there before every step.
+
+    `placements` (parameter name -> `zero.placement.Placement`) says where each split parameter's local
+    tensor lies in the model's full one (`moe.expert_placements`, `TensorParallel.placements`, composed
+    with `zero.placement.compose`); unnamed parameters are whole. Checkpoints record them, so a
+    checkpoint loads under any other layout (dp, ZeRO stage, sp, ep, tp, pp): see `load_checkpoint`.
     """
     config = config if config is not None else ZeroConfig()
     dims = dims if dims is not None else ParallelDims()
     if group_size(dims.dp_sp_group) != dims.dp_sp:
         raise RuntimeError(f"{dims} does not match the process group sizes")
     return Engine(model, optimizer, config, dims, lr_scheduler, reduce_groups, loss_scale_hooks, param_init,
-                  replicated_params, tied_params)
+                  replicated_params, tied_params, placements)

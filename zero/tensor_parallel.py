@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from zero import comm
+from zero.placement import Placement
 from zero.topology import group_rank, group_size
 
 
@@ -222,6 +223,18 @@ class ShardLayout:
             return torch.cat([h[0] for h in halves] + [h[1] for h in halves], self.dim)
         return torch.cat(list(parts), self.dim)
 
+    def placement(self, local_shape: Sequence[int], rank: int, world: int) -> Placement:
+        """Where tp rank `rank`'s local tensor of `local_shape` lies in the full tensor."""
+        if self.dim is None:
+            return Placement.whole(local_shape)
+        n = local_shape[self.dim]
+        if self.slots:
+            return Placement.along(local_shape, self.dim, n * self.slots, [(0, rank * self.slots // world * n, n)])
+        if self.halves:
+            h = n // 2
+            return Placement.along(local_shape, self.dim, n * world, [(0, rank * h, h), (h, world * h + rank * h, h)])
+        return Placement.along(local_shape, self.dim, n * world, [(0, rank * n, n)])
+
 
 REPLICATED = ShardLayout(None)
 def _rank_slice(total: int, world: int, rank: int, what: str) -> slice:
@@ -373,6 +386,14 @@ class TensorParallel:
     def replicated_params(self) -> dict[nn.Parameter, int]:
         """Parameters held identically by k > 1 tp ranks: `zero.initialize(replicated_params=...)`."""
         return {self.params[n]: lay.replicas for n, lay in self.layouts.items() if lay.replicas > 1}
+
+    @property
+    def placements(self) -> dict[str, Placement]:
+        """Where each split parameter's local slice lies in the full one (by model name), for
+        `zero.initialize(placements=...)`: checkpoints then load under any other layout."""
+        world, rank = group_size(self.group), group_rank(self.group)
+        return {n: lay.placement(self.params[n].shape, rank, world) for n, lay in self.layouts.items()
+                if lay.dim is not None}
 
     def full_state_dict(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Assemble full tensors from every tp rank's `local` state dict (names as the model's); names

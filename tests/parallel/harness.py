@@ -17,7 +17,7 @@ import zero
 from recipes.models.llama import ModelConfig, MoEConfig, Transformer
 from zero.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 
-SEQ, ROWS, MICRO, STEPS, LR = 16, 2, 4, 3, 0.5
+SEQ, ROWS, MICRO, STEPS, LR = 16, 4, 4, 3, 0.5
 IGNORE = -100
 
 
@@ -43,18 +43,24 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None = None, steps: int = STEPS,
           stage: int = 0, schedule: str = "1f1b", virtual_stages: int | None = None,
           dtype: str = "fp32", ckpt_dir: str | None = None, resume_from: str | None = None,
-          eval_first: bool = False, zero_options: dict | None = None) -> dict:
+          eval_first: bool = False, zero_options: dict | None = None, optim: str = "sgd",
+          save_at: int | None = None) -> dict:
+    """Train `steps` steps (from a checkpoint's step with `resume_from`); with `ckpt_dir` save after
+    `save_at` steps (default steps - 1). optim="adamw" has per-element state to carry over."""
     dims = zero.ParallelDims(**layout)
     coord = dims.coordinate() if dims.distributed else {"dp": 0, "sp": 0, "tp": 0, "pp": 0, "ep": 0, "edp": 0}
     torch.manual_seed(0)
     model = Transformer(model_config(moe, **(model_overrides or {})))
     declarations: dict = {}
+    placements = {}
     if moe:
-        from moe import apply_expert_parallel, expert_reduce_group, loss_scale_hooks, set_stats_group
+        from moe import apply_expert_parallel, expert_placements, expert_reduce_group, loss_scale_hooks, set_stats_group
 
         apply_expert_parallel(model, dims.ep_group)
         set_stats_group(model, dims.sp_group)
+        placements = expert_placements(model)
     tp = apply_tensor_parallel(model, dims.tp_group)
+    placements = zero.compose(placements, tp.placements)
     if dims.sp > 1:
         from sequence_parallel import apply_ulysses
 
@@ -83,15 +89,21 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
     if moe:
         declarations = {"reduce_groups": [expert_reduce_group(module, dims.expert_data_parallel_group)],
                         "loss_scale_hooks": loss_scale_hooks(module)}
+    # Adam with a large eps: elements with near-zero gradients must not turn layout noise into +-lr steps.
+    factory = (functools.partial(torch.optim.SGD, lr=LR) if optim == "sgd" else
+               functools.partial(torch.optim.AdamW, lr=1e-2, eps=1e-3, weight_decay=0.1))
     engine = zero.initialize(
-        module, functools.partial(torch.optim.SGD, lr=LR),
+        module, factory,
         zero.ZeroConfig(stage=stage, grad_accum_steps=MICRO, clip_grad_norm=1.0, dtype=dtype,
                         reduce_bucket_size=2000, **(zero_options or {})),
         dims, replicated_params=tp.replicated_params, tied_params=pipe.tied_params if pipe else None,
-        **declarations)
+        placements=placements, **declarations)
     start = 0
     if resume_from is not None:
         start = engine.load_checkpoint(resume_from)["step"]
+    save_at = steps - 1 if save_at is None else save_at
+    if ckpt_dir is not None and save_at == start:  # nothing to train: save what was loaded
+        engine.save_checkpoint(ckpt_dir, client_state={"step": start})
 
     def shard(tokens, labels):
         per = ROWS // dims.dp
@@ -129,10 +141,10 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
         norms.append(engine.global_grad_norm)
         if step == start:
             first = full_parameters(engine, tp, dims, coord)
-        if ckpt_dir is not None and step + 1 == steps - 1:
+        if ckpt_dir is not None and step + 1 == save_at:
             engine.save_checkpoint(ckpt_dir, client_state={"step": step + 1})
     return {"losses": losses, "norms": norms, "first": first, "final": full_parameters(engine, tp, dims, coord),
-            "eval": evaluated}
+            "eval": evaluated, "resharded_from": (engine.loaded_checkpoint or {}).get("resharded_from")}
 
 
 @torch.no_grad()

@@ -102,18 +102,21 @@ def test_checkpoint_resume(tmp_path, layout, world):
         assert resumed["final"][name].equal(value), name
 
 
-def _save_then_load_other_layout(directory: str) -> str:
+def _save_then_load_other_layout(directory: str) -> tuple[str | None, str]:
     train({"pp": 2, "tp": 2}, steps=2, ckpt_dir=directory)
+    resharded = train({"dp": 2, "tp": 2}, steps=2, resume_from=directory)["resharded_from"]
     try:
-        train({"dp": 2, "tp": 2}, steps=2, resume_from=directory)
+        train({"dp": 2, "tp": 2}, steps=2, resume_from=directory, model_overrides={"ffn_dim": 96})
     except ValueError as e:
-        return str(e)
-    return "loaded"
+        return resharded, str(e)
+    return resharded, "loaded"
 
 
-def test_checkpoint_from_another_layout_is_refused_by_name(tmp_path):
-    message = run_multirank(_save_then_load_other_layout, 4, str(tmp_path / "ckpt"), timeout=300)[0]
-    assert "parallel layout dp=1, tp=2, pp=2" in message and "dp=2, tp=2, pp=1" in message
+def test_checkpoint_of_another_layout_reshards_and_of_another_model_is_refused_by_name(tmp_path):
+    # (tests/parallel/test_reshard.py checks that resharded runs continue the same trajectory.)
+    resharded, message = run_multirank(_save_then_load_other_layout, 4, str(tmp_path / "ckpt"), timeout=300)[0]
+    assert resharded == "dp=1 tp=2 pp=2 sp=1 ep=1, ZeRO stage 0, 4 ranks"
+    assert "feed_forward.w2.weight of shape (32, 64)" in message and "is (32, 96)" in message, message
 
 
 def test_zero3_moe_zero_bubble_and_offload_with_virtual_stages(tmp_path):

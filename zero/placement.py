@@ -1,0 +1,118 @@
+"""Where a rank's local parameter lies inside the logical (unsharded) parameter of the whole model.
+
+Tensor and expert parallelism replace parameters by slices: an expert-parallel rank holds experts
+[r*E/P, (r+1)*E/P) of a [E, ...] weight, a column-parallel rank some rows, a SwiGLU input projection two
+stacked half-slices. A `Placement` records this as boxes: each `Piece` says that the local box starting at
+`local` equals the global box starting at `start`, both of `size`. Placements are data (JSON in every
+checkpoint), compose (a tp slice of an ep slice), and let a checkpoint written under one layout be read
+under any other: each rank assembles exactly the boxes it needs from whichever ranks wrote them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def _box(starts: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(a, a + s) for a, s in zip(starts, sizes))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """local[local : local + size] == global[start : start + size] (per dimension)."""
+
+    local: tuple[int, ...]
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A local tensor as pieces of a global tensor of shape `shape`."""
+
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @staticmethod
+    def whole(shape: Sequence[int]) -> Placement:
+        """The local tensor is the whole global tensor (a replicated or unsplit parameter)."""
+        shape = tuple(int(s) for s in shape)
+        zero = (0,) * len(shape)
+        return Placement(shape, (Piece(zero, zero, shape),))
+
+    @staticmethod
+    def along(local_shape: Sequence[int], dim: int, global_size: int,
+              chunks: Sequence[tuple[int, int, int]]) -> Placement:
+        """Slices along `dim` (global length `global_size`): each chunk (local start, global start, length)
+        maps that range of the local tensor to that range of the global one; other dims are whole."""
+        local_shape = tuple(int(s) for s in local_shape)
+        shape = local_shape[:dim] + (int(global_size),) + local_shape[dim + 1:]
+        pieces = []
+        for lo, go, n in chunks:
+            at = [0] * len(shape)
+            gat = [0] * len(shape)
+            at[dim], gat[dim] = lo, go
+            size = local_shape[:dim] + (n,) + local_shape[dim + 1:]
+            pieces.append(Piece(tuple(at), tuple(gat), size))
+        return Placement(shape, tuple(pieces))
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(max(p.local[d] + p.size[d] for p in self.pieces) for d in range(len(self.shape)))
+
+    @property
+    def is_whole(self) -> bool:
+        return self == Placement.whole(self.shape)
+
+    def within(self, outer: Placement) -> Placement:
+        """This placement is relative to `outer`'s local tensor (e.g. a tp slice of an ep rank's experts):
+        the same local tensor placed in `outer`'s global tensor."""
+        if self.shape != outer.local_shape:
+            raise ValueError(f"cannot compose placements: {self.shape} is not the outer local shape "
+                             f"{outer.local_shape}")
+        pieces = []
+        for q in self.pieces:
+            for p in outer.pieces:
+                lo = [max(a, b) for a, b in zip(q.start, p.local)]
+                hi = [min(a + s, b + t) for a, s, b, t in zip(q.start, q.size, p.local, p.size)]
+                if any(a >= b for a, b in zip(lo, hi)):
+                    continue
+                pieces.append(Piece(tuple(ql + a - qs for ql, a, qs in zip(q.local, lo, q.start)),
+                                    tuple(ps + a - pl for ps, a, pl in zip(p.start, lo, p.local)),
+                                    tuple(b - a for a, b in zip(lo, hi))))
+        return Placement(outer.shape, tuple(pieces))
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This placement's local tensor cut out of the global tensor `full`."""
+        out = full.new_empty(self.local_shape)
+        for p in self.pieces:
+            out[_box(p.local, p.size)] = full[_box(p.start, p.size)]
+        return out
+
+    def put(self, local: torch.Tensor, full: torch.Tensor, covered: torch.Tensor | None = None) -> None:
+        """Write the local tensor into its boxes of `full` (marking them in the bool tensor `covered`)."""
+        for p in self.pieces:
+            full[_box(p.start, p.size)] = local[_box(p.local, p.size)]
+            if covered is not None:
+                covered[_box(p.start, p.size)] = True
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "pieces": [[list(p.local), list(p.start), list(p.size)]
+                                                      for p in self.pieces]}
+
+    @staticmethod
+    def from_json(data: dict) -> Placement:
+        return Placement(tuple(data["shape"]), tuple(Piece(tuple(a), tuple(b), tuple(c))
+                                                     for a, b, c in data["pieces"]))
+
+
+def compose(outer: Mapping[str, Placement], inner: Mapping[str, Placement]) -> dict[str, Placement]:
+    """Placements after two splits by name: `outer` first (e.g. expert parallelism), then `inner` of the
+    tensors it left (e.g. tensor parallelism); a name split only once keeps that placement."""
+    out = dict(outer)
+    for name, p in inner.items():
+        out[name] = p.within(outer[name]) if name in outer else p
+    return out
