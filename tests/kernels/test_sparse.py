@@ -1,0 +1,276 @@
+"""Block-sparse layouts and attention: every layout equals dense attention under its mask, counts follow the
+layout formulas, the FlexAttention block mask describes the same mask, memory stays below [seq, seq]."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kernels.sparse as sparse
+from kernels.attention import attention
+from kernels.sparse import SparseConfig, block_layout, block_sparse_attention, flex_block_mask
+
+B = 8  # block size of the small cases
+CONFIGS = {
+    "fixed": SparseConfig(layout="fixed", block_size=B, window_blocks=3, global_blocks=1),
+    "bigbird": SparseConfig(layout="bigbird", block_size=B, window_blocks=2, global_blocks=1, random_blocks=2, seed=7),
+    "longformer": SparseConfig(layout="longformer", block_size=B, window_blocks=2, global_tokens=(3, 29)),
+    "sliding_window": SparseConfig(layout="sliding_window", block_size=B, window_blocks=3),
+    "variable": SparseConfig(layout="variable", block_size=B, local_window_blocks=(2, 3), global_block_indices=(1, 4)),
+}
+# (seq, q heads, kv heads): whole blocks, a ragged last block, GQA with a ragged block
+SHAPES = [(64, 2, 2), (61, 4, 2), (45, 6, 2)]
+
+
+def _masked_dense(q, k, v, mask):
+    """softmax(q k^T / sqrt(d) + (-inf outside mask)) v, per head, GQA by repeating kv heads."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if mask.dim() == 4:  # [b, kv heads, s, s] -> per query head
+        mask = mask.repeat_interleave(rep, 1)
+    return torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+
+
+def _qkv(s, h, hk, seed=0, d=16, b=2):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, n, d, generator=gen, requires_grad=True) for n in (h, hk, hk)]
+
+
+def _compare(out, ref, inputs, atol=2e-5):
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad(out, inputs, g)
+    want = torch.autograd.grad(ref, inputs, g)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=1e-5)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("causal", [True, False])
+def test_layout_equals_dense_attention_with_its_mask(name, causal, monkeypatch):
+    for i, (s, h, hk) in enumerate(SHAPES):
+        # the last shape in chunks of a few query blocks, so chunk boundaries are exercised too
+        monkeypatch.setattr(sparse, "CHUNK_ELEMENTS", 1 << 19 if i < 2 else 3000)
+        layout = block_layout(CONFIGS[name], s, causal)
+        q, k, v = _qkv(s, h, hk, seed=i)
+        _compare(block_sparse_attention(q, k, v, layout), _masked_dense(q, k, v, layout.token_mask()), (q, k, v))
+
+
+def test_per_head_layout_and_custom_scale():
+    # A layout with [batch, kv_heads] leading dims (as NSA's selected blocks are) and GQA.
+    s, h, hk, n = 40, 4, 2, 5
+    gen = torch.Generator().manual_seed(3)
+    cols = torch.zeros(2, hk, n, 3, dtype=torch.long)
+    counts = torch.zeros(2, hk, n, dtype=torch.long)
+    for b in range(2):
+        for kh in range(hk):
+            for r in range(n):
+                extra = torch.randperm(r, generator=gen)[: min(r, 2)].tolist() if r else []
+                picked = sorted(set(extra) | {r})
+                cols[b, kh, r, : len(picked)] = torch.tensor(picked)
+                counts[b, kh, r] = len(picked)
+    layout = sparse.BlockLayout("per_head", B, s, True, cols, counts)
+    q, k, v = _qkv(s, h, hk, seed=4)
+    out = block_sparse_attention(q, k, v, layout, scale=0.3)
+    mask = layout.token_mask()  # [2, hk, s, s]
+    ref = _masked_dense(q * 0.3 * math.sqrt(16), k, v, mask)
+    _compare(out, ref, (q, k, v))
+
+
+def _window(i, n, w, causal):
+    return min(i + 1, w) if causal else min(i, w - 1) + min(n - 1 - i, w - 1) + 1
+
+
+def _expected_counts(cfg: SparseConfig, n: int, causal: bool) -> list[int]:
+    """Per-row block counts from each layout's formula (written without building a mask)."""
+    w, g = cfg.window_blocks, cfg.global_blocks
+    rows = []
+    for i in range(n):
+        if cfg.layout == "sliding_window":
+            rows.append(_window(i, n, w, causal))
+        elif cfg.layout == "fixed":
+            if causal:  # own window up to i, plus g global blocks of every earlier (complete) window
+                rows.append(i % w + 1 + g * (i // w))
+            else:  # own window, plus the global blocks of every other window (the last one may be short)
+                sizes = [min(w, n - W * w) for W in range(-(-n // w))]
+                glob = [max(0, size - (w - g)) for size in sizes]
+                rows.append(sizes[i // w] + sum(glob) - glob[i // w])
+        elif cfg.layout == "bigbird":
+            allowed = i + 1 if causal else n
+            if i < g:
+                rows.append(allowed)
+                continue
+            base = _window(i, n, w, causal) + max(0, min(g, i - w + 1))
+            rows.append(base + min(cfg.random_blocks, allowed - base))
+        elif cfg.layout == "longformer":
+            glob = sorted({t // cfg.block_size for t in cfg.global_tokens})
+            if i in glob:
+                rows.append(i + 1 if causal else n)
+            else:
+                far = [j for j in glob if abs(i - j) >= w and (j <= i or not causal)]
+                rows.append(_window(i, n, w, causal) + len(far))
+        else:  # variable
+            starts, size, x = [], None, 0
+            while x < n:
+                size = cfg.local_window_blocks[min(len(starts), len(cfg.local_window_blocks) - 1)]
+                starts.append(x)
+                x += size
+            start = max(s for s in starts if s <= i)
+            end = min(n, start + cfg.local_window_blocks[min(starts.index(start), len(cfg.local_window_blocks) - 1)])
+            glob = set(cfg.global_block_indices)
+            if causal:
+                rows.append(i - start + 1 + len([j for j in glob if j < start]))
+            else:
+                rows.append(end - start + len([j for j in glob if not start <= j < end]))
+    return rows
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_counts_match_layout_formulas(name, causal):
+    for seq in (64, 200, 1000):
+        cfg = CONFIGS[name]
+        layout = block_layout(cfg, seq, causal)
+        n = -(-seq // cfg.block_size)
+        assert layout.num_blocks == n
+        assert layout.counts.tolist() == _expected_counts(cfg, n, causal), (name, causal, seq)
+        assert layout.nnz == sum(_expected_counts(cfg, n, causal))
+        cols = layout.cols
+        for r in range(n):  # ascending, distinct, the diagonal always there, nothing after it when causal
+            row = cols[r, : layout.counts[r]].tolist()
+            assert row == sorted(set(row)) and r in row and (not causal or row[-1] == r)
+    # the fixed formula in closed form for whole windows: n/w windows, each row sees its window prefix
+    big = block_layout(SparseConfig(layout="fixed", block_size=64, window_blocks=4, global_blocks=1), 16384)
+    n, w = 256, 4
+    assert big.nnz == n // w * (w * (w + 1) // 2) + w * sum(range(n // w))
+
+
+def test_bigbird_random_blocks_are_seeded():
+    cfg = CONFIGS["bigbird"]
+    a = block_layout(cfg, 200, True)
+    b = block_layout(SparseConfig(**{**cfg.__dict__, "seed": 8}), 200, True)
+    assert torch.equal(a.cols, block_layout(SparseConfig(**cfg.__dict__), 200, True).cols)
+    assert not torch.equal(a.cols, b.cols)
+
+
+@pytest.mark.parametrize("cfg", [
+    SparseConfig(layout="sliding_window", block_size=8, window_blocks=100),
+    SparseConfig(layout="fixed", block_size=8, window_blocks=3, global_blocks=3),
+    SparseConfig(layout="bigbird", block_size=16, global_blocks=4),
+])
+@pytest.mark.parametrize("causal", [True, False])
+def test_layout_that_covers_everything_equals_dense(cfg, causal):
+    s = 61
+    layout = block_layout(cfg, s, causal)
+    n = layout.num_blocks
+    assert layout.nnz == (n * (n + 1) // 2 if causal else n * n)
+    q, k, v = _qkv(s, 4, 2, seed=5)
+    _compare(block_sparse_attention(q, k, v, layout), attention(q, k, v, causal=causal, backend="reference"),
+             (q, k, v))
+
+
+def test_layout_is_cached_printable_and_plottable(tmp_path):
+    cfg = CONFIGS["bigbird"]
+    layout = block_layout(cfg, 64, True)
+    assert block_layout(cfg, 64, True) is layout and block_layout(cfg, 64, False) is not layout
+    text = str(layout)
+    assert text.splitlines()[0].startswith("BlockLayout(bigbird, causal, seq_len=64, block_size=8: 8x8 blocks")
+    assert text.splitlines()[1:] == ["".join("#" if x else "." for x in row) for row in layout.block_mask().tolist()]
+    layout.save_image(str(tmp_path / "bigbird.png"))
+    assert (tmp_path / "bigbird.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_size": 0}, "block_size=0 must be an integer >= 1"),
+    ({"window_blocks": 0}, "window_blocks=0 must be an integer >= 1"),
+    ({"layout": "strided"}, "is not a layout"),
+    ({"layout": "fixed", "global_blocks": 5}, "must be <= window_blocks=4"),
+    ({"layout": "variable", "local_window_blocks": []}, "non-empty"),
+])
+def test_bad_configs_name_the_rule(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SparseConfig(**kwargs)
+
+
+def test_sequence_dependent_errors_and_unused_fields():
+    with pytest.raises(ValueError, match="more global blocks than the sequence has"):
+        block_layout(SparseConfig(layout="bigbird", block_size=8, global_blocks=9), 64)
+    with pytest.raises(ValueError, match="global_tokens=\\[70\\]"):
+        block_layout(SparseConfig(layout="longformer", global_tokens=(70,)), 64)
+    with pytest.raises(ValueError, match="global_block_indices"):
+        block_layout(SparseConfig(layout="variable", block_size=8, global_block_indices=(8,)), 64)
+    assert SparseConfig(layout="fixed", random_blocks=3).unused_fields() == ["random_blocks"]
+    assert SparseConfig(layout="bigbird", random_blocks=3).unused_fields() == []
+    q = torch.randn(1, 32, 2, 8)
+    with pytest.raises(ValueError, match="built for 64 tokens but q has 32"):
+        block_sparse_attention(q, q, q, block_layout(CONFIGS["fixed"], 64))
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_cpu_path_never_builds_seq_by_seq_tensors():
+    s = 2048
+    layout = block_layout(SparseConfig(layout="bigbird", block_size=32, window_blocks=3, random_blocks=2), s)
+    q, k, v = _qkv(s, 1, 1, d=16, b=1)
+    with _LargestTensor() as probe:
+        out = block_sparse_attention(q, k, v, layout)
+        out.sum().backward()
+    assert probe.largest < s * s // 8, probe.largest
+
+
+@pytest.mark.parametrize("block, s", [(8, 45), (64, 300)])
+def test_flex_block_mask_describes_the_layout(block, s):
+    # FlexAttention has no CPU backward and its eager CPU forward applies the mask function to every score;
+    # that checks the mask function, and the block lists are checked against the layout below.
+    if sparse._flex_attention is None:
+        pytest.skip("this torch has no FlexAttention")
+    cfg = SparseConfig(layout="bigbird", block_size=block, window_blocks=2, global_blocks=1, random_blocks=1)
+    for causal in (True, False):
+        layout = block_layout(cfg, s, causal)
+        mask = flex_block_mask(layout, heads=4)
+        q, k, v = (x.detach() for x in _qkv(s, 4, 2, seed=6))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flex = sparse._flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                                          enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(flex, block_sparse_attention(q, k, v, layout), atol=2e-5, rtol=1e-5)
+        # every block the layout attends is visited by the kernel (coarsened to FlexAttention's tile)
+        F = mask.BLOCK_SIZE[0]
+        visited = mask.to_dense()[0, 0].bool()
+        fine = layout.block_mask()
+        coarse = torch.zeros_like(visited)
+        for r, c in fine.nonzero().tolist():
+            coarse[r * block // F, c * block // F] = True
+        assert torch.equal(visited, coarse)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_path_matches_cpu_path_on_gpu():
+    for name in ("fixed", "bigbird", "sliding_window"):
+        cfg = SparseConfig(**{**CONFIGS[name].__dict__, "block_size": 64})
+        layout = block_layout(cfg, 1000, True)
+        q, k, v = _qkv(1000, 8, 2, seed=9, d=64)
+        g = torch.randn(2, 1000, 8, 64)
+        out = block_sparse_attention(q, k, v, layout)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        qc, kc, vc = (x.detach().cuda().requires_grad_() for x in (q, k, v))
+        out_cuda = block_sparse_attention(qc, kc, vc, layout)
+        grads_cuda = torch.autograd.grad(out_cuda, (qc, kc, vc), g.cuda())
+        torch.testing.assert_close(out_cuda.cpu(), out, atol=2e-3, rtol=2e-3)
+        for a, e in zip(grads_cuda, grads):
+            torch.testing.assert_close(a.cpu(), e, atol=5e-3, rtol=5e-3)
