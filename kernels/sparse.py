@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import astuple, dataclass, field, fields
 
 import torch
 
@@ -29,7 +29,7 @@ LAYOUT_FIELDS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class SparseConfig:
     """Which key blocks each query block attends (all counts in blocks of `block_size` tokens).
 
@@ -58,7 +58,7 @@ class SparseConfig:
 
     def __post_init__(self) -> None:
         for name in ("global_tokens", "local_window_blocks", "global_block_indices"):  # lists from a config file
-            object.__setattr__(self, name, tuple(int(x) for x in getattr(self, name)))
+            setattr(self, name, tuple(int(x) for x in getattr(self, name)))
         if self.layout not in LAYOUTS:
             raise ValueError(f"model.sparse.layout={self.layout!r} is not a layout; choose one of {', '.join(LAYOUTS)}")
         for name, minimum in (("block_size", 1), ("window_blocks", 1), ("global_blocks", 0), ("random_blocks", 0)):
@@ -200,7 +200,19 @@ def _window_ids(sizes: tuple[int, ...], n: int) -> torch.Tensor:
     return torch.tensor(ids[:n])
 
 
-def _rows(cfg: SparseConfig, n: int, seq_len: int, causal: bool, i: torch.Tensor, gen: torch.Generator | None):
+_HASH_PRIME = 2**31 - 1
+
+
+def _uniform_hash(seed: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """Pseudo-random numbers in [0, 1) that depend on (seed, i, j) alone: a causal layout's random blocks
+    are then the same whatever the sequence length (a padded sequence under Ulysses keeps them)."""
+    h = (i * 1_000_003 + j * 7_919 + (seed % _HASH_PRIME) * 104_729 + 12_345) % _HASH_PRIME
+    for mult in (48_271, 16_807, 69_621):  # xor-shift then multiply mod a prime: products stay below 2**62
+        h = ((h ^ (h >> 15)) * mult) % _HASH_PRIME
+    return h.double().div_(_HASH_PRIME).float()
+
+
+def _rows(cfg: SparseConfig, n: int, causal: bool, i: torch.Tensor) -> torch.Tensor:
     """Block mask rows `i` [R] of the layout: bool [R, n]."""
     j = torch.arange(n)[None, :]
     i = i[:, None]
@@ -222,24 +234,27 @@ def _rows(cfg: SparseConfig, n: int, seq_len: int, causal: bool, i: torch.Tensor
     allowed = j <= i if causal else torch.ones_like(mask)
     mask = mask & allowed
     if cfg.layout == "bigbird" and cfg.random_blocks:
-        # Every row draws n uniforms whatever the chunking, so the layout depends on the seed alone.
-        scores = torch.rand(i.shape[0], n, generator=gen)
-        scores = scores.masked_fill(~(allowed & ~mask), -1.0)
+        scores = _uniform_hash(cfg.seed, i, j).masked_fill(~(allowed & ~mask), -1.0)
         top = scores.topk(min(cfg.random_blocks, n), dim=1)
         mask = mask.scatter(1, top.indices, top.values >= 0) | mask
     return mask
 
 
-@functools.lru_cache(maxsize=64)
 def block_layout(cfg: SparseConfig, seq_len: int, causal: bool = True) -> BlockLayout:
-    """The layout of `cfg` for `seq_len` tokens (cached; built in chunks of rows, never [seq, seq])."""
+    """The layout of `cfg` for `seq_len` tokens, cached per (config values, length, causal)."""
+    return _cached_layout(astuple(cfg), seq_len, causal)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_layout(values: tuple, seq_len: int, causal: bool) -> BlockLayout:
+    # Keyed on the values, not the (mutable) config object. Built in chunks of rows, never [seq, seq].
+    cfg = SparseConfig(*values)
     cfg.check_sequence(seq_len)
     n = -(-seq_len // cfg.block_size)
-    gen = torch.Generator().manual_seed(cfg.seed)
     cols, counts = [], []
     step = max(1, (1 << 22) // n)
     for r0 in range(0, n, step):
-        mask = _rows(cfg, n, seq_len, causal, torch.arange(r0, min(n, r0 + step)), gen)
+        mask = _rows(cfg, n, causal, torch.arange(r0, min(n, r0 + step)))
         c = mask.sum(1)
         # Ascending key blocks first: a stable sort puts the True columns first in their order.
         order = torch.sort(mask.to(torch.uint8), dim=1, descending=True, stable=True).indices
