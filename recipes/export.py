@@ -11,8 +11,8 @@ the recipe's `train.init_from=<directory>` starts a run from it, checked with `w
 
 Our rotary embedding rotates interleaved pairs (x[2i], x[2i+1]); Hugging Face's rotates the two halves
 of each head, so q and k rows are reordered per head on the way out (and back on the way in): the
-attention scores are unchanged. Checkpoints written with data and ZeRO parallelism are consolidated
-from their shards; tensor, pipeline, expert or sequence parallel checkpoints are not (yet).
+attention scores are unchanged. Checkpoints of every layout (dp, ZeRO stage, tp, pp, ep, sp) are
+verified and consolidated from their shards (`zero.open_checkpoint`, `zero.consolidate`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+import zero
 from recipes.config import checkpoints, model_config
 from recipes.models.llama import ModelConfig, MoEConfig, Transformer
 
@@ -43,6 +44,9 @@ def _rope_order(rows: int, head_dim: int, inverse: bool = False) -> torch.Tensor
 
 
 def _check_exportable(cfg: ModelConfig) -> None:
+    if cfg.attention != "dense":
+        raise ExportError(f"model.attention={cfg.attention} has no Hugging Face Llama / Mixtral equivalent (their "
+                          "attention is dense); only dense-attention models export")
     m = cfg.moe
     if not m.num_experts:
         return
@@ -203,26 +207,11 @@ def weight_mismatches(ours: ModelConfig, theirs: ModelConfig) -> dict[str, tuple
 
 
 def consolidate(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Our full state dict from a checkpoint written under data parallelism and ZeRO stages 0-3."""
-    meta = json.loads((checkpoint / "meta.json").read_text())
-    layout = meta.get("layout", {})
-    other = {k: v for k, v in layout.items() if k != "dp" and v != 1}
-    if other:
-        raise ExportError(f"checkpoint {checkpoint} was written with {other}: only data-parallel / ZeRO "
-                          "checkpoints are consolidated offline; export from a run with that layout's engine "
-                          "(engine.full_state_dict()) instead")
-    shards = [torch.load(checkpoint / f"rank{r:05d}.pt", map_location="cpu", weights_only=False, mmap=True)["engine"]
-              for r in range(meta["world_size"])]
-    state: dict[str, torch.Tensor] = {}
-    for k, bucket in enumerate(shards[0]["layout"]):
-        parts = [s["shards"][k].reshape(-1) for s in shards] if bucket["world"] > 1 else [shards[0]["shards"][k]]
-        flat = torch.cat(parts)
-        offset = 0
-        for name, numel in zip(bucket["names"], bucket["numels"]):
-            state[name] = flat[offset : offset + numel].clone()
-            offset += numel
-    state.update(shards[0]["buffers"])
-    return state
+    """Our full state dict from a checkpoint of any layout (dp, ZeRO stage, tp, pp, ep, sp), verified."""
+    try:
+        return zero.consolidate(zero.open_checkpoint(checkpoint))
+    except (zero.CheckpointError, zero.ReshardError) as e:
+        raise ExportError(str(e)) from e
 
 
 def export(source: str | Path, out_dir: str | Path) -> Path:

@@ -16,7 +16,8 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
@@ -94,6 +95,9 @@ class Parallelism:
 
     tp: TensorParallel
     pipe: Pipeline | None = None
+    #: Where each split parameter lies in the full model (experts over ep, slices over tp): checkpoints
+    #: record them and load under any other layout.
+    placements: dict[str, zero.Placement] = field(default_factory=dict)
 
 
 def build_model(cfg: DictConfig, dims: zero.ParallelDims,
@@ -107,10 +111,12 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
     if initial is not None and not meta:
         load_initial_weights(model, initial)
     untileable: tuple[type, ...] = ()
+    placements = {}
     if cfg.model.moe.num_experts:
-        from moe import MoELayer, apply_expert_parallel, set_stats_group
+        from moe import MoELayer, apply_expert_parallel, expert_placements, set_stats_group
 
         apply_expert_parallel(model, dims.ep_group)
+        placements = expert_placements(model)
         # Under sp the token statistics are summed over the sequence, so a split sequence routes as a whole.
         set_stats_group(model, dims.sp_group)
         untileable = (MoELayer,)  # tiling would make router statistics per tile (see TiledMLP)
@@ -129,7 +135,7 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
         apply_activation_checkpointing(model, offload=cfg.train.offload_activations)
     # One process per device: the model lives on this rank's GPU where there is one (else the CPU).
     model = model if meta else model.to(default_device())
-    parallel = Parallelism(tp)
+    parallel = Parallelism(tp, placements=zero.compose(placements, tp.placements))
     if dims.pp > 1:
         p = cfg.parallel
         parallel.pipe = apply_pipeline(model, dims, p.pp_schedule, microbatches=cfg.train.grad_accum,
@@ -150,7 +156,8 @@ def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims,
     pipe = parallel.pipe
     module = model if pipe is None else pipe.module  # under pp: this rank's stages only
     declarations = {"replicated_params": parallel.tp.replicated_params,
-                    "tied_params": pipe.tied_params if pipe is not None else None}
+                    "tied_params": pipe.tied_params if pipe is not None else None,
+                    "placements": parallel.placements}
     if cfg.model.moe.num_experts:
         from moe import expert_reduce_group, loss_scale_hooks
 
@@ -328,11 +335,12 @@ class DivergenceError(RuntimeError):
     """Training produced non-finite losses or gradients for too many consecutive steps."""
 
 
-def save_checkpoint(engine, run_dir: Path, step: int, is_rank0: bool, keep: int = 0) -> None:
+def save_checkpoint(engine, run_dir: Path, step: int, is_rank0: bool, keep: int = 0,
+                    run_id: str | None = None) -> None:
     """Save step `step`, point `latest` at it, and keep only the newest `keep` checkpoints (0: all)."""
     name = f"step_{step:07d}"
     engine.save_checkpoint(run_dir / "checkpoints" / name,
-                           client_state={"step": step, "rng": torch.get_rng_state()})
+                           client_state={"step": step, "rng": torch.get_rng_state()}, run_id=run_id)
     if is_rank0:  # the pointer moves only after the checkpoint is complete
         atomic_write_text(run_dir / "checkpoints" / "latest", name)
         for old in checkpoints(run_dir)[keep:] if keep else []:
@@ -467,6 +475,9 @@ def resume(engine: zero.Engine, run_dir: Path, cfg: DictConfig, is_rank0: bool) 
             continue
         if is_rank0:
             note = f" (skipped {len(skipped)} newer: {'; '.join(skipped)})" if skipped else ""
+            written = engine.loaded_checkpoint["resharded_from"]
+            if written is not None:
+                note += f" (resharded: written with {written}, now {engine.dims} at ZeRO stage {engine.config.stage})"
             print(f"resuming from {path}{note}", flush=True)
         torch.set_rng_state(client_state["rng"])
         return client_state["step"]
@@ -544,6 +555,17 @@ def lock_run_dir(run_dir: Path, world) -> object:
     return handle
 
 
+def run_identity(run_dir: Path, world) -> str:
+    """The run's identity (created with its run_dir, kept across resumes), recorded in every checkpoint shard."""
+    run_id = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        path = run_dir / "run_id"
+        if not path.exists():
+            atomic_write_text(path, uuid.uuid4().hex + "\n")
+        run_id = path.read_text().strip()
+    return comm.all_gather_object(run_id, world)[0]
+
+
 def is_due(done: int, every: int, steps: int) -> bool:
     """Evaluation / checkpoint cadence: every `every` steps (0 = never) and always at the last step."""
     return (every and done % every == 0) or done == steps
@@ -578,6 +600,7 @@ class Run:
         world = None if self.dims.world_size == 1 else dist.group.WORLD
         self.run_dir = check_run_dir(comm.all_gather_object(str(cfg.run_dir), world)[0])
         self.lock = lock_run_dir(self.run_dir, world)
+        self.run_id = run_identity(self.run_dir, world)
         if checkpoints(self.run_dir) and cfg.train.resume not in (False, "false"):
             check_resumed_config(cfg, self.run_dir, self.dims, self.is_rank0)
         torch.manual_seed(t.seed)
@@ -681,7 +704,7 @@ class Run:
                                                                   self.pipe)
                 self.logger.log(done, record)
                 if is_due(done, t.ckpt_every, t.steps):
-                    save_checkpoint(self.engine, self.run_dir, done, self.is_rank0, t.keep_checkpoints)
+                    save_checkpoint(self.engine, self.run_dir, done, self.is_rank0, t.keep_checkpoints, self.run_id)
             if progress is not None:
                 extra = {"val": f"{self.val_loss:.3f}"} if self.val_loss is not None else {}
                 if "loss_scale" in record:  # fp16: the scale and the steps skipped for overflow

@@ -80,7 +80,6 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
     rank, world, group = _world()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    old = path.with_name(path.name + ".old")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -115,25 +114,24 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
         ) from error
     shards = comm.all_gather_object(info, group)
     if rank == 0:
-        meta = {
-            "format": "zero-checkpoint-v2",
-            "world_size": world,
-            "shards": shards,
-            "layout": _layout(engine),
-            "stage": engine.config.stage,
-            "dtype": engine.config.dtype,
-            "global_steps": engine.global_steps,
-            "run_id": run_id,
-        }
+        meta = {"format": "zero-checkpoint-v2", "world_size": world, "shards": shards, "layout": _layout(engine),
+                "stage": engine.config.stage, "dtype": engine.config.dtype, "global_steps": engine.global_steps,
+                "run_id": run_id}
         _write_meta(tmp, meta)
-        # The only window without a complete `path` is between these renames; load falls back to `.old`.
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-        tmp.rename(path)
-        _fsync_dir(path.parent)  # the rename survives a power loss before the old copy goes
-        shutil.rmtree(old, ignore_errors=True)
+        _publish(tmp, path)
     comm.barrier(group)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename the complete `tmp` over `path`. The only window without a complete `path` is between the two
+    renames; loading falls back to `.old` there."""
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+    tmp.rename(path)
+    _fsync_dir(path.parent)  # the rename survives a power loss before the old copy goes
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _layout(engine: Engine) -> dict[str, int]:
@@ -241,6 +239,18 @@ def _attempt(fn, group):
         problem = str(e) if isinstance(e, (CheckpointError, ReshardError)) else f"{type(e).__name__}: {e}"
     _agree(problem, group)
     return result
+
+
+def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
+    """Offline, in one process (no collectives): verify every shard of the checkpoint at `path` and open it
+    for reading under any layout (e.g. `zero.consolidate(open_checkpoint(path))`, the whole model)."""
+    path = _resolve(path)
+    problem, meta = _read_meta(path)
+    for r in range(int(meta["world_size"])) if problem is None else ():
+        problem = problem or _shard_problem(path, meta, r)
+    if problem is not None:
+        raise CheckpointError(problem)
+    return CheckpointReader(path, meta, lambda r: _load_shard(path, meta, r))
 
 
 def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:

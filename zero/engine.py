@@ -151,11 +151,8 @@ class Engine:
         replicated_params, tied_params = dict(replicated_params or {}), dict(tied_params or {})
         _check_factories(optimizer, lr_scheduler)
         _check_declarations(config, replicated_params, tied_params, loss_scale_hooks)
-        self.module = model
-        self.config = config
-        self.dims = dims
+        self.module, self.config, self.dims, self.dp = model, config, dims, dims.dp
         self.placements = _check_placements(model, placements or {})
-        self.dp = dims.dp
         self.loss_scale_hooks = list(loss_scale_hooks)
         self.param_init = param_init
         self._unmaterialised: set[int] = set()  # ids of the storage-less stand-ins of meta-built parameters
@@ -188,9 +185,8 @@ class Engine:
         self.optimizer = self.zero_optimizer.optimizer
         self.device = self.zero_optimizer.device
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        self.micro_steps = 0  # backward calls so far
-        self.global_steps = 0  # optimizer steps taken
-        self.skipped_steps = 0  # steps skipped for a non-finite gradient (fp16 overflow or divergence)
+        # backward calls, optimizer steps taken, steps skipped for a non-finite gradient (fp16 or divergence)
+        self.micro_steps = self.global_steps = self.skipped_steps = 0
         self._micro_since_step = 0
         self._comm_mark: dict[str, int] | None = None  # comm.stats at the start of this step's first pass
         self._last_step_comm: dict[str, int] = {}

@@ -210,5 +210,10 @@ def resharded_state(engine: Engine, reader: CheckpointReader) -> dict:
 
 
 def consolidate(reader: CheckpointReader) -> dict[str, torch.Tensor]:
-    """Every parameter of the checkpoint unsplit (fp32 masters), whatever layout wrote it."""
-    return {name: reader.full(name).clone() for name in reader.names()}
+    """The whole model's state dict from a checkpoint of any layout: every parameter unsplit (fp32
+    masters) and every buffer (as the first rank holding it wrote it)."""
+    out = {name: reader.full(name).clone() for name in reader.names()}
+    for state in reader.states:
+        for name, value in state["engine"]["buffers"].items():
+            out.setdefault(name, value.clone())
+    return out

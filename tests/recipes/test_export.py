@@ -127,3 +127,10 @@ def test_init_from_under_tensor_parallelism_matches_one_rank(exported, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _losses(many)[1] == pytest.approx(_losses(one)[1], rel=1e-5)
     assert abs(_losses(one)[1] - _losses(exported["moe"][2].parent)[1]) > 0.01  # (the source run's first step)
+    # The tensor-parallel checkpoint consolidates offline to the same model as the one-process one.
+    from safetensors.torch import load_file
+
+    ours, theirs = (load_file(export(run, tmp_path / f"hf_{run.name}") / "model.safetensors") for run in (one, many))
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        torch.testing.assert_close(theirs[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
