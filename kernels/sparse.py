@@ -87,7 +87,7 @@ class SparseConfig:
         n = -(-seq_len // self.block_size)
         if self.layout == "bigbird" and self.global_blocks > n:
             raise ValueError(f"model.sparse.global_blocks={self.global_blocks} is more global blocks than the "
-                             f"sequence has: {seq_len} tokens are {n} blocks of {self.block_size}; lower it")
+                             f"sequence has ({seq_len} tokens: {n} block(s) of {self.block_size}); lower it")
         if self.layout == "longformer" and any(t >= seq_len for t in self.global_tokens):
             raise ValueError(f"model.sparse.global_tokens={list(self.global_tokens)} must be token positions "
                              f"< the sequence length {seq_len}")

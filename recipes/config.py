@@ -10,11 +10,16 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from kernels.nsa import NSAConfig
+from kernels.sparse import SparseConfig
 from recipes.models.llama import MoEConfig
 
-# The MoE block of every model config (`defaults: [moe: base]` in conf/model/*.yaml) is the MoEConfig
-# dataclass itself: one source for its keys and defaults, and a misspelt key is refused by name.
+# The MoE, sparse-attention and NSA blocks of every model config (`defaults: [moe: base, sparse: base,
+# nsa: base]` in conf/model/*.yaml) are the dataclasses themselves: one source for their keys and defaults,
+# and a misspelt key is refused by name.
 ConfigStore.instance().store(group="model/moe", name="base", node=MoEConfig)
+ConfigStore.instance().store(group="model/sparse", name="base", node=SparseConfig)
+ConfigStore.instance().store(group="model/nsa", name="base", node=NSAConfig)
 
 
 class ConfigError(ValueError):
@@ -64,9 +69,12 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_model(cfg: DictConfig) -> None:
-    """The model's own rules (dims, heads, MoE routing) as one-line errors, before any process group."""
+    """The model's own rules (dims, heads, MoE routing, sparse layouts) as one-line errors, before any process
+    group."""
     try:
-        model_config(cfg)
+        model = model_config(cfg)
+        if model.attention == "sparse":
+            model.sparse.check_sequence(cfg.train.seq_len)
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from None
     m = cfg.model.moe
@@ -100,6 +108,13 @@ def check_layout(cfg: DictConfig) -> None:
     if sp > 1 and model.n_heads // tp < sp:
         raise ConfigError(f"tp={tp} leaves {model.n_heads // tp} attention heads per rank and Ulysses splits them "
                           f"over sp={sp}: the rule is sp <= n_heads / tp; use sp <= {max(model.n_heads // tp, 1)}")
+    if sp > 1 and model.attention == "nsa":
+        from sequence_parallel.ulysses import head_layout
+
+        if head_layout(model.n_heads, model.n_kv_heads, sp).kv_repeat > 1:
+            raise ConfigError(f"model.attention=nsa with parallel.sp={sp} and {model.n_kv_heads} kv heads: NSA "
+                              "selects blocks once per GQA group, so each rank must hold whole groups; use an sp "
+                              f"that divides model.n_kv_heads={model.n_kv_heads}")
     if tp > 1 and cfg.train.seq_len % (tp * sp):  # (sp alone pads the sequence to a multiple of sp)
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of tp x sp = {tp * sp} "
                           "(the sequence is split over both)")

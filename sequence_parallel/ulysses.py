@@ -105,7 +105,9 @@ class UlyssesAttention(nn.Module):
     Every rank must pass the same local sequence length (use `sequence_parallel.data.shard_sequence`,
     which pads). q, k and v travel in ONE all-to-all (packed per destination rank); the output returns
     in a second one. Both are differentiable, so the backward pass is the two opposite all-to-alls.
-    Extra keyword arguments (e.g. `scale`) are passed through to `attn_fn`.
+    Extra keyword arguments are passed through to `attn_fn`: tensors are per-token, per-query-head inputs
+    [b, s/P, h, *] (e.g. native sparse attention's branch gates) and go to the head shards as q does, one
+    more all-to-all each; anything else (e.g. `scale`) is passed unchanged.
     """
 
     def __init__(self, sp_group: ProcessGroup | None,
@@ -132,6 +134,9 @@ class UlyssesAttention(nn.Module):
             return self.attn_fn(q, k, v, causal=causal, **kwargs)
         b, sl, h, d = q.shape
         me = group_rank(self.sp_group)
+        for name, value in kwargs.items():
+            if isinstance(value, torch.Tensor):
+                kwargs[name] = self._query_heads_full(name, value, q.shape, layout, me)
         if layout.kv_repeat > 1:
             # Replicas of a kv head serve contiguous sub-groups of its query heads; autograd sums
             # their gradients back into the original head.
@@ -168,6 +173,18 @@ class UlyssesAttention(nn.Module):
         recv_out = comm.all_to_all(send_out, self.sp_group, output_splits=list(layout.q_counts),
                                    input_splits=[nq] * P)
         return recv_out.permute(1, 2, 0, 3)  # [h, b, s/P, d] -> [b, s/P, h, d]
+
+    def _query_heads_full(self, name: str, x: torch.Tensor, q_shape: torch.Size, layout: HeadLayout,
+                          me: int) -> torch.Tensor:
+        """A per-query-head tensor [b, s/P, h, e] -> [b, s, h_me, e], split over ranks like q."""
+        if x.dim() != 4 or x.shape[:3] != q_shape[:3]:
+            raise ValueError(f"UlyssesAttention: tensor argument {name}{tuple(x.shape)} must be [batch, local "
+                             f"sequence, heads, *] = [{q_shape[0]}, {q_shape[1]}, {q_shape[2]}, *] like q")
+        P, (b, sl, _, e) = self.sp, x.shape
+        send = x.permute(2, 0, 1, 3).contiguous()  # [h, b, s/P, e], destination ranks' heads contiguous
+        nq = layout.q_counts[me]
+        recv = comm.all_to_all(send, self.sp_group, output_splits=[nq] * P, input_splits=list(layout.q_counts))
+        return _to_full_sequence(recv.view(P, nq, b, sl, e), P, b, sl, e)
 
 
 def apply_ulysses(model: nn.Module, sp_group: ProcessGroup | None) -> nn.Module:

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.attention import attention
+from kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
 from kernels.positions import position_ids_for
+from kernels.sparse import LAYOUT_FIELDS, SparseAttention, SparseConfig
+
+ATTENTIONS = ("dense", "sparse", "nsa")
 
 
 @dataclass
@@ -55,10 +59,18 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     moe: MoEConfig = field(default_factory=MoEConfig)
+    attention: str = "dense"  # dense | sparse (block-sparse layout of `sparse`) | nsa (native sparse attention)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    nsa: NSAConfig = field(default_factory=NSAConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.sparse, dict):
+            self.sparse = SparseConfig(**self.sparse)
+        if isinstance(self.nsa, dict):
+            self.nsa = NSAConfig(**self.nsa)
+        self._check_attention()
         if self.ffn_dim == 0:
             self.ffn_dim = 64 * math.ceil(8 * self.dim / 3 / 64)
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
@@ -72,6 +84,25 @@ class ModelConfig:
             )
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for rotary embeddings")
+
+    def _check_attention(self) -> None:
+        """A sparse or NSA key that would be ignored is refused, naming the switch that makes it count."""
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"model.attention={self.attention!r} must be one of {', '.join(ATTENTIONS)}")
+        for group, config in (("sparse", self.sparse), ("nsa", self.nsa)):
+            default = type(config)()
+            changed = [f.name for f in fields(config) if getattr(config, f.name) != getattr(default, f.name)]
+            if changed and self.attention != group:
+                key = changed[0]
+                raise ValueError(f"model.{group}.{key}={_show(getattr(config, key))} is set but model.attention="
+                                 f"{self.attention}; it applies only with model.attention={group}: set that, or "
+                                 f"drop the key")
+        if self.attention == "sparse" and self.sparse.unused_fields():
+            key = self.sparse.unused_fields()[0]
+            readers = [name for name, keys in LAYOUT_FIELDS.items() if key in keys]
+            raise ValueError(f"model.sparse.{key}={_show(getattr(self.sparse, key))} has no effect with "
+                             f"model.sparse.layout={self.sparse.layout} (layouts that read it: {', '.join(readers)}); "
+                             "drop the key or choose one of those layouts")
 
     @property
     def head_dim(self) -> int:
@@ -113,7 +144,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).to(x.dtype)
 
 
+def _show(value) -> str:
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+
+
 class Attention(nn.Module):
+    """Dense or block-sparse attention: the two differ only in `attn_fn`."""
+
     def __init__(self, cfg: ModelConfig, device=None) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -122,16 +159,40 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False, device=device)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False, device=device)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False, device=device)
-        # The seam for sequence parallelism: UlyssesAttention replaces this callable.
-        self.attn_fn = attention
+        # The seam for sequence parallelism: UlyssesAttention replaces this callable. A block-sparse layout
+        # applies to the whole sequence of each head, which is what every Ulysses rank holds.
+        self.attn_fn = SparseAttention(cfg.sparse) if cfg.attention == "sparse" else attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [b, s, h, head_dim] and k, v [b, s, h_kv, head_dim], q and k rotated."""
         # Head counts come from the projections' widths: tensor parallelism leaves each rank a slice of heads.
-        q = self.wq(x).unflatten(-1, (-1, self.head_dim))  # [b, s, h, head_dim]
+        q = self.wq(x).unflatten(-1, (-1, self.head_dim))
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
         out = self.attn_fn(q, k, v, causal=True)  # [b, s, h, head_dim]
+        return self.wo(out.flatten(-2))
+
+
+class NSAAttention(Attention):
+    """Native sparse attention (kernels.nsa): the same projections, plus per-head gates of the three branches
+    (a sigmoid of a projection of the token's hidden state) and the key and value compressors."""
+
+    def __init__(self, cfg: ModelConfig, device=None) -> None:
+        super().__init__(cfg, device=device)
+        n = cfg.nsa
+        self.wg = nn.Linear(cfg.dim, cfg.n_heads * 3, bias=False, device=device)
+        self.compress_k = Compressor(cfg.head_dim, n.compress_block, n.compress_stride, device=device)
+        self.compress_v = Compressor(cfg.head_dim, n.compress_block, n.compress_stride, device=device)
+        self.attn_fn = NativeSparseAttention(n, self.compress_k, self.compress_v)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        gates = torch.sigmoid(self.wg(x)).unflatten(-1, (-1, 3))  # [b, s, h, 3]: compressed, selected, window
+        out = self.attn_fn(q, k, v, causal=True, gates=gates)
         return self.wo(out.flatten(-2))
 
 
@@ -166,7 +227,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
-        self.attention = Attention(cfg, device=device)
+        self.attention = (NSAAttention if cfg.attention == "nsa" else Attention)(cfg, device=device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         if cfg.is_moe_layer(layer_id):
             self.feed_forward = build_moe(cfg, device=device)
@@ -180,6 +241,9 @@ class TransformerBlock(nn.Module):
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
     """The divisibility rules of this model's tensor-parallel plan, with the rule in the message."""
+    if cfg.attention == "nsa" and tp > 1:
+        raise ValueError(f"model.attention=nsa with tp={tp} is not supported (its compressors are shared by all "
+                         "heads, so their gradients would need a reduction over tp); use sp for long sequences")
     if cfg.n_heads % tp:
         raise ValueError(f"tp={tp} must divide model.n_heads={cfg.n_heads} (attention heads are split over tp)")
     if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:

@@ -73,3 +73,57 @@ def test_generate_is_seeded():
     a = model.generate(prompt, 6, generator=torch.Generator().manual_seed(0))
     b = model.generate(prompt, 6, generator=torch.Generator().manual_seed(0))
     assert a.shape == (1, 6) and torch.equal(a, b)
+
+
+SPARSE = {"layout": "bigbird", "block_size": 4, "window_blocks": 2, "global_blocks": 1, "random_blocks": 1}
+NSA = {"block_size": 4, "select_blocks": 3, "compress_block": 4, "compress_stride": 2, "window_blocks": 2}
+
+
+def test_sparse_attention_model_uses_its_layout():
+    torch.manual_seed(4)
+    dense = Transformer(_tiny(init_std=0.5))
+    sparse = Transformer(_tiny(init_std=0.5, attention="sparse", sparse=SPARSE))
+    sparse.load_state_dict(dense.state_dict())  # the same parameters: only attn_fn differs
+    tokens = torch.randint(0, 64, (2, 24))
+    # 8 tokens are 2 blocks: every layout covers them whole, so sparse equals dense there ...
+    torch.testing.assert_close(sparse(tokens[:, :8]), dense(tokens[:, :8]), atol=1e-5, rtol=1e-5)
+    # ... while over 6 blocks the layout leaves blocks out, and later tokens change nothing before them.
+    out = sparse(tokens)
+    assert not torch.allclose(out, dense(tokens), atol=1e-3)
+    torch.testing.assert_close(sparse(tokens[:, :13])[:, :13], out[:, :13], atol=1e-5, rtol=1e-5)
+
+
+def test_nsa_model_trains_its_own_parameters_and_meta_init_matches():
+    cfg = _tiny(attention="nsa", nsa=NSA)
+    torch.manual_seed(5)
+    model = Transformer(cfg)
+    names = {n for n, _ in model.named_parameters() if n.startswith("layers.0.attention.")}
+    assert {"layers.0.attention.wg.weight", "layers.0.attention.compress_k.w1.weight",
+            "layers.0.attention.compress_v.pos"} <= names
+    tokens = torch.randint(0, 64, (2, 20))
+    out = model(tokens)
+    torch.testing.assert_close(model(tokens[:, :9])[:, :9], out[:, :9], atol=1e-5, rtol=1e-5)  # causal
+    out.square().mean().backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+    meta = Transformer(cfg, device="meta")
+    meta.init_seed = model.init_seed
+    for name, p in model.named_parameters():
+        value = torch.empty_like(p)
+        meta.init_parameter(name, value)
+        torch.testing.assert_close(value, p.detach())
+
+
+def test_attention_config_errors():
+    with pytest.raises(ValueError, match="model.attention='flash' must be one of dense, sparse, nsa"):
+        _tiny(attention="flash")
+    with pytest.raises(ValueError, match="model.sparse.window_blocks=8 is set but model.attention=dense"):
+        _tiny(sparse={"window_blocks": 8})
+    with pytest.raises(ValueError, match="model.nsa.select_blocks=4 is set but model.attention=sparse"):
+        _tiny(attention="sparse", nsa={"select_blocks": 4})
+    with pytest.raises(ValueError, match="random_blocks=3 has no effect with model.sparse.layout=fixed"):
+        _tiny(attention="sparse", sparse={"random_blocks": 3})
+    with pytest.raises(ValueError, match="model.attention=nsa with tp=2 is not supported"):
+        from recipes.models.llama import check_tensor_parallel
+
+        check_tensor_parallel(_tiny(attention="nsa"), 2)
