@@ -332,13 +332,6 @@ def _q_blocks(q: torch.Tensor, hk: int, B: int, dtype: torch.dtype) -> torch.Ten
     return out
 
 
-def _from_q_blocks(x: torch.Tensor, s: int, h: int) -> torch.Tensor:
-    """Inverse of _q_blocks: [n, b, kv_heads, group * B, d] -> [b, s, h, d]."""
-    n, b, hk, gB, d = x.shape
-    B = gB // (h // hk)
-    return x.view(n, b, hk, h // hk, B, d).permute(1, 0, 4, 2, 3, 5).reshape(b, n * B, h, d)[:, :s]
-
-
 def _kv_blocks(x: torch.Tensor, B: int, dtype: torch.dtype) -> torch.Tensor:
     """[b, s, kv_heads, d] -> [b * kv_heads * n_blocks, B, d]: one row per (sequence, head, block) to gather."""
     b, s, hk, d = x.shape
@@ -346,6 +339,38 @@ def _kv_blocks(x: torch.Tensor, B: int, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(b * hk * n, B, d, dtype=dtype, device=x.device)
     out.view(b, hk, n, B, d).copy_(_padded(x, B).reshape(b, n, B, hk, d).permute(0, 3, 1, 2, 4))
     return out
+
+
+def _tokens(blocks: torch.Tensor, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """A blocked view [b, n, B, *heads, d] -> a new [b, s, heads, d] tensor (the padding dropped)."""
+    b, n, B = blocks.shape[:3]
+    heads, d = blocks.shape[3:-1], blocks.shape[-1]
+    out = torch.empty(b, s, math.prod(heads), d, dtype=dtype, device=blocks.device)
+    full = s // B
+    if full:
+        out[:, : full * B].view(b, full, B, *heads, d).copy_(blocks[:, :full])
+    if s % B:
+        out[:, full * B:].view(b, s % B, *heads, d).copy_(blocks[:, full, : s % B])
+    return out
+
+
+def _q_tokens(x: torch.Tensor, s: int, h: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of _q_blocks: [n, b, kv_heads, group * B, d] -> [b, s, h, d]."""
+    n, b, hk, gB, d = x.shape
+    return _tokens(x.view(n, b, hk, h // hk, gB * hk // h, d).permute(1, 0, 4, 2, 3, 5), s, dtype)
+
+
+def _kv_tokens(x: torch.Tensor, b: int, hk: int, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of _kv_blocks: [b * kv_heads * n, B, d] -> [b, s, kv_heads, d]."""
+    return _tokens(x.view(b, hk, -1, *x.shape[1:]).permute(0, 2, 3, 1, 4), s, dtype)
+
+
+def _q_rows(x: torch.Tensor, hk: int, B: int) -> torch.Tensor:
+    """A per-query value [b, s, h] -> [n, b, kv_heads, group * B, 1], the layout of _q_blocks."""
+    b, s, h = x.shape
+    n = -(-s // B)
+    x = torch.nn.functional.pad(x, (0, 0, 0, n * B - s)) if n * B != s else x
+    return x.reshape(b, n, B, hk, h // hk).permute(1, 0, 3, 4, 2).reshape(n, b, hk, -1, 1)
 
 
 def _chunks(counts: torch.Tensor, per_row: int) -> list[tuple[int, int, int]]:
@@ -363,6 +388,9 @@ def _chunks(counts: torch.Tensor, per_row: int) -> list[tuple[int, int, int]]:
 
 
 class _BlockSparseFn(torch.autograd.Function):
+    """Saves only q, k, v, the output and the log-sum-exp; backward rebuilds the blocked copies and recomputes
+    each chunk's probabilities. Chunk temporaries live in one workspace per call."""
+
     @staticmethod
     def forward(ctx, q, k, v, cols, counts, B, causal, scale):
         b, s, h, d = q.shape
@@ -371,46 +399,77 @@ class _BlockSparseFn(torch.autograd.Function):
         qb = _q_blocks(q, hk, B, dtype).mul_(scale)  # [n, b, hk, gB, d], pre-scaled
         kb, vb = _kv_blocks(k, B, dtype), _kv_blocks(v, B, dtype)  # [b * hk * n, B, d]
         plan = _Plan(cols, counts, b, hk, s, B, causal, qb.shape[-2])
+        ws = _Workspace(plan, d, dtype, q.device, backward=False)
         out = torch.empty_like(qb)
         lse = torch.empty(qb.shape[:-1] + (1,), dtype=dtype, device=q.device)
         for r0, r1, m in plan.chunks:
             idx = plan.index(r0, r1, m)
-            kg, vg = plan.gather(kb, idx, m), plan.gather(vb, idx, m)  # [R, b, hk, m * B, d]
-            scores = plan.scores(qb[r0:r1], kg, r0, r1, m)  # [R, b, hk, gB, m * B]
+            kg, vg = ws.gather(ws.k, kb, idx, r1 - r0, m), ws.gather(ws.v, vb, idx, r1 - r0, m)  # [R, b, hk, mB, d]
+            scores = plan.scores(qb[r0:r1], kg, r0, r1, m, ws.take(ws.scores, (r1 - r0, b, hk, plan.gB, m * B)))
             mx = scores.amax(-1, keepdim=True)
             scores.sub_(mx).exp_()
             total = scores.sum(-1, keepdim=True)
             torch.matmul(scores, vg, out=out[r0:r1]).div_(total)
             lse[r0:r1] = mx.add_(total.log_())
-        ctx.save_for_backward(qb, kb, vb, out, lse)
-        ctx.plan, ctx.scale, ctx.meta = plan, scale, (b, s, h, hk, q.dtype, k.dtype)
-        return _from_q_blocks(out, s, h).to(q.dtype)
+        del ws, qb, kb, vb
+        result = _q_tokens(out, s, h, q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        qb, kb, vb, out, lse = ctx.saved_tensors
-        plan, (b, s, h, hk, q_dtype, kv_dtype) = ctx.plan, ctx.meta
-        dob = _q_blocks(grad_out, hk, plan.B, qb.dtype)  # [n, b, hk, gB, d]
-        delta = (dob * out).sum(-1, keepdim=True)
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, B = ctx.plan, ctx.plan.B
+        (b, s, h, d), hk, dtype = q.shape, k.shape[2], lse.dtype
+        delta = _q_rows((grad_out.to(dtype) * out).sum(-1), hk, B)  # [n, b, hk, gB, 1]
+        qb = _q_blocks(q, hk, B, dtype).mul_(ctx.scale)
+        kb, vb = _kv_blocks(k, B, dtype), _kv_blocks(v, B, dtype)
+        dob = _q_blocks(grad_out, hk, B, dtype)  # [n, b, hk, gB, d]
         dq = torch.empty_like(qb)
         dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+        ws = _Workspace(plan, d, dtype, q.device, backward=True)
         for r0, r1, m in plan.chunks:
-            idx = plan.index(r0, r1, m)
-            kg, vg = plan.gather(kb, idx, m), plan.gather(vb, idx, m)
+            R, idx = r1 - r0, plan.index(r0, r1, m)
+            kg, vg = ws.gather(ws.k, kb, idx, R, m), ws.gather(ws.v, vb, idx, R, m)
             qc, doc = qb[r0:r1], dob[r0:r1]
-            p = plan.scores(qc, kg, r0, r1, m).sub_(lse[r0:r1]).exp_()  # [R, b, hk, gB, m * B]
-            dv.index_add_(0, idx, (p.transpose(-1, -2) @ doc).view(-1, *dv.shape[1:]))
-            ds = torch.matmul(doc, vg.transpose(-1, -2)).sub_(delta[r0:r1]).mul_(p)
-            del p
+            p = plan.scores(qc, kg, r0, r1, m, ws.take(ws.scores, (R, b, hk, plan.gB, m * B)))
+            p.sub_(lse[r0:r1]).exp_()  # [R, b, hk, gB, m * B]
+            grad_blocks = ws.take(ws.grad, (R, b, hk, m * B, d))
+            dv.index_add_(0, idx, torch.matmul(p.transpose(-1, -2), doc, out=grad_blocks).view(-1, B, d))
+            ds = torch.matmul(doc, vg.transpose(-1, -2), out=ws.take(ws.dp, p.shape)).sub_(delta[r0:r1]).mul_(p)
             torch.matmul(ds, kg, out=dq[r0:r1])
-            dk.index_add_(0, idx, (ds.transpose(-1, -2) @ qc).view(-1, *dk.shape[1:]))  # qc carries the scale
-        dq.mul_(ctx.scale)
+            # qc carries the scale already
+            dk.index_add_(0, idx, torch.matmul(ds.transpose(-1, -2), qc, out=grad_blocks).view(-1, B, d))
+        del ws, qb, kb, vb, dob
+        dq = _q_tokens(dq.mul_(ctx.scale), s, h, q.dtype)
+        dk = _kv_tokens(dk, b, hk, s, k.dtype)
+        return dq, dk, _kv_tokens(dv, b, hk, s, v.dtype), None, None, None, None, None
 
-        def back(x):  # [b * hk * n, B, d] -> [b, s, hk, d]
-            return x.view(b, hk, -1, *x.shape[1:]).permute(0, 2, 3, 1, 4).reshape(b, -1, hk, x.shape[-1])[:, :s]
 
-        return (_from_q_blocks(dq, s, h).to(q_dtype), back(dk).to(kv_dtype), back(dv).to(kv_dtype),
-                None, None, None, None, None)
+class _Workspace:
+    """Buffers sized for the largest chunk, reused by every chunk of one call."""
+
+    def __init__(self, plan: _Plan, d: int, dtype: torch.dtype, device, backward: bool) -> None:
+        self.b, self.hk = plan.b, plan.hk
+        rows_slots = max((r1 - r0) * m for r0, r1, m in plan.chunks)
+        blocks = rows_slots * plan.b * plan.hk  # gathered K/V blocks of the largest chunk
+        self.scores = torch.empty(blocks * plan.gB * plan.B, dtype=dtype, device=device)
+        self.k = torch.empty(blocks * plan.B * d, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        if backward:
+            self.dp, self.grad = torch.empty_like(self.scores), torch.empty_like(self.k)
+
+    @staticmethod
+    def take(buffer: torch.Tensor, shape) -> torch.Tensor:
+        return buffer[: math.prod(shape)].view(shape)
+
+    def gather(self, buffer: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, R: int, m: int) -> torch.Tensor:
+        """Blocks `idx` of x [b * hk * n, B, d] -> [R, b, hk, m * B, d] in `buffer`."""
+        B, d = x.shape[1:]
+        picked = self.take(buffer, (idx.numel(), B, d))
+        torch.index_select(x, 0, idx, out=picked)
+        return picked.view(R, self.b, self.hk, m * B, d)
 
 
 class _Plan:
@@ -419,6 +478,7 @@ class _Plan:
 
     def __init__(self, cols, counts, b, hk, s, B, causal, gB):
         self.B, self.s, self.causal, self.g = B, s, causal, gB // B
+        self.b, self.hk, self.gB = b, hk, gB
         n = self.n = cols.shape[-2]
         lead = cols.shape[:-2] or (1, 1)
         # [..., n, nnz] -> rows outermost: [n, lb, lh, nnz] and [n, lb, lh]
@@ -440,14 +500,9 @@ class _Plan:
         """Rows of the [b * hk * n, B, d] K/V blocks that rows r0..r1 attend: [R * b * hk * m]."""
         return (self.base + self.cols[r0:r1, :, :, :m]).reshape(-1)
 
-    def gather(self, x: torch.Tensor, idx: torch.Tensor, m: int) -> torch.Tensor:
-        """[b * hk * n, B, d] -> [R, b, hk, m * B, d]."""
-        b, hk = self.base.shape[:2]
-        return x.index_select(0, idx).view(-1, b, hk, m * self.B, x.shape[-1])
-
-    def scores(self, qc: torch.Tensor, kg: torch.Tensor, r0: int, r1: int, m: int) -> torch.Tensor:
-        """Masked scores of rows r0..r1: [R, b, hk, g * B, m * B]; -inf outside the layout's tokens."""
-        scores = torch.matmul(qc, kg.transpose(-1, -2))
+    def scores(self, qc: torch.Tensor, kg: torch.Tensor, r0: int, r1: int, m: int, out: torch.Tensor) -> torch.Tensor:
+        """Masked scores of rows r0..r1 into `out` [R, b, hk, g * B, m * B]; -inf outside the layout's tokens."""
+        scores = torch.matmul(qc, kg.transpose(-1, -2), out=out)
         start = int(self.full[r0:r1].min())  # slots from here on may need a mask in some row
         if start < m:
             B, device = self.B, qc.device
