@@ -75,17 +75,22 @@ def compressed_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, cf
     b, s, h, d = q.shape
     l, stride = cfg.compress_block, cfg.compress_stride
     first = l - 1
-    pieces = [q.new_zeros(b, min(first, s), h, d)]
-    for t0 in range(first, s if kc.shape[1] else first, chunk):
-        t1 = min(s, t0 + chunk)
+    if kc.shape[1] == 0:
+        return q.new_zeros(q.shape)
+    # torch.split, not slicing: backward then joins the chunks' gradients instead of summing full-size zeros
+    sizes = [first] + [min(chunk, s - t0) for t0 in range(first, s, chunk)]
+    pieces, t0 = [q.new_zeros(b, first, h, d)], first
+    for qc in q.split(sizes, dim=1)[1:]:
+        t1 = t0 + qc.shape[1]
         visible = min(kc.shape[1], (t1 - 1 - first) // stride + 1)
         t = torch.arange(t0, t1, device=q.device)[:, None]
         mask = torch.arange(visible, device=q.device)[None, :] * stride + first <= t
-        out = F.scaled_dot_product_attention(q[:, t0:t1].transpose(1, 2), kc[:, :visible].transpose(1, 2),
+        out = F.scaled_dot_product_attention(qc.transpose(1, 2), kc[:, :visible].transpose(1, 2),
                                              vc[:, :visible].transpose(1, 2), attn_mask=mask, scale=scale,
                                              enable_gqa=h != kc.shape[2])
         pieces.append(out.transpose(1, 2))
-    return torch.cat(pieces, 1) if len(pieces) > 1 else q.new_zeros(q.shape)
+        t0 = t1
+    return torch.cat(pieces, 1)
 
 
 @torch.no_grad()
