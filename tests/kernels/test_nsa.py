@@ -133,9 +133,8 @@ def test_compressed_branch_is_the_same_in_any_query_chunks():
     from kernels.nsa import compressed_attention
 
     q, k, v, gates, ck, cv = _inputs(45, 4, 2, seed=2)
-    kc, vc = ck(k), cv(v)
-    whole = compressed_attention(q, kc, vc, CFG, 0.3)
-    pieces = compressed_attention(q, kc, vc, CFG, 0.3, chunk=5)
+    whole = compressed_attention(q, ck(k), cv(v), CFG, 0.3)
+    pieces = compressed_attention(q, ck(k), cv(v), CFG, 0.3, chunk=5)
     torch.testing.assert_close(pieces, whole)
     grad = torch.randn_like(whole)
     for a, e in zip(torch.autograd.grad(pieces, (q, k, v), grad), torch.autograd.grad(whole, (q, k, v), grad)):
