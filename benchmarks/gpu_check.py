@@ -1,5 +1,6 @@
 """The measurements of benchmarks/gpu_check.sh on one CUDA GPU: MoE layer vs its GEMM bound (and DeepSpeed),
-Ulysses attention at sp=1 vs plain SDPA, and a recipe run's tokens/s and MFU.
+Ulysses attention at sp=1 vs plain SDPA, block-sparse attention (FlexAttention) against its PyTorch path and
+against SDPA, and a recipe run's tokens/s and MFU.
 
 Each subcommand prints its figures and appends them to --results. `--smoke` shrinks every size so that
 the code paths run in seconds on a CPU (`--device cpu --dtype float32 --smoke`); its figures mean nothing.
@@ -8,6 +9,7 @@ the code paths run in seconds on a CPU (`--device cpu --dtype float32 --smoke`);
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -260,6 +262,83 @@ def cmd_ulysses(args) -> None:
             torch.cuda.empty_cache()
 
 
+# ---------------------------------------------------------------------------- sparse attention
+SPARSE_CASES = (16384, 32768)  # sequence lengths; batch 1, 16 heads, 4 kv heads, head_dim 128
+SPARSE_SMOKE = (512,)
+
+
+def cmd_sparse(args) -> None:
+    """The block-sparse CUDA path (FlexAttention) against the PyTorch path, then its speed against SDPA."""
+    from kernels.sparse import SparseConfig, block_layout, block_sparse_attention, cpu_block_sparse_attention
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    warmup, iters = (1, 2) if args.smoke else (2, 5)
+    # 1. agreement with the CPU path: fp32, 2048 tokens, GQA, ragged last block
+    s, h, hkv, d = (200, 4, 2, 16) if args.smoke else (2000, 8, 2, 64)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (torch.randn(1, s, n, d, generator=gen) for n in (h, hkv, hkv, h))
+    emit(f"Block-sparse attention on {device.type} vs the PyTorch (CPU) path, fp32, seq {s}, heads {h}/{hkv}:")
+    for name in ("fixed", "bigbird", "sliding_window"):
+        layout = block_layout(SparseConfig(layout=name, block_size=64, window_blocks=2, global_blocks=1), s, True)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = cpu_block_sparse_attention(*leaves, layout, d ** -0.5)
+        ref_grads = torch.autograd.grad(ref, leaves, g)
+        dev = [t.to(device).requires_grad_() for t in (q, k, v)]
+        out = block_sparse_attention(*dev, layout)
+        grads = torch.autograd.grad(out, dev, g.to(device))
+        err = max((out.cpu() - ref).abs().max().item(), *((a.cpu() - b).abs().max().item()
+                                                           for a, b in zip(grads, ref_grads)))
+        emit(f"- {name}: max |difference| of output and q/k/v gradients {err:.2e} ({'ok' if err < 1e-2 else 'FAIL'})")
+    # 2. speed at long sequences, causal, bf16 on GPU
+    h, hkv, d = (4, 2, 16) if args.smoke else (16, 4, 128)
+    emit(f"Forward+backward on {device.type}, {args.dtype}, batch 1, {h} heads / {hkv} kv heads, head_dim {d}, "
+         f"64-token blocks; median of {iters} after {warmup} warm-up")
+    emit("| seq | impl | ms | dense / impl |")
+    emit("|---|---|---|---|")
+    for s in SPARSE_SMOKE if args.smoke else SPARSE_CASES:
+        _sparse_speed(s, h, hkv, d, device, dtype, warmup, iters)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _sparse_speed(s: int, h: int, hkv: int, d: int, device, dtype, warmup: int, iters: int) -> None:
+    from kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
+    from kernels.sparse import SparseConfig, block_layout, block_sparse_attention
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    q, k, v, gates = leaf(1, s, h, d), leaf(1, s, hkv, d), leaf(1, s, hkv, d), leaf(1, s, h, 3)
+    grad = torch.randn(1, s, h, d, device=device, dtype=dtype)
+    cfg = NSAConfig()
+    ck, cv = (Compressor(d, cfg.compress_block, cfg.compress_stride, device=device).to(dtype) for _ in range(2))
+    nsa = NativeSparseAttention(cfg, ck, cv)
+
+    def dense():
+        t = (x.transpose(1, 2) for x in (q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=True).transpose(1, 2)
+
+    fns = {"dense SDPA": dense}
+    for name, kw in (("fixed", dict(window_blocks=4, global_blocks=1)), ("sliding_window", dict(window_blocks=4)),
+                     ("bigbird", dict(window_blocks=4, global_blocks=1, random_blocks=1))):
+        layout = block_layout(SparseConfig(layout=name, block_size=64, **kw), s, True)
+        fns[name] = functools.partial(block_sparse_attention, q, k, v, layout)
+    fns["nsa"] = lambda: nsa(q, k, v, gates=torch.sigmoid(gates))
+    times = {}
+    for name, fn in fns.items():
+        def step(fn=fn):
+            q.grad = k.grad = v.grad = gates.grad = None
+            fn().backward(grad)
+
+        try:
+            times[name] = median_time(step, device, warmup, iters)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next implementation
+            emit(f"| {s} | {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | |")
+            continue
+        ratio = times["dense SDPA"] / times[name] if "dense SDPA" in times else float("nan")
+        emit(f"| {s} | {name} | {times[name] * 1e3:.2f} | {ratio:.2f} |")
+
+
 # ---------------------------------------------------------------------------- recipe
 # ---------------------------------------------------------------------------- offload
 OFFLOAD_MODES = (("none", {}), ("optimizer cpu", {"offload_optimizer": "cpu"}),
@@ -423,7 +502,7 @@ def cmd_recipe(args) -> int:
 def main() -> int:
     global _results
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("env", "moe", "ulysses", "offload", "recipe"))
+    ap.add_argument("part", choices=("env", "moe", "ulysses", "sparse", "offload", "recipe"))
     ap.add_argument("overrides", nargs="*", help="recipe: hydra overrides, e.g. zero.dtype=bf16 model=moe_small")
     ap.add_argument("--results", help="file the figures are appended to (besides stdout)")
     ap.add_argument("--device", default="cuda")
@@ -437,7 +516,8 @@ def main() -> int:
         if not args.run_dir:
             ap.error("recipe needs --run-dir")
         return cmd_recipe(args)
-    {"env": cmd_env, "moe": cmd_moe, "ulysses": cmd_ulysses, "offload": cmd_offload}[args.part](args)
+    {"env": cmd_env, "moe": cmd_moe, "ulysses": cmd_ulysses, "sparse": cmd_sparse,
+     "offload": cmd_offload}[args.part](args)
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot check on a machine with one CUDA GPU, in under 8 minutes: the GPU-marked tests, the MoE
-# layer against its GEMM bound (and DeepSpeed), Ulysses attention at sp=1 against SDPA, and a short
-# bf16 recipe run with tokens/s and MFU. Every figure goes to stdout and to one results file.
+# layer against its GEMM bound (and DeepSpeed), Ulysses attention at sp=1 against SDPA, block-sparse
+# attention (FlexAttention) against its PyTorch path and SDPA, and a short bf16 recipe run with tokens/s and MFU. Every figure goes to stdout and to one results file.
 #
 #   bash benchmarks/gpu_check.sh [results_file]   # default: runs/gpu_check-<time>/gpu_check_results.txt
 #
@@ -123,7 +123,8 @@ else
   say "[tests] skipped: pytest is not importable"
 fi
 
-# ---- 2-3. MoE layer, Ulysses attention and ZeRO-3 offload
+# ---- 2-3. MoE layer, Ulysses attention, block-sparse attention (torch only) and ZeRO-3 offload
+run_part sparse 90 "$PY" benchmarks/gpu_check.py sparse --results "$RESULTS" "${device_args[@]}"
 if has psutil; then
   run_part moe_layer 90 "$PY" benchmarks/gpu_check.py moe --results "$RESULTS" "${device_args[@]}"
   run_part ulysses 60 "$PY" benchmarks/gpu_check.py ulysses --results "$RESULTS" "${device_args[@]}"

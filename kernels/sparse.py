@@ -116,7 +116,7 @@ class BlockLayout:
     causal: bool
     cols: torch.Tensor  # [..., n_blocks, max_nnz] int64
     counts: torch.Tensor  # [..., n_blocks] int64
-    _on_device: dict = field(default_factory=dict, repr=False, compare=False)
+    _on_device: dict = field(default_factory=dict, repr=False, compare=False)  # copies per device, BlockMasks
 
     @property
     def num_blocks(self) -> int:
@@ -582,7 +582,13 @@ def flex_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     global _compiled_flex
     if _compiled_flex is None:
         _compiled_flex = torch.compile(_flex_attention, dynamic=False)
-    mask = flex_block_mask(layout, q.shape[2])
+    # A shared layout (built by block_layout, cached) keeps its BlockMask; a per-call one (NSA) builds its own.
+    key = ("flex", q.shape[2])
+    mask = layout._on_device.get(key)
+    if mask is None:
+        mask = flex_block_mask(layout, q.shape[2])
+        if layout.cols.dim() == 2:
+            layout._on_device[key] = mask
     out = _compiled_flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale,
                          enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
