@@ -59,3 +59,12 @@ def test_cli_bad_layout_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "model.sparse.window_blocks=3 is set but model.attention=dense" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_sparse_models_do_not_export_to_hugging_face():
+    from recipes.export import ExportError, to_hf
+    from recipes.models.llama import ModelConfig
+
+    for attention in ("sparse", "nsa"):
+        with pytest.raises(ExportError, match=f"model.attention={attention} has no Hugging Face"):
+            to_hf({}, ModelConfig(attention=attention))
