@@ -71,6 +71,9 @@ def _train(root: str, offload: bool, n_layers: int) -> dict:
 def test_nvme_offload_resident_memory_stays_within_the_buffer_budget(tmp_path, monkeypatch):
     # A fixed mmap threshold: freed large blocks go back to the OS at once, so RSS tracks what is live.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    # A fixed number of malloc arenas: under CPU contention glibc adds arenas (tens of MiB each) for
+    # threads that find the lock taken, which would make the bound depend on the machine's load.
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     small = run_multirank(_train, 2, str(tmp_path), True, 8, timeout=240)
     nvme = run_multirank(_train, 2, str(tmp_path), True, 16, timeout=240)
     plain = run_multirank(_train, 2, str(tmp_path), False, 16, timeout=240)
