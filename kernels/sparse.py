@@ -256,9 +256,11 @@ def _cached_layout(values: tuple, seq_len: int, causal: bool) -> BlockLayout:
     for r0 in range(0, n, step):
         mask = _rows(cfg, n, causal, torch.arange(r0, min(n, r0 + step)))
         c = mask.sum(1)
-        # Ascending key blocks first: a stable sort puts the True columns first in their order.
-        order = torch.sort(mask.to(torch.uint8), dim=1, descending=True, stable=True).indices
-        cols.append(order[:, : int(c.max())])
+        rows, found = mask.nonzero(as_tuple=True)  # row-major: each row's key blocks in ascending order
+        slot = torch.arange(rows.numel()) - (torch.cumsum(c, 0) - c)[rows]
+        chunk = torch.zeros(mask.shape[0], int(c.max()), dtype=torch.long)
+        chunk[rows, slot] = found
+        cols.append(chunk)
         counts.append(c)
     width = max(x.shape[1] for x in cols)
     cols = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in cols])
