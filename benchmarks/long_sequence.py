@@ -86,8 +86,10 @@ def _deepspeed_tiled_loss(hidden, weight, labels, tile_size: int):
     return loss_sum, (labels != -100).sum()
 
 
-def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int) -> dict:
-    """One training step on this rank; returns peak RSS and step time."""
+def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "bench") -> dict:
+    """One training step on this rank; returns peak RSS and step time. model_name "million": the model of
+    `+experiment=million` (dim 128, 2 layers, byte vocabulary); mode "alst-sparse": ALST with its
+    sliding-window block-sparse attention (64-token blocks, 4-block window)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -107,18 +109,30 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int) -> dict:
     torch.set_num_threads(1)
     group = dist.new_group(list(range(sp))) if sp > 1 else None
     _watchdog(cap_bytes)
-    cfg = ModelConfig(vocab_size=32768, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, max_seq_len=seq)
+    if model_name == "million":
+        from kernels.sparse import SparseConfig
+
+        attention = {"attention": "sparse", "sparse": SparseConfig(layout="sliding_window", block_size=64,
+                                                                    window_blocks=4)} if mode == "alst-sparse" else {}
+        cfg = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=384, max_seq_len=seq,
+                          **attention)
+    else:
+        cfg = ModelConfig(vocab_size=32768, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, max_seq_len=seq)
     torch.manual_seed(0)
     model = Transformer(cfg)
     if sp > 1:
         apply_ulysses(model, group)
     mlp_tile, loss_tile = cfg.dim, (16 * 2**20) // cfg.vocab_size
+    if model_name == "million":  # the preset's tiles: 64 MLP tiles (16k tokens at 1M), 64k-token loss tiles
+        mlp_tile = max(cfg.dim, seq // sp // 64)
+    sparse = mode == "alst-sparse"
+    mode = "alst" if sparse else mode
     if mode == "alst":
         apply_tiled_mlp(model, tile_size=mlp_tile)
     if mode == "alst-deepspeed":
         _use_deepspeed_tiled_mlp(model, mlp_tile)
     if mode in ("alst", "alst-deepspeed"):
-        apply_activation_checkpointing(model, offload=True)
+        apply_activation_checkpointing(model, offload=model_name != "million")  # the preset: no offload on CPU
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=gen)
@@ -142,19 +156,20 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int) -> dict:
             "loss": float(loss)}
 
 
-def _probe_worker(rank: int, sp: int, port: int, seq: int, mode: str, cap_bytes: int, queue) -> None:
+def _probe_worker(rank: int, sp: int, port: int, seq: int, mode: str, cap_bytes: int, queue,
+                  model_name: str = "bench") -> None:
     import torch.distributed as dist
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     dist.init_process_group("gloo", rank=rank, world_size=sp, timeout=timedelta(seconds=1800))
-    queue.put((rank, probe_rank(seq, mode, cap_bytes, sp)))
+    queue.put((rank, probe_rank(seq, mode, cap_bytes, sp, model_name)))
     dist.destroy_process_group()
 
 
-def probe_main(seq: int, mode: str, cap_bytes: int, sp: int) -> None:
+def probe_main(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "bench") -> None:
     """Entry of the probe subprocess: prints one JSON line, or exits with OVER_CAP."""
     if sp == 1:
-        print(json.dumps(probe_rank(seq, mode, cap_bytes, 1)))
+        print(json.dumps(probe_rank(seq, mode, cap_bytes, 1, model_name)))
         return
     import socket
 
@@ -165,7 +180,8 @@ def probe_main(seq: int, mode: str, cap_bytes: int, sp: int) -> None:
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_probe_worker, args=(r, sp, port, seq, mode, cap_bytes, queue)) for r in range(sp)]
+    procs = [ctx.Process(target=_probe_worker, args=(r, sp, port, seq, mode, cap_bytes, queue, model_name))
+             for r in range(sp)]
     for p in procs:
         p.start()
     results = []
@@ -184,9 +200,12 @@ def probe_main(seq: int, mode: str, cap_bytes: int, sp: int) -> None:
 
 
 # ------------------------------------------------------------------------------------ search
-def run_probe(seq: int, mode: str, cap_bytes: int, sp: int, timeout: float) -> dict | None:
+def run_probe(seq: int, mode: str, cap_bytes: int, sp: int, timeout: float, model_name: str = "bench",
+              budget: float | None = None) -> dict | None:
+    """One probe in a fresh process: its result, None over the cap, {"timeout": True} past the time limit
+    (or a step slower than `budget` seconds)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--probe", str(seq), "--mode", mode, "--sp", str(sp),
-           "--cap-bytes", str(cap_bytes)]
+           "--cap-bytes", str(cap_bytes), "--model", model_name]
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(256 * 1024), PYTHONWARNINGS="ignore")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -196,17 +215,22 @@ def run_probe(seq: int, mode: str, cap_bytes: int, sp: int, timeout: float) -> d
         return None
     if proc.returncode != 0:
         raise RuntimeError(f"probe seq={seq} mode={mode} sp={sp} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    if budget is not None and info["seconds"] > budget:
+        return {**info, "timeout": True}
+    return info
 
 
 def longest(mode: str, cap_bytes: int, sp: int, start: int, max_seq: int, timeout: float,
-            log: list) -> tuple[int, dict | None, str]:
+            log: list, model_name: str = "bench", budget: float | None = None) -> tuple[int, dict | None, str]:
     """Doubling from `start`, then up to two bisection steps between the last fit and the first failure."""
     step = 256 * sp  # lengths stay multiples of sp
+    if model_name == "million":
+        step = 64 * 64 * sp  # whole sparse blocks and MLP tiles on every rank
 
     def probe(seq: int) -> dict | None:
         """One probe, logged and printed; None when it went over the cap or hit the time limit."""
-        info = run_probe(seq, mode, cap_bytes, sp, timeout)
+        info = run_probe(seq, mode, cap_bytes, sp, timeout, model_name, budget)
         log.append((mode, sp, seq, info))
         print(f"  probe mode={mode:<15} sp={sp} seq={seq:>7}: "
               f"{'over cap' if info is None else ('timeout' if 'timeout' in info else _fmt(info))}", flush=True)
@@ -219,7 +243,7 @@ def longest(mode: str, cap_bytes: int, sp: int, start: int, max_seq: int, timeou
         if info is None or "timeout" in info:
             fail = seq
             if info is not None:
-                note = "time limit"
+                note = "time budget"
             break
         best, best_info = seq, info
         seq *= 2
@@ -242,6 +266,24 @@ def _fmt(info: dict) -> str:
     return f"peak {info['peak_bytes'] / 2**30:.2f} GiB, step {info['seconds']:.1f}s"
 
 
+def sparse_section(args, rows: list, log: list) -> None:
+    """Dense vs sliding-window sparse attention, both with ALST, on the million-token preset's model: the
+    longest step under a per-rank RSS cap and a step-time budget, sp 1 and 2."""
+    cap, budget = int(args.sparse_cap_gib * 2**30), args.sparse_budget_s
+    print(f"dense vs sparse attention (ALST on, the +experiment=million model), per-rank RSS cap "
+          f"{args.sparse_cap_gib:.1f} GiB, step budget {budget:.0f} s")
+    found = {}
+    for sp in (1, 2):
+        for mode in ("alst", "alst-sparse"):
+            best, info, note = longest(mode, cap, sp, 8192 * sp, 1 << 20, 4 * budget + 120, log, "million", budget)
+            rows.append((f"sp={sp}", mode, cap, best, info, note or "reached 1,048,576"))
+            found[(sp, mode)] = best
+    for sp in (1, 2):
+        dense, sparse = found[(sp, "alst")], found[(sp, "alst-sparse")]
+        if dense:
+            print(f"sp={sp}: sparse / dense longest step under the cap and budget: {sparse / dense:.1f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -249,14 +291,19 @@ def main() -> None:
     parser.add_argument("--sp-cap-gib", type=float, default=None, help="per-rank RSS cap for the sp scan")
     parser.add_argument("--max-seq", type=int, default=None, help="stop doubling here (CPU time bound)")
     parser.add_argument("--probe-timeout", type=float, default=600.0)
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: alst,sp,deepspeed")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: alst,sp,deepspeed,sparse")
     parser.add_argument("--probe", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="baseline", help=argparse.SUPPRESS)
     parser.add_argument("--sp", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--cap-bytes", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="bench", help=argparse.SUPPRESS)
+    parser.add_argument("--sparse-cap-gib", type=float, default=6.0,
+                        help="per-rank RSS cap of the dense vs sparse section")
+    parser.add_argument("--sparse-budget-s", type=float, default=120.0,
+                        help="step-time budget of the dense vs sparse section")
     args = parser.parse_args()
     if args.probe is not None:
-        probe_main(args.probe, args.mode, args.cap_bytes, args.sp)
+        probe_main(args.probe, args.mode, args.cap_bytes, args.sp, args.model)
         return
     cap = int((args.cap_gib or (1.2 if args.quick else 1.5)) * 2**30)
     sp_cap = int((args.sp_cap_gib or (0.9 if args.quick else 1.2)) * 2**30)
@@ -283,6 +330,8 @@ def main() -> None:
         for sp in ((1, 2) if args.quick else (1, 2, 4)):
             best, info, note = longest("baseline", sp_cap, sp, 1024 * sp, max_seq, args.probe_timeout, log)
             rows.append((f"sp={sp}", "baseline", sp_cap, best, info, note))
+    if "sparse" not in skip:
+        sparse_section(args, rows, log)
     print()
     print(f"{'layout':<6} {'mode':<15} {'cap GiB':>7} {'longest seq':>11} {'peak GiB':>8} {'step s':>7}  note")
     for layout, mode, c, best, info, note in rows:

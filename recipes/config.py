@@ -65,7 +65,23 @@ def check_config(cfg: DictConfig) -> None:
         )
     if cfg.parallel.ep > 1 and cfg.model.moe.num_experts == 0:
         raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model.moe.num_experts > 0)")
+    check_crop(cfg)
     check_layout(cfg)
+
+
+def check_crop(cfg: DictConfig) -> None:
+    """train.crop_check_tokens needs a bounded receptive field, a data/sequence-parallel layout and room."""
+    n = _positive_int(cfg, "train.crop_check_tokens", minimum=0)
+    if not n:
+        return
+    if cfg.model.attention != "sparse" or cfg.model.sparse.layout != "sliding_window":
+        raise ConfigError(f"train.crop_check_tokens={n} needs model.attention=sparse with model.sparse.layout="
+                          "sliding_window (a receptive field bounded by window x layers)")
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        raise ConfigError(f"train.crop_check_tokens={n} runs with data and sequence parallelism only "
+                          "(parallel.tp=1 parallel.pp=1)")
+    if n > cfg.train.seq_len:
+        raise ConfigError(f"train.crop_check_tokens={n} must be <= train.seq_len={cfg.train.seq_len}")
 
 
 def check_model(cfg: DictConfig) -> None:

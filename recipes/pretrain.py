@@ -699,7 +699,7 @@ class Run:
                 record = self.step_record(step, loss, lr, time.perf_counter() - t0)
                 done = step + 1
                 self.guard_divergence(done, record)
-                if is_due(done, t.eval_every, t.steps):
+                if t.eval_batches and is_due(done, t.eval_every, t.steps):
                     self.val_loss = record["val_loss"] = evaluate(self.engine, self.val_stream, self.cfg, self.dims,
                                                                   self.pipe)
                 self.logger.log(done, record)
@@ -713,6 +713,20 @@ class Run:
                 progress.update(1)
         if progress is not None:
             progress.close()
+
+    def crop_check(self) -> dict:
+        """train.crop_check_tokens: the last tokens of the first held-out sequence through the trained model
+        as training runs it, against a plain forward over their receptive field (recipes.crop_check)."""
+        from recipes.crop_check import crop_check
+
+        tokens, labels = (t.to(self.engine.device) for t in self.val_stream.batch(0, 0, 0))
+        out = crop_check(self.engine, model_config(self.cfg), self.dims, tokens[:1], labels[:1],
+                         self.cfg.train.crop_check_tokens)
+        if self.is_rank0:
+            print(f"crop check: the last {self.cfg.train.crop_check_tokens} of {tokens.shape[1]} tokens against a "
+                  f"plain forward over a {int(out['crop_check_crop_len'])}-token crop: largest per-token loss "
+                  f"difference {out['crop_check_max_abs_diff']:.2e}", flush=True)
+        return out
 
     def finish(self) -> dict:
         """Sample, expert-load report, summary and result file."""
@@ -728,6 +742,8 @@ class Run:
                 print("---- sample ----\n" + text + "\n----------------", flush=True)
         if self.expert_loads:
             report_expert_load(self.expert_loads, self.dims, self.run_dir, self.is_rank0)
+        if t.crop_check_tokens and t.steps > self.start_step:
+            result.update(self.crop_check())
         if self.is_rank0:
             self.logger.summary({"final_val_loss": self.val_loss})
             atomic_write_text(self.run_dir / "result.json", json.dumps(finite_or_none({"status": "complete",

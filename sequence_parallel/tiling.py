@@ -42,11 +42,8 @@ class _TiledMLPFunction(torch.autograd.Function):
     def forward(ctx, fn, tile_size: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.fn, ctx.tile_size, ctx.params = fn, tile_size, params
         ctx.save_for_backward(x)
-        x2 = x.reshape(-1, x.shape[-1])  # token-wise: [..., dim] -> [tokens, dim]
         with torch.no_grad():
-            outs = [fn(x2[a:b]) for a, b in _tile_bounds(x2.shape[0], tile_size)]
-        out = torch.cat(outs, dim=0)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+            return _tiles_without_graph(fn, x, tile_size)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -73,12 +70,28 @@ class _TiledMLPFunction(torch.autograd.Function):
         return (None, None, grad_x, *grad_params)
 
 
+def _tiles_without_graph(fn, x: torch.Tensor, tile_size: int) -> torch.Tensor:
+    """fn over x [..., dim] tile by tile, each tile's output written into one preallocated output."""
+    x2 = x.reshape(-1, x.shape[-1])  # token-wise: [..., dim] -> [tokens, dim]
+    out = None
+    for a, b in _tile_bounds(x2.shape[0], tile_size):
+        y = fn(x2[a:b])
+        if out is None:
+            out = y.new_empty((x2.shape[0], y.shape[-1]))
+        out[a:b] = y
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def tiled_mlp_forward(module: nn.Module, x: torch.Tensor, tile_size: int, forward=None) -> torch.Tensor:
-    """Run token-wise `module` (or its given `forward`) over x [..., dim] in tiles of `tile_size` tokens."""
+    """Run token-wise `module` (or its given `forward`) over x [..., dim] in tiles of `tile_size` tokens.
+
+    Without a backward coming (no grad: evaluation, or the forward of a checkpointed layer) the tiles run
+    without a graph, so the [tokens, ffn] intermediates never exist for the whole sequence there either."""
     fn = forward or module.forward
     params = [p for p in module.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or params):
-        return fn(x)  # no backward coming: nothing to tile for
+        with torch.no_grad():
+            return _tiles_without_graph(fn, x, tile_size)
     return _TiledMLPFunction.apply(fn, tile_size, x, *params)
 
 

@@ -124,9 +124,34 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: bf16 sums of squares lose precision over wide dims.
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = normalise(x) * w, normalised in fp32 (bf16 sums of squares lose precision over wide dims).
+
+    Saves only x and the per-token scale: the normalised activations (as large as x) are recomputed in
+    backward instead of being kept, which matters at long sequence lengths."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        scale = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, scale)
+        return (xf * scale).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, scale = ctx.saved_tensors
+        normed = x.float() * scale
+        g = grad.float()
+        grad_w = (g * normed.to(x.dtype).float()).flatten(0, -2).sum(0).to(weight.dtype) \
+            if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, grad_w, None
+        gn = g * weight.float()
+        grad_x = scale * (gn - normed * (gn * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_w, None
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,12 +161,34 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tup
     return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x [b, s, h, head_dim] by the position's angles."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     xf = x.float().unflatten(-1, (-1, 2))  # [b, s, h, head_dim/2, 2]
     x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    out = torch.empty_like(xf)
+    o0, o1 = out[..., 0], out[..., 1]
+    torch.mul(x0, cos, out=o0).addcmul_(x1, sin, value=-1)
+    torch.mul(x0, sin, out=o1).addcmul_(x1, cos)
     return out.flatten(-2).to(x.dtype)
+
+
+class _RoPEFunction(torch.autograd.Function):
+    """The rotation is linear and orthogonal: its backward rotates the gradient back by the same angles,
+    so nothing the size of x is saved (only the shared cos/sin tables)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x [b, s, h, head_dim] by the position's angles."""
+    return _RoPEFunction.apply(x, cos, sin)
 
 
 def _show(value) -> str:

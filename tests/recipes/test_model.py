@@ -86,7 +86,7 @@ def test_sparse_attention_model_uses_its_layout():
     sparse.load_state_dict(dense.state_dict())  # the same parameters: only attn_fn differs
     tokens = torch.randint(0, 64, (2, 24))
     # 8 tokens are 2 blocks: every layout covers them whole, so sparse equals dense there ...
-    torch.testing.assert_close(sparse(tokens[:, :8]), dense(tokens[:, :8]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sparse(tokens[:, :8]), dense(tokens[:, :8]), atol=5e-5, rtol=5e-5)
     # ... while over 6 blocks the layout leaves blocks out, and later tokens change nothing before them.
     out = sparse(tokens)
     assert not torch.allclose(out, dense(tokens), atol=1e-3)
