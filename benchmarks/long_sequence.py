@@ -8,6 +8,11 @@ refining between the last fit and the first failure.
     python benchmarks/long_sequence.py                # cap 1.5 GiB, ALST search up to 16k tokens
     python benchmarks/long_sequence.py --cap-gib 8 --max-seq 1048576   # the 8 GiB cap (hours on 2 cores)
     python benchmarks/long_sequence.py --quick        # cap 1.2 GiB, up to 4k tokens, sp 1 and 2
+    python benchmarks/long_sequence.py --skip alst,sp,deepspeed --sparse-budget-s 60   # dense vs sparse only
+
+The dense vs sparse section (on by default; `--skip sparse` leaves it out) runs the million-token preset's
+model with ALST, dense or sliding-window sparse attention, sp 1 and 2, doubling from 8k x sp tokens up to
+1,048,576 under a per-rank RSS cap (`--sparse-cap-gib`, 6) and a step-time budget (`--sparse-budget-s`, 120).
 
 Caps include the process itself (Python, torch, the model and AdamW state: about 0.55 GiB). On CPU the
 ALST-on length is bounded by compute time (attention is quadratic) long before memory, so the default
@@ -116,6 +121,8 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "
                                                                     window_blocks=4)} if mode == "alst-sparse" else {}
         cfg = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=384, max_seq_len=seq,
                           **attention)
+    elif mode == "alst-sparse":
+        raise ValueError("mode alst-sparse runs on the million-token preset's model (--model million)")
     else:
         cfg = ModelConfig(vocab_size=32768, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, max_seq_len=seq)
     torch.manual_seed(0)

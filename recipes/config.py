@@ -80,6 +80,11 @@ def check_crop(cfg: DictConfig) -> None:
     if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
         raise ConfigError(f"train.crop_check_tokens={n} runs with data and sequence parallelism only "
                           "(parallel.tp=1 parallel.pp=1)")
+    if cfg.model.moe.num_experts:
+        raise ConfigError(f"train.crop_check_tokens={n} needs a dense FFN (model.moe.num_experts=0): routing with "
+                          "capacity or jitter depends on the whole sequence")
+    if cfg.zero.dtype != "fp32":
+        raise ConfigError(f"train.crop_check_tokens={n} compares with an fp32 forward: it needs zero.dtype=fp32")
     if n > cfg.train.seq_len:
         raise ConfigError(f"train.crop_check_tokens={n} must be <= train.seq_len={cfg.train.seq_len}")
 

@@ -723,9 +723,11 @@ class Run:
         out = crop_check(self.engine, model_config(self.cfg), self.dims, tokens[:1], labels[:1],
                          self.cfg.train.crop_check_tokens)
         if self.is_rank0:
-            print(f"crop check: the last {self.cfg.train.crop_check_tokens} of {tokens.shape[1]} tokens against a "
-                  f"plain forward over a {int(out['crop_check_crop_len'])}-token crop: largest per-token loss "
-                  f"difference {out['crop_check_max_abs_diff']:.2e}", flush=True)
+            verdict = "passed" if out["crop_check_passed"] else "FAILED"
+            print(f"crop check {verdict}: the last {self.cfg.train.crop_check_tokens} of {tokens.shape[1]} tokens "
+                  f"against a plain forward over a {out['crop_check_crop_len']}-token crop: largest per-token loss "
+                  f"difference {out['crop_check_max_abs_diff']:.2e} (tolerance 1e-4)", flush=True,
+                  file=sys.stdout if out["crop_check_passed"] else sys.stderr)
         return out
 
     def finish(self) -> dict:
@@ -774,7 +776,7 @@ def train(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
-    except (ConfigError, zero.ConfigError, DataError, zero.LayoutError, zero.CheckpointError,
+    except (ConfigError, zero.ConfigError, DataError, zero.LayoutError, zero.CheckpointError, zero.ReshardError,
             NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -73,6 +73,8 @@ class _TiledMLPFunction(torch.autograd.Function):
 def _tiles_without_graph(fn, x: torch.Tensor, tile_size: int) -> torch.Tensor:
     """fn over x [..., dim] tile by tile, each tile's output written into one preallocated output."""
     x2 = x.reshape(-1, x.shape[-1])  # token-wise: [..., dim] -> [tokens, dim]
+    if x2.shape[0] == 0:
+        return fn(x)
     out = None
     for a, b in _tile_bounds(x2.shape[0], tile_size):
         y = fn(x2[a:b])

@@ -2,10 +2,11 @@
 
 Ranks write into `<path>.tmp`; only when every rank succeeded is the directory renamed over `<path>`,
 so a failed or interrupted save leaves the previous checkpoint untouched. `meta.json`, written last,
-lists every shard with its size and SHA-256, and each shard records its rank and step. Loading (and
-`verify_checkpoint`) checks all of it on every rank and agrees across ranks before any collective that
-depends on the shards, so a truncated, corrupted or foreign shard stops every rank with the same
-one-line error naming the file, never a hang.
+lists every shard with its size and SHA-256, and each shard records its rank, step and run. Loading (and
+`verify_checkpoint`) checks all of it, the ranks sharing the shards between them, and agrees across ranks
+before any collective that depends on the shards, so a truncated, corrupted or foreign shard stops every
+rank with the same one-line error naming the file, never a hang. A checkpoint of another layout is
+resharded on load (zero.reshard); one of another model raises ReshardError.
 """
 
 from __future__ import annotations
@@ -113,10 +114,12 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
             "the previous checkpoint at that path is left intact"
         ) from error
     shards = comm.all_gather_object(info, group)
+    # Split parameters without a placement make the checkpoint resumable only under its own layout.
+    unplaced = [n for names in comm.all_gather_object(engine.unplaced_split_params(), group) for n in names]
     if rank == 0:
         meta = {"format": "zero-checkpoint-v2", "world_size": world, "shards": shards, "layout": _layout(engine),
                 "stage": engine.config.stage, "dtype": engine.config.dtype, "global_steps": engine.global_steps,
-                "run_id": run_id}
+                "run_id": run_id, "unplaced": sorted(set(unplaced))}
         _write_meta(tmp, meta)
         _publish(tmp, path)
     comm.barrier(group)
@@ -202,11 +205,11 @@ def _resolve(path: str | os.PathLike) -> Path:
     return path
 
 
-def _agree(problem: str | None, group) -> None:
+def _agree(problem: str | None, group, error: type[Exception] = CheckpointError) -> None:
     """Collective: raise the first rank's problem (in rank order) on every rank, if any rank has one."""
     first = next((p for p in comm.all_gather_object(problem, group) if p is not None), None)
     if first is not None:
-        raise CheckpointError(first)
+        raise error(first)
 
 
 def _verify(path: Path, rank: int, world: int, group) -> dict:
@@ -230,14 +233,22 @@ def verify_checkpoint(engine: Engine | None, path: str | os.PathLike) -> dict:
     return _verify(_resolve(path), rank, world, group)
 
 
-def _attempt(fn, group):
-    """Collective: fn() on every rank; if any rank fails, every rank raises the first failure."""
-    result, problem = None, None
+def _attempt(fn, group, error: type[Exception] = CheckpointError):
+    """Collective: fn() on every rank; if any rank fails, every rank raises the first failure (as `error`;
+    an unexpected exception is re-raised as it is on the rank that hit it)."""
+    result, problem, unexpected = None, None, None
     try:
         result = fn()
+    except (CheckpointError, ReshardError) as e:
+        problem = str(e)
     except Exception as e:  # noqa: BLE001 - reported collectively so no rank is left waiting
-        problem = str(e) if isinstance(e, (CheckpointError, ReshardError)) else f"{type(e).__name__}: {e}"
-    _agree(problem, group)
+        problem, unexpected = f"{type(e).__name__}: {e}", e
+    try:
+        _agree(problem, group, error)
+    except error:
+        if unexpected is not None:
+            raise unexpected from None
+        raise
     return result
 
 
@@ -275,11 +286,25 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
     if same:
         state, mismatch = _attempt(own, group)
     if not same or any(m is not None for m in comm.all_gather_object(mismatch, group)):
+        # Every parameter name of the whole model (pipeline ranks hold different ones).
+        names = {n for mine in comm.all_gather_object([n for b in engine.buckets for n in b.names], group)
+                 for n in mine}
+
         def reshard():
+            if meta.get("unplaced"):
+                raise ReshardError(f"checkpoint {path} ({describe_layout(meta)}) holds parameters split over tp or ep "
+                                   f"without a recorded placement (e.g. {meta['unplaced'][0]}): it resumes only "
+                                   "under the layout it was written with; declare zero.initialize(placements=...) "
+                                   "to write reshardable checkpoints")
             reader = CheckpointReader(path, meta, lambda r: _load_shard(path, meta, r))
+            extra = sorted(set(reader.names()) - names)
+            if extra:
+                more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+                raise ReshardError(f"checkpoint {path} holds {extra[0]}{more}, which this model does not have: it "
+                                   "was written for another model")
             return resharded_state(engine, reader), reader.states[rank if rank < len(reader.states) else 0]
 
-        engine_state, state = _attempt(reshard, group)
+        engine_state, state = _attempt(reshard, group, ReshardError)
         engine.load_state_dict(engine_state)
         engine.loaded_checkpoint = {"path": str(path), "resharded_from": describe_layout(meta)}
     else:

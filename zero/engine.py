@@ -499,6 +499,19 @@ class Engine:
             for b in self.buckets
         ]
 
+    def unplaced_split_params(self) -> list[str]:
+        """Parameters that are probably slices (tp > 1 and not declared replicated; ep > 1 and in a declared
+        reduce group, e.g. experts) but have no placement: a checkpoint with them cannot be resharded."""
+        out = []
+        for b in self.buckets:
+            for name, p in zip(b.names, b.params):
+                if name in self.placements:
+                    continue
+                if (self.dims.tp > 1 and id(p) not in self._tp_replicas) or (
+                        self.dims.ep > 1 and b.reduce_group != DEFAULT_REDUCE_GROUP):
+                    out.append(name)
+        return out
+
     def state_dict(self, *, file_backed: bool = False) -> dict:
         """This rank's shard of the training state (what its checkpoint file holds).
 
@@ -531,7 +544,9 @@ class Engine:
             return (f"checkpoint written at ZeRO stage {state['stage']} but this engine is stage {self.config.stage}: "
                     "resume at the same stage, or go through full_state_dict()/load_full_state_dict()")
         mine = self._layout()
-        if state["layout"] != mine:
+        # (keys an older checkpoint does not record are not compared)
+        if len(mine) != len(state["layout"]) or [{k: b[k] for k in b if k in t}
+                                                 for b, t in zip(mine, state["layout"])] != state["layout"]:
             k = next((i for i, (a, b) in enumerate(zip(state["layout"], mine)) if a != b), min(len(mine),
                                                                                           len(state["layout"])))
             theirs = state["layout"][k] if k < len(state["layout"]) else None

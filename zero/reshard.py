@@ -19,6 +19,7 @@ conversion step and keeps one format for same-layout resume (a plain per-rank lo
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,11 @@ if TYPE_CHECKING:
 
 class ReshardError(ValueError):
     """The checkpoint cannot be read under this layout (another model, or data missing from it)."""
+
+
+def _local_box(piece, start: list[int], size: list[int]) -> tuple[slice, ...]:
+    """The slices of a piece's local tensor holding the global box at `start` of `size`."""
+    return tuple(slice(pl + a - ps, pl + a - ps + n) for pl, a, ps, n in zip(piece.local, start, piece.start, size))
 
 
 class _Set:
@@ -64,9 +70,14 @@ class CheckpointReader:
             layout = state["engine"]["layout"]
             trainable_index = 0
             for j, entry in enumerate(layout):
-                if "placements" not in entry:
-                    raise ReshardError(f"checkpoint {path} was written before checkpoints recorded parameter "
-                                       "placements: resume it with the layout it was written with")
+                if "placements" not in entry:  # written before placements were recorded
+                    split = {k: v for k, v in (meta.get("layout") or {}).items() if k in ("tp", "ep") and v != 1}
+                    if split:
+                        raise ReshardError(f"checkpoint {path} was written with {split} before checkpoints recorded "
+                                           "parameter placements: resume it with the layout it was written with")
+                    # Data / ZeRO / sp / pp only: every parameter is whole (flat where no shape is recorded).
+                    entry = {**entry, "shapes": entry.get("shapes") or [[n] for n in entry["numels"]],
+                             "placements": [None] * len(entry["names"])}
                 key = (tuple(entry["names"]), json.dumps(entry["placements"]), entry["world"], entry["padded"])
                 new = key not in sets
                 s = sets.setdefault(key, _Set(entry))
@@ -81,7 +92,7 @@ class CheckpointReader:
                 missing = sorted(set(range(s.world)) - set(s.shards))
                 raise ReshardError(f"checkpoint {path}: no file holds shard(s) {missing} of the bucket of "
                                    f"{s.names[0]}")
-        self._cache: tuple[tuple[str, str], torch.Tensor] | None = None
+        self._cache: tuple[tuple, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ raw reads
     def _shard(self, s: _Set, group_rank: int, key: str) -> torch.Tensor:
@@ -122,34 +133,52 @@ class CheckpointReader:
 
     def full(self, name: str, key: str = "values") -> torch.Tensor:
         """The whole (unsplit) parameter `name`, or its optimizer state `key`, assembled from its pieces."""
-        if self._cache is not None and self._cache[0] == (name, key):
-            return self._cache[1]
-        holders = self._holders(name)
-        shape = holders[0][0].shape
-        full = torch.zeros(shape, dtype=torch.float32)
-        covered = torch.zeros(shape, dtype=torch.bool)
-        for placement, s in holders:
-            if all(bool(covered[tuple(slice(a, a + n) for a, n in zip(p.start, p.size))].all())
-                   for p in placement.pieces):
-                continue  # a replica of what is already read
+        return self._assemble(name, Placement.whole(self.shape(name)), key)
+
+    def _assemble(self, name: str, placement: Placement, key: str) -> torch.Tensor:
+        """The local tensor `placement` cuts out of parameter `name`, read from the pieces of the holders
+        that overlap it (one holder's local tensor in memory at a time, never the whole parameter)."""
+        out = torch.zeros(placement.local_shape, dtype=torch.float32)
+        covered = torch.zeros(placement.local_shape, dtype=torch.bool)
+        for held, s in self._holders(name):
+            overlaps = []
+            for p in held.pieces:
+                for q in placement.pieces:
+                    lo = [max(a, b) for a, b in zip(p.start, q.start)]
+                    hi = [min(a + n, b + m) for a, n, b, m in zip(p.start, p.size, q.start, q.size)]
+                    if all(a < b for a, b in zip(lo, hi)):
+                        size = [b - a for a, b in zip(lo, hi)]
+                        mine = _local_box(q, lo, size)
+                        if not bool(covered[mine].all()):  # (a replica of what is read already is skipped)
+                            overlaps.append((mine, _local_box(p, lo, size)))
+            if not overlaps:
+                continue
             i = s.names.index(name)
             local = self._read(s, name, key, 0, s.numels[i]).view(s.shapes[i])
-            placement.put(local, full, covered)
+            for mine, theirs in overlaps:
+                out[mine] = local[theirs]
+                covered[mine] = True
         if not bool(covered.all()):
-            raise ReshardError(f"checkpoint {self.path}: its shards do not cover all of {name} {tuple(shape)}")
-        self._cache = ((name, key), full)
-        return full
+            raise ReshardError(f"checkpoint {self.path}: its shards do not cover all of {name} {placement.shape}")
+        return out
 
     def local(self, name: str, placement: Placement, a: int, e: int, key: str = "values") -> torch.Tensor:
         """Elements [a, e) of the flattened local tensor that `placement` cuts out of parameter `name`."""
         holders = self._holders(name)
-        if holders[0][0].shape != placement.shape:
-            raise ReshardError(f"checkpoint {self.path} holds {name} of shape {holders[0][0].shape} but this model's "
-                               f"is {placement.shape}: it was written for another model")
+        shape = holders[0][0].shape
+        if shape != placement.shape:
+            flat = len(shape) == 1 and placement.is_whole and math.prod(placement.shape) == shape[0]
+            if not flat:  # (a flat, whole parameter of an older checkpoint is read as it is)
+                raise ReshardError(f"checkpoint {self.path} holds {name} of shape {shape} but this model's is "
+                                   f"{placement.shape}: it was written for another model")
+            placement = Placement.whole(shape)
         for p, s in holders:
             if p == placement:  # the same local tensor was written: read just the range
                 return self._read(s, name, key, a, e)
-        return placement.take(self.full(name, key)).reshape(-1)[a:e]
+        cached = self._cache
+        if cached is None or cached[0] != (name, key, placement):
+            cached = self._cache = ((name, key, placement), self._assemble(name, placement, key).reshape(-1))
+        return cached[1][a:e]
 
     def optimizer_keys(self) -> tuple[list[str], dict]:
         """(per-element state keys, scalar entries) of the optimizer state, or ([], {}) before any step."""

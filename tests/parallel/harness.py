@@ -44,7 +44,7 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
           stage: int = 0, schedule: str = "1f1b", virtual_stages: int | None = None,
           dtype: str = "fp32", ckpt_dir: str | None = None, resume_from: str | None = None,
           eval_first: bool = False, zero_options: dict | None = None, optim: str = "sgd",
-          save_at: int | None = None) -> dict:
+          save_at: int | None = None, placements: bool = True) -> dict:
     """Train `steps` steps (from a checkpoint's step with `resume_from`); with `ckpt_dir` save after
     `save_at` steps (default steps - 1). optim="adamw" has per-element state to carry over."""
     dims = zero.ParallelDims(**layout)
@@ -52,7 +52,7 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
     torch.manual_seed(0)
     model = Transformer(model_config(moe, **(model_overrides or {})))
     declarations: dict = {}
-    placements = {}
+    declared, placements = placements, {}
     if moe:
         from moe import apply_expert_parallel, expert_placements, expert_reduce_group, loss_scale_hooks, set_stats_group
 
@@ -60,7 +60,7 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
         set_stats_group(model, dims.sp_group)
         placements = expert_placements(model)
     tp = apply_tensor_parallel(model, dims.tp_group)
-    placements = zero.compose(placements, tp.placements)
+    placements = zero.compose(placements, tp.placements) if declared else {}
     if dims.sp > 1:
         from sequence_parallel import apply_ulysses
 

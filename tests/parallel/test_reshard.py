@@ -80,12 +80,58 @@ def test_zero_stage_3_to_1_to_2_then_sp2_pp2_tp2(tmp_path):
     _assert_trajectory(legs, _reference(False))
 
 
+def _moe_chain_then_unplaced(directory: str) -> tuple[list[dict], str]:
+    legs = _legs(directory, [({"dp": 2, "ep": 2}, "a", None, 2, {"stage": 1}),
+                             ({"tp": 2}, "b", "a", 4, {}),  # ep 2 -> 1 (experts split by tp)
+                             ({"dp": 2, "ep": 2}, "c", "b", 6, {"stage": 2}),  # ep 1 -> 2
+                             ({"dp": 2}, "d", "c", 6, {}),  # round trip: c -> ep 1 -> c
+                             ({"dp": 2, "ep": 2}, "e", "d", 6, {"stage": 2})], moe=True)
+    # Experts split over ep without declared placements: such a checkpoint resumes only at its own layout.
+    _legs(directory, [({"dp": 2, "ep": 2}, "f", None, 1, {"placements": False})], moe=True)
+    try:
+        _legs(directory, [({"dp": 2}, "g", "f", 2, {})], moe=True)
+    except ValueError as e:
+        return legs, str(e)
+    return legs, "loaded"
+
+
 def test_moe_ep_2_to_1_to_2_with_expert_tp_and_round_trip(tmp_path):
     d = str(tmp_path)
-    legs = run_multirank(_legs, 2, d, [({"dp": 2, "ep": 2}, "a", None, 2, {"stage": 1}),
-                                       ({"tp": 2}, "b", "a", 4, {}),  # ep 2 -> 1 (experts split by tp)
-                                       ({"dp": 2, "ep": 2}, "c", "b", 6, {"stage": 2}),  # ep 1 -> 2
-                                       ({"dp": 2}, "d", "c", 6, {}),  # round trip: c -> ep 1 -> c
-                                       ({"dp": 2, "ep": 2}, "e", "d", 6, {"stage": 2})], moe=True, timeout=300)[0]
+    legs, refused = run_multirank(_moe_chain_then_unplaced, 2, d, timeout=300)[0]
     _assert_trajectory(legs[:3], _reference(True))
     _shards_equal(f"{d}/c", f"{d}/e", 2)
+    assert "split over tp or ep without a recorded placement (e.g. layers.1.feed_forward.experts.w_in)" in refused
+
+
+def test_checkpoint_of_a_model_with_more_parameters_is_refused_and_older_checkpoints_resume(tmp_path):
+    import functools
+    import json
+
+    import zero
+
+    def engine(n: int):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n)])
+        return zero.initialize(model, functools.partial(torch.optim.AdamW, lr=0.1))
+
+    e = engine(3)
+    e.module(torch.ones(2, 4)).sum().backward()
+    e.step()
+    e.save_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(zero.ReshardError, match="holds 2.bias .and 1 more., which this model does not have"):
+        engine(2).load_checkpoint(tmp_path / "ckpt")
+    # A checkpoint written before shapes and placements were recorded still resumes at its own layout.
+    shard = tmp_path / "ckpt" / "rank00000.pt"
+    state = torch.load(shard, weights_only=False)
+    for bucket in state["engine"]["layout"]:
+        del bucket["shapes"], bucket["placements"]
+    torch.save(state, shard)
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    meta["shards"] = None
+    (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(meta))
+    again = engine(3)
+    again.load_checkpoint(tmp_path / "ckpt")
+    assert again.loaded_checkpoint["resharded_from"] is None
+    for a, b in zip(again.module.parameters(), e.module.parameters()):
+        assert a.equal(b)
+    assert zero.consolidate(zero.open_checkpoint(tmp_path / "ckpt"))["1.weight"].numel() == 16

@@ -23,6 +23,6 @@ def test_million_preset_at_64k_tokens_trains_and_matches_a_plain_crop(tmp_path):
     losses = _losses(tmp_path)
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses.values()) and losses[2] < losses[1]
     assert result["crop_check_tokens"] == 1000 and result["crop_check_crop_len"] == 1536
-    assert result["crop_check_max_abs_diff"] <= 1e-4, result
+    assert result["crop_check_max_abs_diff"] <= 1e-4 and result["crop_check_passed"], result
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["tokens_per_s"] > 0 and record["peak_rss_mb"] > 0

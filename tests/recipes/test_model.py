@@ -127,3 +127,35 @@ def test_attention_config_errors():
         from recipes.models.llama import check_tensor_parallel
 
         check_tensor_parallel(_tiny(attention="nsa"), 2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rmsnorm_and_rope_functions_match_plain_autograd(dtype, tol):
+    """The memory-lean autograd functions (they save nothing sequence-sized they can recompute) give the
+    values and gradients of the plain formulas, also with a weight that does not require grad."""
+    from recipes.models.llama import RMSNorm, apply_rope, rope_cos_sin
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 40, 3, 8).to(dtype).requires_grad_()
+    cos, sin = rope_cos_sin(torch.arange(40).expand(2, 40), 8, 10000.0)
+    xf = x.float().unflatten(-1, (-1, 2))
+    plain = torch.stack((xf[..., 0] * cos - xf[..., 1] * sin, xf[..., 0] * sin + xf[..., 1] * cos), -1).flatten(-2)
+    g = torch.randn_like(plain)
+    ours = apply_rope(x, cos, sin)
+    torch.testing.assert_close(ours.float(), plain.to(dtype).float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(torch.autograd.grad(ours, x, g.to(dtype))[0].float(),
+                               torch.autograd.grad(plain, x, g)[0].float(), atol=tol, rtol=tol)
+    for trainable in (True, False):
+        norm = RMSNorm(8).to(dtype)
+        norm.weight.data.uniform_(0.5, 1.5)
+        norm.weight.requires_grad_(trainable)
+        y = torch.randn(2, 40, 8).to(dtype).requires_grad_()
+        yf = y.float()
+        ref = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+        g = torch.randn_like(ref)
+        wanted = (y, norm.weight) if trainable else (y,)
+        mine = torch.autograd.grad(norm(y), wanted, g.to(dtype))
+        theirs = torch.autograd.grad(ref, wanted, g)
+        torch.testing.assert_close(norm(y).float(), ref, atol=tol, rtol=tol)
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a.float(), b.float(), atol=tol * 10, rtol=tol)
