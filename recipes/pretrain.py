@@ -287,9 +287,9 @@ def mean_over_dp(value: float, dims: zero.ParallelDims) -> float:
 
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far (and the CUDA allocator's peak on GPUs)."""
-    import resource
+    from zero.topology import peak_rss_bytes
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak = peak_rss_bytes() / 2**20
     if torch.cuda.is_available():
         peak = max(peak, torch.cuda.max_memory_allocated() / 2**20)
     return peak

@@ -7,7 +7,6 @@ state dicts, atomic checkpoints and per-rank memory / communication metrics.
 from __future__ import annotations
 
 import itertools
-import resource
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,7 @@ from zero.optimizer import FullGradReducer, ZeroOptimizer
 from zero.partition import FlatBucket, split_into_buckets
 from zero.placement import Placement
 from zero.stage3 import Stage3Hooks, assign_parameters, find_units
-from zero.topology import ParallelDims, default_device, group_size
+from zero.topology import ParallelDims, default_device, group_size, peak_rss_bytes
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LossScaleHook = Callable[[float], None]
@@ -459,10 +458,9 @@ class Engine:
     def metrics(self) -> dict[str, float]:
         """Per-rank memory and communication figures, cheap enough to log every step."""
         rss = psutil.Process().memory_info().rss
-        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out: dict[str, float] = {
             "rss_mb": rss / 2**20,
-            "peak_rss_mb": peak_kb / 1024,
+            "peak_rss_mb": peak_rss_bytes() / 2**20,
             "comm_bytes_per_step": float(sum(self._last_step_comm.values())),
             "loss_scale": self.loss_scale,
             "skipped_steps": self.skipped_steps,

@@ -233,3 +233,15 @@ def group_rank(group: ProcessGroup | None) -> int:
 
 def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak resident memory: VmHWM where /proc exists. (getrusage's ru_maxrss also counts
+    the high-water mark of the process this one was forked from, e.g. a large test runner or launcher.)"""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
