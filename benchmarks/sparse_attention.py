@@ -8,7 +8,7 @@ it ran; `--repeats` more runs keep the fastest. Prints one table, the ratios to 
 length that fits the step time dense needs at 4k, and writes a log-log plot of time against length beside
 this script.
 
-    python benchmarks/sparse_attention.py                       # everything (~25 minutes on 2 cores)
+    python benchmarks/sparse_attention.py --repeats 2           # everything (~16 minutes on a quiet 2-core CPU)
     python benchmarks/sparse_attention.py --quick               # 2k-8k, smoke run
     python benchmarks/sparse_attention.py --probe fixed 16384   # one measurement, printed as JSON
     python benchmarks/sparse_attention.py --resume run.log      # re-measure only what run.log lacks or had noisy
