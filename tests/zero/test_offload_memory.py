@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import zero
 from tests.multirank import run_multirank
+from zero.topology import peak_rss_bytes
 
 CHUNK, BUFFERS = 1 << 18, 2  # elements per chunk, ring slots
 FIELDS = 4  # per element in a slot: master, exp_avg, exp_avg_sq, gradient (fp32)
@@ -42,13 +43,6 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _peak_rss() -> int:
-    """This process's own peak RSS (VmHWM). Not getrusage's ru_maxrss: a spawned child inherits the RSS
-    high-water mark of the process it was forked from (the test runner, large late in a suite)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def _train(root: str, offload: bool, n_layers: int) -> dict:
     from recipes.models.llama import Transformer
 
@@ -67,7 +61,7 @@ def _train(root: str, offload: bool, n_layers: int) -> dict:
         engine.step()
         losses.append(loss.item())
     state = sum(b.shard_size for b in engine.zero_optimizer.trainable) * 3 * 4  # master + 2 moments
-    peak = _peak_rss()
+    peak = peak_rss_bytes()  # own VmHWM: ru_maxrss would include the test runner this child was forked from
     engine.close()
     return {"growth": peak - base, "state": state, "losses": losses}
 
