@@ -2,15 +2,18 @@
 that computes only their non-zero blocks, forward and backward, never the dense [seq, seq] scores.
 
 A layout is data: per query block, the ascending list of key blocks it attends (`BlockLayout`), built from
-a `SparseConfig` and cached per (config, sequence length, causal). On CPU the attention is PyTorch, batched
-over blocks in chunks of query blocks (memory O(seq x non-zero blocks per row x block)); on CUDA the same
-call runs FlexAttention with a BlockMask built from the same layout.
+a `SparseConfig` and cached per (config, sequence length, causal). On CPU the attention is a fused C++ kernel
+(`kernels/csrc/block_sparse.cpp`, compiled on first use) or, for fp64 or without a compiler, PyTorch ops
+batched over blocks in chunks of query blocks; both keep memory O(seq x non-zero blocks per row x block).
+On CUDA the same call runs FlexAttention with a BlockMask built from the same layout.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
+import warnings
 from dataclasses import astuple, dataclass, field, fields
 
 import torch
@@ -309,12 +312,90 @@ class SparseAttention:
 # in the CPU caches between the passes over it, large enough that per-chunk Python overhead is noise.
 CHUNK_ELEMENTS = 1 << 19
 
+# Which CPU implementation runs: "native" (the fused C++ kernel in kernels/csrc/block_sparse.cpp, compiled on
+# first use), "eager" (PyTorch ops, chunked), or "auto": native for fp32/bf16/fp16 inputs when it builds,
+# eager for fp64 or when it does not (with one warning naming why). Also set by MOE_LST_SPARSE_CPU.
+CPU_IMPL = os.environ.get("MOE_LST_SPARSE_CPU", "auto")
+CPU_IMPLS = ("auto", "native", "eager")
+_NATIVE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "block_sparse.cpp")
+_native_state: dict = {}
+
+
+def native_kernel():
+    """The compiled CPU kernel module, built on first use (torch.utils.cpp_extension: g++ and ninja, about
+    30 s, then cached per source and flags). Raises RuntimeError naming the cause if it cannot be built."""
+    if "module" not in _native_state:
+        try:
+            from torch.utils.cpp_extension import load
+
+            flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+            _native_state["module"] = load(name="moe_lst_block_sparse", sources=[_NATIVE_SOURCE],
+                                           extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: reported below
+            _native_state["module"] = None
+            lines = str(exc).strip().splitlines() or [""]
+            _native_state["error"] = f"{type(exc).__name__}: {lines[-1]}"
+    if _native_state["module"] is None:
+        raise RuntimeError(f"the native block-sparse CPU kernel could not be built ({_native_state['error']}); "
+                           "it needs g++ and ninja (pip install ninja)")
+    return _native_state["module"]
+
+
+def _use_native(q: torch.Tensor) -> bool:
+    if CPU_IMPL not in CPU_IMPLS:
+        raise ValueError(f"kernels.sparse.CPU_IMPL={CPU_IMPL!r} (or MOE_LST_SPARSE_CPU) must be one of {CPU_IMPLS}")
+    if CPU_IMPL == "eager":
+        return False
+    if CPU_IMPL == "native":
+        if q.dtype == torch.float64:
+            raise ValueError("the native block-sparse CPU kernel computes in fp32; use CPU_IMPL='eager' for fp64")
+        native_kernel()
+        return True
+    if q.dtype == torch.float64:
+        return False
+    try:
+        native_kernel()
+        return True
+    except RuntimeError as exc:
+        if not _native_state.get("warned"):
+            _native_state["warned"] = True
+            warnings.warn(f"{exc}; block-sparse attention runs the slower eager PyTorch path", stacklevel=3)
+        return False
+
 
 def cpu_block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout,
                                scale: float) -> torch.Tensor:
-    """The PyTorch path: per chunk of query blocks, gather the attended K/V blocks and softmax over them with
-    the log-sum-exp kept per query; backward recomputes the chunk's scores from (out, lse), flash style."""
+    """The CPU path. Native: per (sequence, head, query block) the scores of the attended keys stay in one
+    cache-resident buffer between MKL GEMMs and fused softmax loops; backward recomputes them from the saved
+    log-sum-exp (flash style). Eager: per chunk of query blocks, gather the attended K/V blocks and softmax
+    over them with the log-sum-exp kept per query; backward recomputes each chunk's scores."""
+    if _use_native(q):
+        lead = layout.cols.shape[:-2] or (1, 1)
+        cols = layout.cols.reshape(*lead, *layout.cols.shape[-2:]).contiguous()
+        counts = layout.counts.reshape(*lead, layout.counts.shape[-1]).contiguous()
+        return _NativeBlockSparseFn.apply(q, k, v, cols, counts, layout.block_size, layout.causal, scale)
     return _BlockSparseFn.apply(q, k, v, layout.cols, layout.counts, layout.block_size, layout.causal, scale)
+
+
+class _NativeBlockSparseFn(torch.autograd.Function):
+    """The C++ kernel (fp32 compute; bf16/fp16 inputs are cast). Saves q, k, v, the output and the
+    log-sum-exp [b, h, s]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cols, counts, B, causal, scale):
+        qf, kf, vf = (x.to(torch.float32).contiguous() for x in (q, k, v))
+        out, lse = native_kernel().forward(qf, kf, vf, cols, counts, B, causal, scale)
+        ctx.save_for_backward(qf, kf, vf, out, lse, cols, counts)
+        ctx.meta = (B, causal, scale, q.dtype, k.dtype, v.dtype)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qf, kf, vf, out, lse, cols, counts = ctx.saved_tensors
+        B, causal, scale, qt, kt, vt = ctx.meta
+        g = grad_out.to(torch.float32).contiguous()
+        dq, dk, dv = native_kernel().backward(g, qf, kf, vf, out, lse, cols, counts, B, causal, scale)
+        return dq.to(qt), dk.to(kt), dv.to(vt), None, None, None, None, None
 
 
 def _padded(x: torch.Tensor, B: int) -> torch.Tensor:

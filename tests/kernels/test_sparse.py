@@ -24,6 +24,13 @@ CONFIGS = {
 SHAPES = [(64, 2, 2), (61, 4, 2), (45, 6, 2)]
 
 
+@pytest.fixture(params=["native", "eager"])
+def impl(request, monkeypatch):
+    """Run the test on both CPU implementations of block_sparse_attention."""
+    monkeypatch.setattr(sparse, "CPU_IMPL", request.param)
+    return request.param
+
+
 def _masked_dense(q, k, v, mask):
     """softmax(q k^T / sqrt(d) + (-inf outside mask)) v, per head, GQA by repeating kv heads."""
     rep = q.shape[2] // k.shape[2]
@@ -50,7 +57,7 @@ def _compare(out, ref, inputs, atol=2e-5):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("causal", [True, False])
-def test_layout_equals_dense_attention_with_its_mask(name, causal, monkeypatch):
+def test_layout_equals_dense_attention_with_its_mask(name, causal, monkeypatch, impl):
     for i, (s, h, hk) in enumerate(SHAPES):
         # the last shape in chunks of a few query blocks, so chunk boundaries are exercised too
         monkeypatch.setattr(sparse, "CHUNK_ELEMENTS", 1 << 19 if i < 2 else 3000)
@@ -59,7 +66,7 @@ def test_layout_equals_dense_attention_with_its_mask(name, causal, monkeypatch):
         _compare(block_sparse_attention(q, k, v, layout), _masked_dense(q, k, v, layout.token_mask()), (q, k, v))
 
 
-def test_per_head_layout_and_custom_scale():
+def test_per_head_layout_and_custom_scale(impl):
     # A layout with [batch, kv_heads] leading dims (as NSA's selected blocks are) and GQA.
     s, h, hk, n = 40, 4, 2, 5
     gen = torch.Generator().manual_seed(3)
@@ -162,7 +169,7 @@ def test_bigbird_random_blocks_are_seeded():
     SparseConfig(layout="bigbird", block_size=16, global_blocks=4),
 ])
 @pytest.mark.parametrize("causal", [True, False])
-def test_layout_that_covers_everything_equals_dense(cfg, causal):
+def test_layout_that_covers_everything_equals_dense(cfg, causal, impl):
     s = 61
     layout = block_layout(cfg, s, causal)
     n = layout.num_blocks
@@ -222,7 +229,7 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_cpu_path_never_builds_seq_by_seq_tensors():
+def test_cpu_path_never_builds_seq_by_seq_tensors(impl):
     s = 2048
     layout = block_layout(SparseConfig(layout="bigbird", block_size=32, window_blocks=3, random_blocks=2), s)
     q, k, v = _qkv(s, 1, 1, d=16, b=1)
@@ -274,3 +281,40 @@ def test_flex_path_matches_cpu_path_on_gpu():
         torch.testing.assert_close(out_cuda.cpu(), out, atol=2e-3, rtol=2e-3)
         for a, e in zip(grads_cuda, grads):
             torch.testing.assert_close(a.cpu(), e, atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("name", ["sliding_window", "fixed", "bigbird"])
+def test_native_kernel_equals_eager_path_at_block_64(name, monkeypatch):
+    # Real block size, a ragged length and GQA: rows read in place (consecutive blocks) and gathered rows,
+    # several query heads accumulating one kv head's gradients.
+    s = 64 * 9 + 21
+    extra = {"random_blocks": 2} if name == "bigbird" else {}
+    cfg = SparseConfig(layout=name, block_size=64, window_blocks=3, **extra)
+    layout = block_layout(cfg, s)
+    q, k, v = _qkv(s, 4, 2, seed=11, d=32)
+    results = {}
+    for impl_ in ("native", "eager"):
+        monkeypatch.setattr(sparse, "CPU_IMPL", impl_)
+        out = block_sparse_attention(q, k, v, layout)
+        results[impl_] = (out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    for a, e in zip(results["native"], results["eager"]):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_implementation_choice(monkeypatch):
+    layout = block_layout(CONFIGS["sliding_window"], 40)
+    q, k, v = _qkv(40, 2, 2)
+    monkeypatch.setattr(sparse, "CPU_IMPL", "auto")
+    assert sparse._use_native(q) and not sparse._use_native(q.double())  # fp64 runs the eager path
+    # bf16 inputs compute in fp32 on either path and come back in bf16
+    qb, kb, vb = (x.detach().bfloat16() for x in (q, k, v))
+    out = block_sparse_attention(qb, kb, vb, layout)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), block_sparse_attention(qb.float(), kb.float(), vb.float(), layout),
+                               atol=1e-2, rtol=1e-2)
+    monkeypatch.setattr(sparse, "CPU_IMPL", "native")
+    with pytest.raises(ValueError, match="fp64"):
+        block_sparse_attention(q.double(), k.double(), v.double(), layout)
+    monkeypatch.setattr(sparse, "CPU_IMPL", "fast")
+    with pytest.raises(ValueError, match="must be one of"):
+        block_sparse_attention(q, k, v, layout)
