@@ -68,6 +68,7 @@ struct Layout {
 struct Keys {
   int nk = 0;            // number of keys
   int last = 0;          // keys before the row's last block (which alone may need the causal mask)
+  int64_t last_start = 0;  // position of that block's first key (its keys are consecutive)
   int64_t first = 0;     // position of key 0 (in place) ...
   bool in_place = false;
   std::vector<int64_t> pos;  // ... or the position of every key (gathered)
@@ -82,6 +83,7 @@ Keys find_keys(const Layout& L, int64_t bb, int64_t kh, int64_t r, int64_t B, in
   for (int64_t j = 1; j < c; ++j) consecutive &= cols[j] == cols[j - 1] + 1;
   const int64_t last_start = cols[c - 1] * B;
   const int64_t end = std::min(s, last_start + B);
+  keys.last_start = last_start;
   keys.in_place = consecutive;
   if (consecutive) {
     keys.first = cols[0] * B;
@@ -112,14 +114,13 @@ const float* key_rows(const Keys& keys, const float* x, int64_t bb, int64_t kh, 
   return buf.data();
 }
 
-int64_t key_position(const Keys& keys, int c) { return keys.in_place ? keys.first + c : keys.pos[c]; }
-
-// -inf on the causal-masked scores of query rows q0.. (positions) in S [rows, nk].
+// -inf on the causal-masked scores of query rows at positions q0.. in S [rows, nk]: only the row's last block
+// can hold keys after a query, and its keys are consecutive.
 void causal_mask(float* S, int rows, int nk, const Keys& keys, int64_t q0) {
   for (int i = 0; i < rows; ++i) {
-    float* row = S + static_cast<int64_t>(i) * nk;
-    for (int c = keys.last; c < nk; ++c)
-      if (key_position(keys, c) > q0 + i) row[c] = kNegInf;
+    const int64_t first_masked = keys.last + (q0 + i - keys.last_start) + 1;
+    if (first_masked < nk) std::fill(S + static_cast<int64_t>(i) * nk + std::max<int64_t>(first_masked, 0),
+                                     S + static_cast<int64_t>(i + 1) * nk, kNegInf);
   }
 }
 
