@@ -330,7 +330,9 @@ def native_kernel():
 
             # -fno-trapping-math lets GCC vectorise the exp loops (float -> int conversion); inf/nan stay IEEE.
             flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
-            _native_state["module"] = load(name="moe_lst_block_sparse", sources=[_NATIVE_SOURCE],
+            # -march=native: the build is named after this CPU's features, so a cache directory shared by
+            # machines with different CPUs never hands one of them a binary built for the other.
+            _native_state["module"] = load(name=f"moe_lst_block_sparse_{_cpu_tag()}", sources=[_NATIVE_SOURCE],
                                            extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: reported below
             _native_state["module"] = None
@@ -340,6 +342,19 @@ def native_kernel():
         raise RuntimeError(f"the native block-sparse CPU kernel could not be built ({_native_state['error']}); "
                            "it needs g++ and ninja (pip install ninja)")
     return _native_state["module"]
+
+
+def _cpu_tag() -> str:
+    import hashlib
+    import platform
+
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
 def _use_native(q: torch.Tensor) -> bool:

@@ -318,3 +318,20 @@ def test_cpu_implementation_choice(monkeypatch):
     monkeypatch.setattr(sparse, "CPU_IMPL", "fast")
     with pytest.raises(ValueError, match="must be one of"):
         block_sparse_attention(q, k, v, layout)
+
+
+def test_a_kernel_that_cannot_build_falls_back_with_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(sparse, "_NATIVE_SOURCE", str(tmp_path / "missing.cpp"))
+    monkeypatch.setattr(sparse, "_native_state", {})
+    monkeypatch.setattr(sparse, "CPU_IMPL", "auto")
+    layout = block_layout(CONFIGS["sliding_window"], 40)
+    q, k, v = _qkv(40, 2, 2)
+    with pytest.warns(UserWarning, match="could not be built.*eager PyTorch path"):
+        out = block_sparse_attention(q, k, v, layout)
+    _compare(out, _masked_dense(q, k, v, layout.token_mask()), (q, k, v))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        block_sparse_attention(q, k, v, layout)
+    monkeypatch.setattr(sparse, "CPU_IMPL", "native")
+    with pytest.raises(RuntimeError, match="could not be built"):
+        block_sparse_attention(q, k, v, layout)
