@@ -124,13 +124,23 @@ void causal_mask(float* S, int rows, int nk, const Keys& keys, int64_t q0) {
   }
 }
 
+// The kernels index raw pointers: every shape they rely on is checked first.
 void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cols,
-           const at::Tensor& counts) {
+           const at::Tensor& counts, int64_t B) {
   TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
               "block_sparse: q, k, v must be float32");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "block_sparse: q, k, v must be contiguous");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+              q.size(1) == k.size(1) && q.size(3) == k.size(3) && k.size(2) > 0 && q.size(2) % k.size(2) == 0,
+              "block_sparse: q [b, s, h, d], k and v [b, s, hk, d] with h a multiple of hk, got q", q.sizes(),
+              " k", k.sizes(), " v", v.sizes());
   TORCH_CHECK(cols.dim() == 4 && counts.dim() == 3 && cols.dtype() == at::kLong && counts.dtype() == at::kLong &&
               cols.is_contiguous() && counts.is_contiguous(), "block_sparse: cols [LB, LH, n, m], counts [LB, LH, n] int64");
+  const int64_t n = B > 0 ? (q.size(1) + B - 1) / B : -1;
+  TORCH_CHECK(B > 0 && cols.size(2) == n && counts.sizes() == cols.sizes().slice(0, 3) &&
+              (cols.size(0) == 1 || cols.size(0) == q.size(0)) && (cols.size(1) == 1 || cols.size(1) == k.size(2)),
+              "block_sparse: a layout of ", n, " blocks of ", B, " tokens for batch ", q.size(0), " and ", k.size(2),
+              " kv heads expected, got cols", cols.sizes(), " counts", counts.sizes());
 }
 
 Layout make_layout(const at::Tensor& cols, const at::Tensor& counts) {
@@ -142,7 +152,7 @@ Layout make_layout(const at::Tensor& cols, const at::Tensor& counts) {
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cols,
                                 const at::Tensor& counts, int64_t B, bool causal, double scale_) {
-  check(q, k, v, cols, counts);
+  check(q, k, v, cols, counts, B);
   const int64_t b = q.size(0), s = q.size(1), h = q.size(2), d = q.size(3), hk = k.size(2), g = h / hk;
   const Layout L = make_layout(cols, counts);
   const int64_t n = L.n;
@@ -212,9 +222,12 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
                                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                  const at::Tensor& cols, const at::Tensor& counts, int64_t B, bool causal,
                                  double scale_) {
-  check(q, k, v, cols, counts);
+  check(q, k, v, cols, counts, B);
   TORCH_CHECK(grad_out.is_contiguous() && out.is_contiguous() && lse.is_contiguous() &&
-              grad_out.dtype() == at::kFloat, "block_sparse backward: grad_out, out, lse must be contiguous float32");
+              grad_out.dtype() == at::kFloat && out.dtype() == at::kFloat && lse.dtype() == at::kFloat &&
+              grad_out.sizes() == q.sizes() && out.sizes() == q.sizes() && lse.dim() == 3 &&
+              lse.size(0) == q.size(0) && lse.size(1) == q.size(2) && lse.size(2) == q.size(1),
+              "block_sparse backward: grad_out and out [b, s, h, d], lse [b, h, s], contiguous float32");
   const int64_t b = q.size(0), s = q.size(1), h = q.size(2), d = q.size(3), hk = k.size(2), g = h / hk;
   const Layout L = make_layout(cols, counts);
   const int64_t n = L.n;

@@ -335,3 +335,16 @@ def test_a_kernel_that_cannot_build_falls_back_with_one_warning(monkeypatch, tmp
     monkeypatch.setattr(sparse, "CPU_IMPL", "native")
     with pytest.raises(RuntimeError, match="could not be built"):
         block_sparse_attention(q, k, v, layout)
+
+
+def test_native_kernel_checks_shapes_before_reading(monkeypatch):
+    # cpu_block_sparse_attention is public: a layout for another length or batch is refused by the kernel
+    # itself (it indexes raw memory), not read out of bounds.
+    monkeypatch.setattr(sparse, "CPU_IMPL", "native")
+    q, k, v = _qkv(40, 2, 2)
+    with pytest.raises(RuntimeError, match="a layout of 5 blocks"):
+        sparse.cpu_block_sparse_attention(q, k, v, block_layout(CONFIGS["sliding_window"], 80), 0.25)
+    per_batch = sparse.BlockLayout("x", B, 40, True, torch.zeros(3, 1, 5, 1, dtype=torch.long),
+                                   torch.ones(3, 1, 5, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="for batch 2"):
+        sparse.cpu_block_sparse_attention(q, k, v, per_batch, 0.25)
