@@ -2,6 +2,7 @@
 layout formulas, the FlexAttention block mask describes the same mask, memory stays below [seq, seq]."""
 
 import math
+import struct
 import warnings
 
 import pytest
@@ -46,13 +47,13 @@ def _qkv(s, h, hk, seed=0, d=16, b=2):
     return [torch.randn(b, s, n, d, generator=gen, requires_grad=True) for n in (h, hk, hk)]
 
 
-def _compare(out, ref, inputs, atol=2e-5):
+def _compare(out, ref, inputs, atol=2e-5, rtol=1e-5):
     g = torch.randn_like(ref)
     got = torch.autograd.grad(out, inputs, g)
     want = torch.autograd.grad(ref, inputs, g)
-    torch.testing.assert_close(out, ref, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     for a, e in zip(got, want):
-        torch.testing.assert_close(a, e, atol=atol, rtol=1e-5)
+        torch.testing.assert_close(a, e, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -348,3 +349,205 @@ def test_native_kernel_checks_shapes_before_reading(monkeypatch):
                                    torch.ones(3, 1, 5, dtype=torch.long))
     with pytest.raises(RuntimeError, match="for batch 2"):
         sparse.cpu_block_sparse_attention(q, k, v, per_batch, 0.25)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Independent per-token references. Each layout's definition (README "Sparse attention", SparseConfig) written
+# out directly in plain Python, without the layout-building helpers of kernels/sparse.py, so a layout that keeps
+# or drops a block is caught here rather than checked against itself. Each returns a bool [seq, seq] token mask
+# (query token a attends key token b). Common to all layouts: a query block attends whole key blocks; causal
+# layouts keep only key blocks at or before the query block and the token-level causal mask (b <= a) inside.
+
+
+def _token_mask_from(seq, B, causal, attends):
+    """Per token: query token a attends key token b iff its block attends b's block (`attends(qblock, kblock)`)
+    and, when causal, b <= a."""
+    n = -(-seq // B)
+    table = [[bool(attends(i, j)) for j in range(n)] for i in range(n)]
+    return torch.tensor([[table[a // B][b // B] and (not causal or b <= a) for b in range(seq)]
+                         for a in range(seq)], dtype=torch.bool).reshape(seq, seq)
+
+
+def _reference_sliding_window(cfg, seq, causal):
+    # the blocks within window_blocks - 1 of the query block
+    return _token_mask_from(seq, cfg.block_size, causal, lambda i, j: abs(i - j) <= cfg.window_blocks - 1)
+
+
+def _reference_fixed(cfg, seq, causal):
+    # aligned windows of window_blocks blocks: window W holds blocks W*w .. W*w + w - 1; a query block attends its
+    # own window and the last global_blocks blocks (positions w - g .. w - 1) of every window
+    w, g = cfg.window_blocks, cfg.global_blocks
+    n = -(-seq // cfg.block_size)
+    windows = [list(range(W * w, W * w + w)) for W in range(-(-n // w))]
+    own = {x: win for win in windows for x in win}
+    global_blocks = {x for win in windows for x in win[w - g:]}
+    return _token_mask_from(seq, cfg.block_size, causal, lambda i, j: j in own[i] or j in global_blocks)
+
+
+_P = 2**31 - 1  # BigBird's random blocks: the documented hash of (seed, row, column)
+
+
+def _bigbird_hash(seed, row, col):
+    h = (row * 1_000_003 + col * 7_919 + (seed % _P) * 104_729 + 12_345) % _P
+    for mult in (48_271, 16_807, 69_621):
+        h = ((h ^ (h >> 15)) * mult) % _P
+    return struct.unpack("f", struct.pack("f", h / _P))[0]  # as a float32 in [0, 1)
+
+
+def _reference_bigbird(cfg, seq, causal):
+    # the blocks within window_blocks - 1, the first global_blocks blocks (which also attend every block), and
+    # per row random_blocks more: of the blocks the row may attend (at or before it when causal) that it does not
+    # attend already, those with the highest hash(seed, row, column)
+    w, g = cfg.window_blocks, cfg.global_blocks
+    n = -(-seq // cfg.block_size)
+
+    def base(i, j):
+        return abs(i - j) <= w - 1 or j < g or i < g
+
+    picked = {}
+    for i in range(n):
+        free = [j for j in range(n) if (j <= i or not causal) and not base(i, j)]
+        free.sort(key=lambda j: -_bigbird_hash(cfg.seed, i, j))
+        r = cfg.random_blocks
+        if 0 < r < len(free):  # the draw is well defined: no tie across the cut
+            assert _bigbird_hash(cfg.seed, i, free[r - 1]) != _bigbird_hash(cfg.seed, i, free[r]), (cfg, i)
+        picked[i] = set(free[:r])
+    return _token_mask_from(seq, cfg.block_size, causal, lambda i, j: base(i, j) or j in picked[i])
+
+
+def _reference_longformer(cfg, seq, causal):
+    # the sliding window, and the blocks holding a global token, which also attend every block
+    holding = {t // cfg.block_size for t in cfg.global_tokens}
+    return _token_mask_from(seq, cfg.block_size, causal,
+                            lambda i, j: abs(i - j) <= cfg.window_blocks - 1 or j in holding or i in holding)
+
+
+def _reference_variable(cfg, seq, causal):
+    # consecutive windows of local_window_blocks[0], [1], ... blocks (the last size repeats); a query block attends
+    # its own window and every block of global_block_indices
+    n = -(-seq // cfg.block_size)
+    sizes, window_of, start, number = cfg.local_window_blocks, {}, 0, 0
+    while start < n:
+        size = sizes[min(number, len(sizes) - 1)]
+        for x in range(start, start + size):
+            window_of[x] = number
+        start, number = start + size, number + 1
+    return _token_mask_from(seq, cfg.block_size, causal,
+                            lambda i, j: window_of[i] == window_of[j] or j in cfg.global_block_indices)
+
+
+REFERENCES = {
+    "fixed": _reference_fixed,
+    "bigbird": _reference_bigbird,
+    "longformer": _reference_longformer,
+    "sliding_window": _reference_sliding_window,
+    "variable": _reference_variable,
+}
+# (seq, block size): whole blocks, ragged tails, a single (ragged) block, block size 1, up to 18 blocks
+MASK_CASES = [(3, 4), (16, 4), (13, 4), (23, 3), (30, 8), (37, 5), (9, 1), (70, 4)]
+
+
+def _sweep(name, seq, block):
+    """The configs of layout `name` checked at (seq, block): every knob the layout reads, over its range."""
+    n = -(-seq // block)
+    if name == "sliding_window":
+        return [SparseConfig(layout=name, block_size=block, window_blocks=w) for w in (1, 2, 3, 4)]
+    if name == "fixed":
+        return [SparseConfig(layout=name, block_size=block, window_blocks=w, global_blocks=g)
+                for w in (1, 2, 3, 4) for g in (0, 1, 2) if g <= w]
+    if name == "bigbird":
+        return [SparseConfig(layout=name, block_size=block, window_blocks=w, global_blocks=g, random_blocks=r, seed=sd)
+                for w in (1, 2, 3) for g in (0, 1, 2) for r, sd in ((0, 0), (1, 0), (2, 7), (3, 12345))
+                if g <= n]
+    if name == "longformer":
+        tokens = [(0,), (), (seq - 1,), (seq // 2, seq // 2 + 1, 1), (seq - 1, 0, seq // 3)]
+        return [SparseConfig(layout=name, block_size=block, window_blocks=w, global_tokens=t)
+                for w in (1, 2, 3) for t in tokens if all(0 <= x < seq for x in t)]
+    indices = [(0,), (), (n - 1,), (1, n - 1), (n // 2, 0)]
+    return [SparseConfig(layout=name, block_size=block, local_window_blocks=lw, global_block_indices=gi)
+            for lw in ((1,), (2,), (3,), (2, 3), (1, 2, 4), (4, 1)) for gi in indices if all(x < n for x in gi)]
+
+
+def test_references_match_hand_drawn_layouts():
+    # The references themselves against layouts drawn by hand from the README's table (block level, 1-token
+    # blocks so the token mask is the block mask; bidirectional, and causal = the lower triangle of it).
+    drawn = [
+        (SparseConfig(layout="sliding_window", block_size=1, window_blocks=2), 5,
+         ["##...", "###..", ".###.", "..###", "...##"]),
+        (SparseConfig(layout="fixed", block_size=1, window_blocks=3, global_blocks=1), 7,
+         ["###..#.", "###..#.", "###..#.", "..####.", "..####.", "..####.", "..#..##"]),
+        (SparseConfig(layout="bigbird", block_size=1, window_blocks=2, global_blocks=1, random_blocks=0), 5,
+         ["#####", "###..", "####.", "#.###", "#..##"]),
+        (SparseConfig(layout="longformer", block_size=1, window_blocks=1, global_tokens=(2,)), 5,
+         ["#.#..", ".##..", "#####", "..##.", "..#.#"]),
+        (SparseConfig(layout="variable", block_size=1, local_window_blocks=(1, 2), global_block_indices=(4,)), 6,
+         ["#...#.", ".##.#.", ".##.#.", "...##.", "...##.", "....##"]),
+    ]
+    assert len(drawn) == len(REFERENCES) == 5 and {cfg.layout for cfg, _, _ in drawn} == set(REFERENCES)
+    for cfg, seq, picture in drawn:
+        want = torch.tensor([[c == "#" for c in row] for row in picture])
+        assert torch.equal(REFERENCES[cfg.layout](cfg, seq, False), want), cfg.layout
+        assert torch.equal(REFERENCES[cfg.layout](cfg, seq, True), want.tril()), cfg.layout
+    # BigBird's random blocks: one per row, among the blocks outside the window and globals, seeded
+    cfg = SparseConfig(layout="bigbird", block_size=1, window_blocks=1, global_blocks=0, random_blocks=1, seed=3)
+    mask = _reference_bigbird(cfg, 9, True)
+    assert mask.sum(1).tolist() == [1] + [2] * 8 and mask.diagonal().all()
+    other = _reference_bigbird(SparseConfig(**{**cfg.__dict__, "seed": 4}), 9, True)
+    assert not torch.equal(mask, other)
+
+
+@pytest.mark.parametrize("name", list(REFERENCES))
+@pytest.mark.parametrize("causal", [True, False])
+def test_layout_mask_equals_independent_reference(name, causal):
+    assert len(MASK_CASES) == 8
+    # configs per layout over all cases (fewer where a knob does not fit a 1-block sequence)
+    expected = {"fixed": 88, "bigbird": 24 + 7 * 36, "longformer": 8 * 15, "sliding_window": 8 * 4,
+                "variable": 24 + 7 * 30}
+    checked = 0
+    for seq, block in MASK_CASES:
+        configs = _sweep(name, seq, block)
+        assert len(configs) >= 4, (name, seq, block)
+        for cfg in configs:
+            got = block_layout(cfg, seq, causal).token_mask()
+            want = REFERENCES[name](cfg, seq, causal)
+            assert want.shape == (seq, seq) and want.diagonal().all()
+            assert torch.equal(got, want), (cfg, seq, causal, (got != want).nonzero()[:5].tolist())
+            checked += 1
+    assert checked == expected[name]
+
+
+# (seq, block, q heads, kv heads): a ragged tail with GQA, whole blocks
+KERNEL_CASES = [(37, 5, 4, 2), (32, 4, 2, 2)]
+KERNEL_CONFIGS = {
+    "fixed": [dict(window_blocks=3, global_blocks=1), dict(window_blocks=4, global_blocks=2),
+              dict(window_blocks=2, global_blocks=0)],
+    "bigbird": [dict(window_blocks=2, global_blocks=1, random_blocks=2, seed=7),
+                dict(window_blocks=1, global_blocks=2, random_blocks=1, seed=1),
+                dict(window_blocks=3, global_blocks=0, random_blocks=3, seed=12345)],
+    "longformer": [dict(window_blocks=2, global_tokens=(3, 29)), dict(window_blocks=1, global_tokens=(31, 10, 11)),
+                   dict(window_blocks=3, global_tokens=())],
+    "sliding_window": [dict(window_blocks=2), dict(window_blocks=3), dict(window_blocks=1)],
+    "variable": [dict(local_window_blocks=(2, 3), global_block_indices=(1, 4)),
+                 dict(local_window_blocks=(1, 3), global_block_indices=(6,)),
+                 dict(local_window_blocks=(4,), global_block_indices=())],
+}
+
+
+@pytest.mark.parametrize("name", list(REFERENCES))
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_equals_dense_attention_with_independent_mask(name, causal, impl, monkeypatch):
+    # The kernel on the layout under test against dense attention with the *independent* reference mask:
+    # forward and gradients of q, k, v (fp32 on the native kernel, fp64 on the eager path).
+    dtype, atol, rtol = (torch.float32, 2e-5, 1e-5) if impl == "native" else (torch.float64, 1e-10, 1e-7)
+    assert len(KERNEL_CONFIGS[name]) == 3 and len(KERNEL_CASES) == 2
+    for c, kwargs in enumerate(KERNEL_CONFIGS[name]):
+        for i, (s, block, h, hk) in enumerate(KERNEL_CASES):
+            # the eager path in chunks of a few query blocks on the first case, so chunk boundaries are crossed
+            monkeypatch.setattr(sparse, "CHUNK_ELEMENTS", 3000 if i == 0 else 1 << 19)
+            cfg = SparseConfig(layout=name, block_size=block, **kwargs)
+            mask = REFERENCES[name](cfg, s, causal)
+            assert 0 < int(mask.sum()) < s * s  # sparse, not dense
+            q, k, v = (x.detach().to(dtype).requires_grad_() for x in _qkv(s, h, hk, seed=20 + c))
+            out = block_sparse_attention(q, k, v, block_layout(cfg, s, causal))
+            assert out.dtype == dtype
+            _compare(out, _masked_dense(q, k, v, mask), (q, k, v), atol=atol, rtol=rtol)

@@ -2,8 +2,10 @@
 
 `train(layout)` builds the tiny Llama below on each rank, applies the layout from outside (expert,
 tensor, sequence, pipeline parallelism), trains a few steps on fixed data through the ZeRO engine and
-returns the global-batch losses, gradient norms and the full parameters (assembled over every axis).
-Run with a world of one it is the single-rank reference the parallel runs must equal.
+returns this rank's record (`tests.equivalence.Recorder`: global-batch losses, gradient norms, and
+snapshots of every parameter this rank holds after the first step and at the end, with placements).
+Run with a world of one it is the single-rank reference the parallel runs must equal
+(`reference(...)`); `assert_matches` checks every rank of a parallel run against it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 import zero
 from recipes.models.llama import ModelConfig, MoEConfig, Transformer
+from tests.equivalence import Recorder, as_reference, assert_equivalent
 from zero.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 
 SEQ, ROWS, MICRO, STEPS, LR = 16, 4, 4, 3, 0.5
@@ -114,7 +117,7 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
             return shard_sequence(tokens, labels, dims.sp_group, ignore_index=IGNORE)
         return tokens, labels, torch.arange(SEQ).expand_as(tokens)
 
-    losses, norms, first, evaluated = [], [], None, None
+    record, evaluated = Recorder(engine, dims.dp_group if dims.dp > 1 else None), None
     if eval_first:  # a forward-only pass before any training (its loss from the last stage)
         evaluated = evaluate(engine, pipe, dims, [shard(*batch(99, i)) for i in range(MICRO)], loss_fn)
     for step in range(start, steps):
@@ -134,17 +137,11 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
             from moe import update_router_biases
 
             update_router_biases(engine.module, dims.dp_sp_group)
-        t = torch.tensor([loss], dtype=torch.float64)
-        if dims.dp > 1:
-            dist.all_reduce(t, group=dims.dp_group)
-        losses.append(float(t) / dims.dp)
-        norms.append(engine.global_grad_norm)
-        if step == start:
-            first = full_parameters(engine, tp, dims, coord)
+        record.step(loss)
         if ckpt_dir is not None and step + 1 == save_at:
             engine.save_checkpoint(ckpt_dir, client_state={"step": step + 1})
-    return {"losses": losses, "norms": norms, "first": first, "final": full_parameters(engine, tp, dims, coord),
-            "eval": evaluated, "resharded_from": (engine.loaded_checkpoint or {}).get("resharded_from")}
+    return {**record.result(), "eval": evaluated,
+            "resharded_from": (engine.loaded_checkpoint or {}).get("resharded_from")}
 
 
 @torch.no_grad()
@@ -162,36 +159,19 @@ def evaluate(engine, pipe, dims: zero.ParallelDims, micro: list, loss_fn) -> flo
     return float(t) / dims.dp
 
 
-def full_parameters(engine, tp, dims: zero.ParallelDims, coord: dict) -> dict[str, torch.Tensor] | None:
-    """Every parameter assembled to its single-rank shape (on rank 0; None elsewhere)."""
-    local = tp.full_state_dict(engine.full_state_dict())
-    if not dims.distributed:
-        return local
-    everyone = [None] * dims.world_size
-    dist.all_gather_object(everyone, (coord, local))
-    if dist.get_rank() != 0:
-        return None
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    for c, state in everyone:
-        for name, value in state.items():
-            if ".experts.w_" in name:
-                experts.setdefault(name, {})[c["ep"]] = value
-            else:
-                out.setdefault(name, value)
-    for name, parts in experts.items():
-        out[name] = torch.cat([parts[k] for k in sorted(parts)], 0)
-    return out
+def reference(**options) -> dict:
+    """The one-rank run of `train` as a reference trajectory (with its evaluation loss)."""
+    record = train({}, **options)
+    return {**as_reference(record), "eval": record["eval"]}
 
 
-def assert_matches(result: dict, reference: dict, rtol: float = 1e-5, atol: float = 2e-6) -> None:
-    """Losses, gradient norms and parameters (after the first step: the gradient) equal the reference."""
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=rtol, atol=atol)
-    torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference["norms"]), rtol=rtol, atol=atol)
-    if result["eval"] is not None:
-        assert abs(result["eval"] - reference["eval"]) <= atol + rtol * abs(reference["eval"])
-    for key in ("first", "final"):
-        assert set(result[key]) == set(reference[key]), set(result[key]) ^ set(reference[key])
-        for name, value in reference[key].items():
-            torch.testing.assert_close(result[key][name], value, rtol=rtol, atol=atol,
-                                       msg=lambda m, n=name: f"{n}: {m}")
+def assert_matches(results: list[dict], reference: dict, rtol: float = 1e-5, atol: float = 2e-6,
+                   label: str = "") -> None:
+    """Every rank's losses, gradient norms and parameters (after the first step: the gradient) equal the
+    reference's; every replica and slice of every parameter is checked (`tests.equivalence`)."""
+    assert_equivalent(results, reference, rtol=rtol, atol=atol, label=label)
+    for rank, result in enumerate(results):
+        assert (result["eval"] is None) == (reference["eval"] is None), f"{label} rank {rank}: eval"
+        if result["eval"] is not None:
+            assert abs(result["eval"] - reference["eval"]) <= atol + rtol * abs(reference["eval"]), (
+                f"{label} rank {rank}: eval loss {result['eval']} != {reference['eval']}")

@@ -1,10 +1,10 @@
 """Pipeline and tensor parallelism, alone and composed with dp, sp, ep and ZeRO, equal the single-rank run.
 
 Every case trains the tiny Llama of `harness` for three SGD steps (four micro-batches each, gradient
-clipping on) and compares the global-batch losses, the global gradient norms and every parameter after
-the first step (which is the initial value minus the clipped gradient, so it checks all gradients) and
-at the end, assembled over every axis, against the same training on one rank. Several layouts share one
-spawn of ranks to keep the suite fast.
+clipping on) and compares, on every rank, the global-batch losses, the global gradient norms and every
+parameter it holds after the first step (the initial value minus the clipped gradient, so it checks all
+gradients) and at the end, each replica and slice cut from the same training on one rank by its
+placement (`tests.equivalence`). Several layouts share one spawn of ranks to keep the suite fast.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import pytest
 
 from tests.multirank import run_multirank
-from tests.parallel.harness import assert_matches, train
+from tests.parallel.harness import assert_matches, reference, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -23,22 +23,20 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 @functools.cache
 def _reference(key: str) -> dict:
     kwargs = json.loads(key)
-    return train({}, **{k: v for k, v in kwargs.items() if k in ("moe", "model_overrides", "steps", "eval_first")})
+    return reference(**{k: v for k, v in kwargs.items() if k in ("moe", "model_overrides", "steps", "eval_first")})
 
 
 def _many(cases: list[tuple[dict, dict]]) -> list[dict]:
-    """Run each (layout, options) in turn on every rank; rank 0's results."""
+    """Run each (layout, options) in turn on every rank; this rank's records."""
     return [train(layout, **options) for layout, options in cases]
 
 
 def _check(world: int, cases: list[tuple[dict, dict]]) -> None:
-    results = run_multirank(_many, world, cases, timeout=600)[0]
-    for (layout, options), result in zip(cases, results):
-        reference = _reference(json.dumps(options, sort_keys=True))
-        try:
-            assert_matches(result, reference)
-        except AssertionError as e:
-            raise AssertionError(f"layout {layout} {options}: {e}") from None
+    per_rank = run_multirank(_many, world, cases, timeout=600)
+    assert len(per_rank) == world and all(len(r) == len(cases) for r in per_rank)
+    for i, (layout, options) in enumerate(cases):
+        assert_matches([r[i] for r in per_rank], _reference(json.dumps(options, sort_keys=True)),
+                       label=f"layout {layout} {options}")
 
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
@@ -96,10 +94,13 @@ def _resume(layout: dict, directory: str) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("layout, world", [({"pp": 2}, 2), ({"tp": 2}, 2)])
 def test_checkpoint_resume(tmp_path, layout, world):
-    whole, resumed = run_multirank(_resume, world, layout, str(tmp_path / "ckpt"), timeout=300)[0]
-    assert resumed["losses"] == whole["losses"][3:]  # bit-exact continuation
-    for name, value in whole["final"].items():
-        assert resumed["final"][name].equal(value), name
+    for rank, (whole, resumed) in enumerate(run_multirank(_resume, world, layout, str(tmp_path / "ckpt"),
+                                                          timeout=300)):
+        assert len(resumed["losses"]) == 1 and resumed["losses"] == whole["losses"][3:]  # bit-exact continuation
+        for view in ("master", "compute"):
+            assert whole["final"][view] and whole["final"][view].keys() == resumed["final"][view].keys()
+            for name, value in whole["final"][view].items():
+                assert resumed["final"][view][name].equal(value), (rank, view, name)
 
 
 def _save_then_load_other_layout(directory: str) -> tuple[str | None, str]:

@@ -15,8 +15,9 @@ import functools
 import pytest
 import torch
 
+from tests.equivalence import assert_snapshot
 from tests.multirank import run_multirank
-from tests.parallel.harness import train
+from tests.parallel.harness import reference, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -25,7 +26,7 @@ MOE = {"aux_loss_coef": 0.0}  # under dp > 1 the balancing loss is a product of 
 
 @functools.cache
 def _reference(moe: bool) -> dict:
-    return train({}, steps=6, moe=MOE if moe else False, optim="adamw")
+    return reference(steps=6, moe=MOE if moe else False, optim="adamw")
 
 
 def _legs(directory: str, legs: list, moe: bool = False) -> list[dict]:
@@ -35,14 +36,23 @@ def _legs(directory: str, legs: list, moe: bool = False) -> list[dict]:
             for layout, name, source, stop, options in legs]
 
 
-def _assert_trajectory(legs: list[dict], reference: dict) -> None:
-    losses = [v for leg in legs for v in leg["losses"]]
-    norms = [v for leg in legs for v in leg["norms"]]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=1e-5, atol=2e-6)
-    torch.testing.assert_close(torch.tensor(norms), torch.tensor(reference["norms"]), rtol=1e-5, atol=2e-6)
-    for name, value in reference["final"].items():
-        torch.testing.assert_close(legs[-1]["final"][name], value, rtol=1e-5, atol=2e-6,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+def _per_leg(per_rank: list[list[dict]]) -> list[list[dict]]:
+    """run_multirank's [rank][leg] records as [leg][rank]."""
+    return [list(leg) for leg in zip(*per_rank)]
+
+
+def _assert_trajectory(legs: list[list[dict]], reference: dict) -> None:
+    """`legs`: per leg, every rank's record. The chained losses and norms on every rank, and every rank's
+    final parameters, equal the uninterrupted one-rank run."""
+    assert legs and all(legs)
+    for rank in range(max(len(leg) for leg in legs)):
+        losses = [v for leg in legs for v in leg[min(rank, len(leg) - 1)]["losses"]]
+        norms = [v for leg in legs for v in leg[min(rank, len(leg) - 1)]["norms"]]
+        assert len(losses) == len(reference["losses"]), (rank, len(losses))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(reference["norms"]), rtol=1e-5, atol=2e-6)
+    for rank, record in enumerate(legs[-1]):
+        assert_snapshot(record["final"], reference["final"], where=f"last leg, rank {rank}")
 
 
 def _shards_equal(a: str, b: str, world: int) -> None:
@@ -61,22 +71,24 @@ def _shards_equal(a: str, b: str, world: int) -> None:
 
 def test_dp_2_to_1_to_4(tmp_path):
     d = str(tmp_path)
-    legs = run_multirank(_legs, 2, d, [({"dp": 2}, "a", None, 2, {"stage": 2})], timeout=300)[0]
-    legs += _legs(d, [({}, "b", "a", 4, {})])
-    legs += run_multirank(_legs, 4, d, [({"dp": 4}, "c", "b", 6, {"stage": 1})], timeout=300)[0]
-    assert [leg["resharded_from"] for leg in legs] == [
+    legs = _per_leg(run_multirank(_legs, 2, d, [({"dp": 2}, "a", None, 2, {"stage": 2})], timeout=300))
+    legs += [[leg] for leg in _legs(d, [({}, "b", "a", 4, {})])]
+    legs += _per_leg(run_multirank(_legs, 4, d, [({"dp": 4}, "c", "b", 6, {"stage": 1})], timeout=300))
+    assert [len(leg) for leg in legs] == [2, 1, 4]
+    assert [leg[0]["resharded_from"] for leg in legs] == [
         None, "dp=2 tp=1 pp=1 sp=1 ep=1, ZeRO stage 2, 2 ranks", "dp=1 tp=1 pp=1 sp=1 ep=1, ZeRO stage 0, 1 ranks"]
     _assert_trajectory(legs, _reference(False))
 
 
 def test_zero_stage_3_to_1_to_2_then_sp2_pp2_tp2(tmp_path):
     d = str(tmp_path)
-    legs = run_multirank(_legs, 2, d, [({"dp": 2}, "a", None, 1, {"stage": 3}),
+    legs = _per_leg(run_multirank(_legs, 2, d, [({"dp": 2}, "a", None, 1, {"stage": 3}),
                                        ({"dp": 2}, "b", "a", 2, {"stage": 1}),
                                        ({"dp": 2}, "c", "b", 3, {"stage": 2}),
                                        ({"sp": 2}, "d", "c", 4, {"stage": 1}),
                                        ({"pp": 2}, "e", "d", 5, {"stage": 2}),
-                                       ({"tp": 2}, "f", "e", 6, {"stage": 3})], timeout=300)[0]
+                                       ({"tp": 2}, "f", "e", 6, {"stage": 3})], timeout=300))
+    assert len(legs) == 6
     _assert_trajectory(legs, _reference(False))
 
 
@@ -97,7 +109,10 @@ def _moe_chain_then_unplaced(directory: str) -> tuple[list[dict], str]:
 
 def test_moe_ep_2_to_1_to_2_with_expert_tp_and_round_trip(tmp_path):
     d = str(tmp_path)
-    legs, refused = run_multirank(_moe_chain_then_unplaced, 2, d, timeout=300)[0]
+    results = run_multirank(_moe_chain_then_unplaced, 2, d, timeout=300)
+    refused = results[0][1]
+    legs = _per_leg([legs for legs, _ in results])
+    assert len(legs) == 5
     _assert_trajectory(legs[:3], _reference(True))
     _shards_equal(f"{d}/c", f"{d}/e", 2)
     assert "split over tp or ep without a recorded placement (e.g. layers.1.feed_forward.experts.w_in)" in refused

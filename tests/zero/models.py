@@ -52,18 +52,6 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def assert_rank_mean_close(results: list[dict], key, ref: list[float], world: int) -> None:
-    """The per-step loss averaged over ranks (each rank logs its shard's mean) equals `ref` to 1e-5."""
-    got = [sum(r[key][i] for r in results) / world for i in range(len(ref))]
-    torch.testing.assert_close(
-        torch.tensor(got, dtype=torch.float64),
-        torch.tensor(ref, dtype=torch.float64),
-        rtol=1e-5,
-        atol=0,
-        msg=lambda m: f"{key}: {m}",
-    )
-
-
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
@@ -80,9 +68,12 @@ def build(seed: int = 0, **kw) -> TinyLM:
 
 
 OPT = functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+# Plain SGD for equivalence tests: the parameters after one step are the initial values minus lr times
+# the reduced gradient, so they compare the gradient itself (Adam would hide a constant scale).
+SGD = functools.partial(torch.optim.SGD, lr=0.5)
 
 
-def reference_losses(
+def reference(
     model_kw: dict,
     steps: int,
     rows: int,
@@ -92,25 +83,17 @@ def reference_losses(
     batch_fn=global_batch,
     model_fn=None,
     before_step=None,
-) -> list[float]:
-    """Single process, full global batch: the trajectory every parallel run must reproduce."""
+    optimizer=SGD,
+) -> dict:
+    """Single process, full global batch: the trajectory every parallel run must reproduce
+    (`tests.equivalence.reference_trajectory`: losses, gradient norms, parameters after step 1 and at the end)."""
+    from tests.equivalence import reference_trajectory
+
     model = (model_fn or build)(**model_kw)
-    opt = OPT(model.parameters())
-    losses = []
-    for step in range(steps):
-        if before_step is not None:
-            before_step(model, step)
-        total = 0.0
-        for micro in range(accum):
-            loss = loss_fn(model, batch_fn(step, micro, rows))
-            (loss / accum).backward()
-            total += loss.item() / accum
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses
+    return reference_trajectory(
+        model, optimizer(model.parameters()), steps,
+        lambda m, step: (loss_fn(m, batch_fn(step, micro, rows)) for micro in range(accum)),
+        clip=clip, before_step=before_step)
 
 
 class MoEBlock(nn.Module):

@@ -1,4 +1,5 @@
-"""MoE with expert parallelism (ep=2) under every ZeRO stage matches the single-process full model.
+"""MoE with expert parallelism (ep=2) under every ZeRO stage matches the single-process full model:
+losses, gradient norms and every expert slice and replica on every rank (`tests.equivalence`).
 
 One step routes every token to experts 0-1, so the ranks holding experts 2-3 get no tokens: their
 reductions must still run, in the same order, with zero gradients, and nothing may hang.
@@ -12,17 +13,9 @@ import torch
 import torch.distributed as dist
 
 import zero
+from tests.equivalence import Recorder, assert_equivalent
 from tests.multirank import run_multirank
-from tests.zero.models import (
-    OPT,
-    STARVE_STEP,
-    assert_rank_mean_close,
-    build_moe,
-    global_batch,
-    lm_loss,
-    reference_losses,
-    starve_last_experts,
-)
+from tests.zero.models import SGD, STARVE_STEP, build_moe, global_batch, lm_loss, reference, starve_last_experts
 
 STEPS, ROWS_PER_RANK = 8, 2
 
@@ -32,6 +25,7 @@ def _run(stages: list[int], ckpt: bool) -> dict:
         GroupedExperts,
         MoELayer,
         apply_expert_parallel,
+        expert_placements,
         expert_reduce_group,
         set_fused_grad_accumulation,
     )
@@ -43,14 +37,15 @@ def _run(stages: list[int], ckpt: bool) -> dict:
         model = apply_expert_parallel(build_moe(seed=0, ckpt=ckpt), dims.ep_group)
         config = zero.ZeroConfig(stage=stage, clip_grad_norm=0.5, reduce_bucket_size=500)
         engine = zero.initialize(
-            model, OPT, config, dims, reduce_groups=[expert_reduce_group(model, dims.expert_data_parallel_group)]
+            model, SGD, config, dims, reduce_groups=[expert_reduce_group(model, dims.expert_data_parallel_group)],
+            placements=expert_placements(model),
         )
         # Stages 0-1 keep .grad preset to flat-buffer views: experts may add their weight gradients in place.
         assert engine.grads_accumulate_in_place == (stage < 2)
         set_fused_grad_accumulation(model, engine.grads_accumulate_in_place)
         fused = {m.fuse_grad_accumulation for m in engine.module.modules() if isinstance(m, GroupedExperts)}
         assert fused == {stage < 2}
-        losses = []
+        record = Recorder(engine, dims.dp_group)
         for step in range(STEPS):
             starve_last_experts(engine.module, step)
             rows = global_batch(step, 0, ROWS_PER_RANK * world)[
@@ -59,7 +54,7 @@ def _run(stages: list[int], ckpt: bool) -> dict:
             loss = lm_loss(engine, rows)
             engine.backward(loss)
             assert engine.step()
-            losses.append(loss.item())
+            record.step(loss.item())
             if step == STARVE_STEP:  # the starvation really happened on the ranks holding experts 2-3
                 local = [
                     m.last_stats["tokens_per_local_expert"]
@@ -67,13 +62,13 @@ def _run(stages: list[int], ckpt: bool) -> dict:
                     if isinstance(m, MoELayer)
                 ]
                 starved.append(all(int(c.sum()) == 0 for c in local))
-        out[stage] = losses
+        out[stage] = record.result()
     out["starved"] = starved
     return out
 
 
-def _check(results: list[dict], world: int, ckpt: bool) -> None:
-    ref = reference_losses(
+def _check(results: list[dict], world: int, ckpt: bool, stages: list[int]) -> None:
+    ref = reference(
         {"ckpt": ckpt},
         STEPS,
         ROWS_PER_RANK * world,
@@ -82,18 +77,20 @@ def _check(results: list[dict], world: int, ckpt: bool) -> None:
         before_step=starve_last_experts,
     )
     ep_ranks = [r % 2 for r in range(world)]
+    assert all(len(r["starved"]) == len(stages) for r in results)
     assert [all(r["starved"]) for r in results] == [e == 1 for e in ep_ranks]
-    for stage in (k for k in results[0] if k != "starved"):
-        assert_rank_mean_close(results, stage, ref, world)
+    assert sorted(k for k in results[0] if k != "starved") == stages
+    for stage in stages:
+        assert_equivalent([r[stage] for r in results], ref, label=f"ep=2 dp={world} stage {stage}")
 
 
 def test_moe_ep2_two_ranks_all_stages() -> None:
-    _check(run_multirank(_run, 2, [0, 1, 2, 3], False), 2, False)
+    _check(run_multirank(_run, 2, [0, 1, 2, 3], False), 2, False, [0, 1, 2, 3])
 
 
 def test_moe_ep2_four_ranks_sharded_experts_with_checkpointing() -> None:
     # dp=4, ep=2: expert parameters are sharded over an expert-data-parallel group of 2.
-    _check(run_multirank(_run, 4, [1, 3], True), 4, True)
+    _check(run_multirank(_run, 4, [1, 3], True), 4, True, [1, 3])
 
 
 # ---------------------------------------------------------------------------- balancing losses in fp16

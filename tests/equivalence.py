@@ -1,0 +1,189 @@
+"""The one equivalence check of every multi-rank training test: N ranks against one, step by step.
+
+Each rank of a parallel run records, per step, the global-batch loss and the engine's global gradient
+norm, and after the first step and at the end a snapshot of every parameter it holds: the fp32 master
+(`Engine.full_state_dict`) and the compute-dtype values its forward reads, with the declared placement
+of each split parameter. `assert_equivalent` then checks every rank, not rank 0 only, against a
+reference trajectory (a plain PyTorch loop or a one-rank run): the losses and norms on every rank,
+every replica of every parameter (each data-parallel copy, each tensor-parallel replica, each expert
+slice cut from the reference by its placement), the compute-dtype values equal to the masters rounded
+to that dtype, and every element of every reference parameter held by some rank.
+
+Under plain SGD the parameters after step 1 are `initial - lr * gradient`, so comparing them at fp32
+tolerance compares the reduced gradients themselves; Adam would hide a constant gradient scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+RTOL, ATOL = 1e-5, 2e-6
+
+
+# ---------------------------------------------------------------------------------------- per rank
+@torch.no_grad()
+def compute_values(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's compute-dtype values as this rank's forward reads them (collective).
+
+    Resident buckets (stages 0-2 and stage-3 persistent ones) are read from the rank's own full buffer,
+    so a rank whose copy was not refreshed shows it; partitioned ones (stage 3) are gathered from the
+    shards exactly as a forward would gather them.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for b in engine.buckets:
+        if b.resident:
+            flat = b.full
+        else:
+            shard = b.read_shard().to(b.device)
+            flat = shard
+            if b.world > 1:
+                flat = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
+                dist.all_gather_into_tensor(flat, shard.contiguous(), group=b.group)
+        for name, view in zip(b.names, b.param_views(flat)):
+            out[name] = view.detach().to("cpu", copy=True)
+    return out
+
+
+def snapshot(engine) -> dict[str, Any]:
+    """This rank's parameters: fp32 masters, compute-dtype values and declared placements (collective)."""
+    return {"master": engine.full_state_dict(), "compute": compute_values(engine),
+            "placements": dict(engine.placements)}
+
+
+class Recorder:
+    """Collects one rank's trajectory: call `step(loss)` after each optimizer step.
+
+    `loss` is this rank's mean loss over its part of the global batch; it is averaged over
+    `data_group` (the ranks that split the batch rows; None = this rank alone) so every rank records the
+    global-batch loss. The gradient norm is the engine's, which is global by construction.
+    """
+
+    def __init__(self, engine, data_group=None) -> None:
+        self.engine = engine
+        self.data_group = data_group
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+        self.first: dict | None = None
+
+    def step(self, loss: float) -> None:
+        t = torch.tensor([float(loss)], dtype=torch.float64)
+        if self.data_group is not None and dist.get_world_size(self.data_group) > 1:
+            dist.all_reduce(t, group=self.data_group)
+            t /= dist.get_world_size(self.data_group)
+        self.losses.append(float(t))
+        self.norms.append(self.engine.global_grad_norm)
+        if self.first is None:
+            self.first = snapshot(self.engine)
+
+    def result(self) -> dict[str, Any]:
+        return {"losses": self.losses, "norms": self.norms, "first": self.first, "final": snapshot(self.engine)}
+
+
+# ---------------------------------------------------------------------------------------- references
+def reference_trajectory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
+                         micro_losses: Callable[[torch.nn.Module, int], Iterable[torch.Tensor]],
+                         clip: float | None = None,
+                         before_step: Callable[[torch.nn.Module, int], None] | None = None) -> dict[str, Any]:
+    """One process, the whole global batch, plain PyTorch: the trajectory every parallel run must equal.
+
+    `micro_losses(model, step)` yields the loss of each micro-batch of the step; the step's gradient is
+    their mean (as an engine with grad_accum_steps=k averages k backwards).
+    """
+    losses, norms, first = [], [], None
+    for step in range(steps):
+        if before_step is not None:
+            before_step(model, step)
+        values = list(micro_losses(model, step))
+        assert values, "a step needs at least one micro-batch"
+        total = 0.0
+        for loss in values:
+            (loss / len(values)).backward()
+            total += loss.item() / len(values)
+        params = [p for p in model.parameters() if p.grad is not None]
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+        if first is None:
+            first = _detached(model.state_dict())
+    return {"losses": losses, "norms": norms, "first": first, "final": _detached(model.state_dict())}
+
+
+def as_reference(record: dict[str, Any]) -> dict[str, Any]:
+    """A one-rank run's record (world of one: every master is whole) as a reference trajectory."""
+    for key in ("first", "final"):
+        assert not any(not p.is_whole for p in record[key]["placements"].values()), "a one-rank run is whole"
+    return {"losses": record["losses"], "norms": record["norms"],
+            "first": record["first"]["master"], "final": record["final"]["master"]}
+
+
+def _detached(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype, copy=True)
+            for k, v in state.items()}
+
+
+# ---------------------------------------------------------------------------------------- the check
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, check_dtype=False, msg=lambda m: f"{what}: {m}")
+
+
+def assert_snapshot(snap: dict[str, Any], reference: Mapping[str, torch.Tensor], rtol: float = RTOL,
+                    atol: float = ATOL, where: str = "", covered: dict[str, torch.Tensor] | None = None) -> None:
+    """One rank's snapshot against the reference's full parameters (cut by each declared placement)."""
+    masters, compute, placements = snap["master"], snap["compute"], snap["placements"]
+    assert masters, f"{where}: the rank holds no parameters"
+    assert compute and set(compute) <= set(masters), f"{where}: compute values {sorted(set(compute) - set(masters))}"
+    for name, master in masters.items():
+        assert name in reference, f"{where}: {name} is not a parameter of the reference model"
+        full = reference[name]
+        placement = placements.get(name)
+        if placement is None:
+            assert master.shape == full.shape, (
+                f"{where}: {name} has local shape {tuple(master.shape)}, the model's is {tuple(full.shape)}: "
+                "a split parameter needs a declared placement")
+            want = full
+        else:
+            assert tuple(placement.shape) == tuple(full.shape), f"{where}: {name} placement {placement.shape}"
+            want = placement.take(full)
+        if master.is_floating_point():
+            _close(master, want, rtol, atol, f"{where} {name}")
+        else:
+            assert torch.equal(master, want), f"{where} {name}"
+        if covered is not None:
+            mask = covered.setdefault(name, torch.zeros(full.shape, dtype=torch.bool))
+            if placement is None:
+                mask.fill_(True)
+            else:
+                placement.put(torch.ones(master.shape, dtype=torch.bool), torch.zeros(full.shape, dtype=torch.bool),
+                              mask)
+        if name in compute:
+            # what the forward reads is the master rounded to the compute dtype, on every rank
+            assert torch.equal(compute[name], master.to(compute[name].dtype)), (
+                f"{where}: {name}: the compute-dtype weights are not the rounded fp32 master "
+                f"(max difference {(compute[name].float() - master).abs().max().item():.3g})")
+
+
+def assert_equivalent(results: list[dict[str, Any]], reference: dict[str, Any], rtol: float = RTOL,
+                      atol: float = ATOL, label: str = "") -> None:
+    """Every rank's record equals the reference: losses, gradient norms, all replicas of all parameters."""
+    steps = len(reference["losses"])
+    assert results, f"{label}: no ranks reported"
+    assert steps >= 1 and len(reference["norms"]) == steps, f"{label}: the reference has no steps"
+    for key in ("first", "final"):
+        covered: dict[str, torch.Tensor] = {}
+        for rank, r in enumerate(results):
+            where = f"{label} rank {rank} {key}"
+            if key == "first":
+                assert len(r["losses"]) == steps and len(r["norms"]) == steps, (
+                    f"{where}: {len(r['losses'])} steps recorded, the reference has {steps}")
+                _close(torch.tensor(r["losses"], dtype=torch.float64),
+                       torch.tensor(reference["losses"], dtype=torch.float64), rtol, atol, f"{where} losses")
+                _close(torch.tensor(r["norms"], dtype=torch.float64),
+                       torch.tensor(reference["norms"], dtype=torch.float64), rtol, atol, f"{where} grad norms")
+            assert_snapshot(r[key], reference[key], rtol, atol, where, covered)
+        missing = [n for n in reference[key] if n not in covered or not bool(covered[n].all())]
+        assert not missing, f"{label} {key}: no rank holds (all of) {missing}"
