@@ -74,6 +74,16 @@ MUTATIONS: list[Mutation] = [
     Mutation("grad-scale/offload-nvme-store", "zero/offload.py",
              '        host = grad.to("cpu") if grad.is_cuda else grad  # the caller drops its reference\n',
              '        host = (grad.to("cpu") if grad.is_cuda else grad) * 0.999\n', (OFFLOAD,)),
+    # ---------------------------------------------------------------- compute-dtype weights left stale after a step
+    Mutation("stale-compute-weights/device", "zero/offload.py", "    def _publish_shards(self) -> None:\n",
+             "    def _publish_shards(self) -> None:\n        return\n",
+             ("tests/zero/test_features.py::test_mixed_precision_weights_are_rounded_masters_and_change_every_step",)),
+    Mutation("stale-compute-weights/cpu-offload", "zero/offload.py", '    kind = "cpu"\n',
+             '    kind = "cpu"\n\n    def _publish_shards(self) -> None:\n        pass\n',
+             ("tests/zero/test_features.py::test_mixed_precision_weights_are_rounded_masters_and_change_every_step",)),
+    Mutation("stale-compute-weights/nvme-offload", "zero/offload.py",
+             '        self.buckets[i].write_shard(slot.fields["master"][:n], start)\n', "",
+             ("tests/zero/test_features.py::test_mixed_precision_weights_are_rounded_masters_and_change_every_step",)),
     # ---------------------------------------------------------------- the runtime skips the SP reduction
     Mutation("sp-reduction-skipped", "zero/engine.py",
              "        groups = {DEFAULT_REDUCE_GROUP: dims.dp_sp_group,",

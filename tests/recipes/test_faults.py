@@ -27,6 +27,10 @@ def _ckpt(run_dir: Path, step: int) -> Path:
 def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("whole")
     train(_cfg(run_dir, "train.steps=8", "train.eval_every=4", "train.ckpt_every=2", "train.keep_checkpoints=0"))
+    # what the tests below compare against and damage: 8 logged steps, every checkpoint kept
+    assert sorted(_losses(run_dir)) == list(range(1, 9))
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [
+        f"step_{s:07d}" for s in (2, 4, 6, 8)]
     return run_dir
 
 
@@ -89,7 +93,11 @@ def test_divergence_stops_with_valid_result_and_finite_checkpoints(tmp_path):
     assert result["status"] == "diverged" and result["step"] < 30
     import torch
 
-    for ckpt in (tmp_path / "checkpoints").glob("step_*"):
+    # one checkpoint after each step before the stop (measured: diverged at step 4, checkpoints 1-3), the
+    # newest train.keep_checkpoints=3 of them kept; the stopping step saves none
+    ckpts = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert ckpts and [c.name for c in ckpts] == [f"step_{s:07d}" for s in range(1, result["step"])][-3:]
+    for ckpt in ckpts:
         state = torch.load(ckpt / "rank00000.pt", weights_only=False)
         assert all(torch.isfinite(s).all() for s in state["engine"]["shards"]), ckpt
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

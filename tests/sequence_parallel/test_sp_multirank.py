@@ -5,9 +5,6 @@ One spawn per world size runs every case and returns max errors; the tests asser
 
 from __future__ import annotations
 
-import copy
-import functools
-
 import pytest
 import torch
 
@@ -73,65 +70,20 @@ def _attention_checks(P: int, rank: int, group) -> dict:
     return out
 
 
-MODEL_STEPS = 2
-
-
-def _model_checks(P: int, rank: int, group) -> dict:
-    """A small Llama with sp=P through the ZeRO engine (plain at stage 1, every ALST piece on at stage 3),
-    trained with SGD: every rank's record against sp=1 on the full batch. The engine, not the test, must
-    sum the SP-partial gradients over the group."""
-    import zero
-    from recipes.models.llama import ModelConfig, Transformer
-    from sequence_parallel import (
-        apply_activation_checkpointing,
-        apply_tiled_mlp,
-        apply_ulysses,
-        cross_entropy_sum,
-        shard_sequence,
-        sp_loss,
-        tiled_cross_entropy,
-    )
-    from tests.equivalence import Recorder, reference_trajectory
+def _model_checks(P: int) -> dict:
+    """A small Llama with sp=P through the ZeRO engine (plain, and with every ALST piece on) against sp=1
+    on the full batch, with ignored labels falling unevenly over the ranks."""
+    from recipes.models.llama import ModelConfig
+    from tests.sequence_parallel.sp_model import sp_records
 
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
-    torch.manual_seed(0)
-    ref_model = Transformer(cfg)
     gen = torch.Generator().manual_seed(1)
     s = 4 * P + 3  # not divisible by P: shard_sequence pads the end
     tokens = torch.randint(0, 64, (2, s + 1), generator=gen)
     inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
     labels[0, : s // 2] = -100  # ignored labels fall unevenly: rank 0 holds far fewer real labels
     labels[1, -2:] = -100
-    sgd = functools.partial(torch.optim.SGD, lr=0.5)
-    model = copy.deepcopy(ref_model)
-    reference = reference_trajectory(
-        model, sgd(model.parameters()), MODEL_STEPS,
-        lambda m, step: [torch.nn.functional.cross_entropy(m(inputs).reshape(-1, 64), labels.reshape(-1))])
-
-    results = {"reference": reference}
-    dims = zero.ParallelDims(sp=P)
-    for variant, stage in (("plain", 1), ("alst", 3)):
-        model = apply_ulysses(copy.deepcopy(ref_model), dims.sp_group)
-        if variant == "alst":
-            apply_tiled_mlp(model, tile_size=3)
-            apply_activation_checkpointing(model, offload=True)
-        engine = zero.initialize(model, sgd, zero.ZeroConfig(stage=stage), dims)
-        record = Recorder(engine)  # sp_loss is already the global mean on every rank of the group
-        tok_l, lab_l, pos_l = shard_sequence(inputs, labels, dims.sp_group)
-        for _ in range(MODEL_STEPS):
-            engine.before_forward()
-            hidden = engine.module.forward_hidden(tok_l, pos_l)
-            if variant == "alst":
-                loss_sum, count = tiled_cross_entropy(hidden, engine.module.output_weight, lab_l, tile_size=5)
-            else:
-                logits = torch.nn.functional.linear(hidden, engine.module.output_weight)
-                loss_sum, count = cross_entropy_sum(logits, lab_l)
-            loss = sp_loss(loss_sum, count, dims.sp_group)
-            engine.backward(loss)
-            assert engine.step()
-            record.step(loss.item())
-        results[variant] = {"record": record.result(), "local_count": int(count), "local_len": tok_l.shape[1]}
-    return results
+    return sp_records(cfg, inputs, labels, {"mlp_tile": 3, "loss_tile": 5, "offload": True})
 
 
 def _sp_worker() -> dict:
@@ -139,7 +91,7 @@ def _sp_worker() -> dict:
 
     P, rank = dist.get_world_size(), dist.get_rank()
     group = dist.new_group(list(range(P)))
-    return {"attention": _attention_checks(P, rank, group), "model": _model_checks(P, rank, group)}
+    return {"attention": _attention_checks(P, rank, group), "model": _model_checks(P)}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["sp2", "sp4"])
@@ -177,13 +129,11 @@ def test_ulysses_clear_errors(sp_results):
 
 
 def test_sharded_model_loss_and_grads_match_sp1(sp_results):
-    from tests.equivalence import assert_equivalent
+    from tests.sequence_parallel.sp_model import assert_sp_equivalent
 
     P, results = sp_results
     assert len(results) == P
     counts = [res["model"]["plain"]["local_count"] for res in results]
     assert len(set(counts)) > 1, f"the case must put different label counts on the ranks, got {counts}"
     assert results[0]["model"]["plain"]["local_len"] * P >= 4 * P + 3  # padded, not truncated
-    for variant in ("plain", "alst"):
-        assert_equivalent([res["model"][variant]["record"] for res in results], results[0]["model"]["reference"],
-                          label=f"sp={P} {variant}")
+    assert_sp_equivalent([res["model"] for res in results], f"sp={P}")
