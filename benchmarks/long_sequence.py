@@ -109,7 +109,7 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "
         sp_loss,
         tiled_cross_entropy,
     )
-    from zero import comm
+    from zero.dist import comm
 
     torch.set_num_threads(1)
     group = dist.new_group(list(range(sp))) if sp > 1 else None

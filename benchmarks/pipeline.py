@@ -41,7 +41,7 @@ PP = 2
 ADAMW_FUSED = dict(ADAMW, fused=True)
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
 ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")
-# Stages per rank of each schedule as this benchmark runs it (zero.pipeline's defaults).
+# Stages per rank of each schedule as this benchmark runs it (zero.parallel.pipeline's defaults).
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "looped_bfs": 2, "interleaved_zb": 2, "zbv": 2,
                    "dualpipev": 2}
 # DeepSpeed picks its accelerator at import; name the CPU one rather than rely on detection.
@@ -150,7 +150,7 @@ def _pipeline_case(schedule: str, m: int, args, memory: bool) -> dict:
     import torch.distributed as dist
 
     import zero
-    from zero.pipeline import apply_pipeline
+    from zero.parallel.pipeline import apply_pipeline
 
     dims = args.dims
     model = build_model(args)
@@ -209,15 +209,15 @@ def _sweep(schedule: str, ms: list[int], args) -> list[dict]:
 
 def case_problem(schedule: str, m: int, n_layers: int) -> str | None:
     """Why (schedule, m) cannot run with this model, or None."""
-    from zero.pipeline import check_pipeline_layout
-    from zero.topology import LayoutError
+    from zero.dist.topology import LayoutError
+    from zero.parallel.pipeline import check_pipeline_layout
 
     try:
         v = check_pipeline_layout(schedule, PP, None, n_layers, m)
     except LayoutError as e:
         return str(e)
     if schedule == "dualpipev" and m < PP * v:
-        # torch's ScheduleDualPipeV refuses it when it builds (zero.pipeline's layout check lets it through)
+        # torch's ScheduleDualPipeV refuses it when it builds (zero.parallel.pipeline's layout check lets it through)
         return f"torch's DualPipeV needs m >= {PP * v} (the number of stages)"
     return None
 
@@ -635,12 +635,12 @@ def _tp_run(layout: dict, args) -> dict:
     import torch.distributed as dist
 
     import zero
-    from zero import comm
-    from zero.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+    from zero.dist import comm
+    from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
     warnings.filterwarnings("ignore")
     baseline = _rss()
-    # Time spent inside zero.comm's collectives (tensor parallelism and the engine call them through the module).
+    # Time spent inside zero.dist.comm's collectives (tensor parallelism and the engine call them through the module).
     in_comm = [0.0, 0]
 
     def timed(fn):
@@ -725,7 +725,7 @@ def part3(args) -> dict:
           "clipping. param MB = sum of numel x itemsize of the engine's parameters on one rank (= "
           f"`memory_breakdown()['params']`); step time = slowest rank, median of {args.steps} steps after "
           f"{args.warmup} warm-up, then the median over {args.rounds} alternating round(s); in collectives = time "
-          "inside zero.comm's all-reduce / all-gather / reduce-scatter calls per step (slowest rank; asynchronous "
+          "inside zero.dist.comm's all-reduce / all-gather / reduce-scatter calls per step (slowest rank; asynchronous "
           "launches count only their launch), CPU = the process's CPU time per step (larger rank). Load average "
           f"(1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end.\n")
     rows = []

@@ -35,7 +35,7 @@ WORLD = 2
 
 # ---------------------------------------------------------------------------- byte counting
 def _install_counters(counts: dict) -> None:
-    """Count bytes this rank sends through torch.distributed, the same convention as zero.comm.
+    """Count bytes this rank sends through torch.distributed, the same convention as zero.dist.comm.
 
     Patching the module attributes catches every framework alike (ours, DeepSpeed, FSDP2 all call
     torch.distributed.<collective> at run time).

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from zero import comm
-from zero.topology import group_size
+from zero.dist import comm
+from zero.dist.topology import group_size
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:

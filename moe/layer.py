@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from zero import comm
-from zero.attached_loss import AttachedLossScale, attach_loss
-from zero.topology import group_rank, group_size
+from zero.dist import comm
+from zero.dist.topology import group_rank, group_size
+from zero.plan import AttachedLossScale, attach_loss
 
 from .dispatch import AllToAllDispatcher, LocalDispatcher, TokenDispatcher, expert_capacity, make_plan
 from .experts import GroupedExperts, SharedExperts
@@ -108,7 +108,7 @@ class MoELayer(nn.Module):
         The router weight is replicated: its gradient (partial, through each rank's partial expert
         outputs) is summed over tp, and the balancing losses, computed identically on every tp rank,
         are weighted 1/tp so their gradient counts once. Returns each parameter's layout over tp."""
-        from zero.tensor_parallel import ShardLayout, substitute_parameters, sum_grad
+        from zero.parallel.tensor import ShardLayout, substitute_parameters, sum_grad
 
         tp, rank = group_size(tp_group), group_rank(tp_group)
         if tp == 1:
@@ -176,7 +176,7 @@ class MoELayer(nn.Module):
             "z_loss": z.detach(),
         }
         if tp > 1:  # partial sums of the hidden slices: summed over tp onto this rank's sequence shard
-            from zero.tensor_parallel import reduce_scatter_sequence
+            from zero.parallel.tensor import reduce_scatter_sequence
 
             y = reduce_scatter_sequence(y, self.tp_group, dim=max(y.dim() - 2, 0))
         return y

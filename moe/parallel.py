@@ -9,10 +9,9 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from zero.engine import ReduceGroup
-from zero.placement import Placement
-from zero.tensor_parallel import Style
-from zero.topology import group_rank, group_size
+from zero.dist.topology import group_rank, group_size
+from zero.parallel.tensor import Style
+from zero.plan import Placement, ReduceGroup
 
 from .dispatch import AllToAllDispatcher, LocalDispatcher
 from .layer import MoELayer, moe_layers
@@ -42,7 +41,7 @@ def apply_expert_parallel(module: nn.Module, ep_group: ProcessGroup | None) -> n
 def expert_placements(module: nn.Module) -> dict[str, Placement]:
     """Where each rank's routed-expert weights lie in the full [num_experts, ...] weights, by parameter
     name in `module`: pass them to `zero.initialize(placements=...)` (composed with tensor parallelism's,
-    `zero.placement.compose`) so checkpoints load under another expert-parallel size."""
+    `zero.plan.compose`) so checkpoints load under another expert-parallel size."""
     out = {}
     for prefix, layer in module.named_modules():
         if not isinstance(layer, MoELayer):

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from zero import comm
-from zero.topology import group_size
+from zero.dist import comm
+from zero.dist.topology import group_size
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 

@@ -108,7 +108,7 @@ def check_model(cfg: DictConfig) -> None:
 
 def check_layout(cfg: DictConfig) -> None:
     """Tensor, sequence and pipeline parallel rules against the model, before any process group exists."""
-    from zero.pipeline import check_pipeline_layout
+    from zero.parallel.pipeline import check_pipeline_layout
 
     par, model = cfg.parallel, cfg.model
     for key in ("dp", "tp", "pp", "sp", "ep"):

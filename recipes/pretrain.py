@@ -31,21 +31,21 @@ from recipes.config import ConfigError, atomic_write_text, check_config, check_r
 from recipes.data import BatchSpec, DataError, build_streams
 from recipes.models.llama import Transformer
 from recipes.tracking import MetricsLogger
-from zero import comm
-from zero.pipeline import Pipeline, apply_pipeline
-from zero.tensor_parallel import TensorParallel, apply_tensor_parallel, gather_sequence, vocab_parallel_cross_entropy
-from zero.topology import default_device
+from zero.dist import comm
+from zero.dist.topology import default_device
+from zero.parallel.pipeline import Pipeline, apply_pipeline
+from zero.parallel.tensor import TensorParallel, apply_tensor_parallel, gather_sequence, vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100
 
 
-#: The backend's own collective timeout is a backstop this long after the watchdog's (zero.comm).
+#: The backend's own collective timeout is a backstop this long after the watchdog's (zero.dist.comm).
 BACKSTOP_TIMEOUT_S = 60.0
 
 
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the torchrun process group when launched with several processes. A collective that does not
-    complete within `timeout_s` (a rank stopped answering) ends the ranks waiting for it: zero.comm's
+    complete within `timeout_s` (a rank stopped answering) ends the ranks waiting for it: zero.dist.comm's
     watchdog (started by Run) does that; the backend's timeout, BACKSTOP_TIMEOUT_S later, is a backstop."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -287,7 +287,7 @@ def mean_over_dp(value: float, dims: zero.ParallelDims) -> float:
 
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far (and the CUDA allocator's peak on GPUs)."""
-    from zero.topology import peak_rss_bytes
+    from zero.dist.topology import peak_rss_bytes
 
     peak = peak_rss_bytes() / 2**20
     if torch.cuda.is_available():
@@ -592,7 +592,7 @@ class Run:
         init_distributed(cfg.train.collective_timeout_s)
         self.cfg, t = cfg, cfg.train
         self.run_dir: Path | None = None  # known after the first collective
-        if dist.is_initialized():  # every collective from here on is watched (zero.comm's watchdog)
+        if dist.is_initialized():  # every collective from here on is watched (zero.dist.comm's watchdog)
             comm.start_watchdog(t.collective_timeout_s, self.record_hang, setting="train.collective_timeout_s")
         self.dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")})
         self.is_rank0 = not dist.is_initialized() or dist.get_rank() == 0

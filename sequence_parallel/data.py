@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from kernels.positions import position_ids_for
-from zero import comm
-from zero.topology import group_rank, group_size
+from zero.dist import comm
+from zero.dist.topology import group_rank, group_size
 
 
 def padded_length(seq_len: int, sp: int) -> int:

@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from kernels.attention import attention, check_qkv
-from zero import comm
-from zero.topology import group_rank, group_size
+from zero.dist import comm
+from zero.dist.topology import group_rank, group_size
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ every replica of every parameter (each data-parallel copy, each tensor-parallel 
 slice cut from the reference by its placement), the compute-dtype values equal to the masters rounded
 to that dtype, and every element of every reference parameter held by some rank.
 
-Under plain SGD the parameters after step 1 are `initial - lr * gradient`, so comparing them at fp32
-tolerance compares the reduced gradients themselves; Adam would hide a constant gradient scale.
+Under plain SGD the parameters after step 1 are `initial - lr * gradient`, so their change over the first
+step (recorded from a snapshot taken when the recorder is made) is the reduced gradient itself: it is
+compared at rtol 1e-5 with an absolute floor of a few ulps of the parameter, so even a small gradient (an
+expert's) shows a 0.1% error. Adam would hide a constant gradient scale.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 RTOL, ATOL = 1e-5, 2e-6
+# Rounding p1 = p0 - update to fp32 moves the recorded update by up to an ulp of p on either side.
+ULPS = 4 * torch.finfo(torch.float32).eps
 
 
 # ---------------------------------------------------------------------------------------- per rank
@@ -67,6 +71,7 @@ class Recorder:
         self.data_group = data_group
         self.losses: list[float] = []
         self.norms: list[float] = []
+        self.initial = engine.full_state_dict()  # collective, like every snapshot
         self.first: dict | None = None
 
     def step(self, loss: float) -> None:
@@ -78,6 +83,7 @@ class Recorder:
         self.norms.append(self.engine.global_grad_norm)
         if self.first is None:
             self.first = snapshot(self.engine)
+            self.first["initial"] = self.initial
 
     def result(self) -> dict[str, Any]:
         return {"losses": self.losses, "norms": self.norms, "first": self.first, "final": snapshot(self.engine)}
@@ -94,6 +100,7 @@ def reference_trajectory(model: torch.nn.Module, optimizer: torch.optim.Optimize
     their mean (as an engine with grad_accum_steps=k averages k backwards).
     """
     losses, norms, first = [], [], None
+    initial = _detached(model.state_dict())
     for step in range(steps):
         if before_step is not None:
             before_step(model, step)
@@ -110,14 +117,15 @@ def reference_trajectory(model: torch.nn.Module, optimizer: torch.optim.Optimize
         losses.append(total)
         if first is None:
             first = _detached(model.state_dict())
-    return {"losses": losses, "norms": norms, "first": first, "final": _detached(model.state_dict())}
+    return {"losses": losses, "norms": norms, "initial": initial, "first": first,
+            "final": _detached(model.state_dict())}
 
 
 def as_reference(record: dict[str, Any]) -> dict[str, Any]:
     """A one-rank run's record (world of one: every master is whole) as a reference trajectory."""
     for key in ("first", "final"):
         assert not any(not p.is_whole for p in record[key]["placements"].values()), "a one-rank run is whole"
-    return {"losses": record["losses"], "norms": record["norms"],
+    return {"losses": record["losses"], "norms": record["norms"], "initial": record["first"]["initial"],
             "first": record["first"]["master"], "final": record["final"]["master"]}
 
 
@@ -132,8 +140,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what
 
 
 def assert_snapshot(snap: dict[str, Any], reference: Mapping[str, torch.Tensor], rtol: float = RTOL,
-                    atol: float = ATOL, where: str = "", covered: dict[str, torch.Tensor] | None = None) -> None:
-    """One rank's snapshot against the reference's full parameters (cut by each declared placement)."""
+                    atol: float = ATOL, where: str = "", covered: dict[str, torch.Tensor] | None = None,
+                    initial: Mapping[str, torch.Tensor] | None = None) -> None:
+    """One rank's snapshot against the reference's full parameters (cut by each declared placement); with
+    the reference's `initial` parameters (and the snapshot's own), also the change since then: the update."""
     masters, compute, placements = snap["master"], snap["compute"], snap["placements"]
     assert masters, f"{where}: the rank holds no parameters"
     assert compute and set(compute) <= set(masters), f"{where}: compute values {sorted(set(compute) - set(masters))}"
@@ -151,6 +161,10 @@ def assert_snapshot(snap: dict[str, Any], reference: Mapping[str, torch.Tensor],
             want = placement.take(full)
         if master.is_floating_point():
             _close(master, want, rtol, atol, f"{where} {name}")
+            if initial is not None:
+                start = initial[name] if placement is None else placement.take(initial[name])
+                floor = ULPS * max(float(start.abs().max()), float(want.abs().max()), 1e-30)
+                _close(master - snap["initial"][name], want - start, rtol, floor, f"{where} {name} update")
         else:
             assert torch.equal(master, want), f"{where} {name}"
         if covered is not None:
@@ -173,6 +187,8 @@ def assert_equivalent(results: list[dict[str, Any]], reference: dict[str, Any], 
     steps = len(reference["losses"])
     assert results, f"{label}: no ranks reported"
     assert steps >= 1 and len(reference["norms"]) == steps, f"{label}: the reference has no steps"
+    assert reference.get("initial") and all(r["first"].get("initial") for r in results), (
+        f"{label}: the first-step update needs the initial parameters of the reference and of every rank")
     for key in ("first", "final"):
         covered: dict[str, torch.Tensor] = {}
         for rank, r in enumerate(results):
@@ -184,6 +200,7 @@ def assert_equivalent(results: list[dict[str, Any]], reference: dict[str, Any], 
                        torch.tensor(reference["losses"], dtype=torch.float64), rtol, atol, f"{where} losses")
                 _close(torch.tensor(r["norms"], dtype=torch.float64),
                        torch.tensor(reference["norms"], dtype=torch.float64), rtol, atol, f"{where} grad norms")
-            assert_snapshot(r[key], reference[key], rtol, atol, where, covered)
+            assert_snapshot(r[key], reference[key], rtol, atol, where, covered,
+                            initial=reference.get("initial") if key == "first" else None)
         missing = [n for n in reference[key] if n not in covered or not bool(covered[n].all())]
         assert not missing, f"{label} {key}: no rank holds (all of) {missing}"

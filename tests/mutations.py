@@ -56,32 +56,32 @@ MOE = "tests/zero/test_moe.py"
 OFFLOAD = "tests/zero/test_offload.py::test_offload_trains_as_no_offload_at_every_stage"
 
 MUTATIONS: list[Mutation] = [
-    Mutation("grad-scale/stage1", "zero/optimizer.py", *_STAGE1_REDUCE, (f"{STAGES}::test_all_stages_four_ranks",)),
-    Mutation("grad-scale/stage2-3", "zero/optimizer.py", *_STAGE23_REDUCE, (f"{STAGES}::test_all_stages_four_ranks",)),
-    Mutation("grad-scale/moe/stage1", "zero/optimizer.py", *_STAGE1_REDUCE, (MOE,)),
-    Mutation("grad-scale/moe/stage2-3", "zero/optimizer.py", *_STAGE23_REDUCE, (MOE,)),
-    Mutation("grad-scale/moe-experts/stage1", "zero/optimizer.py", *_STAGE1_EXPERT,
+    Mutation("grad-scale/stage1", "zero/sharding/optimizer.py", *_STAGE1_REDUCE, (f"{STAGES}::test_all_stages_four_ranks",)),
+    Mutation("grad-scale/stage2-3", "zero/sharding/optimizer.py", *_STAGE23_REDUCE, (f"{STAGES}::test_all_stages_four_ranks",)),
+    Mutation("grad-scale/moe/stage1", "zero/sharding/optimizer.py", *_STAGE1_REDUCE, (MOE,)),
+    Mutation("grad-scale/moe/stage2-3", "zero/sharding/optimizer.py", *_STAGE23_REDUCE, (MOE,)),
+    Mutation("grad-scale/moe-experts/stage1", "zero/sharding/optimizer.py", *_STAGE1_EXPERT,
              (f"{MOE}::test_moe_ep2_four_ranks_sharded_experts_with_checkpointing",)),
-    Mutation("grad-scale/moe-experts/stage2-3", "zero/optimizer.py", *_STAGE23_EXPERT,
+    Mutation("grad-scale/moe-experts/stage2-3", "zero/sharding/optimizer.py", *_STAGE23_EXPERT,
              (f"{MOE}::test_moe_ep2_four_ranks_sharded_experts_with_checkpointing",)),
-    Mutation("grad-scale/offload/stage1", "zero/optimizer.py", *_STAGE1_REDUCE, (OFFLOAD,)),
-    Mutation("grad-scale/offload/stage2-3", "zero/optimizer.py", *_STAGE23_REDUCE, (OFFLOAD,)),
+    Mutation("grad-scale/offload/stage1", "zero/sharding/optimizer.py", *_STAGE1_REDUCE, (OFFLOAD,)),
+    Mutation("grad-scale/offload/stage2-3", "zero/sharding/optimizer.py", *_STAGE23_REDUCE, (OFFLOAD,)),
     # inside the offloaded stores themselves: the host copy (cpu) and the spilled file (nvme)
-    Mutation("grad-scale/offload-cpu-store", "zero/offload.py",
+    Mutation("grad-scale/offload-cpu-store", "zero/offload/masters.py",
              "        self.staged = [False] * len(grads)\n        return self.host_grads\n",
              "        self.staged = [False] * len(grads)\n        return [g.mul_(0.999) for g in self.host_grads]\n",
              (OFFLOAD,)),
-    Mutation("grad-scale/offload-nvme-store", "zero/offload.py",
+    Mutation("grad-scale/offload-nvme-store", "zero/offload/masters.py",
              '        host = grad.to("cpu") if grad.is_cuda else grad  # the caller drops its reference\n',
              '        host = (grad.to("cpu") if grad.is_cuda else grad) * 0.999\n', (OFFLOAD,)),
     # ---------------------------------------------------------------- compute-dtype weights left stale after a step
-    Mutation("stale-compute-weights/device", "zero/offload.py", "    def _publish_shards(self) -> None:\n",
+    Mutation("stale-compute-weights/device", "zero/offload/masters.py", "    def _publish_shards(self) -> None:\n",
              "    def _publish_shards(self) -> None:\n        return\n",
              ("tests/zero/test_features.py::test_mixed_precision_weights_are_rounded_masters_and_change_every_step",)),
-    Mutation("stale-compute-weights/cpu-offload", "zero/offload.py", '    kind = "cpu"\n',
+    Mutation("stale-compute-weights/cpu-offload", "zero/offload/masters.py", '    kind = "cpu"\n',
              '    kind = "cpu"\n\n    def _publish_shards(self) -> None:\n        pass\n',
              ("tests/zero/test_features.py::test_mixed_precision_weights_are_rounded_masters_and_change_every_step",)),
-    Mutation("stale-compute-weights/nvme-offload", "zero/offload.py",
+    Mutation("stale-compute-weights/nvme-offload", "zero/offload/masters.py",
              '        self.buckets[i].write_shard(slot.fields["master"][:n], start)\n', "",
              ("tests/zero/test_features.py::test_mixed_precision_weights_are_rounded_masters_and_change_every_step",)),
     # ---------------------------------------------------------------- the runtime skips the SP reduction
@@ -92,7 +92,7 @@ MUTATIONS: list[Mutation] = [
     # ---------------------------------------------------------------- a replicated parameter updated on one rank
     # Rank 1 drops the gradient of buckets held by several ranks (stage-0 data-parallel copies,
     # tensor-parallel replicas such as the norms), so under SGD its copy keeps the old values.
-    Mutation("replica-updated-on-one-rank", "zero/optimizer.py",
+    Mutation("replica-updated-on-one-rank", "zero/sharding/optimizer.py",
              "        self.masters.step(grads, scale, coef)  # updates",
              "        if grads and torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:\n"
              "            [g.zero_() for g, b in zip(grads, self.trainable) if b.replicas > 1]\n"

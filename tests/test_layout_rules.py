@@ -55,15 +55,68 @@ def test_layering_moe_and_sequence_parallel_never_import_each_other():
 
 
 def test_collectives_go_through_zero_comm():
-    # zero.comm counts their bytes and its watchdog sees them wait (torch's pipeline schedules send and
+    # zero.dist.comm counts their bytes and its watchdog sees them wait (torch's pipeline schedules send and
     # receive by themselves: zero/pipeline.py watches the schedule as one section instead).
     pattern = re.compile(r"\b(dist|torch\.distributed)\.(all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|"
                          r"barrier|monitored_barrier|send|recv|isend|irecv|batch_isend_irecv|gather|scatter|reduce)\w*\(")
     hits = [
         f"{path.relative_to(REPO)}:{i}"
         for package in ("zero", "moe", "sequence_parallel", "recipes", "kernels")
-        for path in sorted((REPO / package).rglob("*.py")) if path != REPO / "zero" / "comm.py"
+        for path in sorted((REPO / package).rglob("*.py")) if path != REPO / "zero" / "dist" / "comm.py"
         for i, line in enumerate(path.read_text().splitlines(), start=1)
         if pattern.search(line)
     ]
     assert not hits, hits
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Every module of the project's packages and the project modules it imports (at any depth)."""
+    modules = {}
+    for package in ("zero", "moe", "sequence_parallel", "kernels", "recipes"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            is_init = parts[-1] == "__init__"
+            name = ".".join(parts[:-1] if is_init else parts)
+            modules[name] = (path, is_init)
+    edges: dict[str, set[str]] = {}
+    for name, (path, is_init) in modules.items():
+        package = name if is_init else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            else:
+                continue
+            for t in targets:
+                while t and t not in modules:
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    found.add(t)
+        edges[name] = found
+    return edges
+
+
+def test_no_import_circles():
+    edges = _module_imports()
+    assert len(edges) > 40 and "zero.dist.comm" in edges
+    state: dict[str, int] = {}
+    circles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not circles, circles

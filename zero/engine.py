@@ -17,36 +17,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from zero import comm
 from zero.config import ZeroConfig
-from zero.nvme import check_nvme_path, pin_mmap_threshold
-from zero.optimizer import FullGradReducer, ZeroOptimizer
-from zero.partition import FlatBucket, split_into_buckets
-from zero.placement import Placement
-from zero.stage3 import Stage3Hooks, assign_parameters, find_units
-from zero.topology import ParallelDims, default_device, group_size, peak_rss_bytes
+from zero.dist import comm
+from zero.dist.topology import ParallelDims, default_device, group_size, peak_rss_bytes
+from zero.offload.nvme import check_nvme_path, pin_mmap_threshold
+from zero.plan import Placement, ReduceGroup
+from zero.sharding.buckets import FlatBucket, split_into_buckets
+from zero.sharding.optimizer import FullGradReducer, ZeroOptimizer
+from zero.sharding.stage3 import Stage3Hooks, assign_parameters, find_units
+from zero.state.checkpoint import load_checkpoint, save_checkpoint
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LossScaleHook = Callable[[float], None]
 ParamInit = Callable[[str, torch.Tensor], None]
 
 DEFAULT_REDUCE_GROUP = "dense"
-
-
-@dataclass(eq=False)
-class ReduceGroup:
-    """Parameters whose gradients reduce over `group` instead of the engine's data x sequence group.
-
-    The engine shards their optimizer state, master weights (and at stage 3 the parameters) over
-    `group` and reduces their gradients there; everything else reduces over `dims.dp_sp_group`.
-    Example: expert weights replicated only across the expert-data-parallel ranks
-    (`moe.expert_reduce_group(model, dims.expert_data_parallel_group)` builds that declaration).
-    `group` must be a group of the engine's ParallelDims (None: one rank, nothing to reduce).
-    """
-
-    name: str
-    params: Sequence[nn.Parameter]
-    group: ProcessGroup | None
 
 
 @dataclass
@@ -90,7 +75,7 @@ def _check_placements(model: nn.Module, placements: Mapping[str, Placement]) -> 
         if placement is None:
             continue
         if not isinstance(placement, Placement):
-            raise TypeError(f"placements[{name!r}] must be a zero.placement.Placement, got {type(placement).__name__}")
+            raise TypeError(f"placements[{name!r}] must be a zero.plan.Placement, got {type(placement).__name__}")
         if tuple(p.shape) != placement.local_shape:
             raise ValueError(f"placements[{name!r}] describes a local tensor of shape {placement.local_shape} but "
                              f"the parameter has shape {tuple(p.shape)}")
@@ -478,7 +463,8 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ state
-    def _layout(self) -> list[dict]:
+    def bucket_records(self) -> list[dict]:
+        """Per flat bucket: names, shapes, offsets, ZeRO split and placements (what a checkpoint records)."""
         def placement(name: str) -> dict | None:
             p = self.placements.get(name)
             return None if p is None else p.to_json()
@@ -520,7 +506,7 @@ class Engine:
             "format": "zero-sharded-v1",
             "stage": self.config.stage,
             "dtype": self.config.dtype,
-            "layout": self._layout(),
+            "layout": self.bucket_records(),
             "shards": [self._shard_values(b).detach().clone() for b in self.buckets],
             "optimizer": self.zero_optimizer.masters.state_dict(file_backed),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
@@ -541,7 +527,7 @@ class Engine:
         if state["stage"] != self.config.stage:
             return (f"checkpoint written at ZeRO stage {state['stage']} but this engine is stage {self.config.stage}: "
                     "resume at the same stage, or go through full_state_dict()/load_full_state_dict()")
-        mine = self._layout()
+        mine = self.bucket_records()
         # (keys an older checkpoint does not record are not compared)
         if len(mine) != len(state["layout"]) or [{k: b[k] for k in b if k in t}
                                                  for b, t in zip(mine, state["layout"])] != state["layout"]:
@@ -639,8 +625,6 @@ class Engine:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, client_state: dict | None = None, run_id: str | None = None) -> None:
         """Atomically write this rank's sharded state (plus its `client_state`) into directory `path`."""
-        from zero.checkpoint import save_checkpoint
-
         save_checkpoint(self, path, client_state, run_id)
 
     def close(self) -> None:
@@ -652,7 +636,6 @@ class Engine:
     def load_checkpoint(self, path: str) -> dict | None:
         """Restore a checkpoint written by save_checkpoint under this or any other layout (resharded);
         returns this rank's client_state."""
-        from zero.checkpoint import load_checkpoint
 
         return load_checkpoint(self, path)
 
@@ -687,15 +670,15 @@ def initialize(
     not depend on the order it is called in (e.g. `Transformer.init_parameter`, seeded per name).
 
     With tensor parallelism each rank passes its local slices (the engine shards them over dp like
-    any parameter) and `replicated_params` (from `zero.tensor_parallel.apply_tensor_parallel`): the
+    any parameter) and `replicated_params` (from `zero.parallel.tensor.apply_tensor_parallel`): the
     parameters held identically by k tp ranks, so the global gradient norm counts them once. With
     pipeline parallelism `model` is this rank's stages (`Pipeline.module`) and `tied_params`
     (`Pipeline.tied_params`) maps each parameter that has a copy on another stage (a tied embedding and
     head) to the group of its copies: their gradients are summed there before every step.
 
-    `placements` (parameter name -> `zero.placement.Placement`) says where each split parameter's local
+    `placements` (parameter name -> `zero.plan.Placement`) says where each split parameter's local
     tensor lies in the model's full one (`moe.expert_placements`, `TensorParallel.placements`, composed
-    with `zero.placement.compose`); unnamed parameters are whole. Checkpoints record them, so a
+    with `zero.plan.compose`); unnamed parameters are whole. Checkpoints record them, so a
     checkpoint loads under any other layout (dp, ZeRO stage, sp, ep, tp, pp): see `load_checkpoint`.
     """
     config = config if config is not None else ZeroConfig()

@@ -351,10 +351,10 @@ class Transformer(nn.Module):
         nn.init.normal_(tensor, 0.0, std, generator=gen)
 
     def tensor_parallel_plan(self, tp: int) -> dict:
-        """How this model splits over tp ranks (zero.tensor_parallel.apply_tensor_parallel): vocabulary-
+        """How this model splits over tp ranks (zero.parallel.tensor.apply_tensor_parallel): vocabulary-
         parallel embedding (and tied head), sequence-parallel norms, column-parallel q/k/v and MLP input,
         row-parallel attention output and MLP output, expert tensor parallelism for MoE layers."""
-        from zero.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallelNorm, VocabParallelEmbedding
+        from zero.parallel.tensor import ColwiseParallel, RowwiseParallel, SequenceParallelNorm, VocabParallelEmbedding
 
         check_tensor_parallel(self.cfg, tp)
         plan: dict = {"tok_embeddings": VocabParallelEmbedding()}
@@ -382,7 +382,7 @@ class Transformer(nn.Module):
 
     def pipeline_stage(self, layers: range, first: bool, last: bool) -> nn.Module:
         """A pipeline stage holding `layers` (the embedding when `first`; final norm and head when `last`),
-        sharing this model's modules and parameter names (see zero.pipeline)."""
+        sharing this model's modules and parameter names (see zero.parallel.pipeline)."""
         return PipelineStageModule(self, layers, first, last)
 
     def pipeline_shapes(self, tokens_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -450,7 +450,7 @@ class PipelineStageModule(nn.Module):
             self.norm = model.norm
             if model.output is not None:
                 self.output = model.output
-            else:  # the tied head: on another rank than the first stage it is a copy (zero.pipeline ties them)
+            else:  # the tied head: on another rank than the first stage it is a copy (zero.parallel.pipeline ties them)
                 self.tok_embeddings = model.tok_embeddings
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:

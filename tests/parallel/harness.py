@@ -18,7 +18,7 @@ import torch.distributed as dist
 import zero
 from recipes.models.llama import ModelConfig, MoEConfig, Transformer
 from tests.equivalence import Recorder, as_reference, assert_equivalent
-from zero.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
 SEQ, ROWS, MICRO, STEPS, LR = 16, 4, 4, 3, 0.5
 IGNORE = -100
@@ -80,7 +80,7 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
     pipe = None
     module = model
     if dims.pp > 1:
-        from zero.pipeline import apply_pipeline
+        from zero.parallel.pipeline import apply_pipeline
 
         pipe = apply_pipeline(model, dims, schedule, microbatches=MICRO, loss_fn=loss_fn,
                               virtual_stages=virtual_stages)

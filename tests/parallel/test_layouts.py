@@ -138,7 +138,7 @@ def _mismatched_microbatches() -> str:
     import zero
     from recipes.models.llama import Transformer
     from tests.parallel.harness import model_config
-    from zero.pipeline import apply_pipeline
+    from zero.parallel.pipeline import apply_pipeline
 
     dims = zero.ParallelDims(pp=2)
     pipe = apply_pipeline(Transformer(model_config()), dims, microbatches=2, loss_fn=lambda out, y: out.sum())

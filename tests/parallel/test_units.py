@@ -2,7 +2,7 @@
 
 import torch.nn as nn
 
-from zero.stage3 import BlockDict, find_units
+from zero.sharding.stage3 import BlockDict, find_units
 
 
 def test_units_are_blocks_not_moduledict_children():

@@ -24,7 +24,7 @@ TOL = 2e-5
 def _attention_checks(P: int, rank: int, group) -> dict:
     from kernels.attention import attention
     from sequence_parallel import UlyssesAttention
-    from zero import comm
+    from zero.dist import comm
 
     out = {}
     ulysses = UlyssesAttention(group, attn_fn=attention)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import zero
-import zero.checkpoint
+import zero.state.checkpoint
 from tests.multirank import run_multirank
 from tests.zero.models import OPT, SGD, build, global_batch, lm_loss
 
@@ -120,21 +120,21 @@ def _checkpoints(root: str) -> dict:
         resumed = _train(b, range(3, 6))
 
         # A save that fails on one rank raises everywhere and leaves the previous checkpoint intact.
-        original = zero.checkpoint._write
+        original = zero.state.checkpoint._write
 
         def failing(obj, target, _original=original):
             if dist.get_rank() == 1:
                 raise OSError("disk full (simulated)")
             _original(obj, target)
 
-        zero.checkpoint._write = failing
+        zero.state.checkpoint._write = failing
         try:
             b.save_checkpoint(path, client_state={"rank": rank, "samples": 999})
             raised = False
         except RuntimeError:
             raised = True
         finally:
-            zero.checkpoint._write = original
+            zero.state.checkpoint._write = original
         dist.barrier()
         c = _engine(stage, seed=23, clip_grad_norm=0.5)
         client_after = c.load_checkpoint(path)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import zero
-import zero.nvme
+import zero.offload.nvme
 from tests.equivalence import Recorder, as_reference, assert_equivalent
 from tests.multirank import run_multirank
 from tests.zero.models import build, global_batch, lm_loss, reference
@@ -137,7 +137,7 @@ def test_nvme_target_errors_come_before_training(tmp_path, monkeypatch):
         engine(tmp_path / "missing")
     with pytest.raises(zero.ConfigError, match="not writable"):
         engine("/proc")
-    monkeypatch.setattr(zero.nvme, "disk_free_bytes", lambda path: 1000)
+    monkeypatch.setattr(zero.offload.nvme, "disk_free_bytes", lambda path: 1000)
     numel = sum(p.numel() for p in build().parameters())
     with pytest.raises(zero.ConfigError, match=f"needs .* GiB \\({3 * 4 * numel} bytes\\)"):
         engine(tmp_path)  # master + exp_avg + exp_avg_sq, fp32, world 1

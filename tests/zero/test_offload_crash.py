@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import zero
-import zero.nvme
+import zero.offload.nvme
 from tests.zero.models import build, global_batch, lm_loss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,7 +128,7 @@ def test_sigkill_while_writing_offloaded_state_leaves_the_previous_checkpoint(tm
 
     # SIGKILL runs no finalizer: the killed run's nvme files stay. Poison them, so reading one would show.
     leftovers = sorted(nvme.glob("zero-*.bin"))
-    assert leftovers and all(f"zero-{zero.nvme.RUN_TOKEN}-" not in p.name for p in leftovers)
+    assert leftovers and all(f"zero-{zero.offload.nvme.RUN_TOKEN}-" not in p.name for p in leftovers)
     for p in leftovers:
         p.write_bytes(b"\xff" * p.stat().st_size)  # NaN in every fp32 element
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import zero
 from tests.multirank import run_multirank
-from zero.topology import peak_rss_bytes
+from zero.dist.topology import peak_rss_bytes
 
 CHUNK, BUFFERS = 1 << 18, 2  # elements per chunk, ring slots
 FIELDS = 4  # per element in a slot: master, exp_avg, exp_avg_sq, gradient (fp32)

@@ -2,7 +2,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.multirank import MultiRankError, run_multirank
-from zero.topology import LayoutError, ParallelDims
+from zero.dist.topology import LayoutError, ParallelDims
 
 
 def _members(group):

@@ -1,4 +1,4 @@
-"""zero.comm's hang watchdog: a collective in flight past the timeout ends the process (exit 4) with one
+"""zero.dist.comm's hang watchdog: a collective in flight past the timeout ends the process (exit 4) with one
 line naming the rank, the step and the collective, whatever the backend's own timeout does."""
 
 import os
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Both ranks complete one all-reduce; then rank 1 stops answering and rank 0 waits on an asynchronous one.
 TWO_RANKS = """
 import sys, time, datetime, torch, torch.distributed as dist
-from zero import comm
+from zero.dist import comm
 rank, port = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=300))  # far beyond the watchdog's
@@ -60,7 +60,7 @@ def test_a_rank_waiting_on_a_silent_peer_exits_within_the_timeout():
 def test_local_computation_inside_a_watched_section_is_not_waiting():
     code = """
 import time
-from zero import comm
+from zero.dist import comm
 comm.start_watchdog(0.5, setting="pipeline_timeout")
 with comm.watched("pipeline send/recv", None):
     with comm.unwatched():

@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import pipelining as pl
 
-from zero import comm
-from zero.stage3 import BlockDict
-from zero.topology import LayoutError, ParallelDims
+from zero.dist import comm
+from zero.dist.topology import LayoutError, ParallelDims
+from zero.sharding.stage3 import BlockDict
 
 #: name -> (torch schedule class, stages per rank: None = any (default 2), else that exact number, V placement)
 SCHEDULES: dict[str, tuple[str, int | None, bool]] = {

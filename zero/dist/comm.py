@@ -29,7 +29,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from zero.topology import group_size
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Size of a group, where None means a single rank (no communication needed)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
 
 
 class CommStats:

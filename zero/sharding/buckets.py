@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from zero import comm
-from zero.nvme import TensorFile
-from zero.topology import group_rank, group_size
+from zero.dist import comm
+from zero.dist.topology import group_rank, group_size
+from zero.offload.nvme import TensorFile
 
 
 def _resize_storage(t: torch.Tensor, nbytes: int) -> None:

@@ -13,6 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from zero.dist import comm
+from zero.dist.comm import group_rank, group_size  # noqa: F401  (re-exported: the groups' queries)
+
 _AXES = ("dp", "tp", "pp", "sp", "ep")
 
 
@@ -182,8 +185,6 @@ class ParallelDims:
         """
         if not self.distributed:
             return dict(groups)
-        from zero import comm
-
         mine = {name: None if g is None else dist.get_process_group_ranks(g) for name, g in groups.items()}
         everyone = comm.all_gather_object(mine, dist.group.WORLD)
         out: dict[str, ProcessGroup | None] = {}
@@ -220,15 +221,6 @@ class ParallelDims:
     def __str__(self) -> str:
         return (f"ParallelDims(dp={self.dp}, tp={self.tp}, pp={self.pp}, sp={self.sp}, ep={self.ep}, "
                 f"world={self.world_size})")
-
-
-def group_size(group: ProcessGroup | None) -> int:
-    """Size of a group, where None means a single rank (no communication needed)."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 def default_device() -> torch.device:

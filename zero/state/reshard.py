@@ -2,7 +2,7 @@
 
 Every shard file records its buckets: the parameter names, shapes, offsets in the flat buffer, how the
 buffer was split over its group (ZeRO) and where each local parameter lies in the full one
-(`zero.placement.Placement`: expert and tensor parallel slices). That is enough to find, for any element
+(`zero.plan.Placement`: expert and tensor parallel slices). That is enough to find, for any element
 of any parameter of any layout, the file and offset that hold it, for the fp32 master and for every
 per-element optimizer state (Adam's moments). A rank loading under another layout (dp size, ZeRO stage,
 sp, ep, tp, pp, bucket sizes) reads exactly the ranges of its own shard from whichever files hold them
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zero.placement import Placement
+from zero.plan import Placement
 
 if TYPE_CHECKING:
-    from zero.engine import Engine
+    from zero.state.interface import Engine
 
 
 class ReshardError(ValueError):
@@ -228,7 +228,7 @@ def resharded_state(engine: Engine, reader: CheckpointReader) -> dict:
         "format": "zero-sharded-v1",
         "stage": engine.config.stage,
         "dtype": engine.config.dtype,
-        "layout": engine._layout(),
+        "layout": engine.bucket_records(),
         "shards": shards,
         "optimizer": {"state": entries, "param_groups": [{**groups[0], "params": list(range(n_trainable))}]},
         "lr_scheduler": first["lr_scheduler"],

@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 from torch.distributed import ReduceOp
 
-from zero import comm
 from zero.config import ZeroConfig
-from zero.offload import build_masters
-from zero.partition import FlatBucket
+from zero.dist import comm
+from zero.offload.masters import build_masters
+from zero.sharding.buckets import FlatBucket
 
 
 class DynamicLossScaler:
@@ -271,7 +271,7 @@ class ZeroOptimizer:
     """Owns the reduction of gradients, clipping, loss scaling and the step over the master shards.
 
     Where the fp32 master shards and the optimizer state live (device, host or nvme files) is the
-    business of a master store (`zero.offload`); the torch optimizer is built by
+    business of a master store (`zero.offload.masters`); the torch optimizer is built by
     `optimizer_factory(list_of_flat_master_shards)`: one fp32 parameter per trainable bucket, so it
     must be elementwise (AdamW, Adam, SGD, ...).
     """

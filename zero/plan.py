@@ -1,4 +1,6 @@
-"""Where a rank's local parameter lies inside the logical (unsharded) parameter of the whole model.
+"""What parallelism applied from outside tells the engine: the declaration types, importable alone.
+
+`Placement`: where a rank's local parameter lies inside the logical (unsharded) parameter of the whole model.
 
 Tensor and expert parallelism replace parameters by slices: an expert-parallel rank holds experts
 [r*E/P, (r+1)*E/P) of a [E, ...] weight, a column-parallel rank some rows, a SwiGLU input projection two
@@ -14,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.distributed import ProcessGroup
 
 
 def _box(starts: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
@@ -116,3 +120,60 @@ def compose(outer: Mapping[str, Placement], inner: Mapping[str, Placement]) -> d
     for name, p in inner.items():
         out[name] = p.within(outer[name]) if name in outer else p
     return out
+
+
+@dataclass(eq=False)
+class ReduceGroup:
+    """Parameters whose gradients reduce over `group` instead of the engine's data x sequence group.
+
+    The engine shards their optimizer state, master weights (and at stage 3 the parameters) over
+    `group` and reduces their gradients there; everything else reduces over `dims.dp_sp_group`.
+    Example: expert weights replicated only across the expert-data-parallel ranks (the plan of
+    `moe.apply_expert_parallel` declares that). `group` must be a group of the engine's ParallelDims
+    (None: one rank, nothing to reduce).
+    """
+
+    name: str
+    params: Sequence[nn.Parameter]
+    group: ProcessGroup | None
+
+
+# ---------------------------------------------------------------------------- losses attached to activations
+# A layer that computes a side loss (e.g. an MoE balancing loss) can make it part of whatever loss is later
+# backpropagated from its output, without threading it through the model's return values. The engine
+# multiplies the main loss by a factor before backward (fp16 loss scale / accumulation steps); an
+# `AttachedLossScale` declared in a plan's `loss_scale_hooks` receives that same factor.
+
+
+class AttachedLossScale:
+    """The factor the gradient of attached losses is multiplied by (read in backward, so it is the
+    factor of the backward that actually runs). Calling it sets the factor: it is a loss-scale hook."""
+
+    def __init__(self, value: float = 1.0) -> None:
+        self.value = float(value)
+
+    def __call__(self, scale: float) -> None:
+        self.value = float(scale)
+
+    def __repr__(self) -> str:
+        return f"AttachedLossScale({self.value})"
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Returns `output` unchanged; backward also sends gradient `scale.value` into `loss`."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: AttachedLossScale) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        loss_grad = torch.full(ctx.loss_shape, ctx.scale.value, dtype=ctx.loss_dtype, device=grad.device)
+        return grad, loss_grad, None
+
+
+def attach_loss(output: torch.Tensor, loss: torch.Tensor, scale: AttachedLossScale) -> torch.Tensor:
+    """`output`, through which backward also differentiates `loss` with gradient `scale.value`."""
+    return _AttachLoss.apply(output, loss, scale)

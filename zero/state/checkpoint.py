@@ -6,7 +6,7 @@ lists every shard with its size and SHA-256, and each shard records its rank, st
 `verify_checkpoint`) checks all of it, the ranks sharing the shards between them, and agrees across ranks
 before any collective that depends on the shards, so a truncated, corrupted or foreign shard stops every
 rank with the same one-line error naming the file, never a hang. A checkpoint of another layout is
-resharded on load (zero.reshard); one of another model raises ReshardError.
+resharded on load (zero.state.reshard); one of another model raises ReshardError.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from zero import comm
-from zero.reshard import CheckpointReader, ReshardError, resharded_state
+from zero.dist import comm
+from zero.state.reshard import CheckpointReader, ReshardError, resharded_state
 
 if TYPE_CHECKING:
-    from zero.engine import Engine
+    from zero.state.interface import Engine
 
 
 class CheckpointError(ValueError):
@@ -117,7 +117,7 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
     # Split parameters without a placement make the checkpoint resumable only under its own layout.
     unplaced = [n for names in comm.all_gather_object(engine.unplaced_split_params(), group) for n in names]
     if rank == 0:
-        meta = {"format": "zero-checkpoint-v2", "world_size": world, "shards": shards, "layout": _layout(engine),
+        meta = {"format": "zero-checkpoint-v2", "world_size": world, "shards": shards, "layout": _degrees(engine),
                 "stage": engine.config.stage, "dtype": engine.config.dtype, "global_steps": engine.global_steps,
                 "run_id": run_id, "unplaced": sorted(set(unplaced))}
         _write_meta(tmp, meta)
@@ -137,7 +137,7 @@ def _publish(tmp: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _layout(engine: Engine) -> dict[str, int]:
+def _degrees(engine: Engine) -> dict[str, int]:
     d = engine.dims
     return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "sp": d.sp, "ep": d.ep}
 
@@ -269,13 +269,13 @@ def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
 
     A checkpoint written under the same layout is loaded shard by shard. Under another layout (world
     size, dp/tp/pp/sp/ep sizes, ZeRO stage, bucket sizes) it is resharded: every rank reads its part of
-    the parameters and optimizer state from whichever shards hold it (see zero.reshard). Either way
+    the parameters and optimizer state from whichever shards hold it (see zero.state.reshard). Either way
     `engine.loaded_checkpoint` says which happened. Rank r takes the RNG and client_state of the
     checkpoint's rank r (rank 0's where the checkpoint had fewer ranks)."""
     rank, world, group = _world()
     path = _resolve(path)
     meta = _verify(path, rank, world, group)
-    same = (meta["world_size"] == world and meta.get("layout") in (None, _layout(engine))
+    same = (meta["world_size"] == world and meta.get("layout") in (None, _degrees(engine))
             and meta.get("stage", engine.config.stage) == engine.config.stage)
 
     def own():

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from zero.partition import FlatBucket
+from zero.sharding.buckets import FlatBucket
 
 
 def _in_backward() -> bool:

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from zero.config import ZeroConfig
-from zero.nvme import TensorFile, check_nvme_path
-from zero.partition import FlatBucket
+from zero.offload.nvme import TensorFile, check_nvme_path
+from zero.sharding.buckets import FlatBucket
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 _F32 = 4  # bytes per fp32 element

@@ -32,9 +32,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from zero import comm
-from zero.placement import Placement
-from zero.topology import group_rank, group_size
+from zero.dist import comm
+from zero.dist.topology import group_rank, group_size
+from zero.plan import Placement
 
 
 # ---------------------------------------------------------------------- autograd collectives
@@ -426,7 +426,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup | None,
         make_plan = getattr(model, "tensor_parallel_plan", None)
         if make_plan is None:
             raise TypeError(f"{type(model).__name__} has no tensor_parallel_plan(tp); pass plan= "
-                            "(module name -> zero.tensor_parallel style)")
+                            "(module name -> zero.parallel.tensor style)")
         plan = make_plan(tp)
     modules = dict(model.named_modules())
     missing = [n for n in plan if n not in modules]
