@@ -215,8 +215,7 @@ def attention_times(ours, b: int, s: int, h: int, hkv: int, d: int, device, dtyp
                     iters: int) -> dict[str, float]:
     """Median fwd+bwd seconds of `ours` on [b, s, heads, d] and of SDPA on the same data as [b, heads, s, d]."""
     import torch.nn.functional as F
-
-    from kernels.attention import flash_available
+    from moe_lst.kernels.attention import flash_available
 
     def leaf(*shape):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
@@ -244,9 +243,10 @@ def cmd_ulysses(args) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     peak, _ = peak_flops(device)
     warmup, iters = (1, 2) if args.smoke else (3, 10)
-    ours = UlyssesAttention(None)  # sp=1 (one process): the wrapper's checks around kernels.attention
+    ours = UlyssesAttention(None)  # sp=1 (one process): the wrapper's checks around moe_lst.kernels.attention
     emit(f"Attention fwd+bwd on {device.type}, {args.dtype}, causal: UlyssesAttention(None) (sp=1) around "
-         f"kernels.attention vs F.scaled_dot_product_attention; median of {iters} passes after {warmup} warm-up")
+         "moe_lst.kernels.attention vs F.scaled_dot_product_attention; "
+         f"median of {iters} passes after {warmup} warm-up")
     emit("| batch | seq | heads | kv heads | head_dim | impl | ms | TFLOP/s | ours / sdpa | MFU |")
     emit("|---|---|---|---|---|---|---|---|---|---|")
     for b, s, h, hkv, d in ATTN_SMOKE if args.smoke else ATTN_CASES:
@@ -269,7 +269,7 @@ SPARSE_SMOKE = (512,)
 
 def cmd_sparse(args) -> None:
     """The block-sparse CUDA path (FlexAttention) against the PyTorch path, then its speed against SDPA."""
-    from kernels.sparse import SparseConfig, block_layout, block_sparse_attention, cpu_block_sparse_attention
+    from moe_lst.kernels.sparse import SparseConfig, block_layout, block_sparse_attention, cpu_block_sparse_attention
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     warmup, iters = (1, 2) if args.smoke else (2, 5)
@@ -302,8 +302,8 @@ def cmd_sparse(args) -> None:
 
 
 def _sparse_speed(s: int, h: int, hkv: int, d: int, device, dtype, warmup: int, iters: int) -> None:
-    from kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
-    from kernels.sparse import SparseConfig, block_layout, block_sparse_attention
+    from moe_lst.kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
+    from moe_lst.kernels.sparse import SparseConfig, block_layout, block_sparse_attention
 
     def leaf(*shape):
         return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)

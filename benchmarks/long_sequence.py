@@ -115,7 +115,7 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "
     group = dist.new_group(list(range(sp))) if sp > 1 else None
     _watchdog(cap_bytes)
     if model_name == "million":
-        from kernels.sparse import SparseConfig
+        from moe_lst.kernels.sparse import SparseConfig
 
         attention = {"attention": "sparse", "sparse": SparseConfig(layout="sliding_window", block_size=64,
                                                                     window_blocks=4)} if mode == "alst-sparse" else {}

@@ -56,10 +56,9 @@ def _peak_rss_mib() -> float:
 def probe(mode: str, seq: int) -> dict:
     """Time and peak memory of forward + backward of `mode` at `seq` tokens, in this process."""
     import torch
-
-    from kernels.attention import attention
-    from kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
-    from kernels.sparse import SparseConfig, block_layout, block_sparse_attention
+    from moe_lst.kernels.attention import attention
+    from moe_lst.kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
+    from moe_lst.kernels.sparse import SparseConfig, block_layout, block_sparse_attention
 
     torch.manual_seed(0)
     shape = (1, seq, HEADS, HEAD_DIM)
@@ -231,8 +230,7 @@ def layout_images(path: str, seq: int = 2048) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from kernels.sparse import SparseConfig, block_layout
+    from moe_lst.kernels.sparse import SparseConfig, block_layout
 
     fig, axes = plt.subplots(1, len(LAYOUTS), figsize=(3 * len(LAYOUTS), 3.6), dpi=110, layout="constrained")
     for ax, (name, kw) in zip(axes, LAYOUTS.items()):

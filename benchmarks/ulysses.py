@@ -1,6 +1,6 @@
 """Ulysses attention at sp=2 against DeepSpeed's DistributedAttention, plus per-rank memory vs sp=1.
 
-Both wrap the same local attention (kernels.attention.attention) on the same sharded inputs; we time
+Both wrap the same local attention (moe_lst.kernels.attention.attention) on the same sharded inputs; we time
 forward+backward (interleaved rounds, median) and measure peak RSS per rank in fresh processes.
 
     python benchmarks/ulysses.py            # full run (seq 8192, MHA and GQA)
@@ -34,7 +34,7 @@ def _peak_rss_mib() -> float:
 
 
 def _make_impl(name: str, group):
-    from kernels.attention import attention
+    from moe_lst.kernels.attention import attention
 
     if name == "ours":
         from sequence_parallel import UlyssesAttention

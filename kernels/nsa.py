@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from kernels.attention import check_qkv
-from kernels.sparse import BlockLayout, SparseConfig, block_layout, block_sparse_attention
+from moe_lst.kernels.attention import check_qkv
+from moe_lst.kernels.sparse import BlockLayout, SparseConfig, block_layout, block_sparse_attention
 
 
 @dataclass

@@ -17,8 +17,7 @@ import warnings
 from dataclasses import astuple, dataclass, field, fields
 
 import torch
-
-from kernels.attention import check_qkv
+from moe_lst.kernels.attention import check_qkv
 
 LAYOUTS = ("fixed", "bigbird", "longformer", "sliding_window", "variable")
 # The SparseConfig fields each layout reads (block_size always); any other field set away from its default
@@ -359,7 +358,8 @@ def _cpu_tag() -> str:
 
 def _use_native(q: torch.Tensor) -> bool:
     if CPU_IMPL not in CPU_IMPLS:
-        raise ValueError(f"kernels.sparse.CPU_IMPL={CPU_IMPL!r} (or MOE_LST_SPARSE_CPU) must be one of {CPU_IMPLS}")
+        raise ValueError(f"moe_lst.kernels.sparse.CPU_IMPL={CPU_IMPL!r} (or MOE_LST_SPARSE_CPU) must be one of "
+                         f"{CPU_IMPLS}")
     if CPU_IMPL == "eager":
         return False
     if CPU_IMPL == "native":

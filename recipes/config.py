@@ -8,10 +8,10 @@ import tempfile
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
+from moe_lst.kernels.nsa import NSAConfig
+from moe_lst.kernels.sparse import SparseConfig
 from omegaconf import DictConfig, OmegaConf
 
-from kernels.nsa import NSAConfig
-from kernels.sparse import SparseConfig
 from recipes.models.llama import MoEConfig
 
 # The MoE, sparse-attention and NSA blocks of every model config (`defaults: [moe: base, sparse: base,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from moe_lst.kernels.positions import position_ids_for
 from torch.distributed import ProcessGroup
 
-from kernels.positions import position_ids_for
 from zero.dist import comm
 from zero.dist.topology import group_rank, group_size
 

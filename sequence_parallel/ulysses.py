@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from moe_lst.kernels.attention import attention, check_qkv
 from torch.distributed import ProcessGroup
 
-from kernels.attention import attention, check_qkv
 from zero.dist import comm
 from zero.dist.topology import group_rank, group_size
 

@@ -52,20 +52,22 @@ _STAGE23_EXPERT = (_STAGE23_REDUCE[0],
                    "        out = out.float() * (0.999 if progress.bucket.world > 1 and "
                    "progress.bucket.reduce_group != 'dense' else 1.0)\n        b = progress.bucket\n")
 STAGES = "tests/zero/test_stages.py"
+FOUR = f"{STAGES}::test_all_stages_four_ranks"
+OPTIMIZER = "zero/sharding/optimizer.py"
 MOE = "tests/zero/test_moe.py"
 OFFLOAD = "tests/zero/test_offload.py::test_offload_trains_as_no_offload_at_every_stage"
 
 MUTATIONS: list[Mutation] = [
-    Mutation("grad-scale/stage1", "zero/sharding/optimizer.py", *_STAGE1_REDUCE, (f"{STAGES}::test_all_stages_four_ranks",)),
-    Mutation("grad-scale/stage2-3", "zero/sharding/optimizer.py", *_STAGE23_REDUCE, (f"{STAGES}::test_all_stages_four_ranks",)),
-    Mutation("grad-scale/moe/stage1", "zero/sharding/optimizer.py", *_STAGE1_REDUCE, (MOE,)),
-    Mutation("grad-scale/moe/stage2-3", "zero/sharding/optimizer.py", *_STAGE23_REDUCE, (MOE,)),
-    Mutation("grad-scale/moe-experts/stage1", "zero/sharding/optimizer.py", *_STAGE1_EXPERT,
+    Mutation("grad-scale/stage1", OPTIMIZER, *_STAGE1_REDUCE, (FOUR,)),
+    Mutation("grad-scale/stage2-3", OPTIMIZER, *_STAGE23_REDUCE, (FOUR,)),
+    Mutation("grad-scale/moe/stage1", OPTIMIZER, *_STAGE1_REDUCE, (MOE,)),
+    Mutation("grad-scale/moe/stage2-3", OPTIMIZER, *_STAGE23_REDUCE, (MOE,)),
+    Mutation("grad-scale/moe-experts/stage1", OPTIMIZER, *_STAGE1_EXPERT,
              (f"{MOE}::test_moe_ep2_four_ranks_sharded_experts_with_checkpointing",)),
-    Mutation("grad-scale/moe-experts/stage2-3", "zero/sharding/optimizer.py", *_STAGE23_EXPERT,
+    Mutation("grad-scale/moe-experts/stage2-3", OPTIMIZER, *_STAGE23_EXPERT,
              (f"{MOE}::test_moe_ep2_four_ranks_sharded_experts_with_checkpointing",)),
-    Mutation("grad-scale/offload/stage1", "zero/sharding/optimizer.py", *_STAGE1_REDUCE, (OFFLOAD,)),
-    Mutation("grad-scale/offload/stage2-3", "zero/sharding/optimizer.py", *_STAGE23_REDUCE, (OFFLOAD,)),
+    Mutation("grad-scale/offload/stage1", OPTIMIZER, *_STAGE1_REDUCE, (OFFLOAD,)),
+    Mutation("grad-scale/offload/stage2-3", OPTIMIZER, *_STAGE23_REDUCE, (OFFLOAD,)),
     # inside the offloaded stores themselves: the host copy (cpu) and the spilled file (nvme)
     Mutation("grad-scale/offload-cpu-store", "zero/offload/masters.py",
              "        self.staged = [False] * len(grads)\n        return self.host_grads\n",
@@ -92,7 +94,7 @@ MUTATIONS: list[Mutation] = [
     # ---------------------------------------------------------------- a replicated parameter updated on one rank
     # Rank 1 drops the gradient of buckets held by several ranks (stage-0 data-parallel copies,
     # tensor-parallel replicas such as the norms), so under SGD its copy keeps the old values.
-    Mutation("replica-updated-on-one-rank", "zero/sharding/optimizer.py",
+    Mutation("replica-updated-on-one-rank", OPTIMIZER,
              "        self.masters.step(grads, scale, coef)  # updates",
              "        if grads and torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:\n"
              "            [g.zero_() for g, b in zip(grads, self.trainable) if b.replicas > 1]\n"

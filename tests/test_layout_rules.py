@@ -88,11 +88,13 @@ def _module_imports() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([base] if base else []))
                 targets = [f"{base}.{a.name}" for a in node.names] + [base]
             else:
                 continue
             for t in targets:
+                t = "kernels" + t[len("moe_lst.kernels"):] if t.startswith("moe_lst.kernels") else t
                 while t and t not in modules:
                     t = t.rpartition(".")[0]
                 if t and t != name:

@@ -13,11 +13,10 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from kernels.attention import attention
-from kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
-from kernels.positions import position_ids_for
-from kernels.sparse import LAYOUT_FIELDS, SparseAttention, SparseConfig
+from moe_lst.kernels.attention import attention
+from moe_lst.kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
+from moe_lst.kernels.positions import position_ids_for
+from moe_lst.kernels.sparse import LAYOUT_FIELDS, SparseAttention, SparseConfig
 
 ATTENTIONS = ("dense", "sparse", "nsa")
 
@@ -225,7 +224,7 @@ class Attention(nn.Module):
 
 
 class NSAAttention(Attention):
-    """Native sparse attention (kernels.nsa): the same projections, plus per-head gates of the three branches
+    """Native sparse attention (moe_lst.kernels.nsa): the same projections, plus per-head gates of the three branches
     (a sigmoid of a projection of the token's hidden state) and the key and value compressors."""
 
     def __init__(self, cfg: ModelConfig, device=None) -> None:

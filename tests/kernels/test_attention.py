@@ -1,7 +1,6 @@
 import pytest
 import torch
-
-from kernels.attention import attention, check_qkv, flash_available, reference_attention
+from moe_lst.kernels.attention import attention, check_qkv, flash_available, reference_attention
 
 
 def _naive(q, k, v, causal):

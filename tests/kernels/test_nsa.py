@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.nsa import Compressor, NativeSparseAttention, NSAConfig, nsa_attention, select_blocks
+from moe_lst.kernels.nsa import Compressor, NativeSparseAttention, NSAConfig, nsa_attention, select_blocks
 
 CFG = NSAConfig(block_size=8, select_blocks=4, compress_block=8, compress_stride=4, window_blocks=2)
 
@@ -130,7 +129,7 @@ def test_short_sequences_and_errors():
 
 
 def test_compressed_branch_is_the_same_in_any_query_chunks():
-    from kernels.nsa import compressed_attention
+    from moe_lst.kernels.nsa import compressed_attention
 
     q, k, v, gates, ck, cv = _inputs(45, 4, 2, seed=2)
     whole = compressed_attention(q, ck(k), cv(v), CFG, 0.3)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.positions import position_ids_for
+from moe_lst.kernels.positions import position_ids_for
 
 
 def test_default_shared_and_full_positions():

@@ -5,13 +5,12 @@ import math
 import struct
 import warnings
 
+import moe_lst.kernels.sparse as sparse
 import pytest
 import torch
+from moe_lst.kernels.attention import attention
+from moe_lst.kernels.sparse import SparseConfig, block_layout, block_sparse_attention, flex_block_mask
 from torch.utils._python_dispatch import TorchDispatchMode
-
-import kernels.sparse as sparse
-from kernels.attention import attention
-from kernels.sparse import SparseConfig, block_layout, block_sparse_attention, flex_block_mask
 
 B = 8  # block size of the small cases
 CONFIGS = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_lst.kernels.attention import attention
 
-from kernels.attention import attention
 from sequence_parallel import UlyssesAttention, head_layout, shard_sequence, sp_loss
 
 

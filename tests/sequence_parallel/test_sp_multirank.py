@@ -22,7 +22,8 @@ TOL = 2e-5
 
 
 def _attention_checks(P: int, rank: int, group) -> dict:
-    from kernels.attention import attention
+    from moe_lst.kernels.attention import attention
+
     from sequence_parallel import UlyssesAttention
     from zero.dist import comm
 
