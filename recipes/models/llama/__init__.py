@@ -1,0 +1,18 @@
+"""The project's Llama (dense or MoE): model.py (the plain model), parallelize.py (its tensor-parallel plan and
+pipeline stages: the model contract's parallel parts), state_dict.py (the Hugging Face weight adapter)."""
+
+from recipes.models.llama.model import (  # noqa: F401
+    Attention,
+    FeedForward,
+    ModelConfig,
+    MoEConfig,
+    NSAAttention,
+    PipelineStageModule,
+    RMSNorm,
+    Transformer,
+    TransformerBlock,
+    apply_rope,
+    build_moe,
+    check_tensor_parallel,
+    rope_cos_sin,
+)
