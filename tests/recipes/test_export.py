@@ -1,4 +1,5 @@
-"""Export to the Hugging Face Llama / Mixtral layout and back: same logits in `transformers` and in ours."""
+"""Export to the Hugging Face Llama / Mixtral layout and back: same logits in `transformers` (5.x, whose Mixtral holds
+its experts fused) and in ours; import of what `transformers` itself saves, in either expert layout."""
 
 import json
 
@@ -10,6 +11,9 @@ from recipes.models.llama import ModelConfig, MoEConfig, Transformer
 from tests.recipes.test_pretrain import TINY, _cfg, _losses, _run_cli
 
 transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+TOKENS = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
 def _model(moe: bool, tie: bool) -> Transformer:
@@ -25,22 +29,88 @@ def _model(moe: bool, tie: bool) -> Transformer:
     return model.eval()
 
 
-@pytest.mark.parametrize("moe, tie", [(False, True), (False, False), (True, False)])
-def test_export_loads_in_transformers_with_the_same_logits_and_imports_back(tmp_path, moe, tie):
+def _expert_keys(directory) -> set[str]:
+    """The layer-0 MoE tensor names of a saved directory, without the layer prefix."""
+    names = safetensors_torch.load_file(str(directory / "model.safetensors"))
+    return {k.removeprefix("model.layers.0.") for k in names if k.startswith("model.layers.0.") and
+            ("experts" in k or ".gate." in k)}
+
+
+PER_EXPERT = {"block_sparse_moe.gate.weight", *(f"block_sparse_moe.experts.{e}.w{w}.weight" for e in range(4)
+                                                 for w in (1, 2, 3))}
+FUSED = {"mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+
+
+@pytest.mark.parametrize("moe, tie, experts", [(False, True, "per_expert"), (False, False, "per_expert"),
+                                               (True, False, "per_expert"), (True, False, "fused")])
+def test_export_loads_in_transformers_with_the_same_logits_and_imports_back(tmp_path, moe, tie, experts):
     model = _model(moe, tie)
     state = {k: v for k, v in model.state_dict().items() if not (tie and k == "output.weight")}
-    save_hf(state, model.cfg, tmp_path)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    save_hf(state, model.cfg, tmp_path, experts=experts)
+    if moe:  # Mixtral's published per-expert names (transformers 5 converts them on load), or its fused parameters
+        assert _expert_keys(tmp_path) == (PER_EXPERT if experts == "per_expert" else FUSED)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(theirs).__name__ == ("MixtralForCausalLM" if moe else "LlamaForCausalLM")
-    tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ours_logits, their_logits = model(tokens), theirs(tokens).logits
+        ours_logits, their_logits = model(TOKENS), theirs(TOKENS).logits
     torch.testing.assert_close(their_logits, ours_logits, rtol=1e-4, atol=1e-4)
     cfg, imported = import_hf(tmp_path)
     again = Transformer(cfg)
     again.load_state_dict(imported, strict=False)
     with torch.no_grad():
-        torch.testing.assert_close(again.eval()(tokens), ours_logits, rtol=0, atol=0)
+        torch.testing.assert_close(again.eval()(TOKENS), ours_logits, rtol=0, atol=0)
+
+
+def _hf_model(moe: bool, tie: bool):
+    """A transformers Llama / Mixtral built from a config (no download), with non-trivial norm gains."""
+    torch.manual_seed(3)
+    common = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, tie_word_embeddings=tie, rms_norm_eps=1e-6)
+    if moe:  # rope_theta: Mixtral's default, 1e6
+        config = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common)
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(intermediate_size=96, rope_parameters={"rope_type": "default",
+                                                                                  "rope_theta": 500.0}, **common)
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("moe, tie, original_format", [(False, True, True), (False, False, True), (True, False, True),
+                                                       (True, False, False)])
+def test_import_of_what_transformers_saves(tmp_path, moe, tie, original_format):
+    """`save_pretrained` writes Mixtral's experts per expert by default (save_original_format=True) and as its fused
+    parameters otherwise: both import to a model with transformers' logits."""
+    theirs = _hf_model(moe, tie)
+    theirs.save_pretrained(tmp_path, save_original_format=original_format)
+    if moe:
+        assert _expert_keys(tmp_path) == (PER_EXPERT if original_format else FUSED)
+    cfg, state = import_hf(tmp_path)
+    assert (cfg.moe.num_experts, cfg.tie_embeddings) == (4 if moe else 0, tie)
+    ours = Transformer(cfg)
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("expert_bias") or (tie and k == "output.weight") for k in missing)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(TOKENS), theirs(TOKENS).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_import_refuses_a_config_it_cannot_represent(tmp_path):
+    theirs = _hf_model(False, False)
+    theirs.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}
+    config["attention_bias"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="no equivalent here: rope_type=llama3.*; attention_bias=true"):
+        import_hf(tmp_path)
+    config.update(model_type="qwen3_moe")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="model_type='qwen3_moe': only Llama and Mixtral"):
+        import_hf(tmp_path)
 
 
 def test_export_cli_from_a_run_directory(tmp_path):
@@ -51,7 +121,7 @@ def test_export_cli_from_a_run_directory(tmp_path):
     out = export(run, tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 2
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     cfg, state = import_hf(out)
     ours = Transformer(cfg)
     ours.load_state_dict(state, strict=False)

@@ -1,0 +1,280 @@
+"""The Hugging Face weight adapter: our Llama (ModelConfig + Transformer state dict) <-> `transformers`'
+LlamaForCausalLM (dense) and MixtralForCausalLM (MoE), in both directions: config.json and tensor names and
+layouts.
+
+Export (`to_hf`, `save_hf`): dense models as Llama; MoE models (every layer MoE, softmax router renormalised
+over the top k, SwiGLU experts, no shared experts or expert bias) as Mixtral, with the experts either
+
+- `per_expert` (default): `model.layers.{i}.block_sparse_moe.gate.weight` and
+  `...block_sparse_moe.experts.{e}.w1|w2|w3.weight`, the layout of the published Mixtral checkpoints, which
+  `transformers` 5 still writes by default (`save_pretrained`, `save_original_format=True`) and loads through
+  its conversion mapping into fused experts, and which `transformers` 4 loads as it is; or
+- `fused`: `model.layers.{i}.mlp.gate.weight`, `...mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up)
+  and `...mlp.experts.down_proj` [E, H, I]: the parameters of `transformers` 5's MixtralExperts as they are
+  (`save_pretrained(..., save_original_format=False)`), loaded without conversion.
+
+Import (`from_hf`, `import_hf`) reads either expert layout (and per-expert tensors under `mlp.` as well as
+`block_sparse_moe.`), from our own export or from another Llama / Mixtral directory; a config it cannot
+represent (another architecture, rotary scaling, biases, sliding window, another head width) is refused.
+
+Our rotary embedding rotates interleaved pairs (x[2i], x[2i+1]); Hugging Face's rotates the two halves of
+each head, so q and k rows are reordered per head on the way out (and back on the way in): the attention
+scores are unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from recipes.models.llama.model import ModelConfig, MoEConfig, Transformer
+
+EXPERT_LAYOUTS = ("per_expert", "fused")
+# The rotary base `transformers` assumes when a config.json names none (its config classes' default_theta).
+_DEFAULT_THETA = {"llama": 10000.0, "mixtral": 1000000.0}
+
+
+class ExportError(ValueError):
+    """A model, config or checkpoint that cannot be exported or imported in the requested layout."""
+
+
+def _rope_order(rows: int, head_dim: int, inverse: bool = False) -> torch.Tensor:
+    """Row permutation from interleaved rotary pairs to rotate-half (or back), per head."""
+    per_head = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    if inverse:
+        per_head = torch.argsort(per_head)
+    return (torch.arange(0, rows, head_dim)[:, None] + per_head[None, :]).reshape(-1)
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raise ExportError unless the model has a Llama / Mixtral equivalent."""
+    if cfg.attention != "dense":
+        raise ExportError(f"model.attention={cfg.attention} has no Hugging Face Llama / Mixtral equivalent (their "
+                          "attention is dense); only dense-attention models export")
+    m = cfg.moe
+    if not m.num_experts:
+        return
+    problems = []
+    if m.every != 1 or m.first_dense:
+        problems.append("every layer must be MoE (model.moe.every=1, first_dense=0)")
+    if m.router != "softmax" or not m.renormalize or m.num_groups > 1:
+        problems.append("the router must be softmax renormalised over the top k, without groups")
+    if m.activation != "swiglu" or m.num_shared_experts:
+        problems.append("experts must be SwiGLU, without shared experts")
+    if problems:
+        raise ExportError("this MoE model has no Mixtral equivalent: " + "; ".join(problems))
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json for `transformers` (LlamaForCausalLM or MixtralForCausalLM); `moe_lst` keeps our own fields.
+
+    The rotary base is written both as `rope_parameters` (transformers 5) and as `rope_theta` (4.x readers)."""
+    common = {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+        "initializer_range": cfg.init_std, "dtype": "float32", "moe_lst": asdict(cfg),
+    }
+    if cfg.moe.num_experts:
+        m = cfg.moe
+        return {**common, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "intermediate_size": m.ffn_dim or cfg.ffn_dim, "num_local_experts": m.num_experts,
+                "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
+                "output_router_logits": False, "sliding_window": None}
+    return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "intermediate_size": cfg.ffn_dim, "mlp_bias": False}
+
+
+def model_config_from_hf(config: dict) -> ModelConfig:
+    """Our ModelConfig from a config.json: ours (its `moe_lst` fields), or another Llama / Mixtral's."""
+    if "moe_lst" in config:
+        return ModelConfig(**config["moe_lst"])  # written by hf_config: our own fields (moe as a dict)
+    kind = config.get("model_type")
+    if kind not in _DEFAULT_THETA:
+        raise ExportError(f"model_type={kind!r}: only Llama and Mixtral (model_type llama / mixtral) import")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    heads, dim = config["num_attention_heads"], config["hidden_size"]
+    problems = []
+    if rope_type != "default":
+        problems.append(f"rope_type={rope_type} (ours is the plain rotary embedding)")
+    if config.get("head_dim") not in (None, dim // heads):
+        problems.append(f"head_dim={config['head_dim']} is not hidden_size / num_attention_heads = {dim // heads}")
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={config['hidden_act']} (ours is SwiGLU: silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            problems.append(f"{key}=true (ours has no biases)")
+    if config.get("sliding_window") is not None:
+        problems.append(f"sliding_window={config['sliding_window']} (ours attends to the whole causal prefix)")
+    if problems:
+        raise ExportError(f"this {kind} config has no equivalent here: " + "; ".join(problems))
+    moe = MoEConfig()
+    if kind == "mixtral":
+        moe = MoEConfig(num_experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
+                        ffn_dim=config["intermediate_size"])
+    try:
+        return ModelConfig(vocab_size=config["vocab_size"], dim=dim, n_layers=config["num_hidden_layers"],
+                           n_heads=heads, n_kv_heads=config.get("num_key_value_heads") or heads,
+                           ffn_dim=config["intermediate_size"], max_seq_len=config["max_position_embeddings"],
+                           rope_theta=float(rope.get("rope_theta", config.get("rope_theta", _DEFAULT_THETA[kind]))),
+                           norm_eps=config["rms_norm_eps"], tie_embeddings=config.get("tie_word_embeddings", False),
+                           init_std=config.get("initializer_range", 0.02), moe=moe)
+    except ValueError as e:
+        raise ExportError(f"this {kind} config has no equivalent here: {e}") from None
+
+
+# Names that only change (ours, theirs): model-level, per layer, and the dense MLP's.
+_TOP = (("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight"))
+_LAYER = (("attention.wv.weight", "self_attn.v_proj.weight"), ("attention.wo.weight", "self_attn.o_proj.weight"),
+          ("attention_norm.weight", "input_layernorm.weight"), ("ffn_norm.weight", "post_attention_layernorm.weight"))
+_MLP = (("feed_forward.w1.weight", "mlp.gate_proj.weight"), ("feed_forward.w3.weight", "mlp.up_proj.weight"),
+        ("feed_forward.w2.weight", "mlp.down_proj.weight"))
+
+
+def _renamed(src: dict[str, torch.Tensor], cfg: ModelConfig, to_hf: bool) -> dict[str, torch.Tensor]:
+    """Every tensor that only changes name, in the requested direction (q/k and experts are not here)."""
+    pairs = list(_TOP) + ([] if cfg.tie_embeddings else [("output.weight", "lm_head.weight")])
+    for i in range(cfg.n_layers):
+        layer = _LAYER if cfg.is_moe_layer(i) else _LAYER + _MLP
+        pairs += [(f"layers.{i}.{a}", f"model.layers.{i}.{b}") for a, b in layer]
+    return {b: src[a] for a, b in pairs} if to_hf else {a: src[b] for a, b in pairs}
+
+
+def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, experts: str = "per_expert") -> dict[str, torch.Tensor]:
+    """Our full state dict -> Hugging Face tensor names and layouts (experts: one of EXPERT_LAYOUTS)."""
+    check_exportable(cfg)
+    if experts not in EXPERT_LAYOUTS:
+        raise ExportError(f"experts={experts!r} must be one of {', '.join(EXPERT_LAYOUTS)}")
+    hd = cfg.head_dim
+    out = _renamed(state, cfg, to_hf=True)
+    for i in range(cfg.n_layers):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        wq, wk = state[p + "attention.wq.weight"], state[p + "attention.wk.weight"]
+        out[q + "self_attn.q_proj.weight"] = wq[_rope_order(wq.shape[0], hd)]
+        out[q + "self_attn.k_proj.weight"] = wk[_rope_order(wk.shape[0], hd)]
+        if cfg.is_moe_layer(i):
+            bias = state.get(p + "feed_forward.router.expert_bias")
+            if bias is not None and bias.abs().max() > 0:
+                raise ExportError(f"layer {i}'s router has a non-zero expert bias (aux-loss-free balancing), "
+                                  "which Mixtral's router does not have")
+            router = state[p + "feed_forward.router.weight"]
+            # w_in [E, H, 2I] (gate columns, then up), w_out [E, I, H]
+            w_in, w_out = state[p + "feed_forward.experts.w_in"], state[p + "feed_forward.experts.w_out"]
+            if experts == "fused":
+                out[q + "mlp.gate.weight"] = router
+                out[q + "mlp.experts.gate_up_proj"] = w_in.transpose(1, 2)
+                out[q + "mlp.experts.down_proj"] = w_out.transpose(1, 2)
+                continue
+            out[q + "block_sparse_moe.gate.weight"] = router
+            ffn = w_out.shape[1]
+            for e in range(w_in.shape[0]):
+                x = f"{q}block_sparse_moe.experts.{e}."
+                out[x + "w1.weight"] = w_in[e, :, :ffn].t()
+                out[x + "w3.weight"] = w_in[e, :, ffn:].t()
+                out[x + "w2.weight"] = w_out[e].t()
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+
+
+def _experts_from_hf(hf: dict[str, torch.Tensor], q: str, n: int) -> tuple[torch.Tensor, ...]:
+    """(router weight, w_in, w_out) of one Mixtral layer, from fused or per-expert tensors."""
+    if q + "mlp.experts.gate_up_proj" in hf:  # transformers 5's parameters: [E, 2I, H], [E, H, I]
+        return (hf[q + "mlp.gate.weight"], hf[q + "mlp.experts.gate_up_proj"].transpose(1, 2),
+                hf[q + "mlp.experts.down_proj"].transpose(1, 2))
+    # Per expert, under block_sparse_moe. (published checkpoints, save_pretrained) or mlp. (also loaded by 5.x).
+    block = next((b for b in ("block_sparse_moe.", "mlp.") if f"{q}{b}gate.weight" in hf), "block_sparse_moe.")
+    x = f"{q}{block}experts."
+    w_in = torch.stack([torch.cat([hf[f"{x}{e}.w1.weight"].t(), hf[f"{x}{e}.w3.weight"].t()], dim=1)
+                        for e in range(n)])
+    w_out = torch.stack([hf[f"{x}{e}.w2.weight"].t() for e in range(n)])
+    return hf[f"{q}{block}gate.weight"], w_in, w_out
+
+
+def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors (as written by to_hf, `save_pretrained` or another Llama / Mixtral) -> our state dict."""
+    hd = cfg.head_dim
+    out = _renamed(hf, cfg, to_hf=False)
+    for i in range(cfg.n_layers):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        wq, wk = hf[q + "self_attn.q_proj.weight"], hf[q + "self_attn.k_proj.weight"]
+        out[p + "attention.wq.weight"] = wq[_rope_order(wq.shape[0], hd, inverse=True)]
+        out[p + "attention.wk.weight"] = wk[_rope_order(wk.shape[0], hd, inverse=True)]
+        if cfg.is_moe_layer(i):
+            router, w_in, w_out = _experts_from_hf(hf, q, cfg.moe.num_experts)
+            out[p + "feed_forward.router.weight"] = router
+            out[p + "feed_forward.experts.w_in"], out[p + "feed_forward.experts.w_out"] = w_in, w_out
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
+            experts: str = "per_expert") -> Path:
+    """Write `model.safetensors` and `config.json` for our full state dict into out_dir."""
+    from safetensors.torch import save_file
+
+    tensors = to_hf(state, cfg, experts)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
+    return out_dir
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of the model: those the shard index names, model.safetensors, or all of them."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
+    return sorted(directory.glob("*.safetensors"))
+
+
+def import_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Our ModelConfig and state dict from a Hugging Face Llama / Mixtral directory (safetensors)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    files = _weight_files(directory)
+    if not (directory / "config.json").is_file() or not files:
+        raise ExportError(f"{directory} is not a Hugging Face model directory: it needs config.json and "
+                          "*.safetensors (as `python -m recipes.export` writes)")
+    cfg = model_config_from_hf(json.loads((directory / "config.json").read_text()))
+    hf: dict[str, torch.Tensor] = {}
+    for f in files:
+        hf.update(load_file(str(f)))
+    try:
+        state = from_hf(hf, cfg)
+    except KeyError as e:
+        raise ExportError(f"{directory} lacks the tensor {e} that its config.json implies") from None
+    shapes = {n: t.shape for n, t in Transformer(cfg, device="meta").state_dict().items()}
+    for name, tensor in state.items():
+        if tensor.shape != shapes[name]:
+            raise ExportError(f"{directory}: {name} has shape {tuple(tensor.shape)} where its config.json implies "
+                              f"{tuple(shapes[name])}")
+    return cfg, state
+
+
+def weight_keys(cfg: ModelConfig) -> dict[str, object]:
+    """The model settings that fix the weights' names and shapes (as `model.<key>` config names)."""
+    m = cfg.moe
+    keys: dict[str, object] = {"model.vocab_size": cfg.vocab_size, "model.dim": cfg.dim,
+                               "model.n_layers": cfg.n_layers, "model.n_heads": cfg.n_heads,
+                               "model.n_kv_heads": cfg.n_kv_heads, "model.tie_embeddings": cfg.tie_embeddings,
+                               "model.moe.num_experts": m.num_experts}
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
+        keys["model.ffn_dim"] = cfg.ffn_dim  # the width of the dense layers' MLP
+    if m.num_experts:
+        keys.update({"model.moe.ffn_dim": m.ffn_dim or cfg.ffn_dim, "model.moe.every": m.every,
+                     "model.moe.first_dense": m.first_dense, "model.moe.num_shared_experts": m.num_shared_experts})
+    return keys
+
+
+def weight_mismatches(ours: ModelConfig, theirs: ModelConfig) -> dict[str, tuple[object, object]]:
+    """Key -> (ours, theirs) for every weight-shaping setting on which two model configs differ."""
+    a, b = weight_keys(ours), weight_keys(theirs)
+    return {k: (a.get(k), b.get(k)) for k in list(a) + [k for k in b if k not in a] if a.get(k) != b.get(k)}
