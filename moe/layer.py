@@ -107,8 +107,8 @@ class MoELayer(nn.Module):
         rank), routes it identically everywhere and reduce-scatters its output back to sequence shards.
         The router weight is replicated: its gradient (partial, through each rank's partial expert
         outputs) is summed over tp, and the balancing losses, computed identically on every tp rank,
-        are weighted 1/tp so their gradient counts once. Returns each parameter's layout over tp."""
-        from zero.parallel.tensor import ShardLayout, substitute_parameters, sum_grad
+        are weighted 1/tp so their gradient counts once. Returns how each parameter is split over tp."""
+        from zero.parallel.tensor import TensorSplit, substitute_parameters, sum_grad
 
         tp, rank = group_size(tp_group), group_rank(tp_group)
         if tp == 1:
@@ -127,12 +127,12 @@ class MoELayer(nn.Module):
         substitute_parameters(self.router, {"weight": lambda w: sum_grad(w, tp_group)})
         self.tp_group = tp_group
         swiglu = self.experts.activation == "swiglu"
-        layouts = {"router.weight": ShardLayout(None, replicas=tp),
-                   "experts.w_in": ShardLayout(2, halves=swiglu), "experts.w_out": ShardLayout(1)}
+        splits = {"router.weight": TensorSplit(None, replicas=tp),
+                  "experts.w_in": TensorSplit(2, halves=swiglu), "experts.w_out": TensorSplit(1)}
         if self.shared_experts is not None:
-            layouts.update({"shared_experts.w_in.weight": ShardLayout(0, halves=swiglu),
-                            "shared_experts.w_out.weight": ShardLayout(1)})
-        return layouts
+            splits.update({"shared_experts.w_in.weight": TensorSplit(0, halves=swiglu),
+                           "shared_experts.w_out.weight": TensorSplit(1)})
+        return splits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:

@@ -1,4 +1,5 @@
-"""Expert parallelism applied from outside the model: convert every MoELayer to hold only its experts.
+"""Expert parallelism applied from outside the model: convert every MoELayer to hold only its experts,
+and declare to the engine what that means (`apply_expert_parallel` returns a `zero.Plan`).
 
 A model built with the same seed on every rank and then converted equals the single-rank model
 exactly: each rank keeps its slice of the identically initialised full expert weights.
@@ -9,19 +10,55 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from zero.dist.topology import group_rank, group_size
+from zero.dist.topology import ParallelDims, group_rank, group_size
 from zero.parallel.tensor import Style
-from zero.plan import Placement, ReduceGroup
+from zero.plan import Placement, Plan, ReduceGroup, RuntimeFacts
 
 from .dispatch import AllToAllDispatcher, LocalDispatcher
-from .layer import MoELayer, moe_layers
+from .layer import MoELayer, loss_scale_hooks, moe_layers
 
 
-def apply_expert_parallel(module: nn.Module, ep_group: ProcessGroup | None) -> nn.Module:
+class ExpertParallel(Plan):
+    """What apply_expert_parallel declares to the engine for the MoE layers of a model: where each rank's
+    experts lie in the full expert weights, that routed experts reduce over the expert-data-parallel
+    group, the balancing losses' scale hooks, and (once the engine is built) fused gradient accumulation
+    where `.grad` are flat-buffer views without hooks and repeatable backward under zero-bubble pipelines."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims) -> None:
+        self.model = model
+        self.expert_data_parallel_group = dims.expert_data_parallel_group
+        super().__init__("expert", placements=expert_placements(model), loss_scale_hooks=loss_scale_hooks(model),
+                         on_initialize=[self._configure])
+
+    def resolved(self) -> ExpertParallel:
+        # the expert parameters as they are now (expert tensor parallelism replaces them by slices)
+        self.reduce_groups = [expert_reduce_group(self.model, self.expert_data_parallel_group)]
+        return self
+
+    def _configure(self, facts: RuntimeFacts) -> None:
+        # (Not under pp: a zero-bubble schedule's separate weight-gradient pass needs the gradients returned.)
+        set_fused_grad_accumulation(self.model, facts.grads_accumulate_in_place and not facts.pipelined)
+        # its input and weight passes both run the experts' backward over one forward
+        set_repeatable_backward(self.model, facts.splits_backward)
+
+
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> ExpertParallel:
+    """Shard the experts of every MoELayer in `model` over `dims.ep_group` (in place) and sum their
+    balancing statistics over `dims.sp_group` (a sequence split over sp ranks routes as a whole); returns
+    the plan for `zero.initialize(..., plans=[...])`. Build optimizers after this call."""
+    if not isinstance(dims, ParallelDims):
+        raise TypeError(f"apply_expert_parallel takes the ParallelDims of the run, not a {type(dims).__name__}; "
+                        "for a bare ep group use moe.shard_experts(model, ep_group)")
+    shard_experts(model, dims.ep_group)
+    set_stats_group(model, dims.sp_group)
+    return ExpertParallel(model, dims)
+
+
+def shard_experts(module: nn.Module, ep_group: ProcessGroup | None) -> nn.Module:
     """Shard the experts of every MoELayer in `module` over `ep_group` (in place; returns `module`).
 
-    Rank r of a group of size P keeps experts [r * E/P, (r + 1) * E/P). Build optimizers after this
-    call: the expert parameters are replaced by their local slices.
+    Rank r of a group of size P keeps experts [r * E/P, (r + 1) * E/P); the expert parameters are
+    replaced by their local slices.
     """
     size = group_size(ep_group)
     if size == 1:
@@ -29,7 +66,7 @@ def apply_expert_parallel(module: nn.Module, ep_group: ProcessGroup | None) -> n
     rank = group_rank(ep_group)
     for layer in moe_layers(module):
         if not isinstance(layer.dispatcher, LocalDispatcher):
-            raise ValueError("apply_expert_parallel: a MoELayer is already expert-parallel; convert a "
+            raise ValueError("shard_experts: a MoELayer is already expert-parallel; convert a "
                              "model built with ep_group=None")
         dispatcher = AllToAllDispatcher(ep_group, layer.num_experts)  # checks divisibility
         local = dispatcher.num_local
@@ -40,8 +77,8 @@ def apply_expert_parallel(module: nn.Module, ep_group: ProcessGroup | None) -> n
 
 def expert_placements(module: nn.Module) -> dict[str, Placement]:
     """Where each rank's routed-expert weights lie in the full [num_experts, ...] weights, by parameter
-    name in `module`: pass them to `zero.initialize(placements=...)` (composed with tensor parallelism's,
-    `zero.plan.compose`) so checkpoints load under another expert-parallel size."""
+    name in `module` (part of the plan apply_expert_parallel returns), so checkpoints load under another
+    expert-parallel size."""
     out = {}
     for prefix, layer in module.named_modules():
         if not isinstance(layer, MoELayer):
@@ -63,9 +100,8 @@ def expert_reduce_group(module: nn.Module, expert_data_parallel_group: ProcessGr
     """Declare to the ZeRO engine that the routed experts reduce over the expert-data-parallel group.
 
     With expert parallelism each rank holds different experts, replicated only across the ranks of
-    `expert_data_parallel_group` (`ParallelDims.expert_data_parallel_group`): pass the result to
-    `zero.initialize(..., reduce_groups=[...])`. Without it expert gradients would be averaged with
-    those of other experts.
+    `expert_data_parallel_group` (`ParallelDims.expert_data_parallel_group`; part of the plan
+    apply_expert_parallel returns). Without it expert gradients would be averaged with those of other experts.
     """
     return ReduceGroup("expert", expert_parameters(module), expert_data_parallel_group)
 

@@ -27,14 +27,23 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 import zero
-from recipes.config import ConfigError, atomic_write_text, check_config, check_run_dir, checkpoints, model_config
+from moe import MoELayer, apply_expert_parallel
+from recipes.config import (
+    ConfigError,
+    atomic_write_text,
+    check_config,
+    check_run_dir,
+    checkpoints,
+    model_config,
+)
 from recipes.data import BatchSpec, DataError, build_streams
 from recipes.models.llama import Transformer
 from recipes.tracking import MetricsLogger
+from sequence_parallel import apply_activation_checkpointing, apply_tiled_mlp, apply_ulysses
 from zero.dist import comm
 from zero.dist.topology import default_device
 from zero.parallel.pipeline import Pipeline, apply_pipeline
-from zero.parallel.tensor import TensorParallel, apply_tensor_parallel, gather_sequence, vocab_parallel_cross_entropy
+from zero.parallel.tensor import apply_tensor_parallel, gather_sequence, vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -91,13 +100,11 @@ def builds_on_meta(cfg: DictConfig) -> bool:
 
 @dataclass
 class Parallelism:
-    """What was applied to the model from outside: tensor-parallel layouts and this rank's pipeline."""
+    """What was applied to the model from outside: the plans the engine takes, in the order they were
+    applied, and this rank's pipeline (one of the plans) when there is one."""
 
-    tp: TensorParallel
+    plans: list[zero.Plan] = field(default_factory=list)
     pipe: Pipeline | None = None
-    #: Where each split parameter lies in the full model (experts over ep, slices over tp): checkpoints
-    #: record them and load under any other layout.
-    placements: dict[str, zero.Placement] = field(default_factory=dict)
 
 
 def build_model(cfg: DictConfig, dims: zero.ParallelDims,
@@ -110,80 +117,43 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
     model = Transformer(model_config(cfg), device="meta" if meta else None)
     if initial is not None and not meta:
         load_initial_weights(model, initial)
-    untileable: tuple[type, ...] = ()
-    placements = {}
+    parallel = Parallelism()
     if cfg.model.moe.num_experts:
-        from moe import MoELayer, apply_expert_parallel, expert_placements, set_stats_group
-
-        apply_expert_parallel(model, dims.ep_group)
-        placements = expert_placements(model)
-        # Under sp the token statistics are summed over the sequence, so a split sequence routes as a whole.
-        set_stats_group(model, dims.sp_group)
-        untileable = (MoELayer,)  # tiling would make router statistics per tile (see TiledMLP)
-    tp = apply_tensor_parallel(model, dims.tp_group)  # slices heads first; Ulysses splits what is left
-    if dims.sp > 1:
-        from sequence_parallel import apply_ulysses
-
-        apply_ulysses(model, dims.sp_group)
+        parallel.plans.append(apply_expert_parallel(model, dims))
+    parallel.plans.append(apply_tensor_parallel(model, dims.tp_group))  # slices heads; Ulysses splits the rest
+    apply_ulysses(model, dims.sp_group)
     if cfg.train.tiled_mlp:
-        from sequence_parallel import apply_tiled_mlp
-
-        apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp, exclude=untileable)
+        # MoE layers stay untiled: tiling would make router statistics per tile (see TiledMLP)
+        apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp, exclude=(MoELayer,))
     if cfg.train.activation_checkpointing:
-        from sequence_parallel import apply_activation_checkpointing
-
         apply_activation_checkpointing(model, offload=cfg.train.offload_activations)
     # One process per device: the model lives on this rank's GPU where there is one (else the CPU).
     model = model if meta else model.to(default_device())
-    parallel = Parallelism(tp, placements=zero.compose(placements, tp.placements))
     if dims.pp > 1:
         p = cfg.parallel
         parallel.pipe = apply_pipeline(model, dims, p.pp_schedule, microbatches=cfg.train.grad_accum,
                                        loss_fn=functools.partial(logits_loss, dims=dims),
                                        virtual_stages=p.pp_virtual_stages,
                                        split=None if p.pp_split is None else list(p.pp_split))
-        if cfg.model.moe.num_experts and parallel.pipe.splits_backward:
-            from moe import set_repeatable_backward
-
-            set_repeatable_backward(model, True)  # its input and weight passes both run the experts' backward
+        parallel.plans.append(parallel.pipe)
     return model, parallel
 
 
 def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims,
                  parallel: Parallelism) -> zero.Engine:
-    """The ZeRO engine over this rank's part of `model`, told what its layers need from it."""
+    """The ZeRO engine over this rank's part of `model` (under pp: its stages only), told by the plans
+    what parallelism applied from outside needs from it."""
     o = cfg.optim
-    pipe = parallel.pipe
-    module = model if pipe is None else pipe.module  # under pp: this rank's stages only
-    declarations = {"replicated_params": parallel.tp.replicated_params,
-                    "tied_params": pipe.tied_params if pipe is not None else None,
-                    "placements": parallel.placements}
-    if cfg.model.moe.num_experts:
-        from moe import expert_reduce_group, loss_scale_hooks
-
-        # Experts are replicated only across the expert-data-parallel ranks: reduce them there.
-        declarations["reduce_groups"] = [expert_reduce_group(module, dims.expert_data_parallel_group)]
-        # Balancing losses backpropagate beside the main loss, so they take its scale (1/accum, fp16).
-        declarations["loss_scale_hooks"] = loss_scale_hooks(module)
-    engine = zero.initialize(
-        module,
+    return zero.initialize(
+        model if parallel.pipe is None else parallel.pipe.module,
         # The fastest AdamW where the step runs (fused on CPU and CUDA), offloaded or not.
         optimizer=zero.FastAdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay),
         config=zero.ZeroConfig(grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=o.grad_clip,
                                **OmegaConf.to_container(cfg.zero, resolve=True)),
         dims=dims,
         lr_scheduler=functools.partial(ScheduleLR, cfg=cfg),
-        # A meta-device model is materialised by the engine (on this rank's GPU where there is one).
-        param_init=model.init_parameter if builds_on_meta(cfg) else None,
-        **declarations,
+        plans=parallel.plans,  # a meta-device model is materialised by the engine through its init_parameter
     )
-    # (Not under pp: a zero-bubble schedule's separate weight-gradient pass needs the gradients returned.)
-    if cfg.model.moe.num_experts and engine.grads_accumulate_in_place and pipe is None:
-        from moe import set_fused_grad_accumulation
-
-        # .grad are stable flat-buffer views without hooks: experts may add their gradients in place.
-        set_fused_grad_accumulation(model, True)
-    return engine
 
 
 def initial_weights(cfg: DictConfig, run_dir: Path, is_rank0: bool) -> dict[str, torch.Tensor] | None:
@@ -654,8 +624,8 @@ class Run:
             if self.dims.world_size == 1 or not ("timed out" in text or "timeout" in text):
                 raise
             raise HangError(f"step {step + 1}: a collective did not complete within train.collective_timeout_s="
-                            f"{self.cfg.train.collective_timeout_s} s on rank {dist.get_rank()} (another rank stopped "
-                            f"answering): {str(e).splitlines()[0][:200]}") from None
+                            f"{self.cfg.train.collective_timeout_s} s on rank {dist.get_rank()} (another rank "
+                            f"stopped answering): {str(e).splitlines()[0][:200]}") from None
         finally:
             comm.set_step(None)
 

@@ -1,12 +1,12 @@
 """Ulysses sequence parallelism and long-sequence training (ALST): tiling, checkpointing, SP data/loss.
 
 Turn on in a recipe, each piece on its own switch (all functions take the model or the SP group and
-change nothing else):
+change nothing else; the model states its parts in the model contract, `zero.contract`):
 
-    apply_ulysses(model, sp_group)                       # every module.attn_fn -> UlyssesAttention
+    apply_ulysses(model, sp_group)                       # every attention site -> UlyssesAttention
     tokens, labels, pos = shard_sequence(tokens, labels, sp_group)   # labels already shifted
-    apply_tiled_mlp(model, tile_size=..., exclude=(MoELayer,))  # every other `feed_forward`, in place
-    apply_activation_checkpointing(model, offload=True)  # every `layers.N` block, inputs to host memory
+    apply_tiled_mlp(model, tile_size=..., exclude=(MoELayer,))  # every other MLP site, in place
+    apply_activation_checkpointing(model, offload=True)  # every block, inputs to host memory
                                                          # (or offload=ActivationOffload() to count them)
     loss_sum, count = tiled_cross_entropy(model.forward_hidden(tokens, pos), model.output_weight, labels)
     loss = sp_loss(loss_sum, count, sp_group)            # sum over SP ranks / global label count
@@ -28,11 +28,11 @@ from sequence_parallel.checkpointing import (
 )
 from sequence_parallel.data import cross_entropy_sum, gather_sequence, shard_sequence, sp_loss
 from sequence_parallel.tiling import TiledMLP, apply_tiled_mlp, tiled_cross_entropy
-from sequence_parallel.ulysses import HeadLayout, UlyssesAttention, apply_ulysses, head_layout, local_attention
+from sequence_parallel.ulysses import HeadSplit, UlyssesAttention, apply_ulysses, head_split, local_attention
 
 __all__ = [
     "ActivationOffload",
-    "HeadLayout",
+    "HeadSplit",
     "TiledMLP",
     "UlyssesAttention",
     "apply_activation_checkpointing",
@@ -41,7 +41,7 @@ __all__ = [
     "checkpoint_module",
     "cross_entropy_sum",
     "gather_sequence",
-    "head_layout",
+    "head_split",
     "is_checkpointed",
     "local_attention",
     "shard_sequence",

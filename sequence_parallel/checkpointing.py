@@ -6,12 +6,13 @@ with offload those inputs wait in (pinned) host memory, so device memory holds o
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from zero.contract import contract_of
 
 
 @dataclass
@@ -164,28 +165,22 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(vars(module).get("forward"), _CheckpointedForward)
 
 
-_BLOCK_NAME = re.compile(r"(^|\.)(layers|blocks|h)\.\d+$")
-
-
-def is_transformer_block(name: str, module: nn.Module) -> bool:
-    """Default predicate: the items of a ModuleList called `layers`, `blocks` or `h`."""
-    return bool(_BLOCK_NAME.search(name))
-
-
 def apply_activation_checkpointing(model: nn.Module, offload: bool | ActivationOffload = False,
-                                   predicate: Callable[[str, nn.Module], bool] = is_transformer_block
-                                   ) -> nn.Module:
-    """Checkpoint (and optionally offload the inputs of) every submodule `predicate(name, module)` picks.
+                                   predicate: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
+    """Checkpoint (and optionally offload the inputs of) every block of `model` (`zero.contract`: the
+    model's `blocks()`), or every submodule `predicate(name, module)` picks when one is given.
 
-    The default picks each transformer block (`layers.0`, `layers.1`, ...). All chosen blocks share one
-    `ActivationOffload`: pass your own to read how many tensors and bytes went to host memory and came
-    back (True makes a new one). Returns the model.
+    All chosen blocks share one `ActivationOffload`: pass your own to read how many tensors and bytes went
+    to host memory and came back (True makes a new one). Returns the model.
     """
-    chosen = [m for n, m in model.named_modules() if n and predicate(n, m)]
+    if predicate is None:
+        chosen = [m for _, m in contract_of(model, "apply_activation_checkpointing", "blocks").blocks()]
+    else:
+        chosen = [m for n, m in model.named_modules() if n and predicate(n, m)]
     if not chosen:
         raise ValueError(
-            f"apply_activation_checkpointing: the predicate selected no submodule of {type(model).__name__}; "
-            "pass predicate=lambda name, module: ... naming the transformer blocks"
+            f"apply_activation_checkpointing: no block of {type(model).__name__} was chosen; its blocks() are "
+            "empty or the predicate selected nothing"
         )
     shared = _resolve_offload(offload)
     for m in chosen:

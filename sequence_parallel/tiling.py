@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from zero.contract import contract_of
+
 
 def _tile_bounds(n: int, tile_size: int) -> list[tuple[int, int]]:
     return [(start, min(start + tile_size, n)) for start in range(0, n, tile_size)]
@@ -142,20 +144,21 @@ class _TiledForward:
 
 
 def apply_tiled_mlp(model: nn.Module, num_tiles: int | None = None, tile_size: int | None = None,
-                    name: str = "feed_forward", exclude: tuple[type[nn.Module], ...] = ()) -> nn.Module:
-    """Tile every submodule called `name` in place (its forward is replaced; parameter names stay).
+                    exclude: tuple[type[nn.Module], ...] = ()) -> nn.Module:
+    """Tile every MLP site of `model` (`zero.contract`: the model's `mlp_sites()`) in place: its forward is
+    replaced, parameter names stay.
 
     Each must meet the `TiledMLP` contract. `exclude` names the module classes that must not be tiled
-    (e.g. `(MoELayer,)`): a module called `name` that is, or contains, an instance of one is left as it
-    is. Modules already tiled are left alone. Returns the model.
+    (e.g. `(MoELayer,)`): a site that is, or contains, an instance of one is left as it is. Sites
+    already tiled are left alone. Returns the model.
     """
     _resolve_tile_size(1, num_tiles, tile_size, 1)
     if not isinstance(exclude, tuple) or not all(isinstance(c, type) for c in exclude):
         raise TypeError(f"exclude must be a tuple of module classes, e.g. exclude=(MoELayer,); got {exclude!r}")
-    named = [module for mod_name, module in model.named_modules() if mod_name.split(".")[-1] == name]
-    if not named:
-        raise ValueError(f"apply_tiled_mlp found no submodule named {name!r} in {type(model).__name__}")
-    for module in named:
+    sites = contract_of(model, "apply_tiled_mlp", "mlp_sites").mlp_sites()
+    if not sites:
+        raise ValueError(f"apply_tiled_mlp: {type(model).__name__}.mlp_sites() lists no MLP")
+    for _, module in sites:
         if any(isinstance(m, exclude) for m in module.modules()):
             continue
         if not isinstance(vars(module).get("forward"), _TiledForward):

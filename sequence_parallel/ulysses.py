@@ -17,12 +17,13 @@ import torch.nn as nn
 from moe_lst.kernels.attention import attention, check_qkv
 from torch.distributed import ProcessGroup
 
+from zero.contract import AttentionSite, ModelContract, contract_of
 from zero.dist import comm
 from zero.dist.topology import group_rank, group_size
 
 
 @dataclass(frozen=True)
-class HeadLayout:
+class HeadSplit:
     """How the heads of one attention call are divided over the P ranks of the SP group.
 
     `kv_repeat` is how many times every kv head is replicated before the split (1 = none), chosen as
@@ -58,7 +59,7 @@ def _offsets(counts: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def head_layout(n_heads: int, n_kv_heads: int, sp: int) -> HeadLayout:
+def head_split(n_heads: int, n_kv_heads: int, sp: int) -> HeadSplit:
     """Split `n_heads` query heads and their kv groups over `sp` ranks.
 
     A rank must hold the kv head of every query head it owns, so the split is made on kv heads (query
@@ -77,7 +78,7 @@ def head_layout(n_heads: int, n_kv_heads: int, sp: int) -> HeadLayout:
             f"sp <= {n_heads} (put the remaining ranks into data parallelism) or a model with more heads"
         )
     group = n_heads // n_kv_heads
-    best: HeadLayout | None = None
+    best: HeadSplit | None = None
     for rep in range(1, group + 1):
         if group % rep:
             continue
@@ -88,7 +89,7 @@ def head_layout(n_heads: int, n_kv_heads: int, sp: int) -> HeadLayout:
         kv_counts = tuple(base + (1 if r < extra else 0) for r in range(sp))
         q_counts = tuple(c * (group // rep) for c in kv_counts)
         if best is None or max(q_counts) < max(best.q_counts):
-            best = HeadLayout(n_heads, n_kv_heads, sp, rep, q_counts, kv_counts)
+            best = HeadSplit(n_heads, n_kv_heads, sp, rep, q_counts, kv_counts)
     assert best is not None  # rep == group always qualifies because n_heads >= sp
     return best
 
@@ -129,7 +130,7 @@ class UlyssesAttention(nn.Module):
                 **kwargs) -> torch.Tensor:
         P = self.sp
         check_qkv(q, k, v, same_seq=True, same_dtype=True, what="UlyssesAttention", seq="local sequence")
-        layout = head_layout(q.shape[2], k.shape[2], P)  # raises for sp > heads, naming the fix
+        layout = head_split(q.shape[2], k.shape[2], P)  # raises for sp > heads, naming the fix
         if P == 1:
             return self.attn_fn(q, k, v, causal=causal, **kwargs)
         b, sl, h, d = q.shape
@@ -174,7 +175,7 @@ class UlyssesAttention(nn.Module):
                                    input_splits=[nq] * P)
         return recv_out.permute(1, 2, 0, 3)  # [h, b, s/P, d] -> [b, s/P, h, d]
 
-    def _query_heads_full(self, name: str, x: torch.Tensor, q_shape: torch.Size, layout: HeadLayout,
+    def _query_heads_full(self, name: str, x: torch.Tensor, q_shape: torch.Size, layout: HeadSplit,
                           me: int) -> torch.Tensor:
         """A per-query-head tensor [b, s/P, h, e] -> [b, s, h_me, e], split over ranks like q."""
         if x.dim() != 4 or x.shape[:3] != q_shape[:3]:
@@ -188,49 +189,37 @@ class UlyssesAttention(nn.Module):
 
 
 def apply_ulysses(model: nn.Module, sp_group: ProcessGroup | None) -> nn.Module:
-    """Wrap the `attn_fn` of every module that has one in a UlyssesAttention over `sp_group`.
-
-    Duck-typed: any module with an `attn_fn` attribute (the model's swappable attention seam) is
-    converted; modules already converted are left alone. Returns the model (changed in place).
-    """
-    targets = [m for m in model.modules()
-               if hasattr(m, "attn_fn") and not isinstance(m, UlyssesAttention)
-               and not isinstance(m.attn_fn, UlyssesAttention)]
-    if not targets and not any(isinstance(m, UlyssesAttention) for m in model.modules()):
-        raise ValueError(
-            f"apply_ulysses found no module with an `attn_fn` attribute in {type(model).__name__}; "
-            "sequence parallelism needs the attention function exposed as `module.attn_fn`"
-        )
-    for m in targets:
-        m.attn_fn = UlyssesAttention(sp_group, attn_fn=m.attn_fn)
+    """Wrap the attention function of every attention site of `model` (`zero.contract`: the model's
+    `attention_sites()`) in a UlyssesAttention over `sp_group`; sites already wrapped are left alone, and
+    a group of one rank (or None) changes nothing. Returns the model (changed in place)."""
+    sites = contract_of(model, "apply_ulysses", "attention_sites").attention_sites()
+    if group_size(sp_group) == 1:
+        return model
+    for site in sites:
+        fn = site.get()
+        if not isinstance(fn, UlyssesAttention):
+            site.set(UlyssesAttention(sp_group, attn_fn=fn))
     return model
 
 
 @contextlib.contextmanager
 def local_attention(model: nn.Module) -> Iterator[nn.Module]:
-    """Within the block, every `attn_fn` that `apply_ulysses` wrapped is its inner attention again.
+    """Within the block, every attention site that `apply_ulysses` wrapped calls its inner attention again.
 
     Each rank then attends over exactly the sequence it is given, with no all-to-all: for running the
     whole of one sequence on every rank (e.g. sampling) while the model stays set up for sequence
     parallelism. On exit, normal or by an exception, the same UlyssesAttention objects are put back.
-    Yields the model.
+    A model that is not a contract model has no sites to unwrap. Yields the model.
     """
-    wrapped = [m for m in model.modules()
-               if not isinstance(m, UlyssesAttention) and isinstance(getattr(m, "attn_fn", None), UlyssesAttention)]
-    swapped: list[tuple[nn.Module, UlyssesAttention]] = []
+    sites = model.attention_sites() if isinstance(model, ModelContract) else []
+    swapped: list[tuple[AttentionSite, UlyssesAttention]] = []
     try:
-        for m in wrapped:
-            ulysses = m.attn_fn
-            _set_attn_fn(m, ulysses.attn_fn)
-            swapped.append((m, ulysses))
+        for site in sites:
+            ulysses = site.get()
+            if isinstance(ulysses, UlyssesAttention):
+                site.set(ulysses.attn_fn)
+                swapped.append((site, ulysses))
         yield model
     finally:
-        for m, ulysses in reversed(swapped):
-            _set_attn_fn(m, ulysses)
-
-
-def _set_attn_fn(module: nn.Module, fn: Callable[..., torch.Tensor]) -> None:
-    # A UlyssesAttention is registered as a child module, and nn.Module refuses a plain function under a
-    # child's name: drop the old binding first.
-    delattr(module, "attn_fn")
-    module.attn_fn = fn
+        for site, ulysses in reversed(swapped):
+            site.set(ulysses)

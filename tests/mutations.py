@@ -105,7 +105,7 @@ MUTATIONS: list[Mutation] = [
 
 def _sparse(name: str, old: str, new: str) -> Mutation:
     layout = name.split("/")[1]
-    return Mutation(name, "kernels/sparse.py", old, new,
+    return Mutation(name, "kernels/sparse/layouts.py", old, new,
                     (f"tests/kernels/test_sparse.py::test_layout_mask_equals_independent_reference[True-{layout}]",
                      f"tests/kernels/test_sparse.py::test_layout_mask_equals_independent_reference[False-{layout}]"))
 
@@ -132,7 +132,8 @@ MUTATIONS += [
 
 
 def _copy_tree(dest: str) -> None:
-    """The repository's tracked and untracked-but-not-ignored files, as they are now."""
+    """The repository's tracked and untracked-but-not-ignored files, as they are now; `moe_lst/kernels`
+    links to the copy's kernels/ (installed under that name), so the tests import the broken copy."""
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout.split("\0")
     for rel in filter(None, listed):
@@ -140,6 +141,20 @@ def _copy_tree(dest: str) -> None:
         if os.path.isfile(src):
             os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
             shutil.copy2(src, os.path.join(dest, rel))
+    os.makedirs(os.path.join(dest, "moe_lst"), exist_ok=True)
+    os.symlink(os.path.join("..", "kernels"), os.path.join(dest, "moe_lst", "kernels"))
+
+
+def _check_imports_from(copy: str) -> None:
+    """Every mutated package is imported from the copy (not from an installed or editable one)."""
+    code = ("import zero.engine, moe, sequence_parallel, moe_lst.kernels.sparse as s; "
+            "print(zero.engine.__file__, moe.__file__, sequence_parallel.__file__, s.__file__)")
+    env = dict(os.environ, PYTHONPATH=copy)
+    files = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, capture_output=True, text=True,
+                           check=True).stdout.split()
+    outside = [f for f in files if not os.path.realpath(f).startswith(os.path.realpath(copy))]
+    if len(files) != 4 or outside:
+        raise RuntimeError(f"the scratch copy's tests would import {outside or files} from outside the copy")
 
 
 def _pytest(copy: str, tests: tuple[str, ...], timeout: float) -> tuple[bool, str, float]:
@@ -177,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="mutations-") as copy:
         _copy_tree(copy)
+        _check_imports_from(copy)
         if args.clean:
             tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
             ok, why, seconds = _pytest(copy, tests, args.timeout * 2)

@@ -18,10 +18,11 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from zero.config import ZeroConfig
+from zero.contract import ModelContract
 from zero.dist import comm
 from zero.dist.topology import ParallelDims, default_device, group_size, peak_rss_bytes
 from zero.offload.nvme import check_nvme_path, pin_mmap_threshold
-from zero.plan import Placement, ReduceGroup
+from zero.plan import Placement, Plan, ReduceGroup, RuntimeFacts
 from zero.sharding.buckets import FlatBucket, split_into_buckets
 from zero.sharding.optimizer import FullGradReducer, ZeroOptimizer
 from zero.sharding.stage3 import Stage3Hooks, assign_parameters, find_units
@@ -125,19 +126,17 @@ class Engine:
         config: ZeroConfig,
         dims: ParallelDims,
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-        reduce_groups: Sequence[ReduceGroup] = (),
-        loss_scale_hooks: Sequence[LossScaleHook] = (),
+        plan: Plan | None = None,
         param_init: ParamInit | None = None,
-        replicated_params: Mapping[nn.Parameter, int] | None = None,
-        tied_params: Mapping[nn.Parameter, ProcessGroup | None] | None = None,
-        placements: Mapping[str, Placement] | None = None,
     ) -> None:
-        replicated_params, tied_params = dict(replicated_params or {}), dict(tied_params or {})
+        plan = plan if plan is not None else Plan("none")
+        replicated_params, tied_params = plan.replicated_params, plan.tied_params
         _check_factories(optimizer, lr_scheduler)
-        _check_declarations(config, replicated_params, tied_params, loss_scale_hooks)
+        _check_declarations(config, replicated_params, tied_params, plan.loss_scale_hooks)
         self.module, self.config, self.dims, self.dp = model, config, dims, dims.dp
-        self.placements = _check_placements(model, placements or {})
-        self.loss_scale_hooks = list(loss_scale_hooks)
+        self.plan = plan
+        self.placements = _check_placements(model, plan.placements)
+        self.loss_scale_hooks = list(plan.loss_scale_hooks)
         self.param_init = param_init
         self._unmaterialised: set[int] = set()  # ids of the storage-less stand-ins of meta-built parameters
         self._meta_ids: dict[int, nn.Parameter] = {}  # meta parameter id -> stand-in (reduce_groups name the former)
@@ -150,7 +149,7 @@ class Engine:
             pin_mmap_threshold(config.host_mmap_threshold)  # bounded host memory needs a well-behaved allocator
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage3: Stage3Hooks | None = None
-        reductions, owner = self._plan_reductions(model, reduce_groups)
+        reductions, owner = self._plan_reductions(model, plan.reduce_groups, skip_absent=plan.pipelined)
         if config.stage == 3:
             self.buckets, self.stage3 = self._build_stage3(model, reductions, owner)
         else:
@@ -205,9 +204,10 @@ class Engine:
             view.copy_(out)
 
     def _plan_reductions(
-        self, model: nn.Module, declared: Sequence[ReduceGroup]
+        self, model: nn.Module, declared: Sequence[ReduceGroup], skip_absent: bool = False
     ) -> tuple[list[_Reduction], dict[int, int]]:
-        """The reductions (default first, then the declared ones) and which one owns each parameter."""
+        """The reductions (default first, then the declared ones) and which one owns each parameter;
+        `skip_absent`: a declared parameter not in `model` belongs to another pipeline stage."""
         dims = self.dims
         in_model = {id(p) for p in model.parameters()}
         owner: dict[int, int] = {}
@@ -224,6 +224,8 @@ class Engine:
                 )
             names.append(rg.name)
             for p in (self._meta_ids.get(id(q), q) for q in rg.params):
+                if id(p) not in in_model and skip_absent:
+                    continue
                 if id(p) not in in_model:
                     raise ValueError(f"reduce group {rg.name!r} lists a parameter that is not in the model")
                 if id(p) in owner:
@@ -647,43 +649,40 @@ def initialize(
     dims: ParallelDims | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     *,
-    reduce_groups: Sequence[ReduceGroup] = (),
-    loss_scale_hooks: Sequence[LossScaleHook] = (),
+    plans: Sequence[Plan] = (),
     param_init: ParamInit | None = None,
-    replicated_params: Mapping[nn.Parameter, int] | None = None,
-    tied_params: Mapping[nn.Parameter, ProcessGroup | None] | None = None,
-    placements: Mapping[str, Placement] | None = None,
 ) -> Engine:
     """Wrap `model` for training: shard per `config.stage` over the groups of `dims`.
 
     `optimizer` is a factory (e.g. functools.partial(torch.optim.AdamW, lr=3e-4)) called with the flat
     fp32 master shards; `lr_scheduler` a factory optimizer -> scheduler, stepped after each optimizer step.
-    `dims` defaults to pure data parallelism over every process. `reduce_groups` declares parameters
-    that reduce over another group than dp x sp (see ReduceGroup). `loss_scale_hooks` are called before
-    every backward with the factor the loss is multiplied by (fp16 loss scale / grad_accum_steps), so
-    losses attached inside the model (gradients injected in backward, e.g. MoE balancing losses via
-    `moe.loss_scale_hooks(model)`) are scaled exactly like the main loss.
+    `dims` defaults to pure data parallelism over every process.
+
+    `plans` are what parallelism applied from outside returns (`moe.apply_expert_parallel`,
+    `zero.parallel.tensor.apply_tensor_parallel`, `zero.parallel.pipeline.apply_pipeline`), in the
+    order they were applied: `zero.Plan.merge` composes their placements (so checkpoints load under any
+    other layout), collects the groups that reduce some parameters elsewhere (experts over the
+    expert-data-parallel group), the tensor-parallel replicas (counted once in the gradient norm), the
+    copies a pipeline keeps of tied parameters (gradients summed over them) and the hooks that scale
+    losses attached inside the model like the main loss; once built the engine tells each plan's
+    `on_initialize` callbacks what it settled (`zero.plan.RuntimeFacts`). With pipeline parallelism
+    `model` is this rank's stages (`Pipeline.module`).
 
     A model built on the meta device (`Transformer(cfg, device="meta")`) is materialised bucket by bucket:
     `param_init(name, tensor)` fills each parameter's fp32 values in place (on the CUDA device when there
     is one, else the CPU), so no rank ever holds the whole model; at stage 3 one unit at a time. It must
-    not depend on the order it is called in (e.g. `Transformer.init_parameter`, seeded per name).
-
-    With tensor parallelism each rank passes its local slices (the engine shards them over dp like
-    any parameter) and `replicated_params` (from `zero.parallel.tensor.apply_tensor_parallel`): the
-    parameters held identically by k tp ranks, so the global gradient norm counts them once. With
-    pipeline parallelism `model` is this rank's stages (`Pipeline.module`) and `tied_params`
-    (`Pipeline.tied_params`) maps each parameter that has a copy on another stage (a tied embedding and
-    head) to the group of its copies: their gradients are summed there before every step.
-
-    `placements` (parameter name -> `zero.plan.Placement`) says where each split parameter's local
-    tensor lies in the model's full one (`moe.expert_placements`, `TensorParallel.placements`, composed
-    with `zero.plan.compose`); unnamed parameters are whole. Checkpoints record them, so a
-    checkpoint loads under any other layout (dp, ZeRO stage, sp, ep, tp, pp): see `load_checkpoint`.
+    not depend on the order it is called in. It defaults to the model contract's `init_parameter`
+    (`zero.contract.ModelContract`) when the model offers it.
     """
     config = config if config is not None else ZeroConfig()
     dims = dims if dims is not None else ParallelDims()
     if group_size(dims.dp_sp_group) != dims.dp_sp:
         raise RuntimeError(f"{dims} does not match the process group sizes")
-    return Engine(model, optimizer, config, dims, lr_scheduler, reduce_groups, loss_scale_hooks, param_init,
-                  replicated_params, tied_params, placements)
+    if param_init is None and isinstance(model, ModelContract) and any(p.is_meta for p in model.parameters()):
+        param_init = model.init_parameter
+    engine = Engine(model, optimizer, config, dims, lr_scheduler, Plan.merge(plans), param_init)
+    facts = RuntimeFacts(grads_accumulate_in_place=engine.grads_accumulate_in_place,
+                         splits_backward=engine.plan.splits_backward, pipelined=engine.plan.pipelined)
+    for callback in engine.plan.on_initialize:
+        callback(facts)
+    return engine

@@ -12,8 +12,8 @@ under any other: each rank assembles exactly the boxes it needs from whichever r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -177,3 +177,67 @@ class _AttachLoss(torch.autograd.Function):
 def attach_loss(output: torch.Tensor, loss: torch.Tensor, scale: AttachedLossScale) -> torch.Tensor:
     """`output`, through which backward also differentiates `loss` with gradient `scale.value`."""
     return _AttachLoss.apply(output, loss, scale)
+
+
+# ---------------------------------------------------------------------------- the one declaration type
+@dataclass(frozen=True)
+class RuntimeFacts:
+    """What the engine knows once built, handed to each plan's `on_initialize` callbacks: whether `.grad`
+    are preset flat-buffer views without hooks (stages 0-1), and whether a pipeline schedule runs backward
+    more than once over one forward (zero-bubble) or runs backward itself (any pipeline)."""
+
+    grads_accumulate_in_place: bool
+    splits_backward: bool
+    pipelined: bool
+
+
+@dataclass(eq=False)
+class Plan:
+    """What one `apply_*` (expert, tensor, pipeline parallelism) tells the engine about the model it changed.
+
+    `zero.initialize(..., plans=[ep, tp, pipe])` merges them (`Plan.merge`, in the order they were
+    applied): placements compose (a tp slice of an ep slice), reduce groups, replicated and tied
+    parameters and loss-scale hooks are collected, and after the engine is built each `on_initialize`
+    callback receives its `RuntimeFacts` (e.g. MoE turns on fused gradient accumulation at stages 0-1).
+    Parameters of other pipeline stages may appear in a plan made before the model was split; the
+    engine ignores them when a pipeline plan is among the plans.
+    """
+
+    name: str
+    #: parameter name -> where this rank's local tensor lies in the full parameter (split parameters only)
+    placements: dict[str, Placement] = field(default_factory=dict)
+    #: parameters that reduce over another group than data x sequence parallel (e.g. routed experts)
+    reduce_groups: list[ReduceGroup] = field(default_factory=list)
+    #: parameter -> number of tensor-parallel ranks holding it whole (counted once in the gradient norm)
+    replicated_params: dict[nn.Parameter, int] = field(default_factory=dict)
+    #: parameter -> the group of ranks holding copies of it (a pipeline's tied embedding and head)
+    tied_params: dict[nn.Parameter, ProcessGroup | None] = field(default_factory=dict)
+    #: called with the engine's loss multiplier before every backward (losses attached inside the model)
+    loss_scale_hooks: list[Callable[[float], None]] = field(default_factory=list)
+    on_initialize: list[Callable[[RuntimeFacts], None]] = field(default_factory=list)
+    pipelined: bool = False
+    splits_backward: bool = False
+
+    def resolved(self) -> Plan:
+        """The plan as the engine is built: a plan whose parameters a later apply_* may replace (tensor
+        parallelism slices experts) refreshes them here."""
+        return self
+
+    @staticmethod
+    def merge(plans: Sequence[Plan]) -> Plan:
+        """One plan from several, in the order their apply_* ran; refuses what is not a Plan."""
+        out = Plan("merged")
+        for k, p in enumerate(plans):
+            if not isinstance(p, Plan):
+                raise TypeError(f"plans[{k}] is a {type(p).__name__}; pass the zero.Plan objects that "
+                                "apply_expert_parallel, apply_tensor_parallel and apply_pipeline return")
+            p = p.resolved()
+            out.placements = compose(out.placements, p.placements)
+            out.reduce_groups += p.reduce_groups
+            out.replicated_params.update(p.replicated_params)
+            out.tied_params.update(p.tied_params)
+            out.loss_scale_hooks += p.loss_scale_hooks
+            out.on_initialize += p.on_initialize
+            out.pipelined |= p.pipelined
+            out.splits_backward |= p.splits_backward
+        return out

@@ -243,7 +243,7 @@ def test_cpu_path_never_builds_seq_by_seq_tensors(impl):
 def test_flex_block_mask_describes_the_layout(block, s):
     # FlexAttention has no CPU backward and its eager CPU forward applies the mask function to every score;
     # that checks the mask function, and the block lists are checked against the layout below.
-    if sparse._flex_attention is None:
+    if not sparse.flex.available():
         pytest.skip("this torch has no FlexAttention")
     cfg = SparseConfig(layout="bigbird", block_size=block, window_blocks=2, global_blocks=1, random_blocks=1)
     for causal in (True, False):
@@ -252,8 +252,8 @@ def test_flex_block_mask_describes_the_layout(block, s):
         q, k, v = (x.detach() for x in _qkv(s, 4, 2, seed=6))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            flex = sparse._flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
-                                          enable_gqa=True).transpose(1, 2)
+            flex = sparse.flex._flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               block_mask=mask, enable_gqa=True).transpose(1, 2)
         torch.testing.assert_close(flex, block_sparse_attention(q, k, v, layout), atol=2e-5, rtol=1e-5)
         # every block the layout attends is visited by the kernel (coarsened to FlexAttention's tile)
         F = mask.BLOCK_SIZE[0]
@@ -305,7 +305,7 @@ def test_cpu_implementation_choice(monkeypatch):
     layout = block_layout(CONFIGS["sliding_window"], 40)
     q, k, v = _qkv(40, 2, 2)
     monkeypatch.setattr(sparse, "CPU_IMPL", "auto")
-    assert sparse._use_native(q) and not sparse._use_native(q.double())  # fp64 runs the eager path
+    assert sparse.cpu._use_native(q) and not sparse.cpu._use_native(q.double())  # fp64 runs the eager path
     # bf16 inputs compute in fp32 on either path and come back in bf16
     qb, kb, vb = (x.detach().bfloat16() for x in (q, k, v))
     out = block_sparse_attention(qb, kb, vb, layout)
@@ -321,8 +321,8 @@ def test_cpu_implementation_choice(monkeypatch):
 
 
 def test_a_kernel_that_cannot_build_falls_back_with_one_warning(monkeypatch, tmp_path):
-    monkeypatch.setattr(sparse, "_NATIVE_SOURCE", str(tmp_path / "missing.cpp"))
-    monkeypatch.setattr(sparse, "_native_state", {})
+    monkeypatch.setattr(sparse.cpu, "_NATIVE_SOURCE", str(tmp_path / "missing.cpp"))
+    monkeypatch.setattr(sparse.cpu, "_native_state", {})
     monkeypatch.setattr(sparse, "CPU_IMPL", "auto")
     layout = block_layout(CONFIGS["sliding_window"], 40)
     q, k, v = _qkv(40, 2, 2)
@@ -335,6 +335,20 @@ def test_a_kernel_that_cannot_build_falls_back_with_one_warning(monkeypatch, tmp
     monkeypatch.setattr(sparse, "CPU_IMPL", "native")
     with pytest.raises(RuntimeError, match="could not be built"):
         block_sparse_attention(q, k, v, layout)
+
+
+def test_settings_set_on_the_package_take_effect(monkeypatch):
+    # The settings live on moe_lst.kernels.sparse (users set them there); its modules read them at each call.
+    counts = block_layout(CONFIGS["sliding_window"], 64).counts
+    monkeypatch.setattr(sparse, "CHUNK_ELEMENTS", 1 << 19)
+    assert len(sparse.cpu._chunks(counts, 64)) == 1
+    monkeypatch.setattr(sparse, "CHUNK_ELEMENTS", 64 * 3 * 2)
+    assert len(sparse.cpu._chunks(counts, 64)) > 1
+    if sparse.flex.available():
+        layout = block_layout(CONFIGS["sliding_window"], 300)
+        assert flex_block_mask(layout, heads=2).BLOCK_SIZE[0] == 128
+        monkeypatch.setattr(sparse, "FLEX_BLOCK", 64)
+        assert flex_block_mask(layout, heads=2).BLOCK_SIZE[0] == 64
 
 
 def test_native_kernel_checks_shapes_before_reading(monkeypatch):
@@ -352,7 +366,7 @@ def test_native_kernel_checks_shapes_before_reading(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------------------
 # Independent per-token references. Each layout's definition (README "Sparse attention", SparseConfig) written
-# out directly in plain Python, without the layout-building helpers of kernels/sparse.py, so a layout that keeps
+# out directly in plain Python, without the layout-building helpers of kernels/sparse/layouts.py, so a layout that keeps
 # or drops a block is caught here rather than checked against itself. Each returns a bool [seq, seq] token mask
 # (query token a attends key token b). Common to all layouts: a query block attends whole key blocks; causal
 # layouts keep only key blocks at or before the query block and the token-level causal mask (b <= a) inside.

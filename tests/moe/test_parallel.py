@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from moe import MoELayer, apply_expert_parallel, set_stats_group, update_router_biases
+from moe import MoELayer, set_stats_group, shard_experts, update_router_biases
 from tests.multirank import run_multirank
 
 DIM, FFN, E = 16, 32, 8
@@ -42,7 +42,7 @@ def _worker():
         torch.manual_seed(100 + rank)  # every rank has its own tokens
         x = torch.randn(3, 5, DIM).abs()
         g = torch.randn(3, 5, DIM)
-        layers = [_build(kw), apply_expert_parallel(_build(kw), group), _build(dict(kw, ep_group=group))]
+        layers = [_build(kw), shard_experts(_build(kw), group), _build(dict(kw, ep_group=group))]
         if skew:
             for layer in layers:
                 with torch.no_grad():

@@ -16,8 +16,11 @@ import torch
 import torch.distributed as dist
 
 import zero
+from moe import apply_expert_parallel, update_router_biases
 from recipes.models.llama import ModelConfig, MoEConfig, Transformer
+from sequence_parallel import apply_ulysses, shard_sequence, sp_loss
 from tests.equivalence import Recorder, as_reference, assert_equivalent
+from zero.parallel.pipeline import apply_pipeline
 from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
 SEQ, ROWS, MICRO, STEPS, LR = 16, 4, 4, 3, 0.5
@@ -54,44 +57,27 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
     coord = dims.coordinate() if dims.distributed else {"dp": 0, "sp": 0, "tp": 0, "pp": 0, "ep": 0, "edp": 0}
     torch.manual_seed(0)
     model = Transformer(model_config(moe, **(model_overrides or {})))
-    declarations: dict = {}
-    declared, placements = placements, {}
+    plans: list[zero.Plan] = []
     if moe:
-        from moe import apply_expert_parallel, expert_placements, expert_reduce_group, loss_scale_hooks, set_stats_group
-
-        apply_expert_parallel(model, dims.ep_group)
-        set_stats_group(model, dims.sp_group)
-        placements = expert_placements(model)
+        plans.append(apply_expert_parallel(model, dims))
     tp = apply_tensor_parallel(model, dims.tp_group)
-    placements = zero.compose(placements, tp.placements) if declared else {}
-    if dims.sp > 1:
-        from sequence_parallel import apply_ulysses
-
-        apply_ulysses(model, dims.sp_group)
+    plans.append(tp)
+    apply_ulysses(model, dims.sp_group)
+    if not placements:  # a run that declares no placements (checkpoints resume only at their own layout)
+        for plan in plans:
+            plan.placements = {}
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss_sum, count = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), dims.tp_group, IGNORE)
-        if dims.sp > 1:
-            from sequence_parallel import sp_loss
-
-            return sp_loss(loss_sum, count, dims.sp_group)
-        return loss_sum / count.clamp(min=1)
+        return sp_loss(loss_sum, count, dims.sp_group)
 
     pipe = None
     module = model
     if dims.pp > 1:
-        from zero.parallel.pipeline import apply_pipeline
-
         pipe = apply_pipeline(model, dims, schedule, microbatches=MICRO, loss_fn=loss_fn,
                               virtual_stages=virtual_stages)
         module = pipe.module
-        if moe and pipe.splits_backward:
-            from moe import set_repeatable_backward
-
-            set_repeatable_backward(module, True)
-    if moe:
-        declarations = {"reduce_groups": [expert_reduce_group(module, dims.expert_data_parallel_group)],
-                        "loss_scale_hooks": loss_scale_hooks(module)}
+        plans.append(pipe)
     # Adam with a large eps: elements with near-zero gradients must not turn layout noise into +-lr steps.
     factory = (functools.partial(torch.optim.SGD, lr=LR) if optim == "sgd" else
                functools.partial(torch.optim.AdamW, lr=1e-2, eps=1e-3, weight_decay=0.1))
@@ -99,8 +85,7 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
         module, factory,
         zero.ZeroConfig(stage=stage, grad_accum_steps=MICRO, clip_grad_norm=1.0, dtype=dtype,
                         reduce_bucket_size=2000, **(zero_options or {})),
-        dims, replicated_params=tp.replicated_params, tied_params=pipe.tied_params if pipe else None,
-        placements=placements, **declarations)
+        dims, plans=plans)
     start = 0
     if resume_from is not None:
         start = engine.load_checkpoint(resume_from)["step"]
@@ -111,11 +96,7 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
     def shard(tokens, labels):
         per = ROWS // dims.dp
         tokens, labels = (t[coord["dp"] * per:(coord["dp"] + 1) * per] for t in (tokens, labels))
-        if dims.sp > 1:
-            from sequence_parallel import shard_sequence
-
-            return shard_sequence(tokens, labels, dims.sp_group, ignore_index=IGNORE)
-        return tokens, labels, torch.arange(SEQ).expand_as(tokens)
+        return shard_sequence(tokens, labels, dims.sp_group, ignore_index=IGNORE)
 
     record, evaluated = Recorder(engine, dims.dp_group if dims.dp > 1 else None), None
     if eval_first:  # a forward-only pass before any training (its loss from the last stage)
@@ -134,8 +115,6 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
                 loss += value.item() / MICRO
         engine.step()
         if moe:
-            from moe import update_router_biases
-
             update_router_biases(engine.module, dims.dp_sp_group)
         record.step(loss)
         if ckpt_dir is not None and step + 1 == save_at:

@@ -142,8 +142,7 @@ def _mismatched_microbatches() -> str:
 
     dims = zero.ParallelDims(pp=2)
     pipe = apply_pipeline(Transformer(model_config()), dims, microbatches=2, loss_fn=lambda out, y: out.sum())
-    engine = zero.initialize(pipe.module, OPT_SGD, zero.ZeroConfig(grad_accum_steps=4), dims,
-                             tied_params=pipe.tied_params)
+    engine = zero.initialize(pipe.module, OPT_SGD, zero.ZeroConfig(grad_accum_steps=4), dims, plans=[pipe])
     try:
         pipe.train_step(engine, torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long),
                         position_ids=torch.zeros(4, 16, dtype=torch.long))

@@ -16,6 +16,7 @@ from sequence_parallel import (
     checkpoint_module,
     is_checkpointed,
 )
+from zero.contract import ContractError
 
 
 def _step(model: nn.Module, tokens: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
@@ -77,8 +78,10 @@ def test_checkpointing_without_grad_runs_plainly_and_bad_predicate_errors():
     block = checkpoint_module(nn.Linear(4, 4))
     with torch.no_grad():
         assert block(torch.randn(2, 4)).shape == (2, 4)
-    with pytest.raises(ValueError, match="selected no submodule"):
+    with pytest.raises(ContractError, match=r"needs Sequential.blocks\(\) of the model contract"):
         apply_activation_checkpointing(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="the predicate selected nothing"):
+        apply_activation_checkpointing(nn.Sequential(nn.Linear(2, 2)), predicate=lambda name, module: False)
 
 
 class _Block(nn.Module):
@@ -92,11 +95,18 @@ class _Block(nn.Module):
         return torch.tanh(self.linear(h) + table)
 
 
+class _Model(nn.ModuleDict):
+    """Its blocks (the model contract's `blocks`) are the items of `layers`."""
+
+    def blocks(self) -> list[tuple[str, nn.Module]]:
+        return [(f"layers.{i}", block) for i, block in enumerate(self["layers"])]
+
+
 @pytest.mark.parametrize("offload", [None, "object", "true"])
 def test_offload_packs_each_block_input_once_and_restores_it_in_backward(offload):
     torch.manual_seed(0)
     dim, n_blocks = 8, 3
-    ref = nn.ModuleDict({"embed": nn.Linear(4, dim), "layers": nn.ModuleList(_Block(dim) for _ in range(n_blocks))})
+    ref = _Model({"embed": nn.Linear(4, dim), "layers": nn.ModuleList(_Block(dim) for _ in range(n_blocks))})
     model = copy.deepcopy(ref)
     stats = ActivationOffload()
     chosen = {None: False, "object": stats, "true": True}[offload]

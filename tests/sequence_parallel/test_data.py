@@ -6,7 +6,7 @@ import pytest
 import torch
 from moe_lst.kernels.attention import attention
 
-from sequence_parallel import UlyssesAttention, head_layout, shard_sequence, sp_loss
+from sequence_parallel import UlyssesAttention, head_split, shard_sequence, sp_loss
 
 
 def test_shard_sequence_single_rank_is_identity_with_positions():
@@ -35,8 +35,8 @@ def test_shard_sequence_errors():
 
 @pytest.mark.parametrize("h,hkv,sp", [(8, 8, 2), (8, 2, 4), (6, 6, 4), (6, 2, 4), (8, 2, 3), (3, 3, 2),
                                       (32, 8, 8), (12, 4, 8)])
-def test_head_layout_keeps_kv_groups_and_balances(h, hkv, sp):
-    lay = head_layout(h, hkv, sp)
+def test_head_split_keeps_kv_groups_and_balances(h, hkv, sp):
+    lay = head_split(h, hkv, sp)
     assert sum(lay.q_counts) == h and sum(lay.kv_counts) == hkv * lay.kv_repeat
     assert max(lay.q_counts) == -(-h // sp)  # as balanced as query heads allow
     group = h // (hkv * lay.kv_repeat)
@@ -51,9 +51,9 @@ def test_head_layout_keeps_kv_groups_and_balances(h, hkv, sp):
         assert lay.kv_repeat == 1  # no replication when kv heads already split evenly
 
 
-def test_head_layout_refuses_sp_above_heads_naming_the_fix():
+def test_head_split_refuses_sp_above_heads_naming_the_fix():
     with pytest.raises(ValueError, match=r"sp=8 cannot exceed the number of query heads \(4\).*sp <= 4"):
-        head_layout(4, 2, 8)
+        head_split(4, 2, 8)
 
 
 def test_ulysses_single_rank_is_the_wrapped_function():

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from recipes.models.llama import FeedForward
 from sequence_parallel import TiledMLP, apply_tiled_mlp, tiled_cross_entropy
+from zero.contract import ContractError
 
 
 def _grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -62,15 +63,25 @@ class _Untileable(nn.Module):
 
 
 class _Block(nn.Module):
+    """A model of one block whose MLP site (the model contract's `mlp_sites`) is its feed-forward."""
+
     def __init__(self, feed_forward: nn.Module) -> None:
         super().__init__()
         self.feed_forward = feed_forward
+
+    def mlp_sites(self) -> list[tuple[str, nn.Module]]:
+        return [("feed_forward", self.feed_forward)]
+
+
+class _Blocks(nn.Sequential):
+    def mlp_sites(self) -> list[tuple[str, nn.Module]]:
+        return [(f"{i}.feed_forward", block.feed_forward) for i, block in enumerate(self)]
 
 
 def test_apply_tiled_mlp_tiles_dense_layers_and_leaves_excluded_ones_untouched():
     torch.manual_seed(0)
     wrapped = nn.Sequential(_Untileable())  # contains an excluded class: left alone too
-    model = nn.Sequential(_Block(FeedForward(8, 16)), _Block(_Untileable()), _Block(wrapped))
+    model = _Blocks(_Block(FeedForward(8, 16)), _Block(_Untileable()), _Block(wrapped))
     names = list(model.state_dict())
     assert apply_tiled_mlp(model, tile_size=3, exclude=(_Untileable,)) is model
     assert apply_tiled_mlp(model, tile_size=3, exclude=(_Untileable,)) is model  # twice changes nothing
@@ -86,7 +97,7 @@ def test_apply_tiled_mlp_tiles_dense_layers_and_leaves_excluded_ones_untouched()
     assert model[1].feed_forward.calls == [7] and wrapped[0].calls == [7]  # once, on the whole sequence
 
 
-def test_apply_tiled_mlp_without_exclude_tiles_every_named_module_and_errors():
+def test_apply_tiled_mlp_without_exclude_tiles_every_mlp_site_and_errors():
     layer = _Untileable()
     apply_tiled_mlp(_Block(layer), num_tiles=2)  # the caller vouches for it: no attribute is inspected
     layer(torch.randn(1, 5, 8, requires_grad=True)).sum().backward()
@@ -95,7 +106,7 @@ def test_apply_tiled_mlp_without_exclude_tiles_every_named_module_and_errors():
         apply_tiled_mlp(_Block(FeedForward(8, 16)), exclude=_Untileable)
     with pytest.raises(ValueError, match="not both"):
         TiledMLP(FeedForward(8, 16), num_tiles=2, tile_size=3)
-    with pytest.raises(ValueError, match="no submodule named"):
+    with pytest.raises(ContractError, match=r"apply_tiled_mlp needs Linear.mlp_sites\(\) of the model contract"):
         apply_tiled_mlp(nn.Linear(2, 2))
 
 

@@ -14,13 +14,22 @@ def _model() -> Transformer:
     return Transformer(ModelConfig(vocab_size=30, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32))
 
 
-def _attn_fns(model: torch.nn.Module) -> dict[str, object]:
-    return {name: m.attn_fn for name, m in model.named_modules()
-            if hasattr(m, "attn_fn") and not isinstance(m, UlyssesAttention)}
+def _attn_fns(model: Transformer) -> dict[str, object]:
+    return {site.name: site.get() for site in model.attention_sites()}
+
+
+def _wrapped() -> Transformer:
+    """Every attention site wrapped in a one-rank UlyssesAttention (apply_ulysses leaves sp=1 alone)."""
+    model = _model()
+    assert apply_ulysses(model, None) is model and not any(isinstance(f, UlyssesAttention)
+                                                           for f in _attn_fns(model).values())
+    for site in model.attention_sites():
+        site.set(UlyssesAttention(None, attn_fn=site.get()))
+    return model
 
 
 def test_local_attention_unwraps_inside_and_restores_the_same_wrappers():
-    model = apply_ulysses(_model(), None)
+    model = _wrapped()
     wrappers = _attn_fns(model)
     assert len(wrappers) == 2 and all(isinstance(f, UlyssesAttention) for f in wrappers.values())
     modules, keys = [n for n, _ in model.named_modules()], list(model.state_dict())
@@ -37,7 +46,7 @@ def test_local_attention_unwraps_inside_and_restores_the_same_wrappers():
 
 
 def test_local_attention_restores_after_an_exception_and_ignores_plain_models():
-    model = apply_ulysses(_model(), None)
+    model = _wrapped()
     wrappers = _attn_fns(model)
     with pytest.raises(RuntimeError, match="boom"):
         with local_attention(model):

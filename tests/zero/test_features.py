@@ -441,7 +441,9 @@ def test_bad_engine_arguments_raise() -> None:
     with pytest.raises(TypeError, match="factory"):
         zero.initialize(model, torch.optim.AdamW(model.parameters()))
     with pytest.raises(ValueError, match="replicated_params maps parameters"):
-        zero.initialize(model, OPT, replicated_params={next(model.parameters()): 0})
+        zero.initialize(model, OPT, plans=[zero.Plan("x", replicated_params={next(model.parameters()): 0})])
+    with pytest.raises(TypeError, match=r"plans\[0\] is a dict; pass the zero.Plan objects"):
+        zero.initialize(model, OPT, plans=[{"placements": {}}])
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -474,21 +476,27 @@ def test_single_process_engine_matches_plain_training(stage) -> None:
         torch.testing.assert_close(engine.full_state_dict()[k], v, rtol=1e-5, atol=1e-6)
 
 
+def _groups(*groups) -> list[zero.Plan]:
+    return [zero.Plan("test", reduce_groups=list(groups))]
+
+
 def test_reduce_group_declarations_are_checked() -> None:
     model, other = build(), build()
     head = [model.head.weight]
     with pytest.raises(ValueError, match="not in the model"):
-        zero.initialize(model, OPT, reduce_groups=[zero.ReduceGroup("x", [other.head.weight], None)])
+        zero.initialize(model, OPT, plans=_groups(zero.ReduceGroup("x", [other.head.weight], None)))
+    # (a parameter of another pipeline stage is skipped when a pipeline plan is among the plans)
+    pipelined = zero.Plan("stages", pipelined=True)
+    zero.initialize(model, OPT, plans=[*_groups(zero.ReduceGroup("x", [other.head.weight], None)), pipelined])
     with pytest.raises(ValueError, match="used twice"):
-        zero.initialize(model, OPT, reduce_groups=[zero.ReduceGroup("dense", head, None)])
+        zero.initialize(model, OPT, plans=_groups(zero.ReduceGroup("dense", head, None)))
     with pytest.raises(ValueError, match="reduces over one group"):
-        zero.initialize(model, OPT, reduce_groups=[zero.ReduceGroup("a", head, None),
-                                                   zero.ReduceGroup("b", head, None)])
+        zero.initialize(model, OPT, plans=_groups(zero.ReduceGroup("a", head, None), zero.ReduceGroup("b", head, None)))
     with pytest.raises(TypeError, match="zero.ReduceGroup"):
-        zero.initialize(model, OPT, reduce_groups=[("x", head, None)])
+        zero.initialize(model, OPT, plans=_groups(("x", head, None)))
     with pytest.raises(TypeError, match="loss_scale_hooks"):
-        zero.initialize(model, OPT, loss_scale_hooks=[1.0])
-    engine = zero.initialize(model, OPT, reduce_groups=[zero.ReduceGroup("head", head, None)])
+        zero.initialize(model, OPT, plans=[zero.Plan("hooks", loss_scale_hooks=[1.0])])
+    engine = zero.initialize(model, OPT, plans=_groups(zero.ReduceGroup("head", head, None)))
     assert {b.reduce_group for b in engine.buckets} == {"dense", "head"}
     assert [b.names for b in engine.buckets if b.reduce_group == "head"] == [["head.weight"]]
 
@@ -496,6 +504,6 @@ def test_reduce_group_declarations_are_checked() -> None:
 def test_loss_scale_hooks_receive_the_backward_factor() -> None:
     seen = []
     engine = zero.initialize(build(), OPT, zero.ZeroConfig(dtype="fp16", grad_accum_steps=4, initial_loss_scale=256.0),
-                             loss_scale_hooks=[seen.append])
+                             plans=[zero.Plan("hooks", loss_scale_hooks=[seen.append])])
     engine.backward(lm_loss(engine, global_batch(0, 0, 2)))
     assert seen == [256.0 / 4]

@@ -16,13 +16,12 @@ DEVICE = "cuda"
 
 def _one_step_router_grads(dtype: str, stage: int) -> tuple[dict, float]:
     """Router gradients of one accumulated step (SGD lr=1: the change of the fp32 masters)."""
-    from moe import expert_reduce_group, loss_scale_hooks
+    from moe import apply_expert_parallel
 
     model = build_moe(seed=0, aux_loss_coef=0.01, z_loss_coef=0.001).to(DEVICE)
     config = zero.ZeroConfig(stage=stage, dtype=dtype, grad_accum_steps=2, initial_loss_scale=2.0**12)
     engine = zero.initialize(model, functools.partial(torch.optim.SGD, lr=1.0), config,
-                             reduce_groups=[expert_reduce_group(model, None)],
-                             loss_scale_hooks=loss_scale_hooks(model))
+                             plans=[apply_expert_parallel(model, zero.ParallelDims())])
     before = engine.full_state_dict()
     for micro in range(2):
         engine.backward(lm_loss(engine, global_batch(0, micro, 4).to(DEVICE)))
@@ -76,13 +75,12 @@ def _compute_weights(engine: zero.Engine) -> dict[str, torch.Tensor]:
 def _mp_run(dtype: str, stage: int, offload: str = "none", lr: float = 1e-2) -> dict:
     """MP_STEPS steps on one fixed batch (memorised, so the loss falls fast); after each step the
     compute-dtype weights compared with the previous step's and with the fp32 masters."""
-    from moe import expert_reduce_group, loss_scale_hooks
+    from moe import apply_expert_parallel
 
     model = build_moe(seed=0, aux_loss_coef=0.01).to(DEVICE)
     config = zero.ZeroConfig(stage=stage, dtype=dtype, initial_loss_scale=2.0**12, offload_optimizer=offload)
     engine = zero.initialize(model, functools.partial(torch.optim.AdamW, lr=lr), config,
-                             reduce_groups=[expert_reduce_group(model, None)],
-                             loss_scale_hooks=loss_scale_hooks(model))
+                             plans=[apply_expert_parallel(model, zero.ParallelDims())])
     batch = global_batch(0, 0, 8).to(DEVICE)
     before = _compute_weights(engine)
     out = {"losses": [], "unchanged": [], "not_rounded_masters": [], "names": sorted(before),

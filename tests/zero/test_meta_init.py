@@ -76,7 +76,14 @@ def test_meta_model_errors_are_clear():
     from recipes.models.llama import Transformer
 
     with pytest.raises(ValueError, match="meta device.*param_init"):
-        zero.initialize(Transformer(_cfg(True), device="meta"), zero.FastAdamW(lr=1e-3))
+        zero.initialize(nn.Linear(4, 4, device="meta"), zero.FastAdamW(lr=1e-3))
+    # a model of the contract brings its own per-parameter init: the same values as param_init would give
+    torch.manual_seed(11)
+    implicit = zero.initialize(Transformer(_cfg(True), device="meta"), zero.FastAdamW(lr=1e-3)).full_state_dict()
+    torch.manual_seed(11)
+    model = Transformer(_cfg(True), device="meta")
+    explicit = zero.initialize(model, zero.FastAdamW(lr=1e-3), param_init=model.init_parameter).full_state_dict()
+    assert implicit.keys() == explicit.keys() and all(torch.equal(implicit[k], explicit[k]) for k in implicit)
     mixed = Transformer(_cfg(True), device="meta")
     mixed.norm.weight = nn.Parameter(torch.ones(32))
     with pytest.raises(ValueError, match="mixes meta-device and materialised"):

@@ -21,28 +21,19 @@ STEPS, ROWS_PER_RANK = 8, 2
 
 
 def _run(stages: list[int], ckpt: bool) -> dict:
-    from moe import (
-        GroupedExperts,
-        MoELayer,
-        apply_expert_parallel,
-        expert_placements,
-        expert_reduce_group,
-        set_fused_grad_accumulation,
-    )
+    from moe import GroupedExperts, MoELayer, apply_expert_parallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = zero.ParallelDims(dp=world, ep=2)
     out, starved = {}, []
     for stage in stages:
-        model = apply_expert_parallel(build_moe(seed=0, ckpt=ckpt), dims.ep_group)
+        model = build_moe(seed=0, ckpt=ckpt)
+        ep = apply_expert_parallel(model, dims)
         config = zero.ZeroConfig(stage=stage, clip_grad_norm=0.5, reduce_bucket_size=500)
-        engine = zero.initialize(
-            model, SGD, config, dims, reduce_groups=[expert_reduce_group(model, dims.expert_data_parallel_group)],
-            placements=expert_placements(model),
-        )
-        # Stages 0-1 keep .grad preset to flat-buffer views: experts may add their weight gradients in place.
+        engine = zero.initialize(model, SGD, config, dims, plans=[ep])
+        # Stages 0-1 keep .grad preset to flat-buffer views: the plan lets experts add their weight
+        # gradients in place there.
         assert engine.grads_accumulate_in_place == (stage < 2)
-        set_fused_grad_accumulation(model, engine.grads_accumulate_in_place)
         fused = {m.fuse_grad_accumulation for m in engine.module.modules() if isinstance(m, GroupedExperts)}
         assert fused == {stage < 2}
         record = Recorder(engine, dims.dp_group)
@@ -100,15 +91,14 @@ BALANCING = {"on": {"aux_loss_coef": 0.01, "z_loss_coef": 0.001}, "off": {"aux_l
 
 def _router_grads(dtype: str, balancing: str, stage: int) -> dict:
     """The mean gradient of every router after one step of SGD(lr=1): the change of its fp32 master."""
-    from moe import expert_reduce_group, loss_scale_hooks
+    from moe import apply_expert_parallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_moe(seed=0, **BALANCING[balancing])
     config = zero.ZeroConfig(stage=stage, dtype=dtype, grad_accum_steps=ACCUM, initial_loss_scale=1024.0)
-    engine = zero.initialize(
-        model, functools.partial(torch.optim.SGD, lr=1.0), config,
-        reduce_groups=[expert_reduce_group(model, None)], loss_scale_hooks=loss_scale_hooks(model),
-    )
+    dims = zero.ParallelDims(dp=world)
+    engine = zero.initialize(model, functools.partial(torch.optim.SGD, lr=1.0), config, dims,
+                             plans=[apply_expert_parallel(model, dims)])
     before = engine.full_state_dict()
     for micro in range(ACCUM):
         rows = global_batch(0, micro, ROWS_PER_RANK * world)[rank * ROWS_PER_RANK : (rank + 1) * ROWS_PER_RANK]

@@ -6,9 +6,10 @@ torch.distributed.pipelining's schedules, with the ZeRO engine reducing each sta
     losses = pipe.train_step(engine, tokens, labels, position_ids=pos)   # m forwards and backwards
     engine.step()
 
-The model provides `pipeline_stage(layers, first, last)` (a module running those layers; the first
-stage embeds, the last returns the output the loss reads) and `pipeline_shapes(tokens_shape)` (the
-shape of the activation sent between stages and of the last stage's output). Stages are balanced by
+The model implements the contract's `blocks()`, `pipeline_stage(layers, first, last)` (a module running
+those blocks; the first stage embeds, the last returns the output the loss reads) and
+`pipeline_shapes(tokens_shape)` (the shape of the activation sent between stages and of the last
+stage's output): see `zero.contract`. The returned `Pipeline` is also the plan the engine takes. Stages are balanced by
 parameter count unless `split` lists the layers of each stage. The micro-batches are the engine's
 gradient-accumulation micro-batches: `tokens` holds m of them stacked along the batch dimension, in
 order, and the loss of each is scaled exactly as `engine.backward` would scale it.
@@ -29,8 +30,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import pipelining as pl
 
+from zero.contract import ModelContract, contract_of
 from zero.dist import comm
 from zero.dist.topology import LayoutError, ParallelDims
+from zero.plan import Plan
 from zero.sharding.stage3 import BlockDict
 
 #: name -> (torch schedule class, stages per rank: None = any (default 2), else that exact number, V placement)
@@ -126,13 +129,16 @@ def stage_indices(pp_rank: int, pp: int, v: int, v_shape: bool) -> list[int]:
     return [pp_rank + k * pp for k in range(v)]
 
 
-class LocalStages(nn.Module):
+class LocalStages(nn.Module, ModelContract):
     """This rank's stage modules as one module with the model's own parameter names (children of the
     stages are merged by name; ModuleDicts key by key into a BlockDict, whose blocks are ZeRO-3 units), so
-    checkpoints, per-name initialisation and the engine see the same names as on one rank."""
+    checkpoints, per-name initialisation and the engine see the same names as on one rank. As a contract
+    model it offers its stages' blocks and the whole model's per-parameter init."""
 
-    def __init__(self, stages: Sequence[nn.Module]) -> None:
+    def __init__(self, stages: Sequence[nn.Module], model: ModelContract) -> None:
         super().__init__()
+        self._stages = list(stages)  # plain list: the stages' modules are registered below, by name
+        self._init_parameter = model.init_parameter
         for stage in stages:
             for name, child in stage.named_children():
                 mine = self._modules.get(name)
@@ -146,6 +152,14 @@ class LocalStages(nn.Module):
                         mine[key] = sub
                 elif mine is not child:
                     raise ValueError(f"two pipeline stages on this rank hold different modules named {name!r}")
+
+    def blocks(self) -> list[tuple[str, nn.Module]]:
+        out = [block for stage in self._stages for block in contract_of(stage, "pipeline stages", "blocks").blocks()]
+        order = {name: k for k, (name, _) in enumerate(self.named_modules())}
+        return sorted(out, key=lambda item: order[item[0]])
+
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        self._init_parameter(name, tensor)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline rank's stages run through Pipeline.train_step / eval_step, not forward")
@@ -241,22 +255,25 @@ class StagePlan:
     last: bool
 
 
-class Pipeline:
+class Pipeline(Plan):
     """This rank's part of a pipeline: its stage modules, their plan, and the schedule (built on first use).
+    As a `zero.Plan` it declares the tied parameters' copies and how backward runs.
 
     `loss_fn(output, target) -> loss` (a micro-batch's mean loss) runs on the last stage per
     micro-batch; what is backpropagated is that loss times the engine's loss multiplier, and
     `train_step` returns the mean of the micro-batches' losses (on every rank of the pipeline).
     """
 
-    def __init__(self, model: nn.Module, dims: ParallelDims, schedule: str, virtual_stages: int,
+    def __init__(self, model: ModelContract, dims: ParallelDims, schedule: str, virtual_stages: int,
                  plans: list[StagePlan], microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        # zero-bubble schedules run an input- and a weight-gradient pass over the same forward graph
+        super().__init__("pipeline", pipelined=True, splits_backward=schedule in ("interleaved_zb", "zbv", "dualpipev"))
         self.dims, self.schedule_name, self.v = dims, schedule, virtual_stages
         self.plans, self.microbatches, self.loss_fn = plans, microbatches, loss_fn
         self.num_stages = dims.pp * virtual_stages
         self.stage_modules = [model.pipeline_stage(p.layers, p.first, p.last) for p in plans]
-        self.module = LocalStages(self.stage_modules)
+        self.module = LocalStages(self.stage_modules, model)
         self._shapes = model.pipeline_shapes
         self._schedule = None
         self._engine = None
@@ -278,7 +295,7 @@ class Pipeline:
         last_rank = 0 if SCHEDULES[self.schedule_name][2] else last % dims.pp
         if first_rank == last_rank or dims.pp == 1:
             return {}
-        n = len(model.layers)
+        n = len(model.blocks())
         head = dict(model.pipeline_stage(range(n, n), False, True).named_parameters())
         tied = [name for name, p in model.pipeline_stage(range(0), True, False).named_parameters()
                 if head.get(name) is p]
@@ -290,12 +307,6 @@ class Pipeline:
             return {}
         params = dict(self.module.named_parameters())
         return {params[name]: mine for name in tied}
-
-    @property
-    def splits_backward(self) -> bool:
-        """True for the zero-bubble schedules, whose input- and weight-gradient passes each run backward
-        over the same forward graph (custom autograd functions must not free what they saved)."""
-        return self.schedule_name in ("interleaved_zb", "zbv", "dualpipev")
 
     # -------------------------------------------------------------- engine hooks (called by the stages)
     def _record(self, kind: str, stage: int, microbatch: int, start: float, held: int) -> None:
@@ -399,22 +410,21 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, schedule: str = "1f1b",
                    virtual_stages: int | None = None, split: Sequence[int] | None = None) -> Pipeline:
     """This rank's pipeline stages of `model` over `dims.pp` ranks (see the module doc).
 
-    `model` needs `layers` (the blocks to split), `pipeline_stage(layers, first, last)` and
-    `pipeline_shapes(tokens_shape)`. Pass `pipe.tied_params` to zero.initialize: a parameter used by
-    both the first and the last stage (tied embeddings) has a copy on each, with gradients summed.
-    `split` lists the number of layers per stage (all pp x virtual
-    stages, in order); by default stages are balanced by parameter count, the embedding counted on
+    `model` implements the contract's `blocks()` (what is split), `pipeline_stage(layers, first, last)` and
+    `pipeline_shapes(tokens_shape)`. The result is the plan to pass to zero.initialize (with
+    `pipe.module`, this rank's stages): a parameter used by both the first and the last stage (tied
+    embeddings) has a copy on each, with gradients summed. `split` lists the number of layers per stage
+    (all pp x virtual stages, in order); by default stages are balanced by parameter count, the embedding counted on
     the first stage and the final norm and head on the last.
     """
-    for need in ("layers", "pipeline_stage", "pipeline_shapes"):
-        if not hasattr(model, need):
-            raise TypeError(f"{type(model).__name__} has no {need}: apply_pipeline needs layers, "
-                            "pipeline_stage(layers, first, last) and pipeline_shapes(tokens_shape)")
-    n_layers = len(model.layers)
+    for part in ("blocks", "pipeline_stage", "pipeline_shapes"):
+        contract_of(model, "apply_pipeline", part)
+    blocks = [block for _, block in model.blocks()]
+    n_layers = len(blocks)
     v = check_pipeline_layout(schedule, dims.pp, virtual_stages, n_layers, microbatches, split)
     stages = dims.pp * v
     if split is None:
-        costs = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+        costs = [sum(p.numel() for p in block.parameters()) for block in blocks]
 
         def own(first: bool, last: bool) -> int:
             stage = model.pipeline_stage(range(0), first, last)

@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from zero.contract import contract_of
 from zero.dist import comm
 from zero.dist.topology import group_rank, group_size
-from zero.plan import Placement
+from zero.plan import Placement, Plan
 
 
 # ---------------------------------------------------------------------- autograd collectives
@@ -201,8 +202,8 @@ class _VocabParallelCE(torch.autograd.Function):
 
 # ---------------------------------------------------------------------- styles
 @dataclass(frozen=True)
-class ShardLayout:
-    """How one parameter is laid out over the tp ranks: sliced along `dim` (None: replicated), as
+class TensorSplit:
+    """How one parameter is split over the tp ranks: sliced along `dim` (None: replicated), as
     `halves` (two stacked halves, e.g. SwiGLU gate | up, each sliced alike), or as one of `slots` whole
     units when there are fewer units than ranks. `replicas`: tp ranks holding each element."""
 
@@ -236,7 +237,7 @@ class ShardLayout:
         return Placement.along(local_shape, self.dim, n * world, [(0, rank * n, n)])
 
 
-REPLICATED = ShardLayout(None)
+REPLICATED = TensorSplit(None)
 def _rank_slice(total: int, world: int, rank: int, what: str) -> slice:
     if total % world:
         raise ValueError(f"{what} of size {total} does not divide over tp={world}")
@@ -252,10 +253,10 @@ def _replace(module: nn.Module, name: str, value: torch.Tensor) -> nn.Parameter:
 
 
 class Style:
-    """How one module is split over the tp group. `apply` converts it in place and returns the layout
+    """How one module is split over the tp group. `apply` converts it in place and returns the split
     of each of its parameters (by name within the module)."""
 
-    def apply(self, module: nn.Module, group: ProcessGroup) -> dict[str, ShardLayout]:
+    def apply(self, module: nn.Module, group: ProcessGroup) -> dict[str, TensorSplit]:
         raise NotImplementedError
 
 
@@ -272,7 +273,7 @@ class SequenceParallelNorm(Style):
         substitute_parameters(module, {n: functools.partial(sum_grad, group=group) for n in names})
         if self.gather_output:
             module.register_forward_hook(lambda m, args, out: gather_sequence(out, group, self.seq_dim))
-        return {n: ShardLayout(None, replicas=group_size(group)) for n in names}
+        return {n: TensorSplit(None, replicas=group_size(group)) for n in names}
 
 
 class ColwiseParallel(Style):
@@ -313,8 +314,8 @@ class ColwiseParallel(Style):
             slot = rank * units // world
             substitute_parameters(module, {n: functools.partial(_sum_grad_slots, group=group, slot=slot, slots=units)
                                            for n in names})
-            return {n: ShardLayout(0, replicas=replicas, slots=units) for n in names}
-        return dict.fromkeys(names, ShardLayout(0))
+            return {n: TensorSplit(0, replicas=replicas, slots=units) for n in names}
+        return dict.fromkeys(names, TensorSplit(0))
 
 
 def _sum_grad_slots(w, group, slot, slots):
@@ -340,9 +341,9 @@ class RowwiseParallel(Style):
             return y if module.bias is None else y + sum_grad(module.bias, group)
 
         module.forward = forward
-        out = {"weight": ShardLayout(1)}
+        out = {"weight": TensorSplit(1)}
         if module.bias is not None:
-            out["bias"] = ShardLayout(None, replicas=world)
+            out["bias"] = TensorSplit(None, replicas=world)
         return out
 
 
@@ -371,70 +372,62 @@ class VocabParallelEmbedding(Style):
             return reduce_scatter_sequence(out, group, self.seq_dim)
 
         module.forward = forward
-        return {"weight": ShardLayout(0)}
+        return {"weight": TensorSplit(0)}
 
 
-@dataclass
-class TensorParallel:
-    """What apply_tensor_parallel did: the tp group and each parameter's layout (by model name)."""
+class TensorParallel(Plan):
+    """What apply_tensor_parallel did, as the plan the engine takes: the tp group, how each parameter is
+    split (by model name), the placements of the split ones and the replicas of the whole ones."""
 
-    group: ProcessGroup | None
-    layouts: dict[str, ShardLayout] = field(default_factory=dict)
-    params: dict[str, nn.Parameter] = field(default_factory=dict)
-
-    @property
-    def replicated_params(self) -> dict[nn.Parameter, int]:
-        """Parameters held identically by k > 1 tp ranks: `zero.initialize(replicated_params=...)`."""
-        return {self.params[n]: lay.replicas for n, lay in self.layouts.items() if lay.replicas > 1}
-
-    @property
-    def placements(self) -> dict[str, Placement]:
-        """Where each split parameter's local slice lies in the full one (by model name), for
-        `zero.initialize(placements=...)`: checkpoints then load under any other layout."""
-        world, rank = group_size(self.group), group_rank(self.group)
-        return {n: lay.placement(self.params[n].shape, rank, world) for n, lay in self.layouts.items()
-                if lay.dim is not None}
+    def __init__(self, group: ProcessGroup | None, model: nn.Module | None = None,
+                 splits: dict[str, TensorSplit] | None = None) -> None:
+        self.group = group
+        self.splits = dict(splits or {})
+        params = dict(model.named_parameters(remove_duplicate=False)) if model is not None else {}
+        self.params = {n: params[n] for n in self.splits}
+        world, rank = group_size(group), group_rank(group)
+        super().__init__(
+            "tensor",
+            placements={n: split.placement(self.params[n].shape, rank, world) for n, split in self.splits.items()
+                        if split.dim is not None},
+            # held identically by k > 1 tp ranks: counted once in the global gradient norm
+            replicated_params={self.params[n]: split.replicas for n, split in self.splits.items()
+                               if split.replicas > 1},
+        )
 
     def full_state_dict(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Assemble full tensors from every tp rank's `local` state dict (names as the model's); names
-        without a layout are taken as they are. Collective over the tp group."""
+        without a split are taken as they are. Collective over the tp group."""
         world = group_size(self.group)
         out = {}
         for name, t in local.items():
-            layout = self.layouts.get(name)
-            if layout is None or layout.dim is None or world == 1:
+            split = self.splits.get(name)
+            if split is None or split.dim is None or world == 1:
                 out[name] = t
                 continue
             flat = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
             comm.all_gather_into_tensor(flat, t.contiguous().view(-1), self.group)
-            out[name] = layout.assemble(list(flat.view(world, *t.shape).unbind(0)))
+            out[name] = split.assemble(list(flat.view(world, *t.shape).unbind(0)))
         return out
 
 
 def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup | None,
                           plan: Mapping[str, Style] | None = None) -> TensorParallel:
-    """Split `model` over `tp_group` per `plan` (default: `model.tensor_parallel_plan(tp)`), in place.
-
-    Returns the layouts; pass `.replicated_params` to `zero.initialize(..., replicated_params=...)` so
-    the global gradient norm counts replicated parameters once. A tp group of one rank changes nothing.
+    """Split `model` over `tp_group` per `plan` (default: the model contract's `tensor_parallel_plan(tp)`),
+    in place. Returns the plan for zero.initialize. A tp group of one rank changes nothing.
     """
-    result = TensorParallel(tp_group)
     tp = group_size(tp_group)
     if tp == 1:
-        return result
+        return TensorParallel(tp_group)
     if plan is None:
-        make_plan = getattr(model, "tensor_parallel_plan", None)
-        if make_plan is None:
-            raise TypeError(f"{type(model).__name__} has no tensor_parallel_plan(tp); pass plan= "
-                            "(module name -> zero.parallel.tensor style)")
-        plan = make_plan(tp)
+        plan = contract_of(model, "apply_tensor_parallel (or pass plan=)", "tensor_parallel_plan")
+        plan = plan.tensor_parallel_plan(tp)
     modules = dict(model.named_modules())
     missing = [n for n in plan if n not in modules]
     if missing:
         raise ValueError(f"the tensor-parallel plan names modules the model does not have: {missing[:5]}")
+    splits = {}
     for name, style in plan.items():
-        for pname, layout in style.apply(modules[name], tp_group).items():
-            result.layouts[f"{name}.{pname}"] = layout
-    params = dict(model.named_parameters(remove_duplicate=False))
-    result.params = {n: params[n] for n in result.layouts}
-    return result
+        for pname, split in style.apply(modules[name], tp_group).items():
+            splits[f"{name}.{pname}"] = split
+    return TensorParallel(tp_group, model, splits)

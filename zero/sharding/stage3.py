@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from zero.contract import ContractError, ModelContract
 from zero.sharding.buckets import FlatBucket
 
 
@@ -27,18 +28,26 @@ class BlockDict(nn.ModuleDict):
 
 
 def find_units(module: nn.Module, class_names: tuple[str, ...] | None) -> list[tuple[str, nn.Module]]:
-    """Outermost submodules that form gather units: named classes, or the children of every ModuleList
-    (and BlockDict)."""
+    """The gather units, by the first policy that applies: the modules of the named classes (an explicit
+    `stage3_unit_classes`), the blocks of a model implementing the contract (`zero.contract`), else the
+    children of every ModuleList (and BlockDict), outermost first."""
+    if class_names:
+        return _outermost(module, lambda parent, child: type(child).__name__ in class_names)
+    if isinstance(module, ModelContract):
+        try:
+            return list(module.blocks())
+        except ContractError:
+            pass  # a contract model without blocks: the container policy below
+    return _outermost(module, lambda parent, child: isinstance(parent, (nn.ModuleList, BlockDict)))
+
+
+def _outermost(module: nn.Module, is_unit) -> list[tuple[str, nn.Module]]:
     units: list[tuple[str, nn.Module]] = []
 
     def visit(prefix: str, parent: nn.Module) -> None:
         for name, child in parent.named_children():
             full = f"{prefix}{name}"
-            is_unit = (
-                (type(child).__name__ in class_names) if class_names
-                else isinstance(parent, (nn.ModuleList, BlockDict))
-            )
-            if is_unit:
+            if is_unit(parent, child):
                 units.append((full, child))
             else:
                 visit(full + ".", child)

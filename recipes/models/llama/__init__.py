@@ -7,12 +7,11 @@ from recipes.models.llama.model import (  # noqa: F401
     ModelConfig,
     MoEConfig,
     NSAAttention,
-    PipelineStageModule,
     RMSNorm,
     Transformer,
     TransformerBlock,
     apply_rope,
     build_moe,
-    check_tensor_parallel,
     rope_cos_sin,
 )
+from recipes.models.llama.parallelize import PipelineStageModule, check_tensor_parallel  # noqa: F401

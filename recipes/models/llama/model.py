@@ -1,7 +1,8 @@
 """Llama-style decoder: RMSNorm, RoPE with explicit position ids, GQA, SwiGLU or MoE feed-forward.
 
-Plain PyTorch with no parallel logic: sequence parallelism swaps each `Attention.attn_fn`, expert
-parallelism converts the `MoELayer`s, and the runtime wraps the whole module, all from outside.
+Plain PyTorch with no parallel logic: it states its parts in the model contract (`zero.contract`: blocks,
+attention sites, MLP sites, per-parameter init; its tensor-parallel plan and pipeline stages are in
+parallelize.py), and sequence, expert, tensor and pipeline parallelism and the runtime apply from outside.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from moe_lst.kernels.attention import attention
 from moe_lst.kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
 from moe_lst.kernels.positions import position_ids_for
 from moe_lst.kernels.sparse import LAYOUT_FIELDS, SparseAttention, SparseConfig
+
+from recipes.models.llama import parallelize
+from zero.contract import AttentionSite, ModelContract
 
 ATTENTIONS = ("dense", "sparse", "nsa")
 
@@ -217,6 +221,16 @@ class Attention(nn.Module):
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def site(self, name: str) -> AttentionSite:
+        """This layer's attention call as a site of the model contract (Ulysses and sparse swap it)."""
+        return AttentionSite(name, lambda: self.attn_fn, self._set_attn_fn)
+
+    def _set_attn_fn(self, fn) -> None:
+        # A module-valued function (UlyssesAttention) is registered as a child, and nn.Module refuses a
+        # plain function under a child's name: drop the old binding first.
+        del self.attn_fn
+        self.attn_fn = fn
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
         out = self.attn_fn(q, k, v, causal=True)  # [b, s, h, head_dim]
@@ -285,26 +299,7 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """The divisibility rules of this model's tensor-parallel plan, with the rule in the message."""
-    if cfg.attention == "nsa" and tp > 1:
-        raise ValueError(f"model.attention=nsa with tp={tp} is not supported (its compressors are shared by all "
-                         "heads, so their gradients would need a reduction over tp); use sp for long sequences")
-    if cfg.n_heads % tp:
-        raise ValueError(f"tp={tp} must divide model.n_heads={cfg.n_heads} (attention heads are split over tp)")
-    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
-        raise ValueError(f"tp={tp} and model.n_kv_heads={cfg.n_kv_heads}: kv heads are split over tp when tp "
-                         "divides them, or replicated when they divide tp; neither holds")
-    if cfg.vocab_size % tp:
-        raise ValueError(f"tp={tp} must divide model.vocab_size={cfg.vocab_size} (vocabulary-parallel embedding)")
-    if cfg.ffn_dim % tp:
-        raise ValueError(f"tp={tp} must divide model.ffn_dim={cfg.ffn_dim} (MLP hidden units are split over tp)")
-    if cfg.moe.num_experts and (cfg.moe.ffn_dim or cfg.ffn_dim) % tp:
-        raise ValueError(f"tp={tp} must divide the expert hidden width {cfg.moe.ffn_dim or cfg.ffn_dim} "
-                         "(expert tensor parallelism)")
-
-
-class Transformer(nn.Module):
+class Transformer(nn.Module, ModelContract):
     def __init__(self, cfg: ModelConfig, device=None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -349,53 +344,35 @@ class Transformer(nn.Module):
         gen = torch.Generator(device=tensor.device).manual_seed(seed)
         nn.init.normal_(tensor, 0.0, std, generator=gen)
 
+    # ------------------------------------------------------------------ the model contract (zero.contract)
+    def blocks(self) -> list[tuple[str, nn.Module]]:
+        return [(f"layers.{i}", layer) for i, layer in enumerate(self.layers)]
+
+    def attention_sites(self) -> list[AttentionSite]:
+        return [layer.attention.site(f"layers.{i}.attention") for i, layer in enumerate(self.layers)]
+
+    def mlp_sites(self) -> list[tuple[str, nn.Module]]:
+        return [(f"layers.{i}.feed_forward", layer.feed_forward) for i, layer in enumerate(self.layers)]
+
     def tensor_parallel_plan(self, tp: int) -> dict:
-        """How this model splits over tp ranks (zero.parallel.tensor.apply_tensor_parallel): vocabulary-
-        parallel embedding (and tied head), sequence-parallel norms, column-parallel q/k/v and MLP input,
-        row-parallel attention output and MLP output, expert tensor parallelism for MoE layers."""
-        from zero.parallel.tensor import ColwiseParallel, RowwiseParallel, SequenceParallelNorm, VocabParallelEmbedding
-
-        check_tensor_parallel(self.cfg, tp)
-        plan: dict = {"tok_embeddings": VocabParallelEmbedding()}
-        for i in range(len(self.layers)):
-            p = f"layers.{i}"
-            plan[f"{p}.attention_norm"] = SequenceParallelNorm(gather_output=True)
-            plan[f"{p}.attention.wq"] = ColwiseParallel(units=self.cfg.n_heads)
-            plan[f"{p}.attention.wk"] = ColwiseParallel(units=self.cfg.n_kv_heads)
-            plan[f"{p}.attention.wv"] = ColwiseParallel(units=self.cfg.n_kv_heads)
-            plan[f"{p}.attention.wo"] = RowwiseParallel()
-            plan[f"{p}.ffn_norm"] = SequenceParallelNorm(gather_output=True)
-            if self.cfg.is_moe_layer(i):
-                from moe import ExpertTensorParallel
-
-                plan[f"{p}.feed_forward"] = ExpertTensorParallel()
-            else:
-                plan[f"{p}.feed_forward.w1"] = ColwiseParallel()
-                plan[f"{p}.feed_forward.w3"] = ColwiseParallel()
-                plan[f"{p}.feed_forward.w2"] = RowwiseParallel()
-        # The final norm gathers the sequence: the (tied or own) head then gives vocabulary-sliced logits.
-        plan["norm"] = SequenceParallelNorm(gather_output=True)
-        if self.output is not None:
-            plan["output"] = ColwiseParallel()
-        return plan
+        """How this model splits over tp ranks: see parallelize.tensor_parallel_plan."""
+        return parallelize.tensor_parallel_plan(self, tp)
 
     def pipeline_stage(self, layers: range, first: bool, last: bool) -> nn.Module:
         """A pipeline stage holding `layers` (the embedding when `first`; final norm and head when `last`),
         sharing this model's modules and parameter names (see zero.parallel.pipeline)."""
-        return PipelineStageModule(self, layers, first, last)
+        return parallelize.PipelineStageModule(self, layers, first, last)
 
     def pipeline_shapes(self, tokens_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(activation between stages, last stage's output) for a micro-batch of tokens [b, s]: hidden
-        [b, s / tp, dim] (sequence-parallel shards under tensor parallelism) and logits [b, s, vocab / tp]."""
-        b, s = tokens_shape
-        local_vocab = self.output_weight.shape[0]
-        tp = self.cfg.vocab_size // local_vocab
-        return (b, s // tp, self.cfg.dim), (b, s, local_vocab)
+        return parallelize.pipeline_shapes(self, tokens_shape)
+
+    def rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (cos, sin) for position ids [b, s]."""
+        return rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
 
     def forward_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> final-normed hidden states [b, s, dim]."""
-        position_ids = position_ids_for(tokens, position_ids)
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = self.rotary(position_ids_for(tokens, position_ids))
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
@@ -427,42 +404,3 @@ class Transformer(nn.Module):
             nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
             tokens = torch.cat([tokens, nxt], dim=1)
         return tokens[:, prompt.shape[1]:]
-
-
-class PipelineStageModule(nn.Module):
-    """Consecutive layers of a Transformer as one pipeline stage; its parameter names are the model's.
-
-    forward(x, position_ids): x is the token ids on the first stage, else the hidden states from the
-    stage before; returns hidden states, or logits (vocabulary-sliced under tensor parallelism) on the
-    last stage. Position ids come to every stage beside the activations (they are not sent). With tied
-    embeddings the last stage holds the embedding as its head.
-    """
-
-    def __init__(self, model: Transformer, layers: range, first: bool, last: bool) -> None:
-        super().__init__()
-        self.cfg, self.first, self.last = model.cfg, first, last
-        self.tied = last and model.output is None
-        if first:
-            self.tok_embeddings = model.tok_embeddings
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
-        if last:
-            self.norm = model.norm
-            if model.output is not None:
-                self.output = model.output
-            else:  # the tied head: on another rank than the first stage it is a copy (zero.parallel.pipeline ties them)
-                self.tok_embeddings = model.tok_embeddings
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if self.first:
-            tokens = x
-            x = self.tok_embeddings(tokens)
-        if position_ids is None:
-            raise ValueError("pipeline stages need position_ids beside their input (pass them to every stage)")
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin)
-        if self.last:
-            x = self.norm(x)
-            weight = self.tok_embeddings.weight if self.tied else self.output.weight
-            x = F.linear(x, weight)
-        return x.contiguous()  # sent to the next stage as it is
