@@ -1,29 +1,319 @@
-"""Checks on the recipe's Hydra config, run before any work starts, so bad input fails in one line."""
+"""The recipe's Hydra config: one typed definition (a dataclass) per section, and the checks run before any
+work starts, so bad input fails in one line."""
 
 from __future__ import annotations
 
+import difflib
+import functools
 import os
 import re
+import sys
 import tempfile
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
+from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from moe_lst.kernels.nsa import NSAConfig
 from moe_lst.kernels.sparse import SparseConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
-from recipes.models.llama import MoEConfig
-
-# The MoE, sparse-attention and NSA blocks of every model config (`defaults: [moe: base, sparse: base,
-# nsa: base]` in conf/model/*.yaml) are the dataclasses themselves: one source for their keys and defaults,
-# and a misspelt key is refused by name.
-ConfigStore.instance().store(group="model/moe", name="base", node=MoEConfig)
-ConfigStore.instance().store(group="model/sparse", name="base", node=SparseConfig)
-ConfigStore.instance().store(group="model/nsa", name="base", node=NSAConfig)
+from recipes.models.llama import ModelConfig, MoEConfig
+from zero.config import ZeroConfig
 
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key, the rule and the fix."""
+
+
+# Every section of the config is a dataclass registered in Hydra's ConfigStore: one source for its keys, their
+# types and defaults (the embedded default run's values) and what they mean. The yaml files under conf/ pull them
+# in through their defaults lists (`train: base` in config.yaml, `defaults: [base]` in conf/optim/adamw.yaml,
+# `moe: base` in conf/model/*.yaml) and list only what differs. Hydra refuses a misspelt key without `+` and a
+# value of the wrong type; `check_keys` refuses one added with `+`.
+
+
+@dataclass
+class TrainConfig:
+    """`train.*`: the training loop, its cadences and the long-sequence switches."""
+
+    steps: int = 150  # optimizer steps
+    seed: int = 1234  # model init and data order
+    micro_batch_size: int = 16  # sequences per rank per micro step
+    seq_len: int = 256  # tokens per sequence (must fit model.max_seq_len)
+    grad_accum: int = 1  # micro steps per optimizer step; global batch = dp x micro_batch_size x grad_accum
+    eval_every: int = 50  # validation loss every k steps (and always at the end); 0 = only at the end
+    eval_batches: int = 8  # global batches of held-out text per evaluation (0 = no evaluation)
+    ckpt_every: int = 0  # checkpoint every k steps (and always at the end); 0 = only at the end
+    # auto (or true): the newest checkpoint in run_dir that verifies (none: start); false: never (refused if
+    # run_dir has checkpoints); or a checkpoint directory to start from (a bool or a string: Any, checked by
+    # check_config)
+    resume: Any = "auto"
+    keep_checkpoints: int = 3  # keep the newest k checkpoints of run_dir (0 = all)
+    # a Hugging Face Llama / Mixtral directory (python -m recipes.export writes one) whose weights start a fresh
+    # run; its model must match model.* (a resumed run ignores it)
+    init_from: str | None = None
+    max_nonfinite_steps: int = 3  # stop (exit 3) after this many consecutive steps with a non-finite loss/grad norm
+    collective_timeout_s: float = 600  # a rank waiting this long in one collective ends the run (exit 4)
+    sample_tokens: int = 200  # bytes generated from sample_prompt at the end (0 = no sample)
+    sample_prompt: str = "def "  # the prompt of that sample
+    progress: bool = True  # progress bar on rank 0
+    # Long-sequence switches (ALST): each is independent.
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    offload_activations: bool = False  # offload checkpointed layer inputs to CPU memory (GPU runs)
+    tiled_mlp: int = 0  # run each MLP over this many sequence tiles (0 = off)
+    tiled_loss: bool = False  # logits + cross-entropy in sequence tiles, never [seq, vocab] at once
+    # at the end: the last k tokens of a held-out sequence against a plain forward over their receptive field
+    # (sliding-window sparse attention; 0 = off)
+    crop_check_tokens: int = 0
+
+
+@dataclass
+class OptimConfig:
+    """`optim.*`: AdamW (zero.FastAdamW) with linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio`."""
+
+    lr: float = 2.0e-3  # peak learning rate (small byte-level models tolerate a high one)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    warmup_steps: int = 20  # linear warmup steps (0 = none)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's two moment decays, each in [0, 1)
+    eps: float = 1.0e-8  # AdamW's denominator epsilon
+    weight_decay: float = 0.1  # decoupled weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip (0 = off); the engine's zero.ZeroConfig.clip_grad_norm
+
+
+@dataclass
+class ParallelConfig:
+    """`parallel.*`: the degrees multiply to the number of processes, dp * tp * pp * sp = world size; ep divides
+    dp * sp."""
+
+    dp: int | None = 1  # data parallel (null: what the world size leaves after tp * pp * sp)
+    tp: int = 1  # tensor parallel: heads, MLP and vocabulary split, sequence-parallel norms
+    pp: int = 1  # pipeline stages; its micro-batches are the train.grad_accum micro-batches
+    sp: int = 1  # Ulysses sequence parallel (splits the heads left after tp)
+    ep: int = 1  # expert parallel (MoE models): experts split over ep of the dp * sp ranks
+    # pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, zbv or dualpipev
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int | None = None  # stages per rank (null: what the schedule needs, 2 for interleaved / zb / V)
+    pp_split: list[int] | None = None  # layers per stage, e.g. [3, 5] (null: balanced by parameter count)
+
+
+@dataclass
+class StdlibDataConfig:
+    """`data=stdlib`: byte-level text of the running Python's standard library (.py files; 1 in 20 files held
+    out)."""
+
+    kind: str = "stdlib"  # the corpus reader (recipes.data.build_streams); comes with the data=... choice
+    max_bytes: int | None = None  # cap on corpus size in bytes (null = all of it, about 30 MB)
+
+
+@dataclass
+class BinDataConfig:
+    """`data=bin`: pre-tokenised corpora, flat token files (e.g. written with numpy's tofile)."""
+
+    kind: str = "bin"  # the corpus reader (recipes.data.build_streams); comes with the data=... choice
+    train_path: str = MISSING  # the training token file (required)
+    val_path: str = MISSING  # the held-out token file (required)
+    dtype: str = "uint16"  # uint8, uint16 or uint32; model.vocab_size must exceed every id
+
+
+@dataclass
+class WandbConfig:
+    """`wandb.*`: Weights & Biases; metrics.jsonl is written whatever the mode."""
+
+    mode: str = "offline"  # offline (no network; `wandb sync` uploads later), online or disabled
+    project: str = "moe-lst"  # the W&B project
+    name: str | None = None  # the run's name (null: W&B picks one)
+    entity: str | None = None  # the W&B team or user (null: your default entity)
+
+
+#: ZeroConfig's fields the recipe fills itself, from its own keys, rather than from `zero.*`.
+ZERO_FROM_RECIPE = {"grad_accum_steps": "train.grad_accum", "clip_grad_norm": "optim.grad_clip"}
+
+# `zero.*` is zero.ZeroConfig itself (the meaning of each field is in its docstring), less the two fields above.
+_zero_types = get_type_hints(ZeroConfig)
+ZeroSection = make_dataclass(
+    "ZeroSection",
+    [(f.name, _zero_types[f.name], field(default=f.default))
+     for f in fields(ZeroConfig) if f.name not in ZERO_FROM_RECIPE],
+)
+ZeroSection.__module__ = __name__
+ZeroSection.__doc__ = ("`zero.*`: the ZeRO runtime, the fields of zero.ZeroConfig (see its docstring) but "
+                       f"{' and '.join(ZERO_FROM_RECIPE)}, which come from {' and '.join(ZERO_FROM_RECIPE.values())}.")
+
+_store = ConfigStore.instance()
+_store.store(group="train", name="base", node=TrainConfig)
+_store.store(group="optim", name="base", node=OptimConfig)
+_store.store(group="parallel", name="base", node=ParallelConfig)
+_store.store(group="data", name="base_stdlib", node=StdlibDataConfig)
+_store.store(group="data", name="base_bin", node=BinDataConfig)
+_store.store(group="wandb", name="base", node=WandbConfig)
+_store.store(group="zero", name="base", node=ZeroSection)
+# The MoE, sparse-attention and NSA blocks of every model config (`defaults: [moe: base, sparse: base,
+# nsa: base]` in conf/model/*.yaml) are the dataclasses themselves.
+_store.store(group="model/moe", name="base", node=MoEConfig)
+_store.store(group="model/sparse", name="base", node=SparseConfig)
+_store.store(group="model/nsa", name="base", node=NSAConfig)
+
+#: The keys of the config's root: one section per group, and run_dir.
+ROOT_KEYS = ("model", "data", "parallel", "optim", "zero", "train", "wandb", "run_dir")
+#: The schema of a section whose node carries no type of its own (the model files are plain yaml; their `moe`,
+#: `sparse` and `nsa` blocks are typed) and the other choices of a group whose choices have different keys.
+UNTYPED_SCHEMAS = {"model": ModelConfig}
+GROUP_CHOICES = {"data": {"stdlib": StdlibDataConfig, "bin": BinDataConfig}}
+
+
+_type_hints = functools.lru_cache(maxsize=None)(get_type_hints)
+
+
+def _schema(node: DictConfig, path: str) -> type | None:
+    """The dataclass that defines `node` (the config at `path`), or None where none does."""
+    schema = OmegaConf.get_type(node)
+    return schema if is_dataclass(schema) else UNTYPED_SCHEMAS.get(path)
+
+
+def _schema_keys(node: DictConfig, path: str) -> list[str] | None:
+    """The keys `node` (the config at `path`) may hold, or None where no schema says."""
+    if not path:
+        return list(ROOT_KEYS)
+    schema = _schema(node, path)
+    return None if schema is None else [f.name for f in fields(schema)]
+
+
+def _closest(name: str, known: list[str]) -> list[str]:
+    """The nearest of `known` to `name` as a list of at most one (difflib's closest; of equally close ones, the
+    one that shares the longest start: dpp is dp, not pp)."""
+    def score(key: str) -> tuple[float, int]:
+        return round(difflib.SequenceMatcher(None, name, key).ratio(), 6), len(os.path.commonprefix([name, key]))
+
+    return sorted(difflib.get_close_matches(name, known, n=5), key=score, reverse=True)[:1]
+
+
+def _nearest(node: DictConfig, path: str, parts: list[str]) -> list[str]:
+    """The nearest valid spelling of the key `parts` under `node` (difflib, part by part), as far as one is
+    found."""
+    fixed = []
+    for part in parts:
+        known = _schema_keys(node, path) or [k for k in node.keys() if k != "hydra"]
+        close = [part] if part in known else _closest(part, known)
+        if not close:
+            break
+        fixed.append(close[0])
+        path = f"{path}.{close[0]}" if path else close[0]
+        child = node._get_node(close[0]) if close[0] in node else None
+        if not isinstance(child, DictConfig):
+            break
+        node = child
+    return fixed
+
+
+def unknown_key_error(key: str, node: DictConfig, path: str) -> ConfigError:
+    """`key` (dotted, as the user wrote it) is not in the config: its part after `path` is not a key of `node`.
+    One line naming it and the nearest valid key, else the keys there are."""
+    parts = key[len(path) + 1:].split(".") if path else key.split(".")
+    fixed = _nearest(node, path, parts)
+    if fixed:
+        return ConfigError(f"unknown config key {key}: did you mean {'.'.join([path, *fixed] if path else fixed)}?")
+    for choice, schema in GROUP_CHOICES.get(path, {}).items():  # a key of another choice of the group?
+        close = _closest(parts[0], [f.name for f in fields(schema)])
+        if close:
+            return ConfigError(f"unknown config key {key}: did you mean {path}.{close[0]} (with {path}={choice})?")
+    known = _schema_keys(node, path) or list(node.keys())
+    return ConfigError(f"unknown config key {key}: the keys {f'of {path} ' if path else ''}are {', '.join(known)}")
+
+
+def check_keys(cfg: DictConfig, path: str = "") -> None:
+    """Refuse a key that no section defines. Hydra refuses `train.stepz=5` itself while composing (see
+    compose_command_line); a key appended with `+` (`+train.stepz=5`, `+model.moe.topk=2`) gets into the
+    composed config, and is refused here."""
+    known = _schema_keys(cfg, path)
+    for key in cfg.keys():
+        full = f"{path}.{key}" if path else str(key)
+        if known is not None and key not in known and not (not path and key == "hydra"):
+            value, written = cfg._get_node(key), full
+            while isinstance(value, DictConfig) and len(value):  # +trian.steps=5 adds trian: {steps: 5}
+                first = next(iter(value.keys()))
+                value, written = value._get_node(first), f"{written}.{first}"
+            raise unknown_key_error(written, cfg, path)
+        value = cfg._get_node(key)
+        if isinstance(value, DictConfig) and not value._is_missing() and not value._is_none():
+            check_keys(value, full)
+        elif path and (schema := _schema(cfg, path)) is not None and is_dataclass(_type_hints(schema).get(key)):
+            block = fields(_type_hints(schema)[key])[0].name  # model.moe=3 replaces a block with a value
+            raise ConfigError(f"{full}={value._value()!r} must be a block of keys: set them one by one "
+                              f"({full}.{block}=...)")
+
+
+CONFIG_DIR = Path(__file__).with_name("conf")
+
+
+def compose_command_line(argv: list[str], config_name: str = "config") -> DictConfig | None:
+    """Compose the config of a `python -m recipes.pretrain ...` command line, turning what Hydra refuses while
+    composing (a misspelt key, `train.steps=abc`, `model=nosuch`, bad override syntax) into a one-line
+    ConfigError. None where there is nothing to check: a Hydra mode other than a plain run (--help, --multirun,
+    a relative --config-path, --config-dir, ...) or an argument Hydra's own parser will report."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    def refuse(message: str) -> None:
+        raise ValueError(message)
+
+    parser = get_args_parser()
+    parser.error = refuse
+    try:
+        args = parser.parse_args(argv)
+    except ValueError:
+        return None
+    config_dir = args.config_path or str(CONFIG_DIR)  # (tests/recipes/stall_rank.py passes this one, absolute)
+    if (args.help or args.hydra_help or args.info or args.shell_completion or args.multirun or args.config_dir
+            or args.experimental_rerun or not os.path.isabs(config_dir) or GlobalHydra.instance().is_initialized()):
+        return None
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            return compose(args.config_name or config_name, overrides=args.overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        cause = e.__cause__ or e
+        full_key = getattr(cause, "full_key", None)
+        if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and full_key and \
+                isinstance(cause.parent_node, DictConfig):
+            written = full_key  # the key as the override spells it (its unknown part may be a parent)
+            for override in OverridesParser.create().parse_overrides(args.overrides):
+                if (override.key_or_group + ".").startswith(full_key + "."):
+                    written = override.key_or_group
+                    break
+            raise unknown_key_error(written, cause.parent_node, full_key.rpartition(".")[0]) from None
+        if isinstance(cause, ValidationError) and full_key:
+            raise ConfigError(f"{full_key}={cause.value!r} is refused: {cause.msg.splitlines()[0]}") from None
+        text = " ".join(line.strip() for line in str(e).split("Config search path:")[0].splitlines() if line.strip())
+        if isinstance(e, OverrideParseException):  # name the override that does not parse
+            for override in args.overrides:
+                try:
+                    OverridesParser.create().parse_override(override)
+                except HydraException:
+                    text = f"{override!r} is not a valid override: {text}"
+                    break
+        raise ConfigError(text) from None
+
+
+def refuse_bad_command_line(hydra_main):
+    """Wrap a `@hydra.main` entry point: compose its command line's config once before Hydra does, so a config
+    that Hydra cannot compose ends the run as every other config error does (`error: ...` in one line, exit 2)
+    rather than with Hydra's report and exit 1."""
+
+    @functools.wraps(hydra_main)
+    def main(*args, **kwargs):
+        if not args and not kwargs:
+            try:
+                compose_command_line(sys.argv[1:])
+            except ConfigError as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                sys.exit(2)
+        return hydra_main(*args, **kwargs)
+
+    return main
 
 
 def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> int:
@@ -35,6 +325,14 @@ def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> int:
 
 def check_config(cfg: DictConfig) -> None:
     """Validate the keys the recipe reads; raise ConfigError on the first bad value."""
+    check_keys(cfg)
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]} is required (it has no default): set {missing[0]}=...")
+    data = OmegaConf.get_type(cfg.data)
+    if is_dataclass(data) and cfg.data.kind != data.kind:
+        raise ConfigError(f"data.kind={cfg.data.kind!r} does not go with data={data.kind}: choose the corpus with "
+                          f"data={' or data='.join(GROUP_CHOICES['data'])} (that sets data.kind)")
     for key in ("train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum"):
         _positive_int(cfg, key)
     for key in ("train.eval_every", "train.ckpt_every", "train.eval_batches", "train.sample_tokens",
@@ -130,9 +428,9 @@ def check_layout(cfg: DictConfig) -> None:
         raise ConfigError(f"tp={tp} leaves {model.n_heads // tp} attention heads per rank and Ulysses splits them "
                           f"over sp={sp}: the rule is sp <= n_heads / tp; use sp <= {max(model.n_heads // tp, 1)}")
     if sp > 1 and model.attention == "nsa":
-        from sequence_parallel.ulysses import head_layout
+        from sequence_parallel.ulysses import head_split
 
-        if head_layout(model.n_heads, model.n_kv_heads, sp).kv_repeat > 1:
+        if head_split(model.n_heads, model.n_kv_heads, sp).kv_repeat > 1:
             raise ConfigError(f"model.attention=nsa with parallel.sp={sp} and {model.n_kv_heads} kv heads: NSA "
                               "selects blocks once per GQA group, so each rank must hold whole groups; use an sp "
                               f"that divides model.n_kv_heads={model.n_kv_heads}")

@@ -35,6 +35,7 @@ from recipes.config import (
     check_run_dir,
     checkpoints,
     model_config,
+    refuse_bad_command_line,
 )
 from recipes.data import BatchSpec, DataError, build_streams
 from recipes.models.llama import Transformer
@@ -624,7 +625,7 @@ class Run:
             if self.dims.world_size == 1 or not ("timed out" in text or "timeout" in text):
                 raise
             raise HangError(f"step {step + 1}: a collective did not complete within train.collective_timeout_s="
-                            f"{self.cfg.train.collective_timeout_s} s on rank {dist.get_rank()} (another rank "
+                            f"{self.cfg.train.collective_timeout_s:g} s on rank {dist.get_rank()} (another rank "
                             f"stopped answering): {str(e).splitlines()[0][:200]}") from None
         finally:
             comm.set_step(None)
@@ -742,6 +743,7 @@ def train(cfg: DictConfig) -> dict:
         comm.stop_watchdog()
 
 
+@refuse_bad_command_line  # what Hydra cannot compose (train.stepz=5, train.steps=abc) is one line and exit 2 too
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:

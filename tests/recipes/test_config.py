@@ -1,0 +1,109 @@
+"""The recipe's typed config: every section is a dataclass in Hydra's ConfigStore, and a misspelt key (with or
+without `+`, at any level) or a value of the wrong type ends the run in one line, exit 2, naming the nearest key."""
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import zero
+from recipes.config import (
+    BinDataConfig,
+    ConfigError,
+    OptimConfig,
+    ParallelConfig,
+    StdlibDataConfig,
+    TrainConfig,
+    WandbConfig,
+    ZeroSection,
+    check_config,
+    compose_command_line,
+)
+from tests.recipes.test_pretrain import TINY, _run_cli
+
+CONF = Path(__file__).resolve().parents[2] / "recipes" / "conf"
+
+
+def _compose(*overrides):
+    with initialize_config_dir(version_base=None, config_dir=str(CONF)):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("arg, nearest", [
+    ("+train.stepz=5", "train.steps"),
+    ("train.stepz=5", "train.steps"),
+    ("+optim.lrr=1", "optim.lr"),
+    ("+parallel.dpp=2", "parallel.dp"),
+    ("+data.pathh=x", "data.val_path (with data=bin)"),
+    ("+wandb.modee=x", "wandb.mode"),
+    ("+model.moe.topk=2", "model.moe.top_k"),
+    ("model.moe.topk=2", "model.moe.top_k"),
+    ("+trian.steps=5", "train.steps"),
+])
+def test_cli_unknown_key_is_one_line_naming_the_nearest_key(tmp_path, arg, nearest):
+    proc = _run_cli(*TINY, f"run_dir={tmp_path}", arg, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    key = arg.lstrip("+").split("=")[0]
+    assert proc.stderr.strip() == f"error: unknown config key {key}: did you mean {nearest}?", proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before any work
+
+
+def test_cli_wrong_type_is_one_line_and_exit_2(tmp_path):
+    proc = _run_cli(*TINY, f"run_dir={tmp_path}", "train.steps=abc", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: train.steps='abc' is refused: ") and "Integer" in proc.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["+train.stepz=5"], "unknown config key train.stepz: did you mean train.steps?"),
+    (["++zero.stag=1"], "unknown config key zero.stag: did you mean zero.stage?"),
+    (["+model.dimm=3"], "unknown config key model.dimm: did you mean model.dim?"),
+    (["+train.xyzzy=1"], "unknown config key train.xyzzy: the keys of train are steps, seed,"),
+    (["+foo=1"], "unknown config key foo: the keys are model, data, parallel, optim, zero, train, wandb, run_dir"),
+    (["data=bin"], "data.train_path is required (it has no default): set data.train_path=..."),
+    (["data.kind=bin"], "data.kind='bin' does not go with data=stdlib"),
+    (["model.moe=3"], "model.moe=3 must be a block of keys: set them one by one (model.moe.num_experts=...)"),
+])
+def test_in_process_unknown_and_missing_keys(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        check_config(_compose(f"run_dir={tmp_path}", *overrides))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.stepz=5"], "unknown config key train.stepz: did you mean train.steps?"),
+    (["optim.lr=fast"], "optim.lr='fast' is refused: "),
+    (["model=nosuch"], "Could not find 'model/nosuch'"),
+    (["train.steps=[1"], "'train.steps=[1' is not a valid override"),
+])
+def test_what_hydra_cannot_compose_is_one_line(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        compose_command_line(overrides)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_sections_are_typed_by_their_dataclasses():
+    cfg = _compose()
+    for section, schema in [("train", TrainConfig), ("optim", OptimConfig), ("parallel", ParallelConfig),
+                            ("data", StdlibDataConfig), ("wandb", WandbConfig), ("zero", ZeroSection)]:
+        assert OmegaConf.get_type(cfg[section]) is schema, section
+    assert OmegaConf.get_type(_compose("data=bin", "data.train_path=a", "data.val_path=b").data) is BinDataConfig
+    # zero.* is zero.ZeroConfig less what the recipe fills from train.grad_accum and optim.grad_clip
+    assert [f.name for f in fields(ZeroSection)] == [
+        f.name for f in fields(zero.ZeroConfig) if f.name not in ("grad_accum_steps", "clip_grad_norm")]
+    assert zero.ZeroConfig(**OmegaConf.to_container(cfg.zero)) == zero.ZeroConfig()
+
+
+@pytest.mark.parametrize("path, schema", [
+    ("optim/adamw.yaml", OptimConfig), ("parallel/default.yaml", ParallelConfig), ("zero/default.yaml", ZeroSection),
+    ("data/stdlib.yaml", StdlibDataConfig), ("data/bin.yaml", BinDataConfig),
+])
+def test_yaml_files_list_only_what_differs(path, schema):
+    listed = {k: v for k, v in yaml.safe_load((CONF / path).read_text()).items() if k != "defaults"}
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema))
+    assert not {k for k, v in listed.items() if defaults.get(k) == v}, f"{path} repeats its schema's defaults"
+    assert set(listed) <= set(defaults)
