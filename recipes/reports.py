@@ -1,0 +1,109 @@
+"""What a run reports beside its loss: peak memory per rank, per-layer MoE statistics of each step, and the
+expert load over the whole run (a table in expert_load.txt and a heatmap in expert_load.png)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+import zero
+from moe import collect_moe_stats
+from recipes.config import atomic_write_text, model_config
+from zero.dist import comm
+from zero.dist.topology import default_device, peak_rss_bytes
+from zero.parallel.pipeline import Pipeline
+
+matplotlib.use("Agg")  # the heatmap is written to a file, never shown
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (and the CUDA allocator's peak on GPUs)."""
+    peak = peak_rss_bytes() / 2**20
+    if torch.cuda.is_available():
+        peak = max(peak, torch.cuda.max_memory_allocated() / 2**20)
+    return peak
+
+
+def per_rank(value: float, dims: zero.ParallelDims) -> list[float]:
+    """`value` of every rank, in rank order (one small all-reduce)."""
+    if dims.world_size == 1:
+        return [value]
+    t = torch.zeros(dims.world_size, dtype=torch.float64, device=default_device())
+    t[dist.get_rank()] = value
+    comm.all_reduce(t, dist.group.WORLD)
+    return t.tolist()
+
+
+def memory_metrics(dims: zero.ParallelDims) -> dict[str, float]:
+    """Peak memory: the largest over ranks as `peak_rss_mb`, and each rank's as `peak_rss_mb/rank<r>`."""
+    peaks = per_rank(peak_rss_mb(), dims)
+    out = {"peak_rss_mb": max(peaks)}
+    if len(peaks) > 1:
+        out.update({f"peak_rss_mb/rank{r}": p for r, p in enumerate(peaks)})
+    return out
+
+
+def moe_stats(engine, cfg: DictConfig, dims: zero.ParallelDims, pipe: Pipeline | None) -> dict:
+    """Per-layer MoE statistics numbered over the whole model: under pp each stage numbers its layers
+    after the MoE layers of the stages before it, and every rank gets every stage's (one gather)."""
+    if pipe is None:
+        return collect_moe_stats(engine.module)
+    model_cfg = model_config(cfg)
+    mine = {}
+    for plan, stage in zip(pipe.plans, pipe.stage_modules):
+        before = sum(model_cfg.is_moe_layer(i) for i in range(plan.layers.start))
+        mine.update(collect_moe_stats(stage, start=before))
+    out = {}
+    for part in comm.all_gather_object(mine, dims.pp_group):
+        out.update(part)
+    return dict(sorted(out.items()))
+
+
+def moe_step_metrics(stats: dict, loads: dict[str, list[float]]) -> dict:
+    """Scalar per-layer MoE metrics of the step; tokens per expert are summed into `loads`."""
+    out = {}
+    for key, value in stats.items():
+        if isinstance(value, list):
+            loads[key] = [a + b for a, b in zip(loads.get(key, [0.0] * len(value)), value)]
+        else:
+            out[key] = value
+    return out
+
+
+def expert_load_report(loads: dict[str, list[float]], run_dir: Path) -> str:
+    """A per-layer table of expert load fractions over the run, and the same as a heatmap PNG."""
+    rows = [(key.split("/")[1], [v / max(sum(counts), 1) for v in counts]) for key, counts in sorted(loads.items())]
+    width = len(rows[0][1])
+    lines = ["expert load (fraction of routed tokens over the run; uniform = %.3f)" % (1 / width),
+             "layer    " + " ".join(f"e{e:<5d}" for e in range(width)) + "  max/min"]
+    for name, frac in rows:
+        ratio = max(frac) / max(min(frac), 1e-9)
+        lines.append(f"{name:<8s} " + " ".join(f"{f:.3f} " for f in frac) + f" {ratio:6.2f}")
+    fig, ax = plt.subplots(figsize=(max(4, 0.5 * width + 2), 0.5 * len(rows) + 1.5))
+    im = ax.imshow([frac for _, frac in rows], aspect="auto", cmap="viridis")
+    ax.set_xlabel("expert")
+    ax.set_yticks(range(len(rows)), [name for name, _ in rows])
+    ax.set_title("expert load fraction over the run")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(run_dir / "expert_load.png", dpi=100)
+    plt.close(fig)
+    return "\n".join(lines)
+
+
+def report_expert_load(expert_loads: dict[str, list[float]], dims: zero.ParallelDims, run_dir: Path,
+                       is_rank0: bool) -> None:
+    """Sum each rank's expert loads over the data-parallel ranks; rank 0 writes the table and heatmap."""
+    for key, counts in expert_loads.items():
+        t_counts = torch.tensor(counts, dtype=torch.float64, device=default_device())
+        comm.all_reduce(t_counts, dims.dp_sp_group)
+        expert_loads[key] = t_counts.tolist()
+    if is_rank0:
+        report = expert_load_report(expert_loads, run_dir)
+        atomic_write_text(run_dir / "expert_load.txt", report + "\n")
+        print(report, flush=True)

@@ -1,0 +1,166 @@
+"""A run's directory: its lock and identity, the config it was started with (and what changed since), its
+checkpoints (saving, the keep policy, which one a run resumes from) and its result file."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+import zero
+from recipes.config import ConfigError, atomic_write_text, checkpoints
+from zero.dist import comm
+
+#: Keys whose change means a resumed run would not continue the run its run_dir holds.
+RESUME_KEYS = ("model", "data", "train.seed", "train.seq_len")
+
+
+def lock_run_dir(run_dir: Path, world) -> object:
+    """Hold an exclusive lock on run_dir for this process's lifetime (rank 0); a second run on the same
+    directory is refused on every rank with the holder's pid."""
+    handle, problem = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        handle = open(run_dir / ".lock", "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+        except BlockingIOError:
+            handle.seek(0)
+            problem = (f"run_dir {run_dir} is in use by another run (pid {handle.read().strip() or '?'}); "
+                       "wait for it to finish or choose another run_dir")
+            handle.close()
+    problem = comm.all_gather_object(problem, world)[0]
+    if problem is not None:
+        raise ConfigError(problem)
+    return handle
+
+
+def run_identity(run_dir: Path, world) -> str:
+    """The run's identity (created with its run_dir, kept across resumes), recorded in every checkpoint shard."""
+    run_id = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        path = run_dir / "run_id"
+        if not path.exists():
+            atomic_write_text(path, uuid.uuid4().hex + "\n")
+        run_id = path.read_text().strip()
+    return comm.all_gather_object(run_id, world)[0]
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def check_resumed_config(cfg: DictConfig, run_dir: Path, dims: zero.ParallelDims, is_rank0: bool) -> None:
+    """When the run will resume (run_dir has checkpoints and train.resume is not false), compare its config
+    with the one its run_dir was started with: a change that breaks resume (model, data, seed, sequence
+    length, global batch) is refused by name; other changes (steps, cadences, ...) are reported and
+    appended to config_changes.jsonl."""
+    saved_file = run_dir / "config.yaml"
+    if not checkpoints(run_dir) or cfg.train.resume in (False, "false") or not saved_file.exists():
+        return
+    old = _flat(OmegaConf.to_container(OmegaConf.load(saved_file), resolve=True))
+    new = _flat(OmegaConf.to_container(cfg, resolve=True))
+    changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+               if old.get(k) != new.get(k) and k != "run_dir"}
+    t_old = {k: old.get(f"train.{k}") for k in ("micro_batch_size", "grad_accum")}
+    old_batch = t_old["micro_batch_size"] * t_old["grad_accum"] * (old.get("parallel.dp") or dims.dp)
+    new_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * dims.dp
+    breaking = [k for k in changed if k.startswith(RESUME_KEYS)]
+    if old_batch != new_batch:
+        breaking.append(f"global batch ({old_batch} -> {new_batch} sequences)")
+    if breaking:
+        raise ConfigError(f"run_dir {run_dir} was started with another {', '.join(breaking)}; resuming would not "
+                          "continue that run: restore those values or choose another run_dir")
+    if changed and is_rank0:
+        print("config changed since this run started: " + ", ".join(f"{k}: {a!r} -> {b!r}"
+                                                                    for k, (a, b) in changed.items()), flush=True)
+        with open(run_dir / "config_changes.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "changes": {k: list(v) for k, v in changed.items()}}) + "\n")
+
+
+def save_config(cfg: DictConfig, run_dir: Path) -> None:
+    """The run's resolved config as config.yaml (what check_resumed_config compares a resumed run with)."""
+    atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def resumes(cfg: DictConfig, run_dir: Path) -> bool:
+    """Whether the run starts from a checkpoint: train.resume names one, or is auto / true and run_dir has some."""
+    mode = cfg.train.resume
+    return mode not in (False, "false") and (mode not in (True, "true", "auto") or bool(checkpoints(run_dir)))
+
+
+def resume(engine: zero.Engine, run_dir: Path, cfg: DictConfig, is_rank0: bool) -> int:
+    """Load the checkpoint train.resume selects and return the step to start from.
+
+    auto / true: the newest checkpoint of run_dir that verifies, saying which newer ones were skipped and
+    why; if checkpoints exist but none verifies it is an error, never a silent restart. false: start
+    from step 0, refused when run_dir already has checkpoints. A path: that checkpoint, verified."""
+    mode, found = cfg.train.resume, checkpoints(run_dir)
+    if mode in (False, "false"):
+        if found:
+            raise ConfigError(f"run_dir {run_dir} has {len(found)} checkpoint(s) (newest {found[0].name}) and "
+                              "train.resume=false would train over them: choose another run_dir or train.resume=auto")
+        return 0
+    explicit = mode not in (True, "true", "auto")
+    skipped: list[str] = []
+    for path in [Path(mode)] if explicit else found:
+        try:
+            client_state = engine.load_checkpoint(path)
+        except zero.CheckpointError as e:
+            if explicit:
+                raise
+            skipped.append(str(e))
+            continue
+        if is_rank0:
+            note = f" (skipped {len(skipped)} newer: {'; '.join(skipped)})" if skipped else ""
+            written = engine.loaded_checkpoint["resharded_from"]
+            if written is not None:
+                note += f" (resharded: written with {written}, now {engine.dims} at ZeRO stage {engine.config.stage})"
+            print(f"resuming from {path}{note}", flush=True)
+        torch.set_rng_state(client_state["rng"])
+        return client_state["step"]
+    if found:
+        raise zero.CheckpointError(f"none of the {len(found)} checkpoints in {run_dir / 'checkpoints'} can be "
+                                   f"loaded (newest: {skipped[0]}); repair or remove them, or choose another run_dir")
+    return 0
+
+
+def save_checkpoint(engine, run_dir: Path, step: int, is_rank0: bool, keep: int = 0,
+                    run_id: str | None = None) -> None:
+    """Save step `step`, point `latest` at it, and keep only the newest `keep` checkpoints (0: all)."""
+    name = f"step_{step:07d}"
+    engine.save_checkpoint(run_dir / "checkpoints" / name,
+                           client_state={"step": step, "rng": torch.get_rng_state()}, run_id=run_id)
+    if is_rank0:  # the pointer moves only after the checkpoint is complete
+        atomic_write_text(run_dir / "checkpoints" / "latest", name)
+        for old in checkpoints(run_dir)[keep:] if keep else []:
+            shutil.rmtree(old, ignore_errors=True)
+    comm.barrier()
+
+
+def finite_or_none(value):
+    """JSON-safe: non-finite floats become null (result files stay valid JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    return value
+
+
+def write_result(run_dir: Path, result: dict) -> None:
+    """result.json: how the run ended (complete, diverged or hung) and its last values, as valid JSON."""
+    atomic_write_text(run_dir / "result.json", json.dumps(finite_or_none(result)))
