@@ -7,6 +7,7 @@ import difflib
 import functools
 import os
 import re
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
@@ -55,6 +56,12 @@ class TrainConfig:
     init_from: str | None = None
     max_nonfinite_steps: int = 3  # stop (exit 3) after this many consecutive steps with a non-finite loss/grad norm
     collective_timeout_s: float = 600  # a rank waiting this long in one collective ends the run (exit 4)
+    # signals that stop the run at the next step boundary with a checkpoint (result.json status preempted,
+    # exit code 128 + the signal's number: 143 SIGTERM, 130 SIGINT, 138 SIGUSR1); [] keeps each signal's default
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+    # seconds from such a signal within which the run must have saved and exited (a scheduler's grace period,
+    # less a margin); past it the run exits without the new checkpoint, the previous one intact
+    stop_grace_s: float = 120
     sample_tokens: int = 200  # bytes generated from sample_prompt at the end (0 = no sample)
     sample_prompt: str = "def "  # the prompt of that sample
     progress: bool = True  # progress bar on rank 0
@@ -86,7 +93,9 @@ class ParallelConfig:
     """`parallel.*`: the degrees multiply to the number of processes, dp * tp * pp * sp = world size; ep divides
     dp * sp."""
 
-    dp: int | None = 1  # data parallel (null: what the world size leaves after tp * pp * sp)
+    # data parallel: auto (or null) is what the number of processes leaves after tp * pp * sp; a number must fill
+    # it exactly (an int or auto: Any, checked by check_config)
+    dp: Any = "auto"
     tp: int = 1  # tensor parallel: heads, MLP and vocabulary split, sequence-parallel norms
     pp: int = 1  # pipeline stages; its micro-batches are the train.grad_accum micro-batches
     sp: int = 1  # Ulysses sequence parallel (splits the heads left after tp)
@@ -364,7 +373,56 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.parallel.ep > 1 and cfg.model.moe.num_experts == 0:
         raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model.moe.num_experts > 0)")
     check_crop(cfg)
+    check_stop(cfg)
     check_layout(cfg)
+
+
+def stop_signal(name: str) -> signal.Signals:
+    """The signal a train.stop_signals entry names (SIGTERM or TERM); ValueError if none can be caught."""
+    if not isinstance(name, str):
+        raise ValueError(name)
+    full = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
+    sig = getattr(signal.Signals, full, None)
+    if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP):
+        raise ValueError(name)
+    return sig
+
+
+def check_stop(cfg: DictConfig) -> None:
+    """train.stop_signals names signals a process can catch; train.stop_grace_s is a positive time."""
+    for name in cfg.train.stop_signals:
+        try:
+            stop_signal(name)
+        except ValueError:
+            raise ConfigError(f"train.stop_signals: {name!r} is not a signal a process can catch; use names such as "
+                              "SIGTERM, SIGINT, SIGUSR1 (or [] for none)") from None
+    if not cfg.train.stop_grace_s > 0:
+        raise ConfigError(f"train.stop_grace_s={cfg.train.stop_grace_s!r} must be > 0 (seconds)")
+
+
+def world_size() -> int:
+    """The number of processes of this run (torchrun's WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def data_parallel_degree(cfg: DictConfig, world: int | None = None) -> int:
+    """parallel.dp as a number: auto (or null) is what the `world` processes leave after tp x pp x sp; a number
+    is checked against them. ConfigError in one line when they do not fit."""
+    par, world = cfg.parallel, world_size() if world is None else world
+    others = par.tp * par.pp * par.sp
+    if par.dp is None or par.dp == "auto":
+        if world % others:
+            raise ConfigError(f"parallel.dp=auto: tp={par.tp} x pp={par.pp} x sp={par.sp} = {others} does not divide "
+                              f"the {world} process(es), so no data-parallel degree fills them: start a multiple of "
+                              f"{others} processes or choose degrees whose product divides {world}")
+        return world // others
+    dp = par.dp
+    if dp * others != world:
+        fix = f"leave parallel.dp=auto (here dp={world // others}) or " if world % others == 0 else ""
+        raise ConfigError(f"parallel.dp={dp} on {world} process(es): dp={dp} x tp={par.tp} x pp={par.pp} x "
+                          f"sp={par.sp} = {dp * others} does not match the world size {world}; {fix}start "
+                          f"{dp * others} processes")
+    return dp
 
 
 def check_crop(cfg: DictConfig) -> None:
@@ -409,9 +467,12 @@ def check_layout(cfg: DictConfig) -> None:
     from zero.parallel.pipeline import check_pipeline_layout
 
     par, model = cfg.parallel, cfg.model
-    for key in ("dp", "tp", "pp", "sp", "ep"):
-        if key != "dp" or par.dp is not None:
-            _positive_int(cfg, f"parallel.{key}")
+    for key in ("tp", "pp", "sp", "ep"):
+        _positive_int(cfg, f"parallel.{key}")
+    if par.dp is not None and par.dp != "auto" and (not isinstance(par.dp, int) or isinstance(par.dp, bool)
+                                                     or par.dp < 1):
+        raise ConfigError(f"parallel.dp={par.dp!r} must be auto or an integer >= 1")
+    data_parallel_degree(cfg)
     tp, sp, pp = par.tp, par.sp, par.pp
     if tp > 1:
         from recipes.models.llama import check_tensor_parallel

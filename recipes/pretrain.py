@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from recipes.config import (
     atomic_write_text,
     check_config,
     check_run_dir,
+    data_parallel_degree,
     model_config,
     refuse_bad_command_line,
 )
@@ -41,10 +43,12 @@ from recipes.data import BatchSpec, DataError, build_streams
 from recipes.losses import IGNORE_INDEX, lm_loss, logits_loss, mean_over_dp
 from recipes.models.llama import Transformer
 from recipes.models.llama.state_dict import ExportError, import_hf, weight_mismatches
+from recipes.preempt import Preempted, StopSignals, exit_code
 from recipes.reports import memory_metrics, moe_stats, moe_step_metrics, report_expert_load
 from recipes.run_dir import (
     check_resumed_config,
     lock_run_dir,
+    read_result,
     resume,
     resumes,
     run_identity,
@@ -300,20 +304,24 @@ def progress_postfix(loss: float, record: dict, val_loss: float | None) -> dict[
 class Run:
     """What one training run holds: config, layout, data, engine and logger, and its loop."""
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, stop: StopSignals | None = None) -> None:
         check_config(cfg)
+        cfg.parallel.dp = data_parallel_degree(cfg)  # auto: what the processes leave after tp x pp x sp
         init_distributed(cfg.train.collective_timeout_s)
         self.cfg, t = cfg, cfg.train
+        self.stop = stop if stop is not None else StopSignals()  # (none: no signal is caught)
         self.run_dir: Path | None = None  # known after the first collective
         if dist.is_initialized():  # every collective from here on is watched (zero.dist.comm's watchdog)
             comm.start_watchdog(t.collective_timeout_s, self.record_hang, setting="train.collective_timeout_s")
         self.dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")})
         self.is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
         # Every rank writes to rank 0's run_dir (its timestamp may differ by a second on other ranks).
-        world = None if self.dims.world_size == 1 else dist.group.WORLD
-        self.run_dir = check_run_dir(comm.all_gather_object(str(cfg.run_dir), world)[0])
-        self.lock = lock_run_dir(self.run_dir, world)
-        self.run_id = run_identity(self.run_dir, world)
+        self.world = None if self.dims.world_size == 1 else dist.group.WORLD
+        self.run_dir = check_run_dir(comm.all_gather_object(str(cfg.run_dir), self.world)[0])
+        self.lock = lock_run_dir(self.run_dir, self.world)
+        self.stop.watch_peers(self.world)
+        self.run_id = run_identity(self.run_dir, self.world)
+        self.previous_result = read_result(self.run_dir)
         check_resumed_config(cfg, self.run_dir, self.dims, self.is_rank0)
         torch.manual_seed(t.seed)
         self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp, t.seq_len)
@@ -325,14 +333,17 @@ class Run:
         if initial is not None and builds_on_meta(cfg):  # built without values: the engine takes them
             self.engine.load_full_state_dict(initial)
         self.start_step = resume(self.engine, self.run_dir, cfg, self.is_rank0)
+        self.saved_step = self.start_step or None  # the newest complete checkpoint's step
         if self.is_rank0:
             save_config(cfg, self.run_dir)
         self.logger = MetricsLogger(self.run_dir, self.is_rank0, OmegaConf.to_container(cfg.wandb),
-                                    OmegaConf.to_container(cfg, resolve=True), resume_step=self.start_step)
+                                    OmegaConf.to_container(cfg, resolve=True), resume_step=self.start_step,
+                                    run_id=self.run_id)
         self.expert_loads: dict[str, list[float]] = {}
         self.val_loss: float | None = None
         self.bad_steps = 0  # consecutive steps with a non-finite loss or gradient
         if self.is_rank0:
+            self.stop.on_expire = self.record_late_stop
             total = model_config(cfg).num_params()
             mine = sum(p.numel() for p in self.engine.module.parameters())
             print(f"{self.dims} | model {total / 1e6:.2f}M params, {mine / 1e6:.2f}M on rank 0 | "
@@ -341,27 +352,74 @@ class Run:
 
     def loop(self) -> None:
         """Train from start_step to train.steps: each step, its metrics and the divergence guard, then
-        evaluation and a checkpoint when due (a progress bar on rank 0 with train.progress)."""
+        evaluation and a checkpoint when due (a progress bar on rank 0 with train.progress). Before each step
+        the ranks agree whether a stop signal came (see stop_if_signalled)."""
         t = self.cfg.train
         progress = tqdm(total=t.steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True,
                         disable=not (self.is_rank0 and t.progress))
-        for step in range(self.start_step, t.steps):
-            t0 = time.perf_counter()
-            lr = self.engine.get_lr()[0]
-            with self.collective_watch(step):
-                loss = train_step(self.engine, self.train_stream, step, self.cfg, self.dims, self.pipe)
-                record = self.step_record(step, loss, lr, time.perf_counter() - t0)
-                done = step + 1
-                self.guard_divergence(done, record)
-                if t.eval_batches and is_due(done, t.eval_every, t.steps):
-                    self.val_loss = record["val_loss"] = evaluate(self.engine, self.val_stream, self.cfg, self.dims,
-                                                                  self.pipe)
-                self.logger.log(done, record)
-                if is_due(done, t.ckpt_every, t.steps):
-                    save_checkpoint(self.engine, self.run_dir, done, self.is_rank0, t.keep_checkpoints, self.run_id)
-            progress.set_postfix(progress_postfix(loss, record, self.val_loss))
-            progress.update(1)
-        progress.close()
+        try:
+            for step in range(self.start_step, t.steps):
+                self.stop_if_signalled(step)
+                self.stop.phase = f"in step {step + 1}"
+                t0 = time.perf_counter()
+                lr = self.engine.get_lr()[0]
+                with self.collective_watch(step):
+                    loss = train_step(self.engine, self.train_stream, step, self.cfg, self.dims, self.pipe)
+                    record = self.step_record(step, loss, lr, time.perf_counter() - t0)
+                    done = step + 1
+                    self.guard_divergence(done, record)
+                    if t.eval_batches and is_due(done, t.eval_every, t.steps):
+                        self.val_loss = record["val_loss"] = evaluate(self.engine, self.val_stream, self.cfg,
+                                                                      self.dims, self.pipe)
+                    self.logger.log(done, record)
+                    if is_due(done, t.ckpt_every, t.steps):
+                        self.save(done)
+                progress.set_postfix(progress_postfix(loss, record, self.val_loss))
+                progress.update(1)
+        finally:
+            progress.close()
+        self.stop.phase = "finishing (the last checkpoint is saved)"
+
+    def save(self, done: int) -> None:
+        """Checkpoint step `done` (under the keep policy); the deadline of a stop names what it interrupts."""
+        kept = f"step {self.saved_step}" if self.saved_step else "none"
+        self.stop.phase = f"saving the checkpoint of step {done} (the newest complete one, {kept}, is intact)"
+        t = self.cfg.train
+        save_checkpoint(self.engine, self.run_dir, done, self.is_rank0, t.keep_checkpoints, self.run_id)
+        self.saved_step = done
+
+    def stop_if_signalled(self, done: int) -> None:
+        """At the boundary after step `done`: when any rank got a stop signal (one collective, every rank
+        agrees), checkpoint step `done` unless its checkpoint exists, write result.json (status preempted)
+        and raise Preempted with the signal's exit code (128 + its number)."""
+        signum = self.stop.agreed(self.world, self.engine.device)
+        if not signum:
+            return
+        name, code = signal.Signals(signum).name, exit_code(signum)
+        if done and self.saved_step != done:
+            with self.collective_watch(done - 1):
+                self.save(done)
+        self.stop.phase = f"exiting after the checkpoint of step {done}" if done else "exiting (nothing trained)"
+        saved = f"checkpoints/step_{done:07d}" if done else None
+        message = (f"stopped by {name} at step {done} of {self.cfg.train.steps}: "
+                   + (f"checkpoint {saved} saved" if saved else "nothing trained yet, no checkpoint")
+                   + f"; the same command resumes the run (exit code {code})")
+        if self.is_rank0:
+            write_result(self.run_dir, {"status": "preempted", "step": done, "signal": name, "exit_code": code,
+                                        "checkpoint": saved, "message": message, "val_loss": self.val_loss})
+        self.logger.finish()
+        self.stop.exiting()  # from here a further signal (torchrun's, once a peer has exited) is ignored
+        comm.barrier()  # no rank exits (so torchrun ends the others) before result.json is written
+        raise Preempted(message, code)
+
+    def record_late_stop(self, signame: str, why: str) -> None:
+        """Rank 0, from the stop watcher's thread: result.json says the run was preempted before it could
+        finish stopping (`why`), and which checkpoint it resumes from."""
+        kept = self.saved_step
+        write_result(self.run_dir, {
+            "status": "preempted", "step": kept or 0, "signal": signame, "exit_code": exit_code(self.stop.signum),
+            "checkpoint": f"checkpoints/step_{kept:07d}" if kept else None,
+            "message": f"{why} while the run was {self.stop.phase}"})
 
     def step_record(self, step: int, loss: float, lr: float, dt: float) -> dict:
         """The metrics of one finished step (validation added by the caller)."""
@@ -462,36 +520,56 @@ class Run:
         return out
 
 
-def train(cfg: DictConfig) -> dict:
+def train(cfg: DictConfig, stop: StopSignals | None = None) -> dict:
     """A whole run: build everything, train `train.steps` steps, then sample and report. A run that is
-    already complete (resumed at train.steps) keeps its results and says so."""
+    already complete (resumed at train.steps) keeps its results and says so. train.stop_signals are caught
+    for its duration (by `stop` when given, which the caller then closes): such a signal stops the run at the
+    next step boundary with a checkpoint (Preempted)."""
+    own = stop is None
     try:
-        run = Run(cfg)
-        result_file = run.run_dir / "result.json"
-        if run.start_step >= cfg.train.steps and result_file.exists():
+        stop = StopSignals.from_config(cfg) if own else stop
+        run = Run(cfg, stop)
+        done = run.previous_result is not None and run.previous_result.get("status") == "complete"
+        if run.start_step >= cfg.train.steps and done:
             if run.is_rank0:
                 print(f"run {run.run_dir} is complete ({run.start_step} steps); raise train.steps to continue it",
                       flush=True)
             run.logger.finish()
-            return json.loads(result_file.read_text())
+            return run.previous_result
         run.loop()
         return run.finish()
     finally:
         comm.stop_watchdog()
+        if stop is not None:
+            stop.on_expire = None  # (it holds the run, and with it run_dir's lock)
+            if own:
+                stop.close()
+
+
+def report(error: BaseException, code: int) -> None:
+    """One line on stderr, then exit `code`. Before the process group exists every rank checks the same command
+    line, so rank 0 alone reports; a preempted run too (every rank stops for the same signal)."""
+    once = isinstance(error, Preempted) or not dist.is_initialized()
+    if not once or int(os.environ.get("RANK", "0")) == 0:
+        print(f"{'' if isinstance(error, Preempted) else 'error: '}{error}", file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 @refuse_bad_command_line  # what Hydra cannot compose (train.stepz=5, train.steps=abc) is one line and exit 2 too
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
-        train(cfg)
+        # Held until the process exits when preempted: the signals stay ignored (StopSignals.exiting).
+        stop = StopSignals.from_config(cfg)
+        train(cfg, stop)
+        stop.close()
     except (ConfigError, zero.ConfigError, DataError, zero.LayoutError, zero.CheckpointError, zero.ReshardError,
             NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        report(e, 2)
     except DivergenceError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(3)
+        report(e, 3)
+    except Preempted as e:
+        report(e, e.exit_code)  # 128 + the signal's number: 143 SIGTERM, 130 SIGINT, 138 SIGUSR1
     except HangError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         os._exit(4)  # do not wait on the process group: its peer is not answering

@@ -7,6 +7,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import time
 import uuid
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 import zero
 from recipes.config import ConfigError, atomic_write_text, checkpoints
@@ -26,10 +29,17 @@ RESUME_KEYS = ("model", "data", "train.seed", "train.seq_len")
 
 def lock_run_dir(run_dir: Path, world) -> object:
     """Hold an exclusive lock on run_dir for this process's lifetime (rank 0); a second run on the same
-    directory is refused on every rank with the holder's pid."""
+    directory is refused on every rank with the holder's pid, and a lock file that cannot be opened is
+    refused by name."""
     handle, problem = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        handle = open(run_dir / ".lock", "a+")
+        path = run_dir / ".lock"
+        try:
+            handle = open(path, "a+", encoding="utf-8", errors="replace")
+        except OSError as e:
+            problem = (f"{path} cannot be opened ({e.strerror or e}): it is this run_dir's lock file; remove it "
+                       "(no run can hold it) and start again")
+    if handle is not None:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             handle.seek(0)
@@ -38,7 +48,8 @@ def lock_run_dir(run_dir: Path, world) -> object:
             handle.flush()
         except BlockingIOError:
             handle.seek(0)
-            problem = (f"run_dir {run_dir} is in use by another run (pid {handle.read().strip() or '?'}); "
+            pid = handle.read(32).strip()
+            problem = (f"run_dir {run_dir} is in use by another run (pid {pid if pid.isdigit() else '?'}); "
                        "wait for it to finish or choose another run_dir")
             handle.close()
     problem = comm.all_gather_object(problem, world)[0]
@@ -47,21 +58,59 @@ def lock_run_dir(run_dir: Path, world) -> object:
     return handle
 
 
+RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
 def run_identity(run_dir: Path, world) -> str:
-    """The run's identity (created with its run_dir, kept across resumes), recorded in every checkpoint shard."""
-    run_id = None
+    """The run's identity (created with its run_dir, kept across resumes), recorded in every checkpoint shard
+    and used as the W&B run id. A run_id file that does not hold one is refused by name on every rank."""
+    run_id, problem = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:
         path = run_dir / "run_id"
-        if not path.exists():
-            atomic_write_text(path, uuid.uuid4().hex + "\n")
-        run_id = path.read_text().strip()
-    return comm.all_gather_object(run_id, world)[0]
+        try:
+            if not path.exists():
+                atomic_write_text(path, uuid.uuid4().hex + "\n")
+            run_id = path.read_text(errors="replace").strip()
+            if not RUN_ID.match(run_id):
+                raise ValueError("it does not hold a run identity (32 hex digits)")
+        except (OSError, ValueError) as e:
+            problem = (f"{path} is damaged ({getattr(e, 'strerror', None) or e}): restore it (each checkpoint's "
+                       "meta.json records it as run_id), or remove it if run_dir has no checkpoints")
+    run_id, problem = comm.all_gather_object((run_id, problem), world)[0]
+    if problem is not None:
+        raise ConfigError(problem)
+    return run_id
 
 
 def _flat(tree, prefix: str = "") -> dict:
     if isinstance(tree, dict):
         return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
     return {prefix[:-1]: tree}
+
+
+def read_saved_config(path: Path) -> dict:
+    """The resolved config that run_dir's config.yaml holds, flat (`train.steps`: value); a file that cannot be
+    read as one is refused in one line naming it."""
+    try:
+        saved = OmegaConf.load(path)
+        if not isinstance(saved, DictConfig):
+            raise ValueError("it does not hold a mapping of config keys")
+        flat = _flat(OmegaConf.to_container(saved, resolve=True))
+        for key in ("train.micro_batch_size", "train.grad_accum"):
+            if not isinstance(flat.get(key), int):
+                raise ValueError(f"it has no {key}")
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ConfigError(f"{path} is damaged ({_first_line(e)}): restore it, or remove it to resume without "
+                          "comparing the config (the run writes it anew)") from None
+    return flat
+
+
+def _first_line(error: BaseException) -> str:
+    """What went wrong reading a file, in one short line (a YAML error: the problem and its line)."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem and error.problem_mark is not None:
+        return f"{error.problem} at line {error.problem_mark.line + 1}"
+    text = (getattr(error, "strerror", None) or str(error)).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:160]
 
 
 def check_resumed_config(cfg: DictConfig, run_dir: Path, dims: zero.ParallelDims, is_rank0: bool) -> None:
@@ -72,12 +121,13 @@ def check_resumed_config(cfg: DictConfig, run_dir: Path, dims: zero.ParallelDims
     saved_file = run_dir / "config.yaml"
     if not checkpoints(run_dir) or cfg.train.resume in (False, "false") or not saved_file.exists():
         return
-    old = _flat(OmegaConf.to_container(OmegaConf.load(saved_file), resolve=True))
+    old = read_saved_config(saved_file)
     new = _flat(OmegaConf.to_container(cfg, resolve=True))
     changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
                if old.get(k) != new.get(k) and k != "run_dir"}
-    t_old = {k: old.get(f"train.{k}") for k in ("micro_batch_size", "grad_accum")}
-    old_batch = t_old["micro_batch_size"] * t_old["grad_accum"] * (old.get("parallel.dp") or dims.dp)
+    old_dp = old.get("parallel.dp")
+    old_dp = old_dp if isinstance(old_dp, int) and old_dp > 0 else dims.dp  # (null / auto: this run's)
+    old_batch = old["train.micro_batch_size"] * old["train.grad_accum"] * old_dp
     new_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * dims.dp
     breaking = [k for k in changed if k.startswith(RESUME_KEYS)]
     if old_batch != new_batch:
@@ -161,6 +211,23 @@ def finite_or_none(value):
     return value
 
 
+def read_result(run_dir: Path) -> dict | None:
+    """What result.json says about how the run ended (None: no result yet); a file that is not a JSON object
+    is refused in one line naming it."""
+    path = run_dir / "result.json"
+    if not path.exists():
+        return None
+    try:
+        result = json.loads(path.read_text())
+        if not isinstance(result, dict):
+            raise ValueError("it does not hold a JSON object")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is damaged ({_first_line(e)}): remove it and run the same command again "
+                          "(the run's checkpoints and metrics are kept; it is written anew at the end)") from None
+    return result
+
+
 def write_result(run_dir: Path, result: dict) -> None:
-    """result.json: how the run ended (complete, diverged or hung) and its last values, as valid JSON."""
+    """result.json: how the run ended (complete, preempted, diverged or hung) and its last values, as valid
+    JSON."""
     atomic_write_text(run_dir / "result.json", json.dumps(finite_or_none(result)))

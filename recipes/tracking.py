@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +22,41 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def read_lines(path: Path) -> list[str]:
+    """The non-empty lines of a text file, undecodable bytes replaced (a torn write may end mid-character)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def warn(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _ranges(steps: list[int]) -> str:
+    """1, 2, 3, 7, 8 -> '1-3, 7-8'."""
+    spans: list[list[int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
 class MetricsLogger:
+    """`metrics.jsonl` and W&B for one run. It holds one record per step: on every start, records past the
+    step the run starts from (its checkpoint's, 0 without one) are dropped, and said so, since those steps
+    are trained again; a line cut short by a kill is dropped with a warning. W&B resumes the run's own id
+    (`run_id`, kept in run_dir) rather than starting a second run."""
+
     def __init__(self, run_dir: Path, enabled: bool, wandb_cfg: dict | None = None, config: dict | None = None,
-                 resume_step: int = 0) -> None:
+                 resume_step: int = 0, run_id: str | None = None) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.run = None
         if not enabled:
             return
-        if resume_step > 0 and self.path.exists():
+        if self.path.exists():
             self._truncate_after(resume_step)
         if wandb_cfg and wandb_cfg.get("mode", "offline") != "disabled":
             import wandb
@@ -38,16 +65,33 @@ class MetricsLogger:
             self.run = wandb.init(
                 project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"), name=wandb_cfg.get("name"),
                 mode=wandb_cfg.get("mode", "offline"), dir=str(run_dir), config=config,
+                id=run_id, resume="allow" if run_id else None,
                 settings=wandb.Settings(console="off", x_disable_stats=True),
             )
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps past the checkpoint so the file holds one line per step."""
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        """Keep the records of steps up to `step` (the file then holds one line per step), saying which were
+        dropped: those past the checkpoint the run starts from, and any line that is not a whole record."""
+        kept, dropped, torn = [], [], []
+        for number, line in enumerate(read_lines(self.path), start=1):
+            try:
+                record = json.loads(line)
+                done = int(record["step"])
+            except (ValueError, TypeError, KeyError):
+                torn.append(number)
+                continue
+            (kept if done <= step else dropped).append((line, done))
+        for number in torn:
+            warn(f"warning: {self.path} line {number} is not a whole record (a write cut short): dropped")
+        if dropped:
+            steps = sorted(done for _, done in dropped)
+            since = f"past the checkpoint of step {step}" if step else "no checkpoint holds them"
+            print(f"{self.path}: dropped the records of step{'s' if len(steps) > 1 else ''} {_ranges(steps)} "
+                  f"({since}; they are trained again)", flush=True)
+        if dropped or torn:
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(line + "\n" for line, _ in kept))
+            os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
