@@ -463,7 +463,8 @@ def check_model(cfg: DictConfig) -> None:
 
 
 def check_layout(cfg: DictConfig) -> None:
-    """Tensor, sequence and pipeline parallel rules against the model, before any process group exists."""
+    """Tensor, sequence and pipeline parallel rules against the model, then the degrees against the number of
+    processes (parallel.dp=auto fills them), before any process group exists."""
     from zero.parallel.pipeline import check_pipeline_layout
 
     par, model = cfg.parallel, cfg.model
@@ -472,7 +473,6 @@ def check_layout(cfg: DictConfig) -> None:
     if par.dp is not None and par.dp != "auto" and (not isinstance(par.dp, int) or isinstance(par.dp, bool)
                                                      or par.dp < 1):
         raise ConfigError(f"parallel.dp={par.dp!r} must be auto or an integer >= 1")
-    data_parallel_degree(cfg)
     tp, sp, pp = par.tp, par.sp, par.pp
     if tp > 1:
         from recipes.models.llama import check_tensor_parallel
@@ -510,6 +510,7 @@ def check_layout(cfg: DictConfig) -> None:
         check_pipeline_layout(par.pp_schedule, pp, par.pp_virtual_stages, model.n_layers, cfg.train.grad_accum, split)
     elif par.pp_split is not None:
         raise ConfigError("parallel.pp_split is set but parallel.pp=1; set pp to the number of stages")
+    data_parallel_degree(cfg)  # (after the rules against the model: they name what to change first)
 
 
 def _tp_that_works(cfg: DictConfig, tp: int) -> int:

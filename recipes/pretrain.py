@@ -3,7 +3,8 @@
 Reads top to bottom: process groups, the learning-rate schedule, the model with its parallelism applied
 from outside and the runtime engine, one training step, evaluation and a sample, then the Run that holds
 them and its loop. The run directory (lock, identity, config diff, checkpoints, resume) is
-recipes/run_dir.py, the losses recipes/losses.py, memory and MoE reports recipes/reports.py.
+recipes/run_dir.py, the graceful stop on a scheduler's signal recipes/preempt.py, the losses
+recipes/losses.py, memory and MoE reports recipes/reports.py.
 """
 
 from __future__ import annotations
@@ -333,7 +334,9 @@ class Run:
         if initial is not None and builds_on_meta(cfg):  # built without values: the engine takes them
             self.engine.load_full_state_dict(initial)
         self.start_step = resume(self.engine, self.run_dir, cfg, self.is_rank0)
-        self.saved_step = self.start_step or None  # the newest complete checkpoint's step
+        # the step of run_dir's newest complete checkpoint (train.resume may have named another directory's)
+        self.saved_step = self.start_step if (self.run_dir / "checkpoints" / f"step_{self.start_step:07d}").is_dir() \
+            else None
         if self.is_rank0:
             save_config(cfg, self.run_dir)
         self.logger = MetricsLogger(self.run_dir, self.is_rank0, OmegaConf.to_container(cfg.wandb),

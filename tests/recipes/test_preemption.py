@@ -214,3 +214,24 @@ def test_wandb_resumes_the_same_run(tmp_path):
     run_id = (tmp_path / "run_id").read_text().strip()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+
+
+def test_signal_during_setup_stops_before_the_first_step_and_handlers_are_restored(tmp_path, monkeypatch):
+    import recipes.pretrain as pretrain
+    from recipes.preempt import Preempted
+
+    build_model = pretrain.build_model
+
+    def signalled_while_building(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)  # as if it came while the model was being built
+        return build_model(*args, **kwargs)
+
+    monkeypatch.setattr(pretrain, "build_model", signalled_while_building)
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(Preempted) as info:
+        train(_cfg(tmp_path, *COMMON[len(TINY):]))
+    assert info.value.exit_code == 138 and signal.getsignal(signal.SIGUSR1) is before
+    assert str(info.value).startswith("stopped by SIGUSR1 at step 0 of 6: nothing trained yet, no checkpoint")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["status"], result["step"], result["checkpoint"]) == ("preempted", 0, None)
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
