@@ -128,6 +128,10 @@ class StopSignals:
         that SIGTERM end the process as killed rather than with the code). The deadline still holds."""
         self.phase = "exiting (the stop is complete)"
         self.complete = True
+        self.ignore()
+
+    def ignore(self) -> None:
+        """Ignore the caught signals from now on (the process is about to exit with a code of its own)."""
         for sig in self.previous:
             signal.signal(sig, signal.SIG_IGN)
 

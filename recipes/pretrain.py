@@ -549,18 +549,26 @@ def train(cfg: DictConfig, stop: StopSignals | None = None) -> dict:
                 stop.close()
 
 
-def report(error: BaseException, code: int) -> None:
+def report(error: BaseException, code: int, stop: StopSignals | None = None) -> None:
     """One line on stderr, then exit `code`. Before the process group exists every rank checks the same command
-    line, so rank 0 alone reports; a preempted run too (every rank stops for the same signal)."""
+    line, so rank 0 alone reports; the others ignore the stop signals from then on and give it a second to do
+    so before they exit (torchrun ends the other ranks, with SIGTERM, as soon as one has exited). A preempted
+    run reports once too (every rank stops for the same signal)."""
     once = isinstance(error, Preempted) or not dist.is_initialized()
-    if not once or int(os.environ.get("RANK", "0")) == 0:
+    rank = int(os.environ.get("RANK", "0"))
+    if not once or rank == 0:
         print(f"{'' if isinstance(error, Preempted) else 'error: '}{error}", file=sys.stderr, flush=True)
+    if stop is not None and not dist.is_initialized():
+        stop.ignore()
+        if rank:
+            time.sleep(1.0)
     sys.exit(code)
 
 
 @refuse_bad_command_line  # what Hydra cannot compose (train.stepz=5, train.steps=abc) is one line and exit 2 too
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    stop = None
     try:
         # Held until the process exits when preempted: the signals stay ignored (StopSignals.exiting).
         stop = StopSignals.from_config(cfg)
@@ -568,9 +576,9 @@ def main(cfg: DictConfig) -> None:
         stop.close()
     except (ConfigError, zero.ConfigError, DataError, zero.LayoutError, zero.CheckpointError, zero.ReshardError,
             NotImplementedError) as e:
-        report(e, 2)
+        report(e, 2, stop)
     except DivergenceError as e:
-        report(e, 3)
+        report(e, 3, stop)
     except Preempted as e:
         report(e, e.exit_code)  # 128 + the signal's number: 143 SIGTERM, 130 SIGINT, 138 SIGUSR1
     except HangError as e:

@@ -79,7 +79,7 @@ def test_explicit_dp_that_does_not_fill_the_processes_is_one_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: parallel.dp=3 on 2 process(es): dp=3 x tp=1 x pp=1 x sp=1 = 3 does not match the "
                       "world size 2; leave parallel.dp=auto (here dp=2) or start 3 processes"], proc.stderr[-3000:]
-    codes = _rank_exit_codes(proc)  # rank 1 exits 2 too, unless torchrun ends it first (after rank 0's exit)
+    codes = _rank_exit_codes(proc)  # rank 1 exits 2 too (a second after rank 0, unless torchrun ends it first)
     assert codes[0] == 2 and set(codes) <= {2, -signal.SIGTERM}, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr.split("error:")[0]
 
