@@ -170,17 +170,17 @@ class StopSignals:
             if self.deadline is not None and time.monotonic() >= self.deadline:
                 self._expire(f"{name} came train.stop_grace_s={self.grace_s:g} s ago")
             gone = None if self.complete else next((pid for pid in self.peers if not _alive(pid)), None)
-            if gone is not None:
+            if gone is not None:  # (the job ends for that rank's reason, which it records: not on_expire)
                 self._expire(f"{name} came after the rank with pid {gone} on this node exited (no checkpoint can "
-                             "be agreed on without it)")
+                             "be agreed on without it)", record=False)
 
-    def _expire(self, why: str) -> None:
-        """The stop cannot complete: say what was left undone, record it, and end the process now."""
+    def _expire(self, why: str, record: bool = True) -> None:
+        """The stop cannot complete: say what was left undone, record it (on_expire), and end the process now."""
         name, code = signal.Signals(self.signum).name, exit_code(self.signum)
         self._say(f"error: {why} and the run is still {self.phase}: exiting with code {code} now")
         threading.Timer(10.0, os._exit, (code,)).start()  # a callback that blocks must not keep the process
         try:
-            if self.on_expire is not None:
+            if record and self.on_expire is not None:
                 self.on_expire(name, why)
         except BaseException as e:
             self._say(f"(recording the stop failed: {e!r})")
