@@ -235,3 +235,15 @@ def test_signal_during_setup_stops_before_the_first_step_and_handlers_are_restor
     result = json.loads((tmp_path / "result.json").read_text())
     assert (result["status"], result["step"], result["checkpoint"]) == ("preempted", 0, None)
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.stop_signals=[SIGKILL]"], "train.stop_signals: 'SIGKILL' is not a signal a process can catch"),
+    (["train.stop_signals=[SIGNOPE]"], "train.stop_signals: 'SIGNOPE' is not a signal a process can catch"),
+    (["train.stop_grace_s=0"], "train.stop_grace_s=0.0 must be > 0"),
+    (["parallel.dp=two"], "parallel.dp='two' must be auto or an integer >= 1"),
+])
+def test_stop_and_dp_settings_are_checked(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        train(_cfg(tmp_path, *overrides))
+    assert str(info.value).startswith(message), str(info.value)
