@@ -4,6 +4,10 @@ against SDPA, and a recipe run's tokens/s and MFU.
 
 Each subcommand prints its figures and appends them to --results. `--smoke` shrinks every size so that
 the code paths run in seconds on a CPU (`--device cpu --dtype float32 --smoke`); its figures mean nothing.
+`--quick` (no subcommand) runs every part that way, the recipe on its tiny model: the CPU smoke run of
+this script.
+
+    python benchmarks/gpu_check.py --quick
 """
 
 from __future__ import annotations
@@ -20,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-# Run as a script, this folder leads sys.path and its zero.py would shadow the zero package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if sys.path and os.path.abspath(sys.path[0]) == _HERE:
-    sys.path[0] = os.path.dirname(_HERE)
+if not __package__:  # run as a file: the repository root leads sys.path, not this folder (its zero.py)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+
+from benchmarks import common  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peak by GPU name, from NVIDIA's data sheets (half the
 # "with sparsity" figure). First match wins, so the PCIe / NVL variants precede their family.
@@ -143,10 +147,8 @@ def _deepspeed_moe(dim: int, ffn: int, experts: int, device, dtype):
     from deepspeed.moe.layer import MoE
     from torch import nn
 
-    from tests.multirank import free_port
-
     if not torch.distributed.is_initialized():  # its expert groups need a process group: one rank
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     expert = nn.Sequential(nn.Linear(dim, ffn, bias=False), nn.GELU(), nn.Linear(ffn, dim, bias=False))
@@ -177,7 +179,7 @@ def cmd_moe(args) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     peak, _ = peak_flops(device)
     warmup, iters = (1, 2) if args.smoke else (3, 10)
-    have_ds = _version("deepspeed") is not None
+    have_ds = common.deepspeed_runs("DeepSpeed MoE")
     emit(f"MoE layer fwd+bwd on {device.type}, {args.dtype}, top-{TOP_K}, GELU experts; ours dropless, "
          f"DeepSpeed capacity 1.25; median of {iters} passes after {warmup} warm-up")
     emit("| tokens | dim | ffn | E | impl | ms | TFLOP/s | time / bound | MFU |")
@@ -204,6 +206,7 @@ def cmd_moe(args) -> None:
                     torch.cuda.empty_cache()
             emit(f"| {tokens} | {dim} | {ffn} | {experts} | {name} | {t * 1e3:.2f} | {flops / t / 1e12:.1f} | "
                  f"{t / bound:.2f} | {mfu_text(flops / t, peak)} |")
+            common.print_ratio(f"MoE {tokens} tokens x {experts} experts, {name} time / GEMM bound", t / bound)
         emit(f"| {tokens} | {dim} | {ffn} | {experts} | GEMM bound (batched bmm) | "
              f"{bound * 1e3:.2f} | {rate / 1e12:.1f} | 1.00 | {mfu_text(rate, peak)} |")
     path = "torch._grouped_mm" if grouped_mm_supported(device, dtype, dim, ffn) else "a per-expert loop"
@@ -258,6 +261,7 @@ def cmd_ulysses(args) -> None:
         for label, t, ratio in rows:
             emit(f"| {b} | {s} | {h} | {hkv} | {d} | {label} | {t * 1e3:.2f} | {flops / t / 1e12:.1f} | {ratio} | "
                  f"{mfu_text(flops / t, peak)} |")
+        common.print_ratio(f"attention seq {s} heads {h}/{hkv}, ours / SDPA time", times["ours"] / times["sdpa"])
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -337,6 +341,8 @@ def _sparse_speed(s: int, h: int, hkv: int, d: int, device, dtype, warmup: int, 
             continue
         ratio = times["dense SDPA"] / times[name] if "dense SDPA" in times else float("nan")
         emit(f"| {s} | {name} | {times[name] * 1e3:.2f} | {ratio:.2f} |")
+        if name != "dense SDPA":
+            common.print_ratio(f"sparse seq {s}, dense SDPA / {name} time", ratio)
 
 
 # ---------------------------------------------------------------------------- recipe
@@ -349,15 +355,14 @@ OFFLOAD_MODES = (("none", {}), ("optimizer cpu", {"offload_optimizer": "cpu"}),
 def _offload_run(model_cfg, offload: dict, device, batch: int, seq: int, steps: int, nvme: str) -> dict:
     import torch.nn.functional as F
 
-    import zero
     from recipes.models.llama import Transformer
 
     torch.manual_seed(0)
     with torch.device(device):
         model = Transformer(model_cfg)
-    config = zero.ZeroConfig(stage=3, dtype="bf16" if device.type == "cuda" else "fp32",
-                             **offload, **({"nvme_path": nvme} if "nvme" in offload.values() else {}))
-    engine = zero.initialize(model, zero.FastAdamW(lr=1e-4, weight_decay=0.1), config)
+    engine = common.initialize(model, common.fast_adamw(lr=1e-4, weight_decay=0.1), stage=3,
+                               dtype="bf16" if device.type == "cuda" else "fp32",
+                               **offload, **({"nvme_path": nvme} if "nvme" in offload.values() else {}))
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # the step's peak, not the fp32 model built before sharding
@@ -415,6 +420,8 @@ def cmd_offload(args) -> None:
             ratio = f"{r['step_s'] / base:.2f}" if base else "-"
             emit(f"| {label} | {r['step_s']:.3f} | {ratio} | {peak:.2f} | {rss:.2f} | "
                  f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
+            if base and offload:
+                common.print_ratio(f"ZeRO-3 step time, offload {label} / none", r["step_s"] / base)
 
 
 def model_flops_per_token(model: dict, seq_len: int) -> tuple[int, int]:
@@ -499,26 +506,54 @@ def cmd_recipe(args) -> int:
     return 124 if stopped else code
 
 
+PARTS = {"env": cmd_env, "moe": cmd_moe, "ulysses": cmd_ulysses, "sparse": cmd_sparse, "offload": cmd_offload}
+# --quick's recipe: the tiny dense model, a few short steps
+QUICK_RECIPE = ["model=tiny", "train.steps=4", "train.seq_len=64", "train.micro_batch_size=2",
+                "data.max_bytes=2000000", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0",
+                "train.progress=false", "wandb.mode=disabled"]
+
+
 def main() -> int:
     global _results
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("env", "moe", "ulysses", "sparse", "offload", "recipe"))
+    ap.add_argument("part", nargs="?", choices=(*PARTS, "recipe"))
     ap.add_argument("overrides", nargs="*", help="recipe: hydra overrides, e.g. zero.dtype=bf16 model=moe_small")
     ap.add_argument("--results", help="file the figures are appended to (besides stdout)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to exercise the code on a CPU")
+    ap.add_argument("--quick", action="store_true", help="every part on the CPU at --smoke sizes (no subcommand)")
     ap.add_argument("--run-dir", help="recipe: its run_dir")
     ap.add_argument("--label", default="run", help="recipe: the name its figures carry")
     args = ap.parse_intermixed_args()  # recipe overrides may follow the options
     _results = Path(args.results) if args.results else None
+    if args.quick:
+        if args.part:
+            ap.error("--quick runs every part: no subcommand")
+        return quick(args)
+    if args.part is None:
+        ap.error("a subcommand (or --quick)")
     if args.part == "recipe":
         if not args.run_dir:
             ap.error("recipe needs --run-dir")
         return cmd_recipe(args)
-    {"env": cmd_env, "moe": cmd_moe, "ulysses": cmd_ulysses, "sparse": cmd_sparse,
-     "offload": cmd_offload}[args.part](args)
+    PARTS[args.part](args)
     return 0
+
+
+def quick(args) -> int:
+    """Every part on the CPU at the smoke sizes, in this process: the code paths of a GPU check, no figures."""
+    import tempfile
+
+    args.device, args.dtype, args.smoke = "cpu", "float32", True
+    for name, fn in PARTS.items():
+        emit(f"== {name} (CPU smoke sizes)")
+        fn(args)
+    with tempfile.TemporaryDirectory() as run_dir:
+        emit("== recipe (CPU, tiny model)")
+        args.run_dir, args.label, args.overrides = run_dir, "model=tiny", [*QUICK_RECIPE, *args.overrides]
+        code = cmd_recipe(args)
+    return code
 
 
 if __name__ == "__main__":

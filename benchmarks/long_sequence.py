@@ -7,11 +7,11 @@ refining between the last fit and the first failure.
 
     python benchmarks/long_sequence.py                # cap 1.5 GiB, ALST search up to 16k tokens
     python benchmarks/long_sequence.py --cap-gib 8 --max-seq 1048576   # the 8 GiB cap (hours on 2 cores)
-    python benchmarks/long_sequence.py --quick        # cap 1.2 GiB, up to 4k tokens, sp 1 and 2
+    python benchmarks/long_sequence.py --quick        # cap 0.65 GiB, up to 1k tokens, no bisection
     python benchmarks/long_sequence.py --skip alst,sp,deepspeed --sparse-budget-s 60   # dense vs sparse only
 
 The dense vs sparse section (on by default; `--skip sparse` leaves it out) runs the million-token preset's
-model with ALST, dense or sliding-window sparse attention, sp 1 and 2, doubling from 8k x sp tokens up to
+model with ALST, dense or sliding-window sparse attention, sp 1 and 2 (quick: 2), doubling from 8k x sp tokens up to
 1,048,576 under a per-rank RSS cap (`--sparse-cap-gib`, 6) and a step-time budget (`--sparse-budget-s`, 120).
 
 Caps include the process itself (Python, torch, the model and AdamW state: about 0.55 GiB). On CPU the
@@ -22,34 +22,14 @@ cap is chosen small enough for the whole run to take ~15 minutes; --max-seq boun
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
-import subprocess
 import sys
-import threading
 import time
-from datetime import timedelta
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if not __package__:  # run as a file: the repository root leads sys.path, not this folder (its zero.py)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-OVER_CAP = 3  # exit code of a probe whose RSS passed the cap
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _watchdog(cap_bytes: int) -> None:
-    def watch() -> None:
-        while True:
-            if _rss_bytes() > cap_bytes:
-                os._exit(OVER_CAP)
-            time.sleep(0.002)
-
-    threading.Thread(target=watch, daemon=True).start()
+from benchmarks import common  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------ one probe
@@ -113,7 +93,7 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "
 
     torch.set_num_threads(1)
     group = dist.new_group(list(range(sp))) if sp > 1 else None
-    _watchdog(cap_bytes)
+    common.watch_rss(cap_bytes / 2**20)  # the probe ends (exit OVER_CAP) as soon as its RSS passes the cap
     if model_name == "million":
         from moe_lst.kernels.sparse import SparseConfig
 
@@ -159,78 +139,38 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "
         comm.all_reduce(p.grad, group)
     opt.step()
     seconds = time.perf_counter() - t0
-    return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "seconds": seconds,
-            "loss": float(loss)}
-
-
-def _probe_worker(rank: int, sp: int, port: int, seq: int, mode: str, cap_bytes: int, queue,
-                  model_name: str = "bench") -> None:
-    import torch.distributed as dist
-
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    dist.init_process_group("gloo", rank=rank, world_size=sp, timeout=timedelta(seconds=1800))
-    queue.put((rank, probe_rank(seq, mode, cap_bytes, sp, model_name)))
-    dist.destroy_process_group()
-
-
-def probe_main(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "bench") -> None:
-    """Entry of the probe subprocess: prints one JSON line, or exits with OVER_CAP."""
-    if sp == 1:
-        print(json.dumps(probe_rank(seq, mode, cap_bytes, 1, model_name)))
-        return
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_probe_worker, args=(r, sp, port, seq, mode, cap_bytes, queue, model_name))
-             for r in range(sp)]
-    for p in procs:
-        p.start()
-    results = []
-    while len(results) < sp:
-        try:
-            results.append(queue.get(timeout=1.0)[1])
-        except Exception:  # noqa: BLE001 - queue.Empty: check whether a rank hit the cap
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                sys.exit(OVER_CAP)
-    for p in procs:
-        p.join()
-    print(json.dumps({"peak_bytes": max(r["peak_bytes"] for r in results),
-                      "seconds": max(r["seconds"] for r in results), "loss": results[0]["loss"]}))
+    return {"peak_bytes": common.peak_rss_mb() * 2**20, "seconds": seconds, "loss": loss.item()}
 
 
 # ------------------------------------------------------------------------------------ search
+_PROBED: dict[tuple, dict | None] = {}  # a probe asked again (same length, mode, cap, sp, model) is not rerun
+
+
 def run_probe(seq: int, mode: str, cap_bytes: int, sp: int, timeout: float, model_name: str = "bench",
               budget: float | None = None) -> dict | None:
-    """One probe in a fresh process: its result, None over the cap, {"timeout": True} past the time limit
-    (or a step slower than `budget` seconds)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--probe", str(seq), "--mode", mode, "--sp", str(sp),
-           "--cap-bytes", str(cap_bytes), "--model", model_name]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(256 * 1024), PYTHONWARNINGS="ignore")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"timeout": True}
-    if proc.returncode == OVER_CAP:
-        return None
-    if proc.returncode != 0:
-        raise RuntimeError(f"probe seq={seq} mode={mode} sp={sp} failed:\n{proc.stderr[-3000:]}")
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
-    if budget is not None and info["seconds"] > budget:
+    """One probe in fresh processes (sp ranks): its result (largest rank's peak, slowest rank's time), None
+    over the cap, {"timeout": True} past the time limit (or a step slower than `budget` seconds)."""
+    key = (seq, mode, cap_bytes, sp, model_name)
+    if key not in _PROBED:
+        env = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "PYTHONWARNINGS": "ignore"}
+        try:
+            ranks = common.spawn(probe_rank, *key, world=sp, timeout=timeout, env=env)
+            _PROBED[key] = {"peak_bytes": max(r["peak_bytes"] for r in ranks),
+                            "seconds": max(r["seconds"] for r in ranks), "loss": ranks[0]["loss"]}
+        except common.OverMemory:
+            _PROBED[key] = None
+        except common.RankTimeout:
+            return {"timeout": True}
+    info = _PROBED[key]
+    if info is not None and budget is not None and info["seconds"] > budget:
         return {**info, "timeout": True}
     return info
 
 
 def longest(mode: str, cap_bytes: int, sp: int, start: int, max_seq: int, timeout: float,
-            log: list, model_name: str = "bench", budget: float | None = None) -> tuple[int, dict | None, str]:
-    """Doubling from `start`, then up to two bisection steps between the last fit and the first failure."""
+            log: list, model_name: str = "bench", budget: float | None = None,
+            refine: int = 2) -> tuple[int, dict | None, str]:
+    """Doubling from `start`, then up to `refine` bisection steps between the last fit and the first failure."""
     step = 256 * sp  # lengths stay multiples of sp
     if model_name == "million":
         step = 64 * 64 * sp  # whole sparse blocks and MLP tiles on every rank
@@ -257,7 +197,7 @@ def longest(mode: str, cap_bytes: int, sp: int, start: int, max_seq: int, timeou
     else:
         return best, best_info, f"reached --max-seq {max_seq}"
     if best and fail:
-        for _ in range(2):
+        for _ in range(refine):
             mid = (best + fail) // 2 // step * step
             if mid <= best or mid >= fail:
                 break
@@ -280,41 +220,46 @@ def sparse_section(args, rows: list, log: list) -> None:
     print(f"dense vs sparse attention (ALST on, the +experiment=million model), per-rank RSS cap "
           f"{args.sparse_cap_gib:.1f} GiB, step budget {budget:.0f} s")
     found = {}
-    for sp in (1, 2):
+    sps = (2,) if args.quick else (1, 2)  # quick: sp=1 of this model is what million_step.py --quick runs
+    for sp in sps:
         for mode in ("alst", "alst-sparse"):
-            best, info, note = longest(mode, cap, sp, 8192 * sp, 1 << 20, 4 * budget + 120, log, "million", budget)
+            start = args.sparse_start * sp
+            best, info, note = longest(mode, cap, sp, start, max(start, args.sparse_max_seq), 4 * budget + 120, log,
+                                       "million", budget, args.refine)
             rows.append((f"sp={sp}", mode, cap, best, info, note or "reached 1,048,576"))
             found[(sp, mode)] = best
-    for sp in (1, 2):
+    for sp in sps:
         dense, sparse = found[(sp, "alst")], found[(sp, "alst-sparse")]
         if dense:
             print(f"sp={sp}: sparse / dense longest step under the cap and budget: {sparse / dense:.1f}x")
+            common.print_ratio(f"sp={sp} longest step, sparse / dense attention", sparse / dense)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="small caps and lengths, one probe per length")
     parser.add_argument("--cap-gib", type=float, default=None, help="RSS cap for the sp=1 ALST comparison")
     parser.add_argument("--sp-cap-gib", type=float, default=None, help="per-rank RSS cap for the sp scan")
     parser.add_argument("--max-seq", type=int, default=None, help="stop doubling here (CPU time bound)")
+    parser.add_argument("--refine", type=int, default=None, help="bisection probes after the doubling "
+                        "(default 2; quick 0)")
     parser.add_argument("--probe-timeout", type=float, default=600.0)
     parser.add_argument("--skip", default="", help="comma list of sections to skip: alst,sp,deepspeed,sparse")
-    parser.add_argument("--probe", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--mode", default="baseline", help=argparse.SUPPRESS)
-    parser.add_argument("--sp", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--cap-bytes", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--model", default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--sparse-cap-gib", type=float, default=6.0,
                         help="per-rank RSS cap of the dense vs sparse section")
     parser.add_argument("--sparse-budget-s", type=float, default=120.0,
                         help="step-time budget of the dense vs sparse section")
     args = parser.parse_args()
-    if args.probe is not None:
-        probe_main(args.probe, args.mode, args.cap_bytes, args.sp, args.model)
-        return
-    cap = int((args.cap_gib or (1.2 if args.quick else 1.5)) * 2**30)
-    sp_cap = int((args.sp_cap_gib or (0.9 if args.quick else 1.2)) * 2**30)
-    max_seq = args.max_seq or (4096 if args.quick else 16384)
+    quick = args.quick
+    common.quick_mode(quick, "recipes.models.llama", "sequence_parallel")
+    # quick: ALST off fits at 512 tokens and not at 1024, ALST on fits at 1024 (the --max-seq)
+    cap = int((args.cap_gib or (0.65 if quick else 1.5)) * 2**30)
+    sp_cap = int((args.sp_cap_gib or (0.65 if quick else 1.2)) * 2**30)  # quick: the sp=1 probe is the one above
+    start = 512 if quick else 1024
+    max_seq = args.max_seq or (1024 if quick else 16384)
+    args.refine = args.refine if args.refine is not None else (0 if quick else 2)
+    # quick: one probe per sparse-section case, at 2048 tokens per rank (a whole number of sparse blocks)
+    args.sparse_start, args.sparse_max_seq = (2048, 0) if quick else (8192, 1 << 20)
     skip = set(filter(None, args.skip.split(",")))
     log: list = []
     rows = []
@@ -322,9 +267,9 @@ def main() -> None:
     if "alst" not in skip:
         print(f"ALST off vs on, sp=1, RSS cap {cap / 2**30:.1f} GiB")
         for mode in ("baseline", "alst"):
-            best, info, note = longest(mode, cap, 1, 1024, max_seq, args.probe_timeout, log)
+            best, info, note = longest(mode, cap, 1, start, max_seq, args.probe_timeout, log, refine=args.refine)
             rows.append(("sp=1", mode, cap, best, info, note))
-        if "deepspeed" not in skip and best:
+        if "deepspeed" not in skip and best and common.deepspeed_runs("DeepSpeed's TiledMLP + TiledFusedLogitsLoss"):
             # DeepSpeed's TiledMLP + TiledFusedLogitsLoss (with our checkpointing) at our longest length.
             info = run_probe(best, "alst-deepspeed", cap, 1, args.probe_timeout)
             print(f"  probe mode=alst-deepspeed  sp=1 seq={best:>7}: "
@@ -332,11 +277,15 @@ def main() -> None:
             ok = info is not None and "timeout" not in info
             rows.append(("sp=1", "alst-deepspeed", cap, best if ok else 0, info if ok else None,
                          "single probe at the ALST length"))
+    sps = []
     if "sp" not in skip:
         print(f"Ulysses sp scan (ALST off), per-rank RSS cap {sp_cap / 2**30:.1f} GiB")
-        for sp in ((1, 2) if args.quick else (1, 2, 4)):
-            best, info, note = longest("baseline", sp_cap, sp, 1024 * sp, max_seq, args.probe_timeout, log)
-            rows.append((f"sp={sp}", "baseline", sp_cap, best, info, note))
+        for sp in ((1, 2) if quick else (1, 2, 4)):
+            # quick: one probe per sp, at 512 tokens per rank
+            best, info, note = longest("baseline", sp_cap, sp, start * sp, start * sp if quick else max_seq,
+                                       args.probe_timeout, log, refine=args.refine)
+            sps.append((f"sp={sp}", "baseline", sp_cap, best, info, note))
+        rows += sps
     if "sparse" not in skip:
         sparse_section(args, rows, log)
     print()
@@ -348,12 +297,14 @@ def main() -> None:
     base = {(r[0], r[1], r[2]): r[3] for r in rows}
     off, on = base.get(("sp=1", "baseline", cap)), base.get(("sp=1", "alst", cap))
     if off and on:
+        bound = any(r[1] == "alst" and r[5] for r in rows)
         print(f"ALST on / off: {on / off:.1f}x longer"
-              + (" (ALST-on bound by --max-seq or the time limit, so at least this)" if any(
-                  r[1] == "alst" and r[5] for r in rows) else ""))
-    sps = [r for r in rows if r[1] == "baseline" and r[2] == sp_cap]
+              + (" (ALST-on bound by --max-seq or the time limit, so at least this)" if bound else ""))
+        common.print_ratio("longest step under the cap, ALST on / off", on / off, "at least" if bound else "")
     if sps and sps[0][3]:
         print("sp scan (longest / sp=1 longest): " + ", ".join(f"{r[0]}: {r[3] / sps[0][3]:.2f}x" for r in sps))
+        for r in sps[1:]:
+            common.print_ratio(f"Ulysses {r[0]} longest step / sp=1", r[3] / sps[0][3])
     print(f"total {time.time() - t_start:.0f}s")
 
 

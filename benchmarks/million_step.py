@@ -8,6 +8,7 @@ the run recorded: per-step wall time, tokens/s, loss, peak RSS per rank, and the
     python benchmarks/million_step.py                       # 131k, 262k, 524k, 1M (1 step each) + 1M x 3 steps
     python benchmarks/million_step.py --lengths 65536 131072 --steps 1 --sp 1
     python benchmarks/million_step.py --sp 2 --lengths 1048576 --steps 3
+    python benchmarks/million_step.py --quick   # 512, 1k, 2k tokens (4 MLP tiles) + 2 steps at 2k: a smoke run
 
 Memory is checked for linearity: a line is fitted through the peaks below the longest length (least
 squares, bytes per token and intercept) and the longest point's distance from that line is printed.
@@ -24,27 +25,47 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+if not __package__:  # run as a file: the repository root leads sys.path, not this folder (its zero.py)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from benchmarks import common  # noqa: E402
+
+ROOT = Path(common.ROOT)
 
 
-def run(seq: int, steps: int, sp: int, crop: bool, out: Path) -> dict:
+def _cli(argv: list[str]) -> None:
+    """`python -m recipes.pretrain <argv>` in this process (its command line, Hydra and all)."""
+    import runpy
+
+    os.chdir(ROOT)
+    sys.argv = ["recipes.pretrain", *argv]
+    sys.modules.pop("recipes.pretrain", None)  # preloaded by the server: run afresh as __main__, as -m does
+    try:
+        runpy.run_module("recipes.pretrain", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise RuntimeError(f"python -m recipes.pretrain exited with {e.code}") from e
+
+
+def run(seq: int, steps: int, sp: int, crop: bool, out: Path, extra: list[str]) -> dict:
     """One recipe run; its metrics (the last step's and every step's) and result."""
     args = ["+experiment=million", f"train.seq_len={seq}", f"train.steps={steps}", f"run_dir={out}",
             "wandb.mode=disabled", "train.progress=false", f"parallel.sp={sp}",
-            f"train.crop_check_tokens={1000 if crop else 0}"]
+            f"train.crop_check_tokens={1000 if crop else 0}", *extra]
     if not crop:
         args.append("train.eval_batches=0")
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // sp)), WANDB_MODE="disabled")
-    if sp == 1:
-        cmd = [sys.executable, "-m", "recipes.pretrain", *args]
-    else:
+    threads = max(1, (os.cpu_count() or 2) // sp)
+    start = time.time()
+    if sp == 1:  # a fresh process (forked from a preloaded server in quick runs)
+        common.spawn(_cli, args, threads=threads, env={"WANDB_MODE": "disabled"}, timeout=7200)
+    else:  # torchrun, as a user launches sp > 1
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), WANDB_MODE="disabled")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(sp),
                "-m", "recipes.pretrain", *args]
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"seq={seq} sp={sp} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     wall = time.time() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"seq={seq} sp={sp} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     result = json.loads((out / "result.json").read_text())
     per_rank = [v for k, v in records[-1].items() if k.startswith("peak_rss_mb/rank")] or [records[-1]["peak_rss_mb"]]
@@ -67,12 +88,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="steps of each length run")
     parser.add_argument("--sp", type=int, nargs="*", default=[1])
     parser.add_argument("--full", type=int, default=3, help="then this many steps at the longest length (0: none)")
+    parser.add_argument("--quick", action="store_true", help="512-2k tokens, 4 MLP tiles, 2 full steps (smoke run)")
     args = parser.parse_args()
+    common.quick_mode(args.quick, "hydra", "recipes.pretrain")
+    # quick: short lengths, where the preset's 64 MLP tiles (sized for 1M tokens) would be mostly overhead
+    extra = ["train.tiled_mlp=4"] if args.quick else []
+    if args.quick:
+        args.lengths, args.steps, args.sp, args.full = [512, 1024, 2048], 1, [1], 2
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for sp in args.sp:
             for seq in args.lengths:
-                rows.append(run(seq, args.steps, sp, False, Path(tmp) / f"sp{sp}_{seq}"))
+                rows.append(run(seq, args.steps, sp, False, Path(tmp) / f"sp{sp}_{seq}", extra))
                 r = rows[-1]
                 print(f"sp={sp} seq={seq:>8}: step {r['records'][-1]['step_time_s']:.1f} s, "
                       f"{r['records'][-1]['tokens_per_s']:.0f} tokens/s, peak RSS {r['peak_gib']:.2f} GiB "
@@ -85,9 +112,10 @@ def main() -> None:
                 print(f"sp={sp} memory: {a:.0f} bytes per token + {b / 2**30:.2f} GiB (fit below {last[0]} tokens); "
                       f"{last[0]} tokens: measured {last[1] / 2**30:.2f} GiB, line {predicted / 2**30:.2f} GiB, "
                       f"{100 * (last[1] - predicted) / predicted:+.1f}%", flush=True)
+                common.print_ratio(f"sp={sp} peak RSS at {last[0]} tokens, measured / linear fit", last[1] / predicted)
             if args.full:
                 seq = max(args.lengths)
-                r = run(seq, args.full, sp, True, Path(tmp) / f"sp{sp}_{seq}_full")
+                r = run(seq, args.full, sp, True, Path(tmp) / f"sp{sp}_{seq}_full", extra)
                 print(f"sp={sp} seq={seq} x {args.full} steps (wall {r['wall_s']:.0f} s for the whole run):")
                 for rec in r["records"]:
                     print(f"  step {rec['step']}: loss {rec['loss']:.4f}, step time {rec['step_time_s']:.1f} s, "

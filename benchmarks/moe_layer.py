@@ -1,45 +1,31 @@
 """Forward+backward of one MoE layer: ours (dropless and capacity 1.25) vs DeepSpeed MoE vs a naive loop.
 
-Peak memory: each (impl, size) runs once in a fresh subprocess (peak RSS above the RSS before the
-pass). Time: each impl runs in its own subprocess (`--rounds` of them, impls alternating), timing its
+Peak memory: each (impl, size) runs once in a fresh process (peak RSS above the RSS before the
+pass). Time: each impl runs in its own process (`--rounds` of them, impls alternating), timing its
 passes with fresh and with kept gradients and, interleaved, dense GEMMs of the per-expert shapes;
 the compute bound uses the fastest dense pass of the size.
+
+    python benchmarks/moe_layer.py            # 4096 / 16384 tokens x 8 / 64 experts, 2 rounds
+    python benchmarks/moe_layer.py --quick    # 512 tokens x 8 experts, one pass: a smoke run
+
+Without DeepSpeed (`import deepspeed` fails) its MoE is skipped with a note; the naive loop always runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 
-# Run as a script, this folder leads sys.path and its other scripts could shadow our packages.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if sys.path and os.path.abspath(sys.path[0]) == _HERE:
-    sys.path[0] = os.path.dirname(_HERE)
+if not __package__:  # run as a file: the repository root leads sys.path, not this folder (its zero.py)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from tests.multirank import free_port  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 DIM, FFN, TOP_K = 512, 1024, 2
 IMPLS = ("ours", "ours_cap", "deepspeed", "naive")
 GRAD_MODES = ("fresh", "kept")
-
-
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024  # reported in kB
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
-def _reset_peak_rss() -> float:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS and return that RSS in MiB."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_mib("VmRSS")
 
 
 def _build(impl: str, num_experts: int):
@@ -55,7 +41,7 @@ def _build(impl: str, num_experts: int):
         from deepspeed.moe.layer import MoE
 
         # DeepSpeed's MoE needs its expert-parallel groups, which need a process group: one gloo rank.
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         expert = nn.Sequential(nn.Linear(DIM, FFN, bias=False), nn.GELU(), nn.Linear(FFN, DIM, bias=False))
@@ -171,10 +157,10 @@ def measure_memory(impl: str, tokens: int, num_experts: int, threads: int) -> di
     x.grad = None
     for p in layer.parameters():
         p.grad = None
-    base = _reset_peak_rss()
+    base = common.reset_peak_rss()
     step()
     stats = getattr(layer, "last_stats", {})
-    return {"impl": impl, "peak_mib": _status_mib("VmHWM") - base,
+    return {"impl": impl, "peak_mib": common.peak_rss_mb() - base,
             "dropped": float(stats["dropped"]) if "dropped" in stats else None}
 
 
@@ -208,8 +194,7 @@ def layer_flops(tokens: int, num_experts: int) -> int:
     return 3 * (2 * 2 * tokens * TOP_K * DIM * FFN + 2 * tokens * DIM * num_experts)
 
 
-def time_isolated(impls: list[str], tokens: int, num_experts: int, rounds: int, common: list[str],
-                  env: dict, root: str) -> dict | None:
+def time_isolated(impls: list[str], tokens: int, num_experts: int, rounds: int, args, env: dict) -> dict | None:
     """Every impl in its own process (as in training, where one process runs one implementation, so
     the heap one leaves behind does not tax the next), `rounds` times, impls alternating so that a
     change of machine speed hits them alike. Each process also times the dense GEMMs; the bound uses
@@ -218,7 +203,8 @@ def time_isolated(impls: list[str], tokens: int, num_experts: int, rounds: int, 
     rate = 0.0
     for _ in range(rounds):
         for impl in impls:
-            out = _subprocess(["--time-case", str(tokens), str(num_experts), *common, "--impls", impl], env, root)
+            out = _in_process(measure_time, [impl], tokens, num_experts, args.threads, args.reps,
+                              threads=args.threads, env=env)
             if out is None:
                 return None
             for key, value in out["time"].items():
@@ -227,57 +213,46 @@ def time_isolated(impls: list[str], tokens: int, num_experts: int, rounds: int, 
     return {"time": best, "bound": layer_flops(tokens, num_experts) / rate, "gemm_gflops": rate / 1e9}
 
 
-def _subprocess(args: list[str], env: dict, root: str) -> dict | None:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True,
-                          text=True, env=env, cwd=root)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        print(f"{' '.join(args)} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+def _in_process(fn, *args, threads: int, env: dict) -> dict | None:
+    """fn(*args) in a fresh process; None (and the failure recorded) if it fails."""
+    try:
+        (out,) = common.spawn(fn, *args, threads=threads, env=env)
+    except common.RankFailed as e:
+        common.failed(f"{fn.__name__}{args[:3]}", e)
         return None
-    return json.loads(lines[-1])
+    return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one small size, one repeat (smoke run)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every case")
     ap.add_argument("--reps", type=int, default=2, help="timed passes per process (the best is reported)")
     ap.add_argument("--rounds", type=int, default=2, help="timing processes per implementation and size")
     ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--mem-case", nargs=3, metavar=("IMPL", "TOKENS", "EXPERTS"), help=argparse.SUPPRESS)
-    ap.add_argument("--time-case", nargs=2, metavar=("TOKENS", "EXPERTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    impls = args.impls.split(",")
-    if args.mem_case:
-        impl, tokens, experts = args.mem_case[0], int(args.mem_case[1]), int(args.mem_case[2])
-        print(json.dumps(measure_memory(impl, tokens, experts, args.threads)))
-        return
-    if args.time_case:
-        print(json.dumps(measure_time(impls, int(args.time_case[0]), int(args.time_case[1]), args.threads,
-                                      args.reps)))
-        return
-
-    sizes = [(1024, 8)] if args.quick else [(4096, 8), (4096, 64), (16384, 8), (16384, 64)]
-    reps = 1 if args.quick else args.reps
-    root = os.path.dirname(_HERE)
+    common.quick_mode(args.quick, "moe")
+    impls = common.without_deepspeed(args.impls.split(","), "DeepSpeed MoE")
+    sizes = [(512, 8)] if args.quick else [(4096, 8), (4096, 64), (16384, 8), (16384, 64)]
+    args.reps = 1 if args.quick else args.reps
+    rounds = 1 if args.quick else args.rounds
     # A fixed mmap threshold makes glibc hand every freed tensor back to the kernel at once, so RSS
     # tracks live tensor memory instead of the allocator's retained heap.
     # Timing runs keep glibc's default (adaptive) threshold, the allocator a training job runs with:
     # with the fixed threshold every tensor over 64 KiB is a fresh mmap whose pages fault in and are
     # zeroed on first touch, a cost that scales with the number of temporaries, not with the work.
-    time_env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=root)
-    time_env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    env = dict(time_env, MALLOC_MMAP_THRESHOLD_="65536")
-    common = ["--threads", str(args.threads), "--reps", str(reps)]
+    time_env = {"MALLOC_MMAP_THRESHOLD_": None}
+    mem_env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
     print(f"MoE layer fwd+bwd, dim {DIM}, ffn {FFN}, GELU experts, top-{TOP_K}, fp32, "
-          f"{args.threads} thread(s); time: best of {reps} passes x {1 if args.quick else args.rounds} "
+          f"{args.threads} thread(s); time: best of {args.reps} passes x {rounds} "
           "process(es) per implementation")
     print("| tokens | E | impl | grads | time ms | time / bound | time / ours | peak MiB | peak / ours | dropped |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    ratios = []
     for tokens, experts in sizes:
-        mem = {impl: _subprocess(["--mem-case", impl, str(tokens), str(experts), *common], env, root)
-               for impl in impls}
-        timing = time_isolated(impls, tokens, experts, 1 if args.quick else args.rounds, common, time_env, root)
+        mem = {impl: _in_process(measure_memory, impl, tokens, experts, args.threads, threads=args.threads,
+                                 env=mem_env) for impl in impls}
+        timing = time_isolated(impls, tokens, experts, rounds, args, time_env)
         if timing is None:
             continue
         t, bound = timing["time"], timing["bound"]
@@ -292,8 +267,17 @@ def main() -> None:
                 vs_ours = f"{mine / ours:.2f}" if ours else "-"
                 print(f"| {tokens} | {experts} | {impl} | {mode} | {mine * 1e3:.1f} | {mine / bound:.2f} | "
                       f"{vs_ours} | {peak} | {peak_ratio} | {dropped} |", flush=True)
+                if impl != "ours" and ours:
+                    ratios.append((f"{tokens} tokens x {experts} experts, {mode} grads: time {impl} / ours",
+                                   mine / ours))
+            if ours:
+                ratios.append((f"{tokens} tokens x {experts} experts, {mode} grads: time ours / compute bound",
+                               ours / bound))
         print(f"| {tokens} | {experts} | compute bound ({timing['gemm_gflops']:.0f} GFLOP/s) | | "
               f"{bound * 1e3:.1f} | 1.00 | | | | |", flush=True)
+    for what, value in ratios:
+        common.print_ratio(what, value)
+    common.finish()
 
 
 if __name__ == "__main__":

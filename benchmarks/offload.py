@@ -12,167 +12,41 @@ processes; parts 2 and 4 run their variants in alternating rounds so load on a s
 
     python -m benchmarks.offload                   # all four parts
     python -m benchmarks.offload --parts 1,2       # some of them
-    python -m benchmarks.offload --quick           # tiny sizes: a smoke run
+    python -m benchmarks.offload --quick           # tiny sizes, few probes and variants: a smoke run
+
+Without DeepSpeed (`import deepspeed` fails) its side is skipped with a note; FSDP2 and torch's AdamW run.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import multiprocessing as mp
 import os
-import queue
-import resource
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from collections import defaultdict
 from dataclasses import replace
 
-# Run as a script, this folder leads sys.path and its zero.py would shadow the zero package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if sys.path and os.path.abspath(sys.path[0]) == _HERE:
-    sys.path[0] = os.path.dirname(_HERE)
+if not __package__:  # run as a file: the repository root leads sys.path, not this folder (its zero.py)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks.zero import (  # noqa: E402
-    WORLD,
-    _engine_step,
-    _install_counters,
-    _model_config,
-    _rss,
-    fsdp2_step,
-    timed_steps,
-)
-from tests.multirank import free_port  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import OverMemory, fmt, table, verdict  # noqa: E402
+from benchmarks.zero import WORLD, _model_config, fsdp2_step, rank_start, timed_steps  # noqa: E402
 
 # The AdamW of every framework here (benchmarks/zero.py's hyper-parameters); no gradient clipping anywhere.
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-class ProbeFailed(RuntimeError):
-    """A run that ended for lack of memory: over the RSS cap, killed by the kernel, or a MemoryError."""
-
-
-# ---------------------------------------------------------------------------- processes
-def _worker(rank: int, world: int, port: int, threads: int, fn, fn_args: tuple, results) -> None:
-    # Before torch loads: OpenMP runtimes (torch's and DeepSpeed's C++ ops) read it once at start.
-    os.environ.update({"OMP_NUM_THREADS": str(threads), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world)})
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    try:
-        if world > 1:
-            dist.init_process_group("gloo", rank=rank, world_size=world)
-        results.put((rank, fn(*fn_args)))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _rss_mb(pid: int) -> float:
-    import psutil
-
-    try:
-        return psutil.Process(pid).memory_info().rss / 2**20
-    except psutil.NoSuchProcess:
-        return 0.0
-
-
-def _check_running(procs: list, results, rss_cap_mb: float | None, deadline: float, what: str) -> None:
-    """Raise when a run waited on must end: a rank over the RSS cap, a rank dead, or the time is up."""
-    if rss_cap_mb is not None:
-        seen = max(_rss_mb(p.pid) for p in procs)
-        if seen > rss_cap_mb:
-            raise ProbeFailed(f"RSS {seen:.0f} MB passed the cap, killed")
-    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-    if dead and results.empty():
-        raise ProbeFailed(f"a rank died with exit code {dead[0]} (-9: killed, e.g. out of memory)")
-    if time.monotonic() > deadline:
-        raise TimeoutError(f"{what} did not finish in time")
-
-
-def spawn(fn, fn_args: tuple, *, world: int = WORLD, threads: int = 1, timeout: float = 900.0,
-          rss_cap_mb: float | None = None, env: dict[str, str] | None = None) -> list:
-    """Run `fn(*fn_args)` on `world` fresh processes (gloo when world > 1); the results in rank order.
-
-    `env` is added to the processes' environment from their start (e.g. C allocator settings).
-
-    With `rss_cap_mb`, a rank seen above the cap ends the run at once with ProbeFailed (the probe
-    has failed anyway, and this keeps an oversized probe from taking the machine's memory).
-    """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, threads, fn, fn_args, results)) for r in range(world)]
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
-    out: dict = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < world:
-            try:
-                rank, value = results.get(timeout=0.1)
-            except queue.Empty:
-                _check_running(procs, results, rss_cap_mb, deadline, f"{fn.__name__}{fn_args[:3]}")
-                continue
-            if isinstance(value, str):
-                if any(k in value for k in ("MemoryError", "out of memory", "OffloadError", "No space left")):
-                    raise ProbeFailed(f"rank {rank}: {value.strip().splitlines()[-1]}")
-                raise RuntimeError(f"{fn.__name__}{fn_args[:3]} rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            if p.is_alive() and len(out) < world:
-                p.kill()  # only our own children, and only when the run is abandoned
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(world)]
-
-
-def _fmt(x: float | None, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _verdict(value: float | None, limit: float) -> str:
-    if value is None:
-        return "not measured"
-    return f"{value:.2f} <= {limit}: met" if value <= limit else f"{value:.2f} > {limit}: MISSED"
-
-
 # ---------------------------------------------------------------------------- part 1: host AdamW step
-def _host_adamw(n_params: int, n_tensors: int, repeats: int) -> dict:
+def _host_adamw(n_params: int, n_tensors: int, repeats: int, with_deepspeed: bool) -> dict:
     """One process: the same AdamW step on `n_params` host fp32 elements, by each implementation."""
     import torch
     import torch.nn as nn
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    import zero
 
     warnings.filterwarnings("ignore")
     n = n_params // n_tensors
@@ -199,8 +73,8 @@ def _host_adamw(n_params: int, n_tensors: int, repeats: int) -> dict:
     # Ours: what the engine runs for an offloaded step. World 1, stage 1, fp32 masters and AdamW state in
     # host memory (HostMasters), the optimizer built by zero.FastAdamW (the recipe's factory). Buckets of
     # one tensor each, so its masters are the same n_tensors flat tensors the peers step.
-    config = zero.ZeroConfig(stage=1, offload_optimizer="cpu", clip_grad_norm=None, reduce_bucket_size=n)
-    engine = zero.initialize(Flat(), zero.FastAdamW(**ADAMW), config, zero.ParallelDims(dp=1))
+    engine = common.initialize(Flat(), common.fast_adamw(**ADAMW), common.parallel_dims(dp=1), stage=1,
+                               offload_optimizer="cpu", clip_grad_norm=None, reduce_bucket_size=n)
 
     def engine_backward() -> None:
         engine.backward(engine(grads))
@@ -211,28 +85,27 @@ def _host_adamw(n_params: int, n_tensors: int, repeats: int) -> dict:
     def ours_optimizer_step() -> None:
         engine.optimizer.step()
 
-    ds = DeepSpeedCPUAdam(params(), adamw_mode=True, **ADAMW)
-    fused = torch.optim.AdamW(params(), fused=True, **ADAMW)
-    default = torch.optim.AdamW(params(), **ADAMW)  # on CPU tensors: the single-tensor for-loop path
-    foreach = torch.optim.AdamW(params(), foreach=True, **ADAMW)
+    peers = {"torch AdamW fused": torch.optim.AdamW(params(), fused=True, **ADAMW),
+             # on CPU tensors: the single-tensor for-loop path
+             "torch AdamW default": torch.optim.AdamW(params(), **ADAMW),
+             "torch AdamW foreach": torch.optim.AdamW(params(), foreach=True, **ADAMW)}
+    if with_deepspeed:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        peers["DeepSpeedCPUAdam"] = DeepSpeedCPUAdam(params(), adamw_mode=True, **ADAMW)
 
     # Warm-up: one step each (state allocation), which also checks that all compute the same update.
     engine_backward()
     engine.step()
-    for opt in (ds, fused, default, foreach):
+    for opt in peers.values():
         opt.step()
-    reference = [p.detach() for p in default.param_groups[0]["params"]]
+    reference = [p.detach() for p in peers["torch AdamW default"].param_groups[0]["params"]]
 
     def max_diff(values) -> float:
         return max(float((a.detach() - b).abs().max()) for a, b in zip(values, reference))
 
-    first_step_diff = {
-        "ours engine.step()": max_diff(list(engine.module.weights)),
-        "DeepSpeedCPUAdam": max_diff(ds.param_groups[0]["params"]),
-        "torch AdamW fused": max_diff(fused.param_groups[0]["params"]),
-        "torch AdamW foreach": max_diff(foreach.param_groups[0]["params"]),
-        "torch AdamW default": 0.0,
-    }
+    first_step_diff = {"ours engine.step()": max_diff(list(engine.module.weights)),
+                       **{name: max_diff(opt.param_groups[0]["params"]) for name, opt in peers.items()}}
     # From here the engine's optimizer is stepped directly over its masters; their .grad are set once
     # (equal-sized random gradients; which goes to which does not matter for the time).
     for p, gr in zip(engine.optimizer.param_groups[0]["params"], grads):
@@ -240,10 +113,7 @@ def _host_adamw(n_params: int, n_tensors: int, repeats: int) -> dict:
     variants = {
         "ours engine.optimizer.step()": (ours_optimizer_step, None),
         "ours engine.step()": (engine_step, engine_backward),
-        "DeepSpeedCPUAdam": (ds.step, None),
-        "torch AdamW fused": (fused.step, None),
-        "torch AdamW default": (default.step, None),
-        "torch AdamW foreach": (foreach.step, None),
+        **{name: (opt.step, None) for name, opt in peers.items()},
     }
     times: dict[str, list[float]] = defaultdict(list)
     names = list(variants)
@@ -268,12 +138,13 @@ def _host_adamw(n_params: int, n_tensors: int, repeats: int) -> dict:
 
 
 def part1(args) -> dict:
-    n_params = 4_000_000 if args.quick else args.adam_params
-    (res,) = spawn(_host_adamw, (n_params, args.adam_tensors, args.repeats), world=1, threads=args.adam_threads,
-                   timeout=args.timeout)
+    n_params = 1_000_000 if args.quick else args.adam_params
+    with_ds = common.deepspeed_runs("part 1: DeepSpeedCPUAdam")
+    (res,) = common.spawn(_host_adamw, n_params, args.adam_tensors, args.repeats, with_ds,
+                          threads=args.adam_threads, timeout=args.timeout)
     med = {k: statistics.median(v) for k, v in res["times"].items()}
     ours = med["ours engine.optimizer.step()"]
-    peers = ["DeepSpeedCPUAdam", "torch AdamW fused", "torch AdamW default"]
+    peers = ["DeepSpeedCPUAdam", "torch AdamW fused", "torch AdamW default"][0 if with_ds else 1:]
     fastest = min(peers, key=med.__getitem__)
     print(f"\n## Part 1: host AdamW step, {res['n_params'] / 1e6:.0f}M fp32 parameters in {res['n_tensors']} "
           f"tensors, 1 process, {res['threads']} threads; {args.repeats} rounds, each optimizer once per "
@@ -287,12 +158,13 @@ def part1(args) -> dict:
     rows = [[name, f"{t:.4f}", f"{res['n_params'] / t / 1e6:.0f}", f"{med[fastest] / t:.2f}", f"{paired[name]:.2f}",
              " ".join(f"{x:.4f}" for x in res["times"][name]), f"{diff.get(name, diff['ours engine.step()']):.1e}"]
             for name, t in med.items()]
-    print(_table(["optimizer", "median s", "M params/s", "throughput vs fastest peer (medians)",
-                  "its time / ours, same round (median)", "every step s", "max abs diff vs default after step 1"],
-                 rows))
+    print(table(["optimizer", "median s", "M params/s", "throughput vs fastest peer (medians)",
+                 "its time / ours, same round (median)", "every step s", "max abs diff vs default after step 1"],
+                rows))
     print(f"\ntarget ours >= fastest peer ({fastest}): throughput ratio of medians {med[fastest] / ours:.2f}, "
           f"median of same-round ratios {paired[fastest]:.2f} "
           f"({'met' if paired[fastest] >= 1.0 else 'MISSED'} on the same-round ratio)")
+    common.print_ratio(f"host AdamW step time, fastest peer ({fastest}) / ours, same round", paired[fastest])
     return {"median_s": med, "paired": paired, **res}
 
 
@@ -394,13 +266,7 @@ def _deepspeed_config(args, offload: str, nvme_dir: str | None) -> dict:
 
 def _train(framework: str, arch: str, offload: str, args) -> dict:
     """Train `arch` at stage 3 for warmup + steps batches under `framework`; step time, memory, losses."""
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    rank = dist.get_rank()
-    counts: dict = defaultdict(float)
-    _install_counters(counts)
-    baseline_rss = _rss()
+    rank, counts, baseline_rss = rank_start()
     model, vocab = build_model(arch, args.quick)
     n_params = sum(p.numel() for p in model.parameters())
     nvme_dir = None
@@ -409,13 +275,11 @@ def _train(framework: str, arch: str, offload: str, args) -> dict:
     close = None
     try:
         if framework == "ours":
-            import zero
-
-            config = zero.ZeroConfig(stage=3, clip_grad_norm=None, reduce_bucket_size=args.bucket,
-                                     allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1,
-                                     offload_optimizer=offload, nvme_path=nvme_dir)
-            engine = zero.initialize(model, zero.FastAdamW(**ADAMW), config, zero.ParallelDims(dp=WORLD))
-            train_step, close = _engine_step(engine), engine.close
+            engine = common.initialize(model, common.fast_adamw(**ADAMW), common.parallel_dims(dp=WORLD), stage=3,
+                                       clip_grad_norm=None, reduce_bucket_size=args.bucket,
+                                       allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1,
+                                       offload_optimizer=offload, nvme_path=nvme_dir)
+            train_step, close = common.engine_step(engine), engine.close
             kind = "fused" if engine.optimizer.defaults.get("fused") else "foreach"
             optimizer = f"FastAdamW: torch AdamW {kind}"
         elif framework == "deepspeed":
@@ -424,7 +288,7 @@ def _train(framework: str, arch: str, offload: str, args) -> dict:
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                               config=_deepspeed_config(args, offload, nvme_dir),
                                               dist_init_required=False)
-            train_step, close = _engine_step(engine), engine.destroy
+            train_step, close = common.engine_step(engine), engine.destroy
             optimizer = type(engine.basic_optimizer).__name__
         elif framework in ("fsdp2", "fsdp2-fused"):
             assert offload == "none", "FSDP2 runs without offload here"
@@ -434,21 +298,13 @@ def _train(framework: str, arch: str, offload: str, args) -> dict:
         else:
             raise ValueError(framework)
 
-        times, losses, step_bytes = timed_steps(train_step, vocab, rank, counts, args)
+        measured = timed_steps(train_step, vocab, rank, counts, args)
     finally:
         if close is not None:
             close()
         if nvme_dir is not None:
             shutil.rmtree(nvme_dir, ignore_errors=True)
-    return {
-        "params": n_params,
-        "optimizer": optimizer,
-        "step_s": statistics.median(times),
-        "losses": losses,
-        "bytes_per_step": statistics.median(step_bytes[args.warmup:]),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "baseline_rss_mb": baseline_rss,
-    }
+    return {"params": n_params, "optimizer": optimizer, **measured, "baseline_rss_mb": baseline_rss}
 
 
 def _run_rounds(variants: list[tuple[str, str, str]], args) -> list[dict]:
@@ -460,7 +316,7 @@ def _run_rounds(variants: list[tuple[str, str, str]], args) -> list[dict]:
     runs: dict = defaultdict(list)
     for r in range(args.rounds):
         for fw, arch, offload in variants:
-            ranks = spawn(_train, (fw, arch, offload, args), timeout=args.timeout)
+            ranks = common.spawn(_train, fw, arch, offload, args, world=WORLD, timeout=args.timeout)
             losses = [sum(x["losses"][i] for x in ranks) / WORLD for i in range(len(ranks[0]["losses"]))]
             run = {"step_s": max(x["step_s"] for x in ranks), "peak_rss_mb": max(x["peak_rss_mb"] for x in ranks),
                    "train_rss_mb": max(x["peak_rss_mb"] - x["baseline_rss_mb"] for x in ranks),
@@ -522,28 +378,29 @@ def _print_runs(rows: list[dict], columns: list[tuple[str, object]], args) -> No
     for i in range(args.rounds):
         view = [{**r, **r["rounds"][i]} for r in rows]
         print(f"\nround {i + 1}\n")
-        print(_table(header, render(view)))
+        print(table(header, render(view)))
     print(f"\nsummary (median over {args.rounds} round(s))\n")
-    print(_table(header, render(rows)))
+    print(table(header, render(rows)))
 
 
 def part2(args) -> dict:
-    aio, aio_note = _aio_available()
+    with_ds = common.deepspeed_runs("part 2: DeepSpeed ZeRO-3 with offload")
+    aio, aio_note = _aio_available() if with_ds else (False, "no DeepSpeed")
     variants = [("ours", "llama", "none"), ("ours", "llama", "cpu"), ("deepspeed", "llama", "cpu"),
-                ("ours", "llama", "nvme")]
-    if aio:
-        variants.append(("deepspeed", "llama", "nvme"))
+                ("ours", "llama", "nvme"), ("deepspeed", "llama", "nvme")]
+    variants = [v for v in variants if (v[0] == "ours" or (with_ds and (aio or v[2] != "nvme")))
+                and not (args.quick and v[2] == "nvme")]  # quick: part 3 runs nvme offload (and of the params)
     rows = _run_rounds(variants, args)
     _part_header(f"Part 2: ZeRO-3 with optimizer offload, Llama {rows[0]['params'] / 1e6:.1f}M", args)
     print(f"DeepSpeed nvme offload: {aio_note}; nvme_path = a temp dir under {args.nvme_dir or tempfile.gettempdir()}")
 
     def vs_ds(r, view):
         ds = _find(view, framework="deepspeed", offload=r["offload"])
-        return _fmt(r["step_s"] / ds["step_s"]) if ds else "-"
+        return fmt(r["step_s"] / ds["step_s"]) if ds else "-"
 
     def vs_none(r, view):
         base = _find(view, framework="ours", offload="none")
-        return _fmt(r["step_s"] / base["step_s"])
+        return fmt(r["step_s"] / base["step_s"])
 
     _print_runs(rows, [("offload", lambda r, v: r["offload"]), ("framework", lambda r, v: r["framework"]),
                        ("optimizer", lambda r, v: r["optimizer"]), ("step s", lambda r, v: f"{r['step_s']:.3f}"),
@@ -553,37 +410,45 @@ def part2(args) -> dict:
     for offload in ("cpu", "nvme"):
         ours, ds = _find(rows, framework="ours", offload=offload), _find(rows, framework="deepspeed", offload=offload)
         ratio[offload] = ours["step_s"] / ds["step_s"] if ds else None
-        print(f"target ours <= 0.8x DeepSpeed, {offload} offload: {_verdict(ratio[offload], 0.8)}")
+        print(f"target ours <= 0.8x DeepSpeed, {offload} offload: {verdict(ratio[offload], 0.8)}")
+        if ds:
+            common.print_ratio(f"stage 3 + {offload} optimizer offload step time, ours / DeepSpeed", ratio[offload])
     cpu_vs_none = _find(rows, framework="ours", offload="cpu")["step_s"] / _find(rows, framework="ours",
                                                                                   offload="none")["step_s"]
-    print(f"target ours cpu offload <= 1.3x ours without offload: {_verdict(cpu_vs_none, 1.3)}")
+    print(f"target ours cpu offload <= 1.3x ours without offload: {verdict(cpu_vs_none, 1.3)}")
+    common.print_ratio("stage 3 step time, ours cpu offload / ours without offload", cpu_vs_none)
     return {"rows": rows, "aio": aio_note}
 
 
 def part4(args) -> dict:
-    variants = [(fw, arch, "none") for arch in ("llama", "gpt2")
-                for fw in ("ours", "deepspeed", "fsdp2", "fsdp2-fused")]
-    rows = _run_rounds(variants, args)
+    archs = args.archs.split(",")
+    frameworks = common.without_deepspeed(("ours", "deepspeed", "fsdp2", "fsdp2-fused"), "part 4: DeepSpeed ZeRO-3")
+    if args.quick:  # FSDP2 with its fused AdamW only (the faster of the two)
+        frameworks.remove("fsdp2")
+    rows = _run_rounds([(fw, arch, "none") for arch in archs for fw in frameworks], args)
     _part_header("Part 4: stage 3 without offload, ours vs DeepSpeed ZeRO-3 vs FSDP2", args)
 
     def ratio_to(fw):
         def fn(r, view):
             peer = _find(view, framework=fw, arch=r["arch"])
-            return _fmt(r["step_s"] / peer["step_s"])
+            return fmt(r["step_s"] / peer["step_s"]) if peer else "-"
         return fn
 
     _print_runs(rows, [("model", lambda r, v: f"{r['arch']} {r['params'] / 1e6:.1f}M"),
                        ("framework", lambda r, v: r["framework"]), ("optimizer", lambda r, v: r["optimizer"]),
                        ("step s", lambda r, v: f"{r['step_s']:.3f}"), ("vs DeepSpeed", ratio_to("deepspeed")),
                        ("vs FSDP2", ratio_to("fsdp2")), ("vs FSDP2 fused", ratio_to("fsdp2-fused"))], args)
-    for arch in ("llama", "gpt2"):
+    for arch in archs:
         arch_rows = [r for r in rows if r["arch"] == arch]
         ours = _find(rows, framework="ours", arch=arch)["step_s"]
-        fsdp = min(_find(rows, framework=f, arch=arch)["step_s"] for f in ("fsdp2", "fsdp2-fused"))
-        ds = _find(rows, framework="deepspeed", arch=arch)["step_s"]
+        fsdp = min(r["step_s"] for r in arch_rows if r["framework"] in ("fsdp2", "fsdp2-fused"))
+        ds = _find(rows, framework="deepspeed", arch=arch)
         print(f"{arch}: losses differ by at most {_loss_spread(arch_rows):.2e}; "
-              f"target <= 0.8x DeepSpeed: {_verdict(ours / ds, 0.8)}; "
-              f"target <= 1.0x the faster FSDP2: {_verdict(ours / fsdp, 1.0)}")
+              f"target <= 0.8x DeepSpeed: {verdict(ours / ds['step_s'] if ds else None, 0.8)}; "
+              f"target <= 1.0x the faster FSDP2: {verdict(ours / fsdp, 1.0)}")
+        common.print_ratio(f"{arch} stage 3 step time, ours / the faster FSDP2", ours / fsdp)
+        if ds:
+            common.print_ratio(f"{arch} stage 3 step time, ours / DeepSpeed", ours / ds["step_s"])
     return {"rows": rows}
 
 
@@ -592,13 +457,8 @@ def _probe(mode: str, n_layers: int, steps: int, args) -> dict:
     """Build the Llama with `n_layers` blocks, wrap it at stage 3 (`mode` none or nvme), train `steps` steps."""
     import torch.distributed as dist
 
-    import zero
-
     warnings.filterwarnings("ignore")
-
-    def peak_mb() -> float:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
+    peak_mb = common.peak_rss_mb
     marks = {"start": peak_mb()}
     # On the meta device, as the recipe builds stage-3 models: the engine materialises it unit by unit.
     model, vocab = build_model("llama", args.quick, n_layers, meta=True)
@@ -608,13 +468,12 @@ def _probe(mode: str, n_layers: int, steps: int, args) -> dict:
     nvme_dir = tempfile.mkdtemp(prefix=f"rank{rank}-", dir=args.probe_dir) if mode == "nvme" else None
     engine = None
     try:
-        config = zero.ZeroConfig(stage=3, clip_grad_norm=None, overlap_comm=True, prefetch_depth=1,
-                                 offload_optimizer=mode, offload_params=mode, nvme_path=nvme_dir)
-        engine = zero.initialize(model, zero.FastAdamW(**ADAMW), config, zero.ParallelDims(dp=WORLD),
-                                 param_init=model.init_parameter)
+        engine = common.initialize(model, common.fast_adamw(**ADAMW), common.parallel_dims(dp=WORLD),
+                                   param_init=model.init_parameter, stage=3, clip_grad_norm=None, overlap_comm=True,
+                                   prefetch_depth=1, offload_optimizer=mode, offload_params=mode, nvme_path=nvme_dir)
         del model
         marks["wrapped"] = peak_mb()
-        train_step = _engine_step(engine)
+        train_step = common.engine_step(engine)
         # One fixed batch, stepped on repeatedly: the loss must fall as the model fits it.
         import torch
 
@@ -654,36 +513,38 @@ def _try(mode: str, n_layers: int, steps: int, allocator: str, args, log: list[d
     args.probe_dir = tempfile.mkdtemp(prefix="offload-probe-", dir=args.nvme_dir)  # removed even if killed
     try:
         if mode == "nvme" and disk_need > shutil.disk_usage(args.probe_dir).free:
-            raise ProbeFailed(f"needs {disk_need / 2**30:.0f} GiB of nvme files, "
-                              f"{shutil.disk_usage(args.probe_dir).free / 2**30:.0f} GiB free")
-        ranks = spawn(_probe, (mode, n_layers, steps, args), timeout=args.timeout,
-                      rss_cap_mb=args.cap_mb if cap else None, env=ALLOCATORS[allocator])
-    except ProbeFailed as e:
+            raise OverMemory(f"needs {disk_need / 2**30:.0f} GiB of nvme files, "
+                             f"{shutil.disk_usage(args.probe_dir).free / 2**30:.0f} GiB free")
+        ranks = common.spawn(_probe, mode, n_layers, steps, args, world=WORLD, timeout=args.timeout,
+                             rss_cap_mb=args.cap_mb if cap else None, env=ALLOCATORS[allocator])
+    except OverMemory as e:
         row.update(ok=False, reason=str(e))
     else:
         marks = {k: max(r["marks"][k] for r in ranks) for k in ranks[0]["marks"]}
         ok = marks["trained"] <= args.cap_mb
         losses = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(steps)]
-        row.update(ok=ok, reason="" if ok else "ru_maxrss over the cap", params=ranks[0]["params"], marks=marks,
+        row.update(ok=ok, reason="" if ok else "peak RSS over the cap", params=ranks[0]["params"], marks=marks,
                    losses=losses, step_s=max(statistics.median(r["times"]) for r in ranks))
     finally:
         shutil.rmtree(args.probe_dir, ignore_errors=True)
     row["wall_s"] = time.perf_counter() - t0
     log.append(row)
-    peak = _fmt(row.get("marks", {}).get("trained"), ".0f")
+    peak = fmt(row.get("marks", {}).get("trained"), ".0f")
     print(f"probe {allocator} {mode} {n_layers} layers x {steps} steps: {'pass' if row['ok'] else 'fail'} "
           f"(peak {peak} MB{', ' + row['reason'] if row['reason'] else ''}) in {row['wall_s']:.0f} s",
           file=sys.stderr, flush=True)
     return row["ok"]
 
 
-def _search(fits, start: int, deadline: float) -> tuple[int, int | None, bool]:
+def _search(fits, start: int, deadline: float, max_probes: int | None = None) -> tuple[int, int | None, bool]:
     """Largest depth n with fits(n): double from `start` to the first failure (halve while the start
-    fails), then bisect to within ~5%. Returns (largest passing or 0, smallest failing or None, completed)."""
-    lo, hi, n = 0, None, start
+    fails), then bisect to within ~5%. Returns (largest passing or 0, smallest failing or None, completed);
+    it stops early at the deadline or after `max_probes` probes."""
+    lo, hi, n, probes = 0, None, start, 0
     while hi is None or (lo == 0 and hi > 1) or hi - lo > max(1, lo // 20):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or probes == max_probes:
             return lo, hi, False
+        probes += 1
         if fits(n):
             lo = n
         else:
@@ -698,7 +559,8 @@ def _part3_allocator(allocator: str, args, deadline: float) -> dict:
     for mode in ("none", "nvme"):
         # The offloaded search starts where stage 3 alone stopped: it only has to go up.
         start = max(2 if args.quick else 12, found.get("none", (0,))[0])
-        found[mode] = _search(lambda n, mode=mode: _try(mode, n, 1, allocator, args, log), start, deadline)
+        found[mode] = _search(lambda n, mode=mode: _try(mode, n, 1, allocator, args, log), start, deadline,
+                              args.max_probes)
     final = None
     if found["nvme"][0]:
         final_log: list[dict] = []
@@ -713,19 +575,21 @@ def _part3_allocator(allocator: str, args, deadline: float) -> dict:
     for r in log + ([final] if final else []):
         m = r.get("marks", {})
         rows.append([r["mode"], str(r["n_layers"]), f"{count(r['n_layers']) / 1e6:.1f}", str(r["steps"]),
-                     "pass" if r["ok"] else "fail", _fmt(m.get("start"), ".0f"), _fmt(m.get("built"), ".0f"),
-                     _fmt(m.get("wrapped"), ".0f"), _fmt(m.get("trained"), ".0f"), _fmt(r.get("step_s"), ".2f"),
+                     "pass" if r["ok"] else "fail", fmt(m.get("start"), ".0f"), fmt(m.get("built"), ".0f"),
+                     fmt(m.get("wrapped"), ".0f"), fmt(m.get("trained"), ".0f"), fmt(r.get("step_s"), ".2f"),
                      f"{r['wall_s']:.0f}", r["reason"] or "-"])
-    print(_table(["offload", "layers", "params M", "steps", "result", "peak MB at start", "after build",
-                  "after initialize", "after steps", "step s", "probe wall s", "why failed"], rows))
+    print(table(["offload", "layers", "params M", "steps", "result", "peak MB at start", "after build",
+                 "after initialize", "after steps", "step s", "probe wall s", "why failed"], rows))
     print()
     for mode in ("none", "nvme"):
         lo, hi, done = found[mode]
+        cut = "" if done else " (cut by the time or probe limit)"
         print(f"{mode}: largest passing {f'{lo} layers, {count(lo) / 1e6:.1f}M' if lo else '-'}; smallest failing "
-              f"{f'{hi} layers, {count(hi) / 1e6:.1f}M' if hi else '-'}{'' if done else ' (cut by the time limit)'}")
+              f"{f'{hi} layers, {count(hi) / 1e6:.1f}M' if hi else '-'}{cut}")
     ratio = count(found["nvme"][0]) / count(found["none"][0]) if found["none"][0] and found["nvme"][0] else None
-    print(f"target >= 5x the parameters with nvme offload: {_fmt(ratio)}x "
+    print(f"target >= 5x the parameters with nvme offload: {fmt(ratio)}x "
           f"({'met' if ratio and ratio >= 5 else 'MISSED'})")
+    common.print_ratio(f"parameters trained under the cap, nvme offload / stage 3 alone ({allocator})", ratio)
     if final:
         losses = final.get("losses", [])
         trend = "-"
@@ -736,7 +600,7 @@ def _part3_allocator(allocator: str, args, deadline: float) -> dict:
         peak = final.get("marks", {}).get("trained")
         print(f"{args.final_steps} steps on one fixed batch at the largest nvme size ({found['nvme'][0]} layers): "
               f"losses {' '.join(f'{x:.4f}' for x in losses) or '-'} ({trend}); "
-              f"peak RSS {_fmt(peak, '.0f')} MB ({'under' if peak and peak <= args.cap_mb else 'OVER'} the cap)"
+              f"peak RSS {fmt(peak, '.0f')} MB ({'under' if peak and peak <= args.cap_mb else 'OVER'} the cap)"
               f"{'; ' + final['reason'] if final['reason'] else ''}")
     return {"log": log, "final": final, "found": found, "ratio": ratio}
 
@@ -749,7 +613,7 @@ def part3(args) -> dict:
           f"1 thread each, batch {args.probe_batch}x{args.probe_seq} per rank, fp32, zero.FastAdamW. Each probe "
           "builds the model on the meta device (as the recipe does at stage 3), wraps it and trains one step "
           "in fresh processes; "
-          "peak RSS = ru_maxrss (largest rank), read after building, after zero.initialize and after the "
+          "peak RSS = VmHWM (largest rank), read after building, after zero.initialize and after the "
           "step; a probe also fails when the parent sees a rank's RSS over the cap (it is then killed). "
           f"Time limit {args.max_minutes:.0f} min, split between the allocator settings.")
     out = {}
@@ -774,47 +638,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="part 1: timed steps per optimizer")
     parser.add_argument("--rounds", type=int, default=None, help="parts 2, 4: alternating rounds of all variants")
     parser.add_argument("--steps", type=int, default=None, help="parts 2, 4: measured steps (after warmup)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=None, help="parts 2, 4: unmeasured steps (default 2; quick 1)")
     parser.add_argument("--batch", type=int, default=2, help="parts 2, 4: sequences per rank")
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=None, help="parts 2, 4: tokens per sequence (default 128; quick 64)")
+    parser.add_argument("--archs", default=None, help="part 4: models (default llama,gpt2; quick gpt2)")
     parser.add_argument("--bucket", type=int, default=25_000_000, help="reduce/all-gather bucket elements")
     parser.add_argument("--rss-cap-gib", type=float, default=None, help="part 3: peak RSS cap per rank")
     parser.add_argument("--max-minutes", type=float, default=None, help="part 3: time limit of the search")
     parser.add_argument("--probe-batch", type=int, default=1, help="part 3: sequences per rank")
     parser.add_argument("--probe-seq", type=int, default=32, help="part 3: tokens per sequence")
-    parser.add_argument("--final-steps", type=int, default=5, help="part 3: steps at the largest nvme size")
-    parser.add_argument("--allocators", default="glibc,mmap-1MiB",
-                        help=f"part 3: one search per C allocator setting, of {list(ALLOCATORS)}")
+    parser.add_argument("--max-probes", type=int, default=None, help="part 3: probes per search (default no limit; "
+                        "quick 1)")
+    parser.add_argument("--final-steps", type=int, default=None, help="part 3: steps at the largest nvme size "
+                        "(default 5; quick 2)")
+    parser.add_argument("--allocators", default=None, help="part 3: one search per C allocator setting, of "
+                        f"{list(ALLOCATORS)} (default all; quick mmap-1MiB)")
     parser.add_argument("--nvme-dir", default=None, help="where the nvme temp dirs go (default: the system temp)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args(argv)
     quick = args.quick
-    args.repeats = args.repeats or (3 if quick else 18)
+    common.quick_mode(quick, "torch.distributed.fsdp")
+    args.repeats = args.repeats or (2 if quick else 18)
     args.rounds = args.rounds or (1 if quick else 2)
     args.steps = args.steps or (2 if quick else 4)
+    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    args.seq = args.seq or (64 if quick else 128)
+    args.archs = args.archs or ("gpt2" if quick else "llama,gpt2")
     args.cap_mb = 1024 * (args.rss_cap_gib or (0.6 if quick else 1.5))
     args.max_minutes = args.max_minutes or (3 if quick else 24)
-    run_parts("offload", (part1, part2, part3, part4), args, argv)
-
-
-def run_parts(name: str, parts, args, argv: list[str] | None) -> dict:
-    """Run the selected parts (`args.parts`, e.g. "1,3") in order, print their times and the command,
-    and write the results to `args.json` if given."""
-    chosen = {int(p) for p in args.parts.split(",")}
-    out = {}
-    t0 = time.perf_counter()
-    for part, fn in enumerate(parts, start=1):
-        if part in chosen:
-            start = time.perf_counter()
-            out[f"part{part}"] = fn(args)
-            print(f"\n(part {part} took {(time.perf_counter() - start) / 60:.1f} min)", flush=True)
-    print(f"\ntotal {(time.perf_counter() - t0) / 60:.1f} min; command: python -m benchmarks.{name} "
-          f"{' '.join(argv if argv is not None else sys.argv[1:])}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-    return out
+    args.max_probes = args.max_probes or (1 if quick else None)
+    args.final_steps = args.final_steps or (2 if quick else 5)
+    args.allocators = args.allocators or ("mmap-1MiB" if quick else ",".join(ALLOCATORS))
+    common.run_parts("offload", (part1, part2, part3, part4), args, argv)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ other jobs on a shared machine reaches all of them.
     python -m benchmarks.pipeline                    # all three parts
     python -m benchmarks.pipeline --parts 1 --ms 4,8
     python -m benchmarks.pipeline --quick            # small model, few steps: a smoke run
+
+Without DeepSpeed (`import deepspeed` fails) part 2 runs ours alone, with a note.
 """
 
 from __future__ import annotations
@@ -21,20 +23,18 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import resource
 import statistics
 import sys
 import time
 import warnings
 from collections import defaultdict
 
-# Run as a script, this folder leads sys.path and its zero.py would shadow the zero package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if sys.path and os.path.abspath(sys.path[0]) == _HERE:
-    sys.path[0] = os.path.dirname(_HERE)
+if not __package__:  # run as a file: the repository root leads sys.path, not this folder (its zero.py)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks.offload import ADAMW, _fmt, _table, run_parts, spawn  # noqa: E402
-from benchmarks.zero import _rss  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import fmt, table  # noqa: E402
+from benchmarks.offload import ADAMW  # noqa: E402
 
 PP = 2
 # Every framework and layout steps torch's AdamW with its fused CPU kernel (the kernel zero.FastAdamW picks).
@@ -149,14 +149,13 @@ def _pipeline_case(schedule: str, m: int, args, memory: bool) -> dict:
     import torch
     import torch.distributed as dist
 
-    import zero
     from zero.parallel.pipeline import apply_pipeline
 
     dims = args.dims
     model = build_model(args)
     pipe = apply_pipeline(model, dims, schedule, microbatches=m, loss_fn=mean_cross_entropy)
-    engine = zero.initialize(pipe.module, functools.partial(torch.optim.AdamW, **ADAMW_FUSED),
-                             zero.ZeroConfig(stage=0, grad_accum_steps=m, clip_grad_norm=None), dims)
+    engine = common.initialize(pipe.module, functools.partial(torch.optim.AdamW, **ADAMW_FUSED), dims, plans=[pipe],
+                               stage=0, grad_accum_steps=m, clip_grad_norm=None)
     vocab = model.cfg.vocab_size
     pos = torch.arange(args.seq).expand(m * args.rows, args.seq)
     steps, losses = [], []
@@ -200,10 +199,8 @@ def _pipeline_case(schedule: str, m: int, args, memory: bool) -> dict:
 
 
 def _sweep(schedule: str, ms: list[int], args) -> list[dict]:
-    import zero
-
     warnings.filterwarnings("ignore")
-    args.dims = zero.ParallelDims(pp=PP)
+    args.dims = common.parallel_dims(pp=PP)
     return [_pipeline_case(schedule, m, args, memory=True) for m in ms]
 
 
@@ -316,11 +313,11 @@ def part1(args) -> dict:
                 continue
             t0 = time.perf_counter()
             try:
-                ranks = spawn(_sweep, (schedule, run_ms, args), world=PP, timeout=args.timeout)
-            except (RuntimeError, TimeoutError) as e:
+                ranks = common.spawn(_sweep, schedule, run_ms, args, world=PP, timeout=args.timeout)
+            except common.RankFailed as e:
                 lines = [x for x in str(e).strip().splitlines() if x.strip()]
                 failed[schedule] = lines[-1] if lines else repr(e)
-                print(f"{schedule}: FAILED: {failed[schedule]}", file=sys.stderr, flush=True)
+                common.failed(f"part 1: {schedule}", e)
                 continue
             for i, m in enumerate(run_ms):
                 results[(schedule, m)].append([rk[i] for rk in ranks])
@@ -354,16 +351,16 @@ def part1(args) -> dict:
                 rows.append([schedule, str(m)] + ["-"] * 11 + [why])
                 continue
             rows.append([
-                schedule, str(m), _fmt(c["theory"], ".3f") if c["theory"] is not None else "~0",
+                schedule, str(m), fmt(c["theory"], ".3f") if c["theory"] is not None else "~0",
                 f"{c['idle'][0]:.3f}", f"{c['idle'][1]:.3f}", f"**{c['bubble']:.3f}**",
                 f"{c['own_idle'][0]:.3f} / {c['own_idle'][1]:.3f}",
-                _fmt(c["bubble"] / base["bubble"]) if base and base["bubble"] > 0 else "-",
-                f"{c['step_s']:.3f}", _fmt(c["step_s"] / base["step_s"]) if base else "-",
-                _fmt(sum(c["busy"]) / sum(base["busy"])) if base else "-",
+                fmt(c["bubble"] / base["bubble"]) if base and base["bubble"] > 0 else "-",
+                f"{c['step_s']:.3f}", fmt(c["step_s"] / base["step_s"]) if base else "-",
+                fmt(sum(c["busy"]) / sum(base["busy"])) if base else "-",
                 f"{c['busy'][0]:.3f} / {c['busy'][1]:.3f}", f"{c['loss0']:.5f}", ""])
-    print(_table(["schedule", "m", "theory", "idle rank 0", "idle rank 1", "bubble", "own idle r0 / r1",
-                  "bubble vs 1f1b", "step s", "step vs 1f1b", "busy vs 1f1b", "busy s r0 / r1", "loss step 0",
-                  "note"], rows))
+    print(table(["schedule", "m", "theory", "idle rank 0", "idle rank 1", "bubble", "own idle r0 / r1",
+                 "bubble vs 1f1b", "step s", "step vs 1f1b", "busy vs 1f1b", "busy s r0 / r1", "loss step 0",
+                 "note"], rows))
 
     print("\nBusy time by kind (s, rank 0 / rank 1; I + W = a full backward split in two):\n")
     krows = []
@@ -374,7 +371,7 @@ def part1(args) -> dict:
                 continue
             krows.append([schedule, str(m)] + [
                 " / ".join(f"{c['busy_by_kind'][r][k]:.3f}" for r in range(PP)) for k in "FBIW"])
-    print(_table(["schedule", "m", "F", "B", "I", "W"], krows))
+    print(table(["schedule", "m", "F", "B", "I", "W"], krows))
 
     show = ms[len(ms) // 2]
     print(f"\nTimelines at m={show} (last measured step; F/B/I/W first stage of the rank, f/b/i/w its "
@@ -405,9 +402,9 @@ def part1(args) -> dict:
             until = ", ".join(f"s{s}: {h}" for s, h in sorted(c["until_released"].items()))
             mrows.append([schedule, str(m), f"{c['max_held'][0]} / {c['max_held'][1]} ({held})", until,
                           f"{c['saved_peak'][0] / 2**20:.1f} / {c['saved_peak'][1] / 2**20:.1f}",
-                          _fmt(max(c["saved_peak"]) / max(gp["saved_peak"])) if gp else "-"])
-    print(_table(["schedule", "m", "max held r0 / r1 (per stage)", "held until B or W (per stage)", "saved MiB r0 / r1",
-                  "largest rank vs gpipe"], mrows))
+                          fmt(max(c["saved_peak"]) / max(gp["saved_peak"])) if gp else "-"])
+    print(table(["schedule", "m", "max held r0 / r1 (per stage)", "held until B or W (per stage)", "saved MiB r0 / r1",
+                 "largest rank vs gpipe"], mrows))
 
     print("\nAgainst the targets:")
     verdicts = {}
@@ -419,14 +416,16 @@ def part1(args) -> dict:
                 continue
             ratio = c["bubble"] / base["bubble"] if base["bubble"] > 0 else None
             verdicts[(schedule, m)] = ratio
-            print(f"- m={m} {schedule}: bubble {c['bubble']:.3f} vs 1f1b {base['bubble']:.3f} = {_fmt(ratio, '.3f')}x "
+            print(f"- m={m} {schedule}: bubble {c['bubble']:.3f} vs 1f1b {base['bubble']:.3f} = {fmt(ratio, '.3f')}x "
                   f"(target <= 0.5x: {'met' if ratio is not None and ratio <= 0.5 else 'MISSED'}); step time "
                   f"{c['step_s'] / base['step_s']:.2f}x 1f1b, busy {sum(c['busy']) / sum(base['busy']):.2f}x")
+            common.print_ratio(f"pp={PP} bubble at m={m}, {schedule} / 1f1b", ratio)
         for schedule in ("gpipe", "1f1b"):
             c = cases.get((schedule, m))
             if c is not None:
                 print(f"- m={m} {schedule}: bubble {c['bubble']:.3f}, theory {c['theory']:.3f} "
                       f"(measured - theory {c['bubble'] - c['theory']:+.3f})")
+                common.print_ratio(f"pp={PP} bubble at m={m}, {schedule} measured / theory", c["bubble"] / c["theory"])
         c, g = cases.get(("1f1b", m)), cases.get(("gpipe", m))
         if c is not None:
             ok = max(c["held_by_stage"].values()) <= PP
@@ -490,12 +489,10 @@ def _vs_deepspeed(framework: str, args) -> dict:
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
-    baseline = _rss()
+    baseline = common.rss_mb()
     m = args.ds_m
     if framework.startswith("ours "):
-        import zero
-
-        args.dims = zero.ParallelDims(pp=PP)
+        args.dims = common.parallel_dims(pp=PP)
         res = _pipeline_case(framework.split()[1], m, args, memory=False)
         times = [s["step_s"] for s in res["steps"]]
         losses = res["losses"]
@@ -546,13 +543,14 @@ def _vs_deepspeed(framework: str, args) -> dict:
     else:
         raise ValueError(framework)
     med = {k: statistics.median(p[k] for p in parts) for k in ("compute", "optimizer", "rest", "cpu")}
-    return {"times": times, "losses": losses, "parts": med,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "baseline_rss_mb": baseline}
+    return {"times": times, "losses": losses, "parts": med, "peak_rss_mb": common.peak_rss_mb(),
+            "baseline_rss_mb": baseline}
 
 
 def part2(args) -> dict:
     # "ours 1f1b" is the comparison the target is about; further schedules of ours run alongside for reference.
-    variants = [f"ours {sched}" for sched in args.ds_ours.split(",")] + ["deepspeed"]
+    variants = common.without_deepspeed([f"ours {sched}" for sched in args.ds_ours.split(",")] + ["deepspeed"],
+                                        "part 2: DeepSpeed's pipeline engine")
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     errors = {}
     load = [os.getloadavg()[0]]
@@ -561,10 +559,13 @@ def part2(args) -> dict:
             if variant in errors:
                 continue
             try:
-                ranks = spawn(_vs_deepspeed, (variant, args), world=PP, timeout=args.timeout, env=DS_ENV)
-            except (RuntimeError, TimeoutError) as e:
+                ranks = common.spawn(_vs_deepspeed, variant, args, world=PP, timeout=args.timeout, env=DS_ENV)
+            except common.RankFailed as e:
                 errors[variant] = str(e)
-                print(f"{variant}: FAILED:\n{e}", file=sys.stderr, flush=True)
+                if variant == "deepspeed":  # the peer's failure is a result (reported below), ours a bug
+                    print(f"{variant}: FAILED:\n{e}", file=sys.stderr, flush=True)
+                else:
+                    common.failed(f"part 2: {variant}", e)
                 continue
             # The slowest rank per step, then the median over steps
             step_s = statistics.median(max(x) for x in zip(*(rk["times"] for rk in ranks)))
@@ -589,25 +590,25 @@ def part2(args) -> dict:
         print(f"DeepSpeed did not run: {lines[-1] if lines else errors['deepspeed']}")
     rows = []
     for r in range(args.ds_rounds):
-        ds = runs["deepspeed"][r] if r < len(runs["deepspeed"]) else None
+        ds = runs["deepspeed"][r] if r < len(runs.get("deepspeed", [])) else None
         for variant in variants:
             x = runs[variant][r] if r < len(runs[variant]) else None
             if x is None:
                 continue
-            rows.append([str(r + 1), variant, f"{x['step_s']:.3f}", _fmt(x["step_s"] / ds["step_s"]) if ds else "-"]
+            rows.append([str(r + 1), variant, f"{x['step_s']:.3f}", fmt(x["step_s"] / ds["step_s"]) if ds else "-"]
                         + [" / ".join(f"{p[k]:.3f}" for p in x["parts"])
                            for k in ("compute", "optimizer", "rest", "cpu")]
                         + [f"{x['peak_rss_mb']:.0f}", f"{x['train_rss_mb']:.0f}",
                            " ".join(f"{v:.5f}" for v in x["losses"])])
-    print(_table(["round", "framework", "step s", "vs DeepSpeed", "compute s r0 / r1", "optimizer s r0 / r1",
-                  "rest s r0 / r1", "CPU s r0 / r1", "peak RSS MB", "train RSS MB", "losses"], rows))
+    print(table(["round", "framework", "step s", "vs DeepSpeed", "compute s r0 / r1", "optimizer s r0 / r1",
+                 "rest s r0 / r1", "CPU s r0 / r1", "peak RSS MB", "train RSS MB", "losses"], rows))
     print("\ncompute = forward + backward computations of the rank's stage (ours: `timeline.busy`; DeepSpeed: its "
           "ForwardPass and BackwardPass instructions, timed by wrapping its instruction map); optimizer = "
           "`engine.step()` / its OptimizerStep; rest = the step time less both: waiting on the other stage, "
           "sends and receives, loss, schedule bookkeeping; CPU = the process's CPU time over the step, all threads "
           "(what the step cost the machine, less sensitive to other jobs' load than wall time). Medians per rank.\n")
     out: dict = {"runs": runs, "errors": errors, "ratio": {}, "cpu_ratio": {}, "loss_diff": {}}
-    if not runs["deepspeed"]:
+    if not runs.get("deepspeed"):
         return out
     med = {v: statistics.median(x["step_s"] for x in rs) for v, rs in runs.items() if rs}
     cpu = {v: statistics.median(max(p["cpu"] for p in x["parts"]) for x in rs) for v, rs in runs.items() if rs}
@@ -623,6 +624,7 @@ def part2(args) -> dict:
               + f"; CPU time per step (larger rank) {cpu[variant]:.3f} s vs {cpu['deepspeed']:.3f} s = "
               f"{cpu[variant] / cpu['deepspeed']:.2f}x; losses: step 0 differs by {diff[0]:.2e}, at most "
               f"{max(diff):.2e} over {len(diff)} steps")
+        common.print_ratio(f"pp={PP} step time, {variant} / DeepSpeed", ratio)
         out["ratio"][variant], out["cpu_ratio"][variant] = ratio, cpu[variant] / cpu["deepspeed"]
         out["loss_diff"][variant] = diff
     return out
@@ -634,12 +636,11 @@ def _tp_run(layout: dict, args) -> dict:
     import torch
     import torch.distributed as dist
 
-    import zero
     from zero.dist import comm
     from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
     warnings.filterwarnings("ignore")
-    baseline = _rss()
+    baseline = common.rss_mb()
     # Time spent inside zero.dist.comm's collectives (tensor parallelism and the engine call them through the module).
     in_comm = [0.0, 0]
 
@@ -655,14 +656,13 @@ def _tp_run(layout: dict, args) -> dict:
 
     for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
         setattr(comm, name, timed(getattr(comm, name)))
-    dims = zero.ParallelDims(**layout)
+    dims = common.parallel_dims(**layout)
     coord = dims.coordinate()
     model = build_model(args)
     vocab = model.cfg.vocab_size
     tp = apply_tensor_parallel(model, dims.tp_group)
-    engine = zero.initialize(model, functools.partial(torch.optim.AdamW, **ADAMW_FUSED),
-                             zero.ZeroConfig(stage=0, clip_grad_norm=None), dims,
-                             replicated_params=tp.replicated_params)
+    engine = common.initialize(model, functools.partial(torch.optim.AdamW, **ADAMW_FUSED), dims, plans=[tp],
+                               stage=0, clip_grad_norm=None)
     param_bytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     breakdown = engine.memory_breakdown()
     per = args.tp_rows // dims.dp
@@ -693,7 +693,7 @@ def _tp_run(layout: dict, args) -> dict:
     engine.close()
     return {"times": times, "losses": losses, "comm_s": statistics.median(comm_s), "comm_calls": max(comm_calls),
             "cpu_s": statistics.median(cpu_s), "param_bytes": param_bytes, "breakdown": breakdown,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "baseline_rss_mb": baseline}
+            "peak_rss_mb": common.peak_rss_mb(), "baseline_rss_mb": baseline}
 
 
 TP_LAYOUTS = {"tp=1, 1 rank": ({"dp": 1}, 1), "dp=2": ({"dp": 2}, 2), "tp=2": ({"tp": 2}, 2)}
@@ -704,7 +704,7 @@ def part3(args) -> dict:
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for name, (layout, world) in TP_LAYOUTS.items():
-            ranks = spawn(_tp_run, (layout, args), world=world, timeout=args.timeout)
+            ranks = common.spawn(_tp_run, layout, args, world=world, timeout=args.timeout)
             step_s = statistics.median(max(x) for x in zip(*(rk["times"] for rk in ranks)))
             runs[name].append({"step_s": step_s, "losses": ranks[0]["losses"],
                                "comm_s": max(rk["comm_s"] for rk in ranks), "comm_calls": ranks[0]["comm_calls"],
@@ -738,15 +738,17 @@ def part3(args) -> dict:
                      f"{statistics.median(r['cpu_s'] for r in v):.3f}",
                      " ".join(f"{r['step_s']:.3f}" for r in v), f"{x['peak_rss_mb']:.0f}", f"{x['train_rss_mb']:.0f}",
                      " ".join(f"{val:.5f}" for val in x["losses"])])
-    print(_table(["layout", "param MB / rank", "memory_breakdown params MB", "params vs tp=1", "step s",
-                  "vs dp=2", "vs tp=1 (1 rank)", "in collectives s (calls)", "CPU s", "per round", "peak RSS MB",
-                  "train RSS MB", "losses"], rows))
+    print(table(["layout", "param MB / rank", "memory_breakdown params MB", "params vs tp=1", "step s",
+                 "vs dp=2", "vs tp=1 (1 rank)", "in collectives s (calls)", "CPU s", "per round", "peak RSS MB",
+                 "train RSS MB", "losses"], rows))
     ratio = first["tp=2"]["param_bytes"] / one["param_bytes"]
     diff = max(abs(a - b) for name in runs for a, b in zip(first[name]["losses"], one["losses"]))
     print(f"\ntp=2 parameter memory per rank {ratio:.3f}x tp=1 "
           f"(target <= 0.55: {'met' if ratio <= 0.55 else 'MISSED'}); "
           f"step time {med['tp=2'] / med['dp=2']:.2f}x dp=2 on the same cores, "
           f"{med['tp=2'] / med['tp=1, 1 rank']:.2f}x one rank; losses of the layouts differ by at most {diff:.2e}")
+    common.print_ratio("tp=2 parameter memory per rank / tp=1", ratio)
+    common.print_ratio("tp=2 step time / dp=2 on the same cores", med["tp=2"] / med["dp=2"])
     return {"runs": runs, "param_ratio": ratio, "loss_diff": diff}
 
 
@@ -760,7 +762,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ds-m", type=int, default=None, help="part 2: micro-batches per step (default 8; quick 4)")
     parser.add_argument("--rows", type=int, default=2, help="rows (sequences) per micro-batch")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128; quick 64)")
-    parser.add_argument("--ds-ours", default="1f1b,zbv", help="part 2: our schedules to run against DeepSpeed")
+    parser.add_argument("--ds-ours", default=None, help="part 2: our schedules to run against DeepSpeed "
+                        "(default 1f1b,zbv; quick 1f1b)")
     parser.add_argument("--ds-rounds", type=int, default=None, help="part 2: alternating rounds (default 3; quick 1)")
     parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size of the model")
     parser.add_argument("--tp-rows", type=int, default=4, help="part 3: sequences per step")
@@ -772,6 +775,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args(argv)
     q = args.quick
+    common.quick_mode(q, "zero.engine", "zero.parallel.pipeline", "zero.parallel.tensor", "recipes.models.llama")
+    args.ds_ours = args.ds_ours or ("1f1b" if q else "1f1b,zbv")
     args.ms = args.ms or ("2,4" if q else "2,4,8")
     args.ds_m = args.ds_m or (4 if q else 8)
     args.seq = args.seq or (64 if q else 128)
@@ -779,7 +784,8 @@ def main(argv: list[str] | None = None) -> None:
     args.steps = args.steps or (2 if q else 4)
     args.rounds = args.rounds or (1 if q else 2)
     args.ds_rounds = args.ds_rounds or (1 if q else 3)
-    run_parts("pipeline", (part1, part2, part3), args, argv)
+    common.run_parts("pipeline", (part1, part2, part3), args, argv)
+    common.finish()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ length that fits the step time dense needs at 4k, and writes a log-log plot of t
 this script.
 
     python benchmarks/sparse_attention.py --repeats 2           # everything (~16 minutes on a quiet 2-core CPU)
-    python benchmarks/sparse_attention.py --quick               # 2k-8k, smoke run
+    python benchmarks/sparse_attention.py --quick               # 1k only, no waiting for quiet: a smoke run
     python benchmarks/sparse_attention.py --probe fixed 16384   # one measurement, printed as JSON
     python benchmarks/sparse_attention.py --resume run.log      # re-measure only what run.log lacks or had noisy
 """
@@ -21,12 +21,16 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if not __package__:  # run as a file: the repository root leads sys.path, not this folder (its zero.py)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from benchmarks import common  # noqa: E402
+
+ROOT = common.ROOT
 
 HEADS, HEAD_DIM, BLOCK = 8, 64, 64
 # The layouts at the sizes of the issue: 64-token blocks, a 4-block window, 1-2 global blocks.
@@ -44,17 +48,9 @@ LENGTHS = (2048, 4096, 8192, 16384, 32768, 65536)
 MAX_PROBE_S = 240.0
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def probe(mode: str, seq: int) -> dict:
-    """Time and peak memory of forward + backward of `mode` at `seq` tokens, in this process."""
+def probe(mode: str, seq: int, runs: int = 3) -> dict:
+    """Time and peak memory of forward + backward of `mode` at `seq` tokens, in this process: the median of
+    `runs` runs after a warm-up one (the first alone when it took over 5 s)."""
     import torch
     from moe_lst.kernels.attention import attention
     from moe_lst.kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
@@ -83,7 +79,7 @@ def probe(mode: str, seq: int) -> dict:
         def fn():
             return block_sparse_attention(q, k, v, layout)
 
-    base = _rss_mib()
+    base = common.reset_peak_rss()  # the peak from here: the inputs exist already
 
     def run() -> float:
         start = time.perf_counter()
@@ -92,8 +88,8 @@ def probe(mode: str, seq: int) -> dict:
         return time.perf_counter() - start
 
     first = run()
-    times = [first] if first > 5 else [run() for _ in range(3)]
-    return {"mode": mode, "seq": seq, "time_s": statistics.median(times), "peak_mib": _peak_rss_mib() - base,
+    times = [first] if first > 5 else [run() for _ in range(runs)]
+    return {"mode": mode, "seq": seq, "time_s": statistics.median(times), "peak_mib": common.peak_rss_mb() - base,
             **extra}
 
 
@@ -120,30 +116,34 @@ def _wait_for_quiet(max_wait_s: float = 600.0) -> None:
             return
 
 
-def _run_probe(mode: str, seq: int, timeout: float, attempts: int = 3) -> dict:
+def _run_probe(mode: str, seq: int, timeout: float, attempts: int = 3, quiet: bool = True, timed: int = 3) -> dict:
     """One probe in a fresh process, on a quiet machine: a probe during which other processes used more than
-    15% of a core is repeated (up to `attempts` times; the fastest run is kept and flagged if none was quiet)."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(256 * 1024)}  # freed tensors leave RSS: peaks are real
-    cmd = [sys.executable, os.path.abspath(__file__), "--probe", mode, str(seq)]
+    15% of a core is repeated (up to `attempts` times; the fastest run is kept and flagged if none was quiet).
+    quiet=False (quick runs): at once, one attempt, the load of other processes not measured. `timed`: timed
+    runs of the probe."""
+    env = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024)}  # freed tensors leave RSS: peaks are real
     runs = []
-    for _ in range(attempts):
-        _wait_for_quiet()
+    for _ in range(attempts if quiet else 1):
+        if quiet:
+            _wait_for_quiet()
         busy, ours, start = _cpu_busy_s(), _children_cpu_s(), time.monotonic()
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
+            (result,) = common.spawn(probe, mode, seq, timed, timeout=timeout, env=env)
+        except common.RankTimeout:
             return {"mode": mode, "seq": seq, "skipped": f"over {timeout:.0f} s"}
-        if proc.returncode:
-            return {"mode": mode, "seq": seq, "skipped": f"failed: {proc.stderr.strip().splitlines()[-1]}"}
+        except common.RankFailed as e:
+            common.failed(f"probe {mode} {seq}", e)
+            return {"mode": mode, "seq": seq, "skipped": f"failed: {str(e).strip().splitlines()[-1]}"}
+        if not quiet:
+            return result
         others = (_cpu_busy_s() - busy) - (_children_cpu_s() - ours)
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
         result["other_load"] = round(max(0.0, others) / (time.monotonic() - start), 2)  # cores used by others
         runs.append(result)
         if result["other_load"] < 0.15 or result["time_s"] > 60:  # a minute-long probe is not repeated
             break
-    quiet = [r for r in runs if r["other_load"] < 0.15]
-    best = min(quiet or runs, key=lambda r: r["time_s"])
-    if not quiet:
+    quiet_runs = [r for r in runs if r["other_load"] < 0.15]
+    best = min(quiet_runs or runs, key=lambda r: r["time_s"])
+    if not quiet_runs:
         best["noisy"] = True
     return best
 
@@ -246,21 +246,31 @@ def layout_images(path: str, seq: int = 2048) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--probe", nargs=2, metavar=("MODE", "SEQ"))
-    parser.add_argument("--quick", action="store_true", help="2k-8k only")
+    parser.add_argument("--quick", action="store_true", help="1k only, one timed run per cell, no waiting for quiet")
     parser.add_argument("--modes", nargs="*", default=list(MODES))
     parser.add_argument("--repeats", type=int, default=1, help="probes per cell under 30 s; the fastest is kept")
     parser.add_argument("--resume", metavar="LOG", help="keep the quiet measurements printed in an earlier run's "
                         "output and measure only the rest")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "sparse_attention"))
+    parser.add_argument("--out", default=None, help="plot path prefix (default: benchmarks/sparse_attention; "
+                        "quick: a temporary directory)")
     args = parser.parse_args()
     if args.probe:
         print(json.dumps(probe(args.probe[0], int(args.probe[1]))))
         return
     import torch
 
-    lengths = LENGTHS[:3] if args.quick else LENGTHS
+    quick = args.quick
+    common.quick_mode(quick, "moe_lst.kernels.sparse", "moe_lst.kernels.nsa")
+    if args.out is None:
+        args.out = os.path.join(tempfile.mkdtemp() if quick else os.path.join(ROOT, "benchmarks"), "sparse_attention")
+    lengths = (1024,) if quick else LENGTHS
+    budget_seq, refine = (1024, 0) if quick else (4096, 2)  # the budget: dense's step time at budget_seq tokens
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, heads {HEADS}, head_dim {HEAD_DIM}, "
           f"block {BLOCK}", flush=True)
+
+    def measure(mode: str, seq: int) -> dict:
+        return _run_probe(mode, seq, timeout=3 * MAX_PROBE_S, quiet=not quick, timed=1 if quick else 3)
+
     # Lengths outside, modes inside, and every probe `--repeats` times keeping the fastest: load from other
     # processes on the machine only ever slows a probe down, and it hits the modes of one length alike.
     results: dict = {}
@@ -275,19 +285,20 @@ def main() -> None:
                 results[(mode, s)] = {"mode": mode, "seq": s,
                                       "skipped": f"projected {previous[mode] * growth:.0f} s > {MAX_PROBE_S:.0f} s"}
             else:
-                runs = [_run_probe(mode, s, timeout=3 * MAX_PROBE_S)]
+                runs = [measure(mode, s)]
                 while len(runs) < args.repeats and runs[0].get("time_s", float("inf")) < 30:
-                    runs.append(_run_probe(mode, s, timeout=3 * MAX_PROBE_S))
+                    runs.append(measure(mode, s))
                 results[(mode, s)] = min(runs, key=lambda r: r.get("time_s", float("inf")))
             previous[mode] = results[(mode, s)].get("time_s", float("inf"))
             print(json.dumps(results[(mode, s)]), flush=True)
     lines = ["Forward + backward seconds (peak MiB above the inputs; * = other processes used over 15% of a core "
              "during every attempt):", "", *table(results, lengths), "",
              "Speed-up over dense SDPA (dense time / mode time):", "", *speedups(results, lengths)]
-    if ("dense", 4096) in results and "time_s" in results[("dense", 4096)]:
-        budget = results[("dense", 4096)]["time_s"]
-        lines += ["", f"Within dense's 4k step time ({budget:.3f} s), the longest length per mode (measured "
-                      "lengths, then two bisection probes between the last that fits and the next):"]
+    k = f"{budget_seq // 1024}k"
+    if ("dense", budget_seq) in results and "time_s" in results[("dense", budget_seq)]:
+        budget = results[("dense", budget_seq)]["time_s"]
+        lines += ["", f"Within dense's {k} step time ({budget:.3f} s), the longest length per mode (measured "
+                      f"lengths, then {refine} bisection probes between the last that fits and the next):"]
         for mode in args.modes[1:] if args.modes[0] == "dense" else args.modes:
             if mode == "dense":
                 continue
@@ -296,21 +307,27 @@ def main() -> None:
                 lines.append(f"- {mode}: none")
                 continue
             lo, hi = best[0], best[0] * 2
-            for _ in range(2):
+            for _ in range(refine):
                 mid = (lo + hi) // 2 // BLOCK * BLOCK
-                r = kept.get((mode, mid)) or min((_run_probe(mode, mid, timeout=3 * MAX_PROBE_S)
-                                                  for _ in range(args.repeats)),
+                r = kept.get((mode, mid)) or min((measure(mode, mid) for _ in range(args.repeats)),
                                                  key=lambda r: r.get("time_s", float("inf")))
                 print(json.dumps(r), flush=True)
                 if r.get("time_s", float("inf")) <= budget:
                     lo, best = mid, (mid, r["time_s"])
                 else:
                     hi = mid
-            lines.append(f"- {mode}: {best[0]} tokens ({best[0] / 4096:.1f}x 4k) in {best[1]:.3f} s")
+            lines.append(f"- {mode}: {best[0]} tokens ({best[0] / budget_seq:.1f}x {k}) in {best[1]:.3f} s")
     print("\n".join(lines))
+    dense = results.get(("dense", lengths[-1]), {})
+    for mode in args.modes:
+        r = results.get((mode, lengths[-1]), {})
+        if mode != "dense" and "time_s" in dense and "time_s" in r:
+            common.print_ratio(f"{lengths[-1] // 1024}k tokens fwd+bwd time, dense SDPA / {mode}",
+                               dense["time_s"] / r["time_s"])
     plot(results, lengths, args.out + ".png")
     layout_images(args.out + "_layouts.png")
     print(f"plot: {args.out}.png, layouts: {args.out}_layouts.png")
+    common.finish()
 
 
 if __name__ == "__main__":

@@ -4,33 +4,26 @@ Both wrap the same local attention (moe_lst.kernels.attention.attention) on the 
 forward+backward (interleaved rounds, median) and measure peak RSS per rank in fresh processes.
 
     python benchmarks/ulysses.py            # full run (seq 8192, MHA and GQA)
-    python benchmarks/ulysses.py --quick    # smoke run (seq 2048, MHA)
+    python benchmarks/ulysses.py --quick    # smoke run (seq 1024, MHA)
+
+Without DeepSpeed (`import deepspeed` fails) its side is skipped with a note; ours runs against sp=1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import time
-from datetime import timedelta
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a file: the repository root leads sys.path, not this folder (its zero.py)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+from benchmarks import common  # noqa: E402
 
 
 def _make_impl(name: str, group):
@@ -85,13 +78,12 @@ def _layer_step(fn, shape: tuple, P: int, rank: int) -> None:
     layer(x, cos, sin).backward(torch.randn(b, sl, h * d))
 
 
-def _worker(rank: int, P: int, port: int, mode: str, impls: list[str], shape: tuple, iters: int,
-            queue) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    torch.set_num_threads(1)
+def _case(mode: str, impls: list[str], shape: tuple, iters: int) -> dict:
+    """One rank of a run (`mode` time, memory or layer_memory) of `impls` over the spawned ranks."""
+    P = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if P > 1 else 0
     group = None
     if P > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=P, timeout=timedelta(seconds=600))
         group = dist.new_group(list(range(P)))
         if "deepspeed" in impls:
             import deepspeed
@@ -102,20 +94,20 @@ def _worker(rank: int, P: int, port: int, mode: str, impls: list[str], shape: tu
     for name in impls:
         # A tiny step first loads kernels and allocator arenas, which are not this step's memory.
         _step(fns[name], *_inputs(b, 16 * P, h, hkv, d, P, rank))
-    rss0 = _rss_mib()  # before the inputs: the peak counts inputs, grads and every buffer
+    rss0 = common.reset_peak_rss()  # before the inputs: the peak counts inputs, grads and every buffer
     q, k, v, g = _inputs(b, s, h, hkv, d, P, rank)
     result = {}
     if mode == "memory":
         (name,) = impls
         _step(fns[name], q, k, v, g)
-        result["peak_mib"] = _peak_rss_mib() - rss0
+        result["peak_mib"] = common.peak_rss_mb() - rss0
     elif mode == "layer_memory":
         (name,) = impls
         del q, k, v, g
         _layer_step(fns[name], (b, 16 * P, h, hkv, d), P, rank)  # warm-up at a tiny length
-        rss0 = _rss_mib()
+        rss0 = common.reset_peak_rss()
         _layer_step(fns[name], shape, P, rank)
-        result["peak_mib"] = _peak_rss_mib() - rss0
+        result["peak_mib"] = common.peak_rss_mb() - rss0
     else:
         for name in impls:  # warm-up
             _step(fns[name], q, k, v, g)
@@ -128,29 +120,11 @@ def _worker(rank: int, P: int, port: int, mode: str, impls: list[str], shape: tu
                 _step(fns[name], q, k, v, g)
                 times[name].append(time.perf_counter() - t0)
         result["times"] = times
-    queue.put((rank, result))
-    if P > 1:
-        dist.destroy_process_group()
+    return result
 
 
 def _run(P: int, mode: str, impls: list[str], shape: tuple, iters: int = 0) -> list[dict]:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, P, port, mode, impls, shape, iters, queue))
-             for r in range(P)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=900) for _ in range(P))
-    for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            raise RuntimeError(f"benchmark rank exited with code {p.exitcode}")
-    return [results[r] for r in range(P)]
+    return common.spawn(_case, mode, impls, shape, iters, world=P, timeout=900)
 
 
 def main() -> None:
@@ -162,32 +136,45 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=None, help="global sequence length")
     parser.add_argument("--iters", type=int, default=None)
     args = parser.parse_args()
-    seq = args.seq or (2048 if args.quick else 8192)
+    common.quick_mode(args.quick, "recipes.models.llama", "sequence_parallel")
+    seq = args.seq or (1024 if args.quick else 8192)
     iters = args.iters or (2 if args.quick else 4)
     P = 2
     cases = {"MHA h=8": (1, seq, 8, 8, 64), "GQA h=8 kv=2": (1, seq, 8, 2, 64)}
     if args.quick:
         cases.pop("GQA h=8 kv=2")
+    impls = common.without_deepspeed(["ours", "deepspeed"], "DeepSpeed's DistributedAttention")
     print(f"Ulysses attention forward+backward, sp={P} gloo ranks on CPU, seq={seq}, head_dim=64, "
           f"{iters} interleaved rounds (median)")
     header = (f"{'case':<14} {'ours ms':>8} {'DS ms':>8} {'ours/DS':>7} | {'level':<5} {'sp1 MiB':>7} "
               f"{'ours MiB':>8} {'DS MiB':>7} {'ours/sp1':>8} {'DS/sp1':>6}")
     print(header)
     print("-" * len(header))
+    ratios = []
     for case, shape in cases.items():
-        timing = _run(P, "time", ["ours", "deepspeed"], shape, iters)
-        med = {n: max(statistics.median(r["times"][n]) for r in timing) * 1e3 for n in ("ours", "deepspeed")}
+        timing = _run(P, "time", impls, shape, iters)
+        med = {n: max(statistics.median(r["times"][n]) for r in timing) * 1e3 for n in impls}
+        med.setdefault("deepspeed", None)
         for level, mode in (("op", "memory"), ("layer", "layer_memory")):
             sp1 = _run(1, mode, ["sp1"], shape)[0]["peak_mib"]
-            mem = {n: max(r["peak_mib"] for r in _run(P, mode, [n], shape)) for n in ("ours", "deepspeed")}
-            times = (f"{med['ours']:>8.1f} {med['deepspeed']:>8.1f} {med['ours'] / med['deepspeed']:>7.2f}"
+            mem = {n: max(r["peak_mib"] for r in _run(P, mode, [n], shape)) for n in impls}
+            mem.setdefault("deepspeed", None)
+            vs_ds = med["ours"] / med["deepspeed"] if med["deepspeed"] else None
+            times = (f"{med['ours']:>8.1f} {common.fmt(med['deepspeed'], '.1f'):>8} {common.fmt(vs_ds):>7}"
                      if level == "op" else " " * 25)
+            ds_sp1 = mem["deepspeed"] / sp1 if mem["deepspeed"] is not None else None
             print(f"{case if level == 'op' else '':<14} {times} | {level:<5} {sp1:>7.1f} {mem['ours']:>8.1f} "
-                  f"{mem['deepspeed']:>7.1f} {mem['ours'] / sp1:>8.2f} {mem['deepspeed'] / sp1:>6.2f}", flush=True)
+                  f"{common.fmt(mem['deepspeed'], '.1f'):>7} {mem['ours'] / sp1:>8.2f} {common.fmt(ds_sp1):>6}",
+                  flush=True)
+            if level == "op" and vs_ds is not None:
+                ratios.append((f"{case} attention fwd+bwd time, ours / DeepSpeed", vs_ds))
+            ratios.append((f"{case} {level} peak memory per rank, ours sp={P} / sp=1", mem["ours"] / sp1))
     print("ms: slowest rank's median forward+backward of the attention op. MiB: peak RSS growth of one rank "
           "(largest over ranks) from before the inputs were made; op = q, k, v in, attention, grads out; "
           "layer = a Llama attention layer (q/k/v/o projections + RoPE + attention) on the rank's shard. "
           "sp1 = the same global batch in one process.")
+    for what, value in ratios:
+        common.print_ratio(what, value)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ framework in fresh processes (so peak RSS is its own), and prints step time, pea
 per step and the loss of each.
 
     python -m benchmarks.zero            # full run (stages 1, 2, 3)
-    python -m benchmarks.zero --quick    # small model, 2 measured steps: a smoke run
+    python -m benchmarks.zero --quick    # small model, 2 measured steps, stages 1 and 3: a smoke run (~5 s)
+
+Without DeepSpeed (`import deepspeed` fails) its side is skipped with a note; FSDP2 always runs.
 """
 
 from __future__ import annotations
@@ -13,22 +15,17 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import multiprocessing as mp
 import os
-import resource
 import statistics
 import sys
 import time
-import traceback
 import warnings
 from collections import defaultdict
 
-# Run as a script, this folder leads sys.path and its zero.py would shadow the zero package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if sys.path and os.path.abspath(sys.path[0]) == _HERE:
-    sys.path[0] = os.path.dirname(_HERE)
+if not __package__:  # run as a file: the repository root leads sys.path, not this folder (its zero.py)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from tests.multirank import free_port  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 WORLD = 2
 
@@ -88,19 +85,6 @@ def _model_config(quick: bool):
     return ModelConfig(vocab_size=32000, dim=512, n_layers=12, n_heads=8, n_kv_heads=4, max_seq_len=256)
 
 
-def _engine_step(engine):
-    """One training step through an engine with the DeepSpeed-style API (ours and DeepSpeed share it)."""
-    import torch.nn.functional as F
-
-    def train_step(x, y):
-        loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    return train_step
-
-
 def fsdp2_step(model, **adamw):
     """FSDP2 (`fully_shard` on every block of `model.layers` and on the root) with torch AdamW: one step."""
     import torch
@@ -124,9 +108,10 @@ def fsdp2_step(model, **adamw):
     return train_step
 
 
-def timed_steps(train_step, vocab: int, rank: int, counts: dict, args) -> tuple[list, list, list]:
-    """Warm-up then measured steps on fixed random batches (this rank's rows of each global batch):
-    (measured step seconds, every loss, bytes sent per step), every step between two barriers."""
+def timed_steps(train_step, vocab: int, rank: int, counts: dict, args) -> dict:
+    """Warm-up then measured steps on fixed random batches (this rank's rows of each global batch), every
+    step between two barriers: the median measured step time, every loss, the median bytes sent per
+    measured step, this process's peak RSS."""
     import torch
     import torch.distributed as dist
 
@@ -146,18 +131,24 @@ def timed_steps(train_step, vocab: int, rank: int, counts: dict, args) -> tuple[
         losses.append(loss.item())
         if i >= args.warmup:
             times.append(elapsed)
-    return times, losses, step_bytes
+    return {"step_s": statistics.median(times), "losses": losses,
+            "bytes_per_step": statistics.median(step_bytes[args.warmup:]), "peak_rss_mb": common.peak_rss_mb()}
+
+
+def rank_start() -> tuple[int, dict, float]:
+    """A rank's start of a run: (its rank, its byte counters, now installed, its RSS before the model)."""
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    counts: dict = defaultdict(float)
+    _install_counters(counts)
+    return dist.get_rank(), counts, common.rss_mb()
 
 
 def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
     import torch
-    import torch.distributed as dist
 
-    warnings.filterwarnings("ignore")
-    rank = dist.get_rank()
-    counts: dict = defaultdict(float)
-    _install_counters(counts)
-    baseline_rss = _rss()
+    rank, counts, baseline_rss = rank_start()
     from recipes.models.llama import Transformer
 
     cfg = _model_config(args.quick)
@@ -167,13 +158,11 @@ def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
     adamw = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
     if framework == "ours":
-        import zero
-
-        config = zero.ZeroConfig(stage=stage, clip_grad_norm=None, reduce_bucket_size=args.bucket,
-                                 allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1)
-        engine = zero.initialize(model, functools.partial(torch.optim.AdamW, **adamw), config,
-                                 zero.ParallelDims(dp=WORLD))
-        train_step = _engine_step(engine)
+        engine = common.initialize(model, functools.partial(torch.optim.AdamW, **adamw),
+                                   common.parallel_dims(dp=WORLD), stage=stage, clip_grad_norm=None,
+                                   reduce_bucket_size=args.bucket, allgather_bucket_size=args.bucket,
+                                   overlap_comm=True, prefetch_depth=1)
+        train_step = common.engine_step(engine)
     elif framework == "deepspeed":
         import deepspeed
 
@@ -190,66 +179,18 @@ def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
         }
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **adamw),
                                           config=ds_config, dist_init_required=False)
-        train_step = _engine_step(engine)
+        train_step = common.engine_step(engine)
     elif framework == "fsdp2":
         train_step = fsdp2_step(model, **adamw)
     else:
         raise ValueError(framework)
 
-    times, losses, step_bytes = timed_steps(train_step, cfg.vocab_size, rank, counts, args)
-    return {
-        "params": n_params,
-        "step_s": statistics.median(times),
-        "losses": losses,
-        "bytes_per_step": statistics.median(step_bytes[args.warmup:]),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "baseline_rss_mb": baseline_rss,
-    }
-
-
-def _rss() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
-
-
-def _worker(rank: int, port: int, framework: str, stage: int, args, results) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(WORLD)})
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(args.threads)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        results.put((rank, _run(framework, stage, args)))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return {"params": n_params, **timed_steps(train_step, cfg.vocab_size, rank, counts, args),
+            "baseline_rss_mb": baseline_rss}
 
 
 def run_framework(framework: str, stage: int, args) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, framework, stage, args, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < WORLD:
-            rank, value = results.get(timeout=args.timeout)
-            if isinstance(value, str):
-                raise RuntimeError(f"{framework} stage {stage} rank {rank} failed:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(WORLD)]
+    return common.spawn(_run, framework, stage, args, world=WORLD, threads=args.threads, timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -258,18 +199,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--frameworks", default="ours,deepspeed,fsdp2")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (after warmup)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps first (default 2; quick 1)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128; quick 64)")
     parser.add_argument("--bucket", type=int, default=25_000_000, help="reduce/all-gather bucket elements")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args(argv)
-    if args.steps is None:
-        args.steps = 2 if args.quick else 4
+    common.quick_mode(args.quick, "torch.distributed.fsdp")
+    args.steps = args.steps or (2 if args.quick else 4)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.seq = args.seq or (64 if args.quick else 128)
+    if args.quick and args.stages == parser.get_default("stages"):
+        args.stages = "1,3"
     stages = [int(s) for s in args.stages.split(",")]
-    frameworks = args.frameworks.split(",")
+    frameworks = common.without_deepspeed(args.frameworks.split(","), "DeepSpeed ZeRO")
     table = {}
     for stage in stages:
         for fw in frameworks:
@@ -302,6 +247,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{stage:>5} {fw:>10} {row['step_s']:>8.3f} {vs_ds:>6} {vs_fsdp:>8} {row['peak_rss_mb']:>11.0f} "
               f"{row['train_rss_mb']:>12.0f} {row['bytes_per_step'] / 2**20:>8.1f} "
               f"{row['bytes_per_step'] * WORLD / (WORLD - 1) / psi:>6.2f}  {losses}")
+    for (fw, stage), row in table.items():
+        for peer, name in (("deepspeed", "DeepSpeed"), ("fsdp2", "FSDP2")):
+            other = table.get((peer, stage))
+            if fw == "ours" and other:
+                common.print_ratio(f"stage {stage} step time ours / {name}", row["step_s"] / other["step_s"],
+                                   f"peak RSS {row['peak_rss_mb'] / other['peak_rss_mb']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{fw}/{stage}": row for (fw, stage), row in table.items()}, f, indent=1)

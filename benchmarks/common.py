@@ -1,0 +1,403 @@
+"""What every benchmark script shares: fresh processes (gloo ranks), peak memory, peers that may be missing,
+and the few calls of our engine's API.
+
+- `spawn(fn, *args, world=N)` runs `fn(*args)` on N fresh processes (a gloo group on a free port when
+  N > 1) and returns their results in rank order; a rank that raises fails the call with its traceback
+  (`RankFailed`), one over the memory cap or out of memory with `OverMemory`, a run past `timeout` with
+  `RankTimeout`. Every process starts from a fresh interpreter (spawn), so its memory is its own; a
+  --quick run (`quick_mode`) forks them from a server that has imported torch instead (`fast_start`).
+- `peak_rss_mb()` is this process's own high-water mark (VmHWM, `zero.dist.topology.peak_rss_bytes`),
+  not getrusage's, which in a forked child starts at the parent's peak.
+- `deepspeed_missing()` says why DeepSpeed cannot run here (None when it imports); a benchmark then skips
+  its DeepSpeed side with `skip_note`.
+- `initialize`, `parallel_dims`, `fast_adamw`: the engine's API, called from here only, so that a change
+  of its signature touches this file.
+
+Scripts run as files (`python benchmarks/zero.py`) put the repository root first on sys.path before
+importing this module (benchmarks/zero.py would otherwise shadow the `zero` package).
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OVER_CAP = 3  # exit code of a process whose RSS passed its cap (watch_rss)
+# Phrases of a traceback that mean the run ended for lack of memory (host or disk), not a bug.
+_OUT_OF_MEMORY = ("MemoryError", "out of memory", "OffloadError", "No space left")
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died; the message carries its traceback."""
+
+
+class OverMemory(RankFailed):
+    """A rank went over its RSS cap, was killed (e.g. by the kernel's OOM killer) or ran out of memory."""
+
+
+class RankTimeout(RankFailed, TimeoutError):
+    """The ranks did not all finish within the time limit (they are killed)."""
+
+
+# ---------------------------------------------------------------------------- memory
+def peak_rss_mb() -> float:
+    """This process's own peak resident memory in MiB (VmHWM)."""
+    from zero.dist.topology import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
+
+
+def rss_mb(pid: int | str = "self") -> float:
+    """Resident memory of this process (or of `pid`) now, in MiB; 0 when it has gone."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def reset_peak_rss() -> float:
+    """Set the kernel's peak-RSS mark (VmHWM) back to the current RSS and return that RSS in MiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_mb()
+
+
+def watch_rss(cap_mb: float, every_s: float = 0.002) -> None:
+    """End this process with exit code OVER_CAP as soon as its RSS passes `cap_mb` (a daemon thread)."""
+
+    def watch() -> None:
+        while rss_mb() <= cap_mb:
+            time.sleep(every_s)
+        os._exit(OVER_CAP)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+# ---------------------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, args, kwargs, rank: int, world: int, port: int, threads: int, timeout: float, environ: dict | None,
+            results) -> None:
+    if environ is not None:  # forked from the server: its environment, not the caller's; set this one's
+        os.environ.clear()
+        os.environ.update(environ)
+        _startup_settings(environ)
+    if world > 1:
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                           "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+        value = fn(*args, **kwargs)
+        # Plain pickle (not torch's shared-memory reducers): the payload outlives this process.
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a peer that is gone already: nothing left to tear down
+                pass
+
+
+# glibc reads these at process start; a forked process sets them with mallopt(3) instead.
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3,
+            "MALLOC_MMAP_MAX_": -4, "MALLOC_ARENA_MAX": -8}
+
+
+def _startup_settings(environ: dict) -> None:
+    """What a fresh interpreter would have read from `environ` at start: glibc's allocator settings
+    and Python's warning filters."""
+    import ctypes
+    import warnings
+
+    libc = ctypes.CDLL(None)
+    for name, param in _MALLOPT.items():
+        if name in environ:
+            libc.mallopt(param, int(environ[name]))
+    for spec in filter(None, environ.get("PYTHONWARNINGS", "").split(",")):
+        warnings._setoption(spec)
+
+
+_START = "spawn"
+# torch._dynamo: every optimizer imports it on construction (a second or more per process otherwise)
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+
+
+def fast_start(*modules: str) -> None:
+    """Start the processes of later `spawn` calls by forking a server that has imported torch (and
+    `modules`): ~0.1 s a process instead of the 1-3 s of a fresh interpreter. For quick runs: a forked
+    process's memory starts from the server's pages, so its RSS figures do not compare with spawned ones."""
+    global _START
+    _START = "forkserver"
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+    _context()  # the server imports while this process goes on with its own work
+
+
+def _context():
+    ctx = mp.get_context(_START)
+    if _START == "forkserver":
+        from multiprocessing import forkserver
+
+        ctx.set_forkserver_preload(_PRELOAD)
+        # The server (started once) passes its environment on: no allocator settings of one call in it.
+        malloc = {k: os.environ.pop(k) for k in list(os.environ) if k in _MALLOPT}
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.update(malloc)
+    return ctx
+
+
+def _name(fn, args) -> str:
+    shown = ", ".join(repr(a) for a in args[:3] if isinstance(a, (str, int, float)))
+    return f"{getattr(fn, '__name__', fn)}({shown})"
+
+
+def spawn(fn: Callable[..., Any], *args: Any, world: int = 1, timeout: float = 900.0, threads: int = 1,
+          env: dict[str, str | None] | None = None, rss_cap_mb: float | None = None, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world` fresh processes and return each one's result, in rank order.
+
+    World > 1: a gloo process group over the ranks (rank from torch.distributed). `fn` must be importable
+    at module level. `threads`: OMP_NUM_THREADS and torch threads of each process. `env` is in the
+    processes' environment from their start (e.g. C allocator settings; a None value removes one).
+    `rss_cap_mb`: a rank seen above it ends the run at once with OverMemory (the caller's probe has failed
+    anyway, and this keeps an oversized run from taking the machine's memory); so does a rank that exits
+    with OVER_CAP (watch_rss)."""
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port() if world > 1 else 0
+    start_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {})}
+    environ = ({k: v for k, v in {**os.environ, **start_env}.items() if v is not None}
+               if _START == "forkserver" else None)
+    procs = [ctx.Process(target=_worker, args=(fn, args, kwargs, r, world, port, threads, timeout, environ, results))
+             for r in range(world)]
+    saved = {k: os.environ.get(k) for k in start_env}
+    _set_environ(start_env)  # read by the C runtimes (OpenMP, malloc) once, as each process starts
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        _set_environ(saved)
+    what = f"{_name(fn, args)} on {world} rank(s)"
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world:
+            try:
+                rank, ok, payload = results.get(timeout=0.1)
+            except queue.Empty:
+                _check_running(procs, out, results, rss_cap_mb, deadline, what)
+                continue
+            if not ok:
+                if any(k in payload for k in _OUT_OF_MEMORY):
+                    raise OverMemory(f"{what}: rank {rank}: {payload.strip().splitlines()[-1]}")
+                raise RankFailed(f"{what}: rank {rank} failed:\n{payload}")
+            out[rank] = pickle.loads(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(out) == world else 0)
+            if p.is_alive():
+                p.kill()  # only our own children, and only when the run is abandoned or stuck
+                p.join()
+    return [out[r] for r in range(world)]
+
+
+def _set_environ(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _check_running(procs: list, out: dict, results, rss_cap_mb: float | None, deadline: float, what: str) -> None:
+    """Raise when a run waited on must end: a rank over the RSS cap, a rank dead, or the time is up."""
+    if rss_cap_mb is not None:
+        seen = max(rss_mb(p.pid) for p in procs)
+        if seen > rss_cap_mb:
+            raise OverMemory(f"{what}: RSS {seen:.0f} MB passed the {rss_cap_mb:.0f} MB cap, killed")
+    for r, p in enumerate(procs):
+        if r in out or p.exitcode in (None, 0):
+            continue
+        if p.exitcode == OVER_CAP:
+            raise OverMemory(f"{what}: rank {r} passed its RSS cap")
+        if p.exitcode == -9:
+            raise OverMemory(f"{what}: rank {r} was killed (exit -9, e.g. out of memory)")
+        time.sleep(1.0)  # a crashing rank's traceback may still be on its way
+        if not results.empty():
+            return
+        raise RankFailed(f"{what}: rank {r} died with exit code {p.exitcode}")
+    if time.monotonic() > deadline:
+        missing = [r for r in range(len(procs)) if r not in out]
+        raise RankTimeout(f"{what} timed out; ranks still running: {missing}")
+
+
+# ---------------------------------------------------------------------------- output
+def quick_mode(quick: bool, *preload: str) -> None:
+    """A --quick run: processes fork from a preloaded server (`fast_start`), said once in the output."""
+    if quick:
+        fast_start(*preload)
+        print("quick run: small sizes, processes forked from a preloaded server; a smoke run, not a measurement",
+              flush=True)
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def verdict(value: float | None, limit: float) -> str:
+    """`value <= limit: met` (or MISSED, or not measured)."""
+    if value is None:
+        return "not measured"
+    return f"{value:.2f} <= {limit}: met" if value <= limit else f"{value:.2f} > {limit}: MISSED"
+
+
+def run_parts(name: str, parts, args, argv: list[str] | None) -> dict:
+    """Run the selected parts (`args.parts`, e.g. "1,3") in order, print their times and the command,
+    and write the results to `args.json` if given."""
+    import json
+
+    chosen = {int(p) for p in args.parts.split(",")}
+    out = {}
+    t0 = time.perf_counter()
+    for part, fn in enumerate(parts, start=1):
+        if part in chosen:
+            start = time.perf_counter()
+            out[f"part{part}"] = fn(args)
+            print(f"\n(part {part} took {(time.perf_counter() - start) / 60:.1f} min)", flush=True)
+    print(f"\ntotal {(time.perf_counter() - t0) / 60:.1f} min; command: python -m benchmarks.{name} "
+          f"{' '.join(argv if argv is not None else sys.argv[1:])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return out
+
+
+_FAILED: list[str] = []
+
+
+def failed(what: str, error: BaseException | str) -> None:
+    """A variant that failed: said now, and again by `finish`, which then ends the run with exit status 1
+    (the other variants still run and print their figures)."""
+    lines = [x for x in str(error).strip().splitlines() if x.strip()]
+    _FAILED.append(f"{what}: {lines[-1] if lines else repr(error)}")
+    print(f"{what}: FAILED:\n{error}", file=sys.stderr, flush=True)
+
+
+def finish() -> None:
+    """End of a benchmark: exit status 1 if any variant failed."""
+    if _FAILED:
+        sys.exit("benchmark variants failed:\n" + "\n".join(f"- {x}" for x in _FAILED))
+
+
+def print_ratio(what: str, value: float | None, detail: str = "") -> None:
+    """A headline figure as `ratio <what>: <value>x`, the line every benchmark prints (and its test reads)."""
+    shown = "-" if value is None else f"{value:.3f}"
+    print(f"ratio {what}: {shown}x{f'  ({detail})' if detail else ''}", flush=True)
+
+
+# ---------------------------------------------------------------------------- peers
+@functools.cache
+def deepspeed_missing() -> str | None:
+    """Why DeepSpeed cannot run here (not installed, or its import fails), or None when it imports."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed"
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: no DeepSpeed here
+        return f"`import deepspeed` fails: {type(e).__name__}: {e}"
+    return None
+
+
+def skip_note(what: str, why: str | None) -> None:
+    """The printed line of a skipped comparison."""
+    print(f"note: {what} skipped: {why}", flush=True)
+
+
+def deepspeed_runs(what: str = "the DeepSpeed side") -> bool:
+    """Whether DeepSpeed imports here; if not, a note that `what` is skipped."""
+    why = deepspeed_missing()
+    if why is not None:
+        skip_note(what, why)
+    return why is None
+
+
+def without_deepspeed(names, what: str = "the DeepSpeed side") -> list:
+    """`names` less those naming DeepSpeed (containing "deepspeed") when it cannot run here, with a note."""
+    names = list(names)
+    if any("deepspeed" in n for n in names) and not deepspeed_runs(what):
+        return [n for n in names if "deepspeed" not in n]
+    return names
+
+
+# ---------------------------------------------------------------------------- our engine's API
+def parallel_dims(**sizes):
+    """zero.ParallelDims(dp=..., tp=..., pp=...): the process layout."""
+    import zero
+
+    return zero.ParallelDims(**sizes)
+
+
+def fast_adamw(**hyper):
+    """zero.FastAdamW: the optimizer factory the recipe uses (fused torch AdamW over the engine's masters)."""
+    import zero
+
+    return zero.FastAdamW(**hyper)
+
+
+def initialize(model, optimizer, dims=None, *, plans=(), param_init=None, **config):
+    """Our engine around `model`: zero.initialize(model, optimizer, zero.ZeroConfig(**config), dims, ...).
+
+    `plans`: what parallelism applied from outside returned (apply_tensor_parallel, apply_pipeline);
+    `param_init` materialises a meta-built model."""
+    import zero
+
+    extra = {"param_init": param_init} if param_init is not None else {}
+    if plans:
+        extra["plans"] = list(plans)
+    return zero.initialize(model, optimizer, zero.ZeroConfig(**config), dims, **extra)
+
+
+def engine_step(engine):
+    """One training step through an engine with the DeepSpeed-style API (ours and DeepSpeed share it)."""
+    import torch.nn.functional as F
+
+    def train_step(x, y):
+        loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return train_step
