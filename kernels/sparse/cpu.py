@@ -67,7 +67,10 @@ def native_kernel():
             flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
             # -march=native: the build is named after this CPU's features, so a cache directory shared by
             # machines with different CPUs never hands one of them a binary built for the other.
-            _native_state["module"] = load(name=f"moe_lst_block_sparse_{_cpu_tag()}", sources=[_NATIVE_SOURCE],
+            # ... and after its source path: another copy of the project (or a missing source) builds apart
+            # instead of invalidating this one's cached binary.
+            _native_state["module"] = load(name=f"moe_lst_block_sparse_{_cpu_tag(_NATIVE_SOURCE)}",
+                                           sources=[_NATIVE_SOURCE],
                                            extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: reported below
             _native_state["module"] = None
@@ -79,11 +82,11 @@ def native_kernel():
     return _native_state["module"]
 
 
-def _cpu_tag() -> str:
+def _cpu_tag(source: str = "") -> str:
     import hashlib
     import platform
 
-    flags = platform.machine()
+    flags = source + platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
