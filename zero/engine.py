@@ -29,7 +29,6 @@ from zero.sharding.stage3 import Stage3Hooks, assign_parameters, find_units
 from zero.state.checkpoint import load_checkpoint, save_checkpoint
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-LossScaleHook = Callable[[float], None]
 ParamInit = Callable[[str, torch.Tensor], None]
 
 DEFAULT_REDUCE_GROUP = "dense"
