@@ -16,6 +16,7 @@ communication made elsewhere (a pipeline schedule's point-to-point sends and rec
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -29,6 +30,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+# Whether this process has issued a collective (the exit hook below then waits for the backend's threads).
+_issued = False
+
+
+@atexit.register
+def _let_backend_threads_finish() -> None:
+    """Give the backend's worker threads the interpreter lock once more before the interpreter finalizes.
+
+    A collective's work object is released by the backend thread that ran it (gloo's `runLoop`), just
+    after `wait()` has returned to Python; releasing it drops the thread's references to the tensors it
+    ran on, and a tensor that Python also knows needs the interpreter lock for that. A thread that asks
+    for the lock while the interpreter finalizes is ended by Python, and ending a C++ worker thread
+    aborts the whole process ("terminate called without an active exception", SIGABRT after the last
+    step). Sleeping here (atexit runs before finalization) lets those releases happen first."""
+    if _issued or (dist.is_available() and dist.is_initialized()):
+        time.sleep(0.05)
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -143,6 +160,8 @@ class WatchedWork:
 
 def _issue(kind: str, ranks: int, collective: Callable, *args, async_op: bool = False, **kwargs):
     """Run a torch.distributed collective as watched (its handle too when asynchronous)."""
+    global _issued
+    _issued = True
     with _Waiting(kind, ranks):
         work = collective(*args, async_op=async_op, **kwargs)
     return WatchedWork(work, kind, ranks) if async_op else work

@@ -91,6 +91,7 @@ class FlatBucket:
         self.home = "none"  # where a non-resident shard waits between gathers (see attach)
         self.file: TensorFile | None = None  # the shard's file when home == "nvme"
         self._gather_source: torch.Tensor | None = None
+        self._shard_view: torch.Tensor | None = None  # this rank's slice of `full` (gather_resident)
         self.gathered = True
         # Gradient state, managed by the reducer: the full-size flat gradient (stages 0-1 keep it for the
         # whole step) and this rank's reduced fp32 shard accumulated over micro-batches.
@@ -171,6 +172,13 @@ class FlatBucket:
         _resize_storage(self.full, 0)
         self.gathered = False
         self._gather_source = None
+
+    def gather_resident(self, async_op: bool = False):
+        """All-gather a resident bucket's full buffer from the shards in place: this rank's shard is
+        already its slice of `full`, so nothing is copied first (the view is made once)."""
+        if self._shard_view is None:
+            self._shard_view = self.shard_of(self.full)
+        return comm.all_gather_into_tensor(self.full, self._shard_view, self.group, async_op=async_op)
 
     @property
     def shard_in_memory(self) -> bool:

@@ -402,8 +402,7 @@ class ZeroOptimizer:
                     for h in in_flight:
                         h.wait()
                     in_flight, elements = [], 0
-                in_flight.append(comm.all_gather_into_tensor(b.full, b.shard_tensor().clone(), b.group,
-                                                             async_op=True))
+                in_flight.append(b.gather_resident(async_op=True))
                 elements += b.padded
         for h in in_flight:
             if h is not None:
