@@ -11,10 +11,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed import ProcessGroup
 
 from zero.dist import comm
 from zero.dist.topology import group_size
+from zero.parallel.tensor import reduce_scatter_sequence
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -107,8 +109,12 @@ class DispatchState:
 
     plan: DispatchPlan
     weights: torch.Tensor  # [N, k] gate weights of the routing decision
-    num_tokens: int  # N
+    shape: torch.Size  # the tokens' shape [..., dim] (N tokens): what combine gives back
     tokens_per_local_expert: torch.Tensor  # [E_local] rows this rank's experts compute
+
+    @property
+    def num_tokens(self) -> int:
+        return self.weights.shape[0]
 
 
 @dataclass
@@ -121,10 +127,12 @@ class _A2AState(DispatchState):
 class TokenDispatcher:
     """Moves routed tokens to the experts that compute them and their outputs back: one interface.
 
-    dispatch(x [N, dim], plan, weights [N, k]) -> (rows [R, dim] for this rank's experts in contiguous
-    per-local-expert segments, state); combine(expert outputs [R, dim], state) -> y [N, dim], the
-    gate-weighted sum over each token's experts (dropped slots add nothing).
-    `run` is what MoELayer calls: dispatch -> experts -> combine, which a dispatcher may fuse.
+    dispatch(x [..., dim], plan, weights [N, k]) -> (rows [R, dim] for this rank's experts in contiguous
+    per-local-expert segments, state); combine(expert outputs [R, dim], state, shared) -> y [..., dim], the
+    gate-weighted sum over each token's experts (dropped slots add nothing) plus `shared` (the shared
+    experts' output for the same tokens, or None). `run` is what MoELayer calls: dispatch -> experts ->
+    combine, which a dispatcher may fuse. A wrapper may change what combine returns: with expert tensor
+    parallelism (`ExpertTensorParallelDispatcher`) it is this rank's sequence shard of the summed output.
     """
 
     num_local: int
@@ -133,15 +141,22 @@ class TokenDispatcher:
                  weights: torch.Tensor) -> tuple[torch.Tensor, DispatchState]:
         raise NotImplementedError
 
-    def combine(self, y: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, state: DispatchState, shared: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def run(self, x: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor,
-            experts) -> tuple[torch.Tensor, torch.Tensor]:
-        """(y [N, dim], tokens_per_local_expert) for `experts(rows, tokens_per_local_expert)`."""
+    def run(self, x: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor, experts,
+            shared: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y [..., dim], tokens_per_local_expert) for `experts(rows, tokens_per_local_expert)` and the
+        shared experts `shared(x [N, dim])` (None: none)."""
         rows, state = self.dispatch(x, plan, weights)
-        y = self.combine(experts(rows, state.tokens_per_local_expert), state)
+        out = shared(x.reshape(-1, x.shape[-1])) if shared is not None else None
+        y = self.combine(experts(rows, state.tokens_per_local_expert), state, out)
         return y, state.tokens_per_local_expert
+
+
+def _with_shared(y: torch.Tensor, shared: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """[N, dim] routed output (+ the shared experts' output) in the tokens' shape."""
+    return (y if shared is None else y + shared).view(shape)
 
 
 class LocalDispatcher(TokenDispatcher):
@@ -157,18 +172,19 @@ class LocalDispatcher(TokenDispatcher):
         self.fused = fused
 
     def dispatch(self, x, plan, weights):
-        state = DispatchState(plan, weights, x.shape[0], plan.tokens_per_expert)
-        return permute(x, plan), state
+        state = DispatchState(plan, weights, x.shape, plan.tokens_per_expert)
+        return permute(x.reshape(-1, x.shape[-1]), plan), state
 
-    def combine(self, y, state):
-        return unpermute(y, state.plan, state.weights, state.num_tokens)
+    def combine(self, y, state, shared=None):
+        return _with_shared(unpermute(y, state.plan, state.weights, state.num_tokens), shared, state.shape)
 
-    def run(self, x, plan, weights, experts):
+    def run(self, x, plan, weights, experts, shared=None):
         if not self.fused:
-            return super().run(x, plan, weights, experts)
+            return super().run(x, plan, weights, experts, shared)
+        flat = x.reshape(-1, x.shape[-1])
         gate = weights.reshape(-1).index_select(0, plan.slot_index).to(x.dtype)  # [M]
-        y = experts.forward_tokens(x, plan.token_index, gate, plan.tokens_per_expert)
-        return y, plan.tokens_per_expert
+        y = experts.forward_tokens(flat, plan.token_index, gate, plan.tokens_per_expert)
+        return _with_shared(y, shared(flat) if shared is not None else None, x.shape), plan.tokens_per_expert
 
 
 class AllToAllDispatcher(TokenDispatcher):
@@ -188,8 +204,9 @@ class AllToAllDispatcher(TokenDispatcher):
         self.num_local = num_experts // self.ep_size
 
     def dispatch(self, x, plan, weights):
-        """x [N, dim] -> ([R, dim] sorted by local expert, state)."""
+        """x [..., dim] (N tokens) -> ([R, dim] sorted by local expert, state)."""
         p, el = self.ep_size, self.num_local
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
         tokens_per_expert = plan.tokens_per_expert
         # received[src * E_local + j] = slots rank src sends to my local expert j
         received = torch.empty_like(tokens_per_expert)
@@ -200,15 +217,43 @@ class AllToAllDispatcher(TokenDispatcher):
         # Rows arrive grouped by (source rank, local expert); regroup them by local expert.
         local_expert = torch.arange(el, device=x.device).repeat(p).repeat_interleave(received)
         regroup = torch.argsort(local_expert, stable=True)
-        state = _A2AState(plan, weights, x.shape[0], received.view(p, el).sum(0),
-                          input_splits, output_splits, regroup)
+        state = _A2AState(plan, weights, shape, received.view(p, el).sum(0), input_splits, output_splits, regroup)
         return x_recv.index_select(0, regroup), state
 
-    def combine(self, y, state):
-        """[R, dim] local expert outputs -> [N, dim]: back to the sending ranks, then to the tokens."""
+    def combine(self, y, state, shared=None):
+        """[R, dim] local expert outputs -> [..., dim]: back to the sending ranks, then to the tokens."""
         y_recv = _inverse_gather(y, state.regroup)
         y_perm = comm.all_to_all(y_recv, self.group, state.input_splits, state.output_splits)
-        return unpermute(y_perm, state.plan, state.weights, state.num_tokens)
+        return _with_shared(unpermute(y_perm, state.plan, state.weights, state.num_tokens), shared, state.shape)
+
+
+class ExpertTensorParallelDispatcher(TokenDispatcher):
+    """Expert tensor parallelism at the dispatcher boundary, around the dispatcher that moves the tokens.
+
+    Every tp rank routes the same full sequence (gathered by the norm before the layer) and its experts
+    (routed and shared) hold a slice of each expert's hidden units, so each computes a partial sum of the
+    output; combine sums the partials over `tp_group` and scatters the sequence (dim -2 of [..., s, dim])
+    back to this rank's shard, in one reduce-scatter for routed and shared experts together.
+    """
+
+    def __init__(self, inner: TokenDispatcher, tp_group: ProcessGroup | None) -> None:
+        if isinstance(inner, ExpertTensorParallelDispatcher):
+            raise ValueError("this dispatcher is already expert-tensor-parallel")
+        self.inner, self.group = inner, tp_group
+        self.num_local = inner.num_local
+
+    def _scatter(self, y: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter_sequence(y, self.group, dim=max(y.dim() - 2, 0))
+
+    def dispatch(self, x, plan, weights):
+        return self.inner.dispatch(x, plan, weights)
+
+    def combine(self, y, state, shared=None):
+        return self._scatter(self.inner.combine(y, state, shared))
+
+    def run(self, x, plan, weights, experts, shared=None):
+        y, local_counts = self.inner.run(x, plan, weights, experts, shared)
+        return self._scatter(y), local_counts
 
 
 def _inverse_gather(y: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,17 @@ from torch.distributed import ProcessGroup
 
 from zero.dist import comm
 from zero.dist.topology import group_rank, group_size
+from zero.parallel.tensor import TensorSplit, substitute_parameters, sum_grad
 from zero.plan import AttachedLossScale, attach_loss
 
-from .dispatch import AllToAllDispatcher, LocalDispatcher, TokenDispatcher, expert_capacity, make_plan
+from .dispatch import (
+    AllToAllDispatcher,
+    ExpertTensorParallelDispatcher,
+    LocalDispatcher,
+    TokenDispatcher,
+    expert_capacity,
+    make_plan,
+)
 from .experts import GroupedExperts, SharedExperts
 from .router import TopKRouter, load_balancing_loss, router_z_loss, update_expert_bias
 
@@ -96,6 +104,8 @@ class MoELayer(nn.Module):
         if dispatcher.num_local != self.experts.num_experts:
             raise ValueError(f"the dispatcher serves {dispatcher.num_local} local experts but this layer holds "
                              f"{self.experts.num_experts}; keep the matching slice of experts first")
+        if self.tp_group is not None:  # expert tensor parallelism stays around the new dispatcher
+            dispatcher = ExpertTensorParallelDispatcher(dispatcher, self.tp_group)
         self.dispatcher = dispatcher
         self.ep_group = ep_group if group_size(ep_group) > 1 else None
 
@@ -104,12 +114,11 @@ class MoELayer(nn.Module):
         hidden units, so each rank computes a partial sum of the layer's output.
 
         The layer then takes the full sequence (all-gathered by the norm before it, identical on every tp
-        rank), routes it identically everywhere and reduce-scatters its output back to sequence shards.
+        rank) and routes it identically everywhere; its dispatcher's combine sums the partial outputs over
+        tp and scatters them back to sequence shards (`ExpertTensorParallelDispatcher`).
         The router weight is replicated: its gradient (partial, through each rank's partial expert
         outputs) is summed over tp, and the balancing losses, computed identically on every tp rank,
         are weighted 1/tp so their gradient counts once. Returns how each parameter is split over tp."""
-        from zero.parallel.tensor import TensorSplit, substitute_parameters, sum_grad
-
         tp, rank = group_size(tp_group), group_rank(tp_group)
         if tp == 1:
             return {}
@@ -126,6 +135,7 @@ class MoELayer(nn.Module):
             self.shared_experts.keep_hidden(rank * shared // tp, (rank + 1) * shared // tp)
         substitute_parameters(self.router, {"weight": lambda w: sum_grad(w, tp_group)})
         self.tp_group = tp_group
+        self.dispatcher = ExpertTensorParallelDispatcher(self.dispatcher, tp_group)
         swiglu = self.experts.activation == "swiglu"
         splits = {"router.weight": TensorSplit(None, replicas=tp),
                   "experts.w_in": TensorSplit(2, halves=swiglu), "experts.w_out": TensorSplit(1)}
@@ -139,21 +149,18 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer expects x [..., {self.dim}], got {tuple(x.shape)}")
         if self.seq_aux and x.dim() != 3:
             raise ValueError(f"seq_aux=True needs x [batch, seq, dim], got {tuple(x.shape)}")
-        shape = x.shape
         x_flat = x.reshape(-1, self.dim)  # [..., dim] -> [N, dim]
         n = x_flat.shape[0]
         routing = self.router(x_flat)
-        aux = load_balancing_loss(routing.probs, routing.indices, shape[0] if self.seq_aux else 1,
+        aux = load_balancing_loss(routing.probs, routing.indices, x.shape[0] if self.seq_aux else 1,
                                   self.stats_group)
         z = router_z_loss(routing.logits, self.stats_group)
 
         capacity = (None if self.capacity_factor is None
                     else expert_capacity(n, self.top_k, self.num_experts, self.capacity_factor))
         plan = make_plan(routing.indices, routing.weights, self.num_experts, capacity)
-        y, local_counts = self.dispatcher.run(x_flat, plan, routing.weights, self.experts)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x_flat)
-        y = y.view(shape)
+        # y [..., dim]; with expert tensor parallelism, this rank's sequence shard of the summed output
+        y, local_counts = self.dispatcher.run(x, plan, routing.weights, self.experts, self.shared_experts)
 
         if self.training and self.bias_update_rate > 0:
             self.load_since_update += plan.routed_per_expert.to(self.load_since_update.dtype)
@@ -175,10 +182,6 @@ class MoELayer(nn.Module):
             "aux_loss": aux.detach(),
             "z_loss": z.detach(),
         }
-        if tp > 1:  # partial sums of the hidden slices: summed over tp onto this rank's sequence shard
-            from zero.parallel.tensor import reduce_scatter_sequence
-
-            y = reduce_scatter_sequence(y, self.tp_group, dim=max(y.dim() - 2, 0))
         return y
 
 
