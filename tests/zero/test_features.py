@@ -13,6 +13,7 @@ import torch.distributed as dist
 import zero
 import zero.state.checkpoint
 from tests.multirank import run_multirank
+from tests.zero.mixed_precision import watch_training
 from tests.zero.models import OPT, SGD, build, global_batch, lm_loss
 
 ROWS = 2
@@ -164,20 +165,6 @@ MP_STEPS = 5
 MP_LR = 1e-2
 
 
-def _compute_weights(engine: zero.Engine) -> dict[str, torch.Tensor]:
-    """The module parameters forward computes with (compute dtype). Stage 3 holds them only between a
-    unit's gather and free: gather the root and every unit as the forward pre-hooks do, then free them."""
-    s3 = engine.stage3
-    if s3 is not None:
-        s3.gather_root()
-        s3.gather_units()
-    try:
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    finally:
-        if s3 is not None:
-            s3.release_all()
-
-
 def _mp_run(dtype: str, stage: int, offload: str, root: str, lr: float = MP_LR) -> dict:
     """MP_STEPS steps on one fixed batch (a model that learns memorises it, so its loss falls fast); after
     each step the compute-dtype weights, compared with the previous step's and with the fp32 masters."""
@@ -189,25 +176,7 @@ def _mp_run(dtype: str, stage: int, offload: str, root: str, lr: float = MP_LR) 
     # skipped (dynamic scaling at work), and a skipped step leaves the weights unchanged.
     engine = _engine(stage, dtype=dtype, opt=functools.partial(OPT, lr=lr), initial_loss_scale=1024.0, **cfg)
     batch = _batch(0, rank, world)
-    before = _compute_weights(engine)
-    out = {"losses": [], "unchanged": [], "not_rounded_masters": [], "masters_finer": [],
-           "dtypes": sorted({str(w.dtype) for w in before.values()}), "names": sorted(before)}
-    for _ in range(MP_STEPS):
-        loss = lm_loss(engine, batch)
-        engine.backward(loss)
-        engine.step()
-        out["losses"].append(loss.item())
-        after = _compute_weights(engine)
-        masters = engine.full_state_dict()  # the fp32 masters
-        assert all(masters[n].dtype == torch.float32 for n in after)
-        out["unchanged"].append(sorted(n for n in after if torch.equal(after[n], before[n])))
-        out["not_rounded_masters"].append(
-            sorted(n for n in after if not torch.equal(after[n], masters[n].to(after[n].dtype))))
-        # the masters hold more than the compute dtype does (so the comparison is not of a tensor with itself)
-        out["masters_finer"].append(any(not torch.equal(masters[n], masters[n].to(after[n].dtype).float())
-                                        for n in after))
-        before = after
-    out["skipped"] = engine.skipped_steps
+    out = watch_training(engine, batch, MP_STEPS)
     engine.close()
     return out
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zero
+from tests.zero.mixed_precision import watch_training
 from tests.zero.models import build_moe, global_batch, lm_loss
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -57,21 +58,6 @@ MP_MIN_DROP = 0.5
 MP_RTOL = 2e-2
 
 
-@torch.no_grad()
-def _compute_weights(engine: zero.Engine) -> dict[str, torch.Tensor]:
-    """The module parameters forward computes with (compute dtype), on the CPU; at stage 3 gathered as the
-    forward pre-hooks gather them, then freed."""
-    s3 = engine.stage3
-    if s3 is not None:
-        s3.gather_root()
-        s3.gather_units()
-    try:
-        return {n: p.detach().to("cpu", copy=True) for n, p in engine.module.named_parameters()}
-    finally:
-        if s3 is not None:
-            s3.release_all()
-
-
 def _mp_run(dtype: str, stage: int, offload: str = "none", lr: float = 1e-2) -> dict:
     """MP_STEPS steps on one fixed batch (memorised, so the loss falls fast); after each step the
     compute-dtype weights compared with the previous step's and with the fp32 masters."""
@@ -82,23 +68,7 @@ def _mp_run(dtype: str, stage: int, offload: str = "none", lr: float = 1e-2) -> 
     engine = zero.initialize(model, functools.partial(torch.optim.AdamW, lr=lr), config,
                              plans=[apply_expert_parallel(model, zero.ParallelDims())])
     batch = global_batch(0, 0, 8).to(DEVICE)
-    before = _compute_weights(engine)
-    out = {"losses": [], "unchanged": [], "not_rounded_masters": [], "names": sorted(before),
-           "dtypes": sorted({str(w.dtype) for w in before.values()})}
-    for _ in range(MP_STEPS):
-        loss = lm_loss(engine, batch)
-        engine.backward(loss)
-        engine.step()
-        out["losses"].append(loss.item())
-        after = _compute_weights(engine)
-        masters = engine.full_state_dict()
-        assert all(masters[n].dtype == torch.float32 for n in after)
-        out["unchanged"].append(sorted(n for n in after if torch.equal(after[n], before[n])))
-        out["not_rounded_masters"].append(
-            sorted(n for n in after if not torch.equal(after[n], masters[n].to(after[n].dtype))))
-        before = after
-    out["skipped"] = engine.skipped_steps
-    return out
+    return watch_training(engine, batch, MP_STEPS)
 
 
 def _max_rel_diff(losses: list[float], ref: list[float]) -> float:
