@@ -51,8 +51,9 @@ class TrainConfig:
     # check_config)
     resume: Any = "auto"
     keep_checkpoints: int = 3  # keep the newest k checkpoints of run_dir (0 = all)
-    # a Hugging Face Llama / Mixtral directory (python -m recipes.export writes one) whose weights start a fresh
-    # run; its model must match model.* (a resumed run ignores it)
+    # a Hugging Face model directory whose weights start a fresh run (a resumed run ignores it): for the project's
+    # Llama a Llama / Mixtral one (python -m recipes.export writes one), its model matching model.*; with model=hf
+    # any directory save_pretrained wrote for a model of model.hf.config (whose config it is when that is unset)
     init_from: str | None = None
     max_nonfinite_steps: int = 3  # stop (exit 3) after this many consecutive steps with a non-finite loss/grad norm
     collective_timeout_s: float = 600  # a rank waiting this long in one collective ends the run (exit 4)
@@ -135,6 +136,29 @@ class WandbConfig:
     entity: str | None = None  # the W&B team or user (null: your default entity)
 
 
+@dataclass
+class HFSourceConfig:
+    """`model.hf.*`: which Hugging Face causal LM `model=hf` builds (recipes.models.hf)."""
+
+    # a config.json, or a model directory holding one (null: train.init_from's); its model_type must be one the
+    # adapter covers (recipes.models.hf.MODEL_TYPES)
+    config: str | None = None
+    # keys of that config.json replaced before the model is built, e.g. {hidden_size: 64, num_hidden_layers: 2};
+    # each must be a key of that config, with a value of its type
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class HFModelConfig:
+    """`model=hf` (conf/model/hf.yaml): a Hugging Face transformers causal LM built from its config.json (vocabulary,
+    sizes and positions are that config's), its decoder layers the blocks the runtime checkpoints, shards and
+    tiles. Tensor and pipeline parallelism are not offered; data, sequence (Ulysses) and expert parallelism are."""
+
+    hf: HFSourceConfig = field(default_factory=HFSourceConfig)
+    attention: str = "dense"  # dense | sparse (block-sparse with the layout under model.sparse)
+    sparse: SparseConfig = field(default_factory=SparseConfig)  # the layout of model.attention=sparse
+
+
 #: ZeroConfig's fields the recipe fills itself, from its own keys, rather than from `zero.*`.
 ZERO_FROM_RECIPE = {"grad_accum_steps": "train.grad_accum", "clip_grad_norm": "optim.grad_clip"}
 
@@ -162,6 +186,7 @@ _store.store(group="zero", name="base", node=ZeroSection)
 _store.store(group="model/moe", name="base", node=MoEConfig)
 _store.store(group="model/sparse", name="base", node=SparseConfig)
 _store.store(group="model/nsa", name="base", node=NSAConfig)
+_store.store(group="model", name="hf_base", node=HFModelConfig)  # conf/model/hf.yaml
 
 #: The keys of the config's root: one section per group, and run_dir.
 ROOT_KEYS = ("model", "data", "parallel", "optim", "zero", "train", "wandb", "run_dir")
@@ -354,7 +379,10 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"train.resume={cfg.train.resume!r} must be auto, true, false or a checkpoint directory")
     if any(not 0 <= b < 1 for b in cfg.optim.betas) or len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas={list(cfg.optim.betas)} must be two values in [0, 1)")
-    check_model(cfg)
+    if is_hf(cfg):
+        check_hf_model(cfg)
+    else:
+        check_model(cfg)
     if not isinstance(cfg.train.seed, int):
         raise ConfigError(f"train.seed={cfg.train.seed!r} must be an integer")
     if not cfg.optim.lr > 0:
@@ -365,14 +393,15 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip!r} must be >= 0 (0 turns clipping off)")
     if cfg.wandb.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} must be one of offline, online, disabled")
-    if cfg.train.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(
-            f"train.seq_len={cfg.train.seq_len} does not fit the model: model.max_seq_len={cfg.model.max_seq_len}; "
-            "lower train.seq_len or raise model.max_seq_len"
-        )
-    if cfg.parallel.ep > 1 and cfg.model.moe.num_experts == 0:
-        raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model.moe.num_experts > 0)")
-    check_crop(cfg)
+    if not is_hf(cfg):  # (model=hf: check_hf_model)
+        if cfg.train.seq_len > cfg.model.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len={cfg.train.seq_len} does not fit the model: model.max_seq_len={cfg.model.max_seq_len}; "
+                "lower train.seq_len or raise model.max_seq_len"
+            )
+        if cfg.parallel.ep > 1 and cfg.model.moe.num_experts == 0:
+            raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model.moe.num_experts > 0)")
+        check_crop(cfg)
     check_stop(cfg)
     check_layout(cfg)
 
@@ -474,6 +503,10 @@ def check_layout(cfg: DictConfig) -> None:
                                                      or par.dp < 1):
         raise ConfigError(f"parallel.dp={par.dp!r} must be auto or an integer >= 1")
     tp, sp, pp = par.tp, par.sp, par.pp
+    if is_hf(cfg):
+        check_hf_layout(cfg)
+        data_parallel_degree(cfg)
+        return
     if tp > 1:
         from recipes.models.llama import check_tensor_parallel
 
@@ -524,6 +557,121 @@ def _tp_that_works(cfg: DictConfig, tp: int) -> int:
         except ValueError:
             continue
     return 1
+
+
+#: The transformers config.json of a model=hf run, written into its run_dir (recipes.export writes it out again).
+HF_CONFIG_FILE = "hf_config.json"
+
+
+def is_hf(cfg: DictConfig) -> bool:
+    """Whether the run's model is a Hugging Face causal LM (model=hf) rather than the project's Llama."""
+    return "hf" in cfg.model
+
+
+def hf_model_config(cfg: DictConfig):
+    """The transformers config of a model=hf run: model.hf.config (else train.init_from's) with model.hf.overrides,
+    checked (recipes.models.hf.load_config); ConfigError in one line."""
+    from recipes.models.hf import HFConfigError, load_config
+
+    source = cfg.model.hf.config or cfg.train.init_from
+    if source is None:
+        raise ConfigError("model=hf needs model.hf.config=<a config.json or a model directory> (or train.init_from="
+                          "<a Hugging Face model directory>, whose config it then takes)")
+    key = "model.hf.config" if cfg.model.hf.config else "train.init_from"
+    try:
+        return load_config(source, OmegaConf.to_container(cfg.model.hf.overrides, resolve=True))
+    except HFConfigError as e:
+        raise ConfigError(f"{key}={source}: {e}") from None
+
+
+def is_moe(cfg: DictConfig) -> bool:
+    """Whether the run's model has MoE layers (the Llama's model.moe.num_experts; a Mixtral or Qwen3-MoE config)."""
+    if is_hf(cfg):
+        from recipes.models.hf import is_moe as hf_is_moe
+
+        return hf_is_moe(hf_model_config(cfg))
+    return bool(cfg.model.moe.num_experts)
+
+
+def num_params(cfg: DictConfig) -> int:
+    """Parameters of the full (unsharded) model, a tied embedding counted once (built on the meta device)."""
+    if is_hf(cfg):
+        from recipes.models.hf import num_params as hf_num_params
+
+        return hf_num_params(hf_model_config(cfg))
+    return model_config(cfg).num_params()
+
+
+def vocab_size(cfg: DictConfig) -> int:
+    """The model's vocabulary size: model.vocab_size, or the Hugging Face config's."""
+    return hf_model_config(cfg).vocab_size if is_hf(cfg) else cfg.model.vocab_size
+
+
+def check_hf_attention(cfg: DictConfig) -> None:
+    """model.attention of a model=hf run: dense or sparse, with model.sparse keys only for sparse."""
+    m = cfg.model
+    if m.attention not in ("dense", "sparse"):
+        raise ConfigError(f"model.attention={m.attention!r} with model=hf must be dense or sparse (nsa needs the "
+                          "project's Llama: its gates and compressors are parameters a Hugging Face model lacks)")
+    sparse = SparseConfig(**OmegaConf.to_container(m.sparse, resolve=True))
+    changed = [f.name for f in fields(sparse) if getattr(sparse, f.name) != getattr(SparseConfig(), f.name)]
+    if changed and m.attention != "sparse":
+        raise ConfigError(f"model.sparse.{changed[0]} is set but model.attention={m.attention}; it applies only with "
+                          "model.attention=sparse: set that, or drop the key")
+    if m.attention == "sparse":
+        unused = sparse.unused_fields()
+        if unused:
+            raise ConfigError(f"model.sparse.{unused[0]} has no effect with model.sparse.layout={sparse.layout}; drop "
+                              "the key or choose a layout that reads it")
+        try:
+            sparse.check_sequence(cfg.train.seq_len)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_hf_model(cfg: DictConfig) -> None:
+    """The model=hf rules before any process group: a config the adapter covers (recipes.models.hf), its attention
+    options, the sequence against its positions and window, MoE needs, and what its runtime does not offer."""
+    from recipes.models.hf import is_moe as hf_is_moe
+    from recipes.models.hf import moe_supported, sliding_window
+
+    config = hf_model_config(cfg)
+    check_hf_attention(cfg)
+    seq_len, fix = cfg.train.seq_len, "lower train.seq_len or set model.hf.overrides.{key}"
+    if seq_len > config.max_position_embeddings:
+        raise ConfigError(f"train.seq_len={seq_len} does not fit the model: its max_position_embeddings="
+                          f"{config.max_position_embeddings}; {fix.format(key='max_position_embeddings')}")
+    window = sliding_window(config)
+    if window is not None and window < seq_len:
+        raise ConfigError(f"train.seq_len={seq_len} is longer than the model's sliding_window={window}: the Hugging "
+                          f"Face adapter's attention is full causal attention; {fix.format(key='sliding_window')}")
+    if hf_is_moe(config) and not moe_supported():
+        raise ConfigError(f"model_type={config.model_type} has sparse-MoE blocks and recipes.models.hf.moe "
+                          "(adopt_moe_blocks, which swaps them for this project's MoE) is not available")
+    if cfg.parallel.ep > 1 and not hf_is_moe(config):
+        raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model_type {config.model_type} is dense)")
+    if _positive_int(cfg, "train.crop_check_tokens", minimum=0):
+        raise ConfigError("train.crop_check_tokens needs the project's Llama with sliding-window sparse attention; "
+                          "set it to 0 with model=hf")
+
+
+def check_hf_layout(cfg: DictConfig) -> None:
+    """Parallel degrees a model=hf run can take: no tensor or pipeline parallelism (the adapter offers neither
+    plan), Ulysses over at most the model's query heads, and position-independent rotary tables under it."""
+    from recipes.models.hf.config import LENGTH_DEPENDENT_ROPE, rope_type
+
+    par, config = cfg.parallel, hf_model_config(cfg)
+    for key, what in (("tp", "a tensor-parallel plan"), ("pp", "pipeline stages")):
+        if par[key] > 1:
+            raise ConfigError(f"parallel.{key}={par[key]} with model=hf is not supported (the Hugging Face adapter "
+                              f"offers no {what}); use data, sequence (sp) and expert parallelism")
+    heads = config.num_attention_heads
+    if par.sp > heads:
+        raise ConfigError(f"parallel.sp={par.sp} splits the model's {heads} attention heads over sp ranks: the rule "
+                          f"is sp <= num_attention_heads; use sp <= {heads}")
+    if par.sp > 1 and rope_type(config) in LENGTH_DEPENDENT_ROPE:
+        raise ConfigError(f"rope_type={rope_type(config)} scales its tables by the longest position a forward sees, "
+                          f"which differs per rank under parallel.sp={par.sp}; use parallel.sp=1 or another rope type")
 
 
 def model_config(cfg: DictConfig):

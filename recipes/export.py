@@ -9,6 +9,10 @@ or expert bias) as `MixtralForCausalLM`, their experts per expert (the published
 fused as transformers 5 holds them. Checkpoints of every layout (dp, ZeRO stage, tp, pp, ep, sp) are
 verified and consolidated from their shards (`zero.open_checkpoint`, `zero.consolidate`).
 
+A run of a Hugging Face model (`model=hf`) is written by transformers' own `save_pretrained` from the model's
+config.json (the run directory's hf_config.json) and the consolidated weights, which already carry Hugging Face's
+names: any model type the adapter trains (recipes.models.hf) exports, loading back to the same logits.
+
 The weight adapter itself (config.json and tensor names / layouts, both directions) is
 `recipes.models.llama.state_dict`; its names are importable from here as well: `import_hf(directory)` reads
 a Hugging Face directory back into our ModelConfig and state dict (`engine.load_full_state_dict` or
@@ -26,7 +30,7 @@ import torch
 from omegaconf import OmegaConf
 
 import zero
-from recipes.config import checkpoints, model_config
+from recipes.config import HF_CONFIG_FILE, ConfigError, checkpoints, hf_model_config, is_hf, model_config
 from recipes.models.llama import Transformer
 from recipes.models.llama.state_dict import (
     EXPERT_LAYOUTS,
@@ -67,7 +71,10 @@ def export(source: str | Path, out_dir: str | Path, experts: str = "per_expert")
         run_dir, checkpoint = source.parent.parent, source
     else:
         raise ExportError(f"{source} is neither a run directory nor a checkpoint directory")
-    cfg = model_config(OmegaConf.load(run_dir / "config.yaml"))
+    run_cfg = OmegaConf.load(run_dir / "config.yaml")
+    if is_hf(run_cfg):
+        return export_hf(run_dir, run_cfg, checkpoint, out_dir, experts)
+    cfg = model_config(run_cfg)
     check_exportable(cfg)  # before the consolidation, which reads every shard
     flat = consolidate(checkpoint)
     shapes = {n: p.shape for n, p in Transformer(cfg, device="meta").state_dict().items()}
@@ -75,6 +82,19 @@ def export(source: str | Path, out_dir: str | Path, experts: str = "per_expert")
     if cfg.tie_embeddings:
         state.pop("output.weight", None)
     return save_hf(state, cfg, out_dir, experts)
+
+
+def export_hf(run_dir: Path, run_cfg, checkpoint: Path, out_dir: str | Path, experts: str) -> Path:
+    """A model=hf run's checkpoint as a Hugging Face directory (save_pretrained), MoE experts per expert or fused."""
+    from recipes.models.hf import HFConfigError, load_config, save_weights
+
+    written = run_dir / HF_CONFIG_FILE
+    try:
+        config = load_config(written) if written.is_file() else hf_model_config(run_cfg)
+        flat = consolidate(checkpoint)
+        return save_weights(flat, config, out_dir, original_format=experts == "per_expert")
+    except (HFConfigError, ConfigError) as e:
+        raise ExportError(f"{run_dir}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ExportError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+    print(f"wrote {', '.join(str(p) for p in sorted(out.glob('*.safetensors')))} and {out / 'config.json'}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import json
 import math
 import os
 import signal
@@ -24,20 +23,29 @@ from pathlib import Path
 import hydra
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
+from moe_lst.kernels.attention import attention
+from moe_lst.kernels.sparse import SparseAttention, SparseConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 import zero
 from moe import MoELayer, apply_expert_parallel, update_router_biases
 from recipes.config import (
+    HF_CONFIG_FILE,
     ConfigError,
     atomic_write_text,
     check_config,
     check_run_dir,
     data_parallel_degree,
+    hf_model_config,
+    is_hf,
+    is_moe,
     model_config,
+    num_params,
     refuse_bad_command_line,
+    vocab_size,
 )
 from recipes.crop_check import crop_check
 from recipes.data import BatchSpec, DataError, build_streams
@@ -119,9 +127,21 @@ class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
 
 def builds_on_meta(cfg: DictConfig) -> bool:
     """Stage 3 dense models are built on the meta device and materialised by the engine unit by unit
-    (Transformer.init_parameter gives the values an eager build would), so no rank holds the whole model.
+    (the model's init_parameter gives the values an eager build would), so no rank holds the whole model.
     (Not under tensor parallelism: its parameters are slices of what init_parameter fills.)"""
-    return cfg.zero.stage == 3 and not cfg.model.moe.num_experts and cfg.parallel.tp == 1
+    return cfg.zero.stage == 3 and not is_moe(cfg) and cfg.parallel.tp == 1
+
+
+def new_model(cfg: DictConfig, meta: bool) -> nn.Module:
+    """The full model before any parallelism: the project's Llama, or with model=hf a Hugging Face causal LM
+    behind the model contract (recipes.models.hf; its buffers on this rank's device)."""
+    if not is_hf(cfg):
+        return Transformer(model_config(cfg), device="meta" if meta else None)
+    from recipes.models.hf import build
+
+    fn = SparseAttention(SparseConfig(**OmegaConf.to_container(cfg.model.sparse))) \
+        if cfg.model.attention == "sparse" else attention
+    return build(hf_model_config(cfg), meta=meta, device=default_device() if meta else None, attention_fn=fn)
 
 
 @dataclass
@@ -140,11 +160,11 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
     rank's pipeline stages over pp. Each keeps its slice of the values the full model holds, so initial
     weights need no slicing of their own (a meta-built model gets them from the engine: see Run)."""
     meta = builds_on_meta(cfg)
-    model = Transformer(model_config(cfg), device="meta" if meta else None)
+    model = new_model(cfg, meta)
     if initial is not None and not meta:
         load_initial_weights(model, initial)
     parallel = Parallelism()
-    if cfg.model.moe.num_experts:
+    if is_moe(cfg):
         parallel.plans.append(apply_expert_parallel(model, dims))
     parallel.plans.append(apply_tensor_parallel(model, dims.tp_group))  # slices heads; Ulysses splits the rest
     apply_ulysses(model, dims.sp_group)
@@ -184,8 +204,9 @@ def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims,
 
 def initial_weights(cfg: DictConfig, run_dir: Path, is_rank0: bool) -> dict[str, torch.Tensor] | None:
     """The full weights train.init_from names (a Hugging Face Llama / Mixtral directory, as recipes.export
-    writes) for a fresh run, refused in one line naming every model key on which they differ from the
-    run's model. None without it, and when the run resumes (its checkpoint holds the weights: said once)."""
+    writes; with model=hf any directory of the run's model) for a fresh run, refused in one line naming every
+    model key on which they differ from the run's model. None without it, and when the run resumes (its
+    checkpoint holds the weights: said once)."""
     source = cfg.train.init_from
     if source is None:
         return None
@@ -194,6 +215,13 @@ def initial_weights(cfg: DictConfig, run_dir: Path, is_rank0: bool) -> dict[str,
             print(f"train.init_from={source} is not used: the run resumes from its checkpoint "
                   f"(train.resume={cfg.train.resume})", flush=True)
         return None
+    if is_hf(cfg):
+        from recipes.models.hf import HFConfigError, load_weights
+
+        try:
+            return load_weights(source, hf_model_config(cfg))
+        except HFConfigError as e:
+            raise ConfigError(f"train.init_from={source}: {e}") from None
     try:
         theirs, state = import_hf(source)
     except ExportError as e:
@@ -206,7 +234,7 @@ def initial_weights(cfg: DictConfig, run_dir: Path, is_rank0: bool) -> dict[str,
     return state
 
 
-def load_initial_weights(model: Transformer, state: dict[str, torch.Tensor]) -> None:
+def load_initial_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy full weights into the full (not yet parallelised) model; only buffers may be absent (a router's
     expert bias starts at zero)."""
     result = model.load_state_dict(state, strict=False)
@@ -326,7 +354,7 @@ class Run:
         check_resumed_config(cfg, self.run_dir, self.dims, self.is_rank0)
         torch.manual_seed(t.seed)
         self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp, t.seq_len)
-        self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, cfg.model.vocab_size)
+        self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, vocab_size(cfg))
         initial = initial_weights(cfg, self.run_dir, self.is_rank0)
         self.model, self.parallel = build_model(cfg, self.dims, initial)
         self.pipe = self.parallel.pipe
@@ -339,6 +367,8 @@ class Run:
             else None
         if self.is_rank0:
             save_config(cfg, self.run_dir)
+            if is_hf(cfg):  # the model's own config, which recipes.export writes beside the weights
+                atomic_write_text(self.run_dir / HF_CONFIG_FILE, hf_model_config(cfg).to_json_string())
         self.logger = MetricsLogger(self.run_dir, self.is_rank0, OmegaConf.to_container(cfg.wandb),
                                     OmegaConf.to_container(cfg, resolve=True), resume_step=self.start_step,
                                     run_id=self.run_id)
@@ -347,7 +377,7 @@ class Run:
         self.bad_steps = 0  # consecutive steps with a non-finite loss or gradient
         if self.is_rank0:
             self.stop.on_expire = self.record_late_stop
-            total = model_config(cfg).num_params()
+            total = num_params(cfg)
             mine = sum(p.numel() for p in self.engine.module.parameters())
             print(f"{self.dims} | model {total / 1e6:.2f}M params, {mine / 1e6:.2f}M on rank 0 | "
                   f"run_dir {self.run_dir}"
@@ -433,7 +463,7 @@ class Run:
                   "comm_bytes": engine_metrics["comm_bytes_per_step"], **memory_metrics(self.dims)}
         if self.cfg.zero.dtype == "fp16":
             record.update(loss_scale=engine_metrics["loss_scale"])
-        if self.cfg.model.moe.num_experts:  # (under pp, moe_stats gathers every stage's: not for a dense model)
+        if is_moe(self.cfg):  # (under pp, moe_stats gathers every stage's: not for a dense model)
             stats = moe_stats(self.engine, self.cfg, self.dims, self.pipe)
             record.update(moe_step_metrics(stats, self.expert_loads))
         return record
