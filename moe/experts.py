@@ -2,6 +2,8 @@
 
 Tokens arrive sorted into contiguous per-expert segments; `torch._grouped_mm` computes all experts in
 one call where the installed torch supports it for the device/dtype, else a loop over the segments.
+Weights are stored [E, in, out], or transposed [E, out, in] (the nn.Linear layout of Hugging Face's fused
+experts), which every path reads in place.
 """
 
 from __future__ import annotations
@@ -35,14 +37,22 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, k: int, n: in
     return _GROUPED_MM_OK[key]
 
 
+def _as_kn(w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The [E, k, n] operand of x [M, k] @ w: the weight itself, or a view of a transposed [E, n, k] one."""
+    return w.transpose(-2, -1) if transposed else w
+
+
 class _GroupedMM(torch.autograd.Function):
-    """y[seg e] = x[seg e] @ w[e]; backward as two more grouped GEMMs (contiguous gradients)."""
+    """y[seg e] = x[seg e] @ w[e] (w stored [E, k, n], or [E, n, k] when transposed); backward as two more
+    grouped GEMMs (gradients contiguous in the stored layout)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fuse_grad: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fuse_grad: bool,
+                transposed: bool) -> torch.Tensor:
         ctx.save_for_backward(x, w, offs)
         ctx.param = w if fuse_grad else None
-        return torch._grouped_mm(x, w, offs=offs)
+        ctx.transposed = transposed
+        return torch._grouped_mm(x, _as_kn(w, transposed), offs=offs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -50,23 +60,27 @@ class _GroupedMM(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad, w.transpose(-2, -1), offs=offs)  # [M, n] @ [E, n, k]
+            grad_x = torch._grouped_mm(grad, _as_kn(w, not ctx.transposed), offs=offs)  # [M, n] @ [E, n, k]
         sink = _grad_sink(ctx.param) if ctx.param is not None else None
         if sink is not None:  # fused accumulation into the existing .grad (GroupedExperts doc)
             counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-            _wgrad(x, grad, counts, sink, accumulate=True)
+            _wgrad_stored(x, grad, counts, sink, ctx.transposed, accumulate=True)
+        elif ctx.needs_input_grad[1] and ctx.transposed:
+            grad_w = torch._grouped_mm(grad.t(), x, offs=offs)  # [n, M] @ [M, k] per segment -> [E, n, k]
         elif ctx.needs_input_grad[1]:
             grad_w = torch._grouped_mm(x.t(), grad, offs=offs)  # [k, M] @ [M, n] per segment -> [E, k, n]
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
-                   fuse_grad_accumulation: bool = False) -> torch.Tensor:
-    """x [M, k] in per-expert segments, w [E, k, n] -> [M, n] (fusion: see GroupedExperts)."""
-    if grouped_mm_supported(x.device, x.dtype, w.shape[1], w.shape[2]):
+                   fuse_grad_accumulation: bool = False, transposed: bool = False) -> torch.Tensor:
+    """x [M, k] in per-expert segments, w [E, k, n] (transposed: [E, n, k]) -> [M, n] (fusion: see
+    GroupedExperts)."""
+    w_kn = _as_kn(w, transposed)
+    if grouped_mm_supported(x.device, x.dtype, w_kn.shape[1], w_kn.shape[2]):
         offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-        return _GroupedMM.apply(x, w, offs, fuse_grad_accumulation)
-    return _segment_loop(x, w, tokens_per_expert.tolist())
+        return _GroupedMM.apply(x, w, offs, fuse_grad_accumulation, transposed)
+    return _segment_loop(x, w_kn, tokens_per_expert.tolist())
 
 
 def _segment_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -92,8 +106,9 @@ def _activate_backward(grad: torch.Tensor, h: torch.Tensor, activation: str) -> 
     return torch.cat([grad_gate, grad_up], dim=-1)
 
 
-def _gmm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Raw (no autograd) grouped GEMM of segments x[seg e] @ w[e]."""
+def _gmm(x: torch.Tensor, w: torch.Tensor, counts: list[int], transposed: bool = False) -> torch.Tensor:
+    """Raw (no autograd) grouped GEMM of segments x[seg e] @ w[e] (w[e].T when `transposed`)."""
+    w = _as_kn(w, transposed)
     if grouped_mm_supported(x.device, x.dtype, w.shape[1], w.shape[2]):
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
@@ -127,28 +142,29 @@ class _FusedExpertMLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w_in, w_out, gate, token_index, counts, activation, max_chunks, fuse_grad, repeatable):
+    def forward(ctx, x, w_in, w_out, gate, token_index, counts, activation, max_chunks, fuse_grad, repeatable,
+                transposed):
         out = x.new_zeros(x.shape)
         chunks = _expert_chunks(counts, max_chunks)
         acts = []
         for e0, e1, r0, r1 in chunks:
             tok = token_index[r0:r1]
-            h = _gmm(x.index_select(0, tok), w_in[e0:e1], counts[e0:e1])  # [m, ffn] (x2 for SwiGLU)
+            h = _gmm(x.index_select(0, tok), w_in[e0:e1], counts[e0:e1], transposed)  # [m, ffn] (x2 for SwiGLU)
             a = _activate(h, activation)  # [m, ffn], freed at the end of the chunk
-            y = _gmm(a, w_out[e0:e1], counts[e0:e1]).mul_(gate[r0:r1].unsqueeze(1))  # [m, dim]
+            y = _gmm(a, w_out[e0:e1], counts[e0:e1], transposed).mul_(gate[r0:r1].unsqueeze(1))  # [m, dim]
             del a
             out.index_add_(0, tok, y)
             acts.append(h)
         ctx.save_for_backward(x, w_in, w_out, gate, token_index)
         ctx.chunks, ctx.acts, ctx.counts, ctx.activation = chunks, acts, counts, activation
         ctx.params = (w_in, w_out) if fuse_grad else None
-        ctx.repeatable = repeatable
+        ctx.repeatable, ctx.transposed = repeatable, transposed
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, w_in, w_out, gate, token_index = ctx.saved_tensors
-        counts = ctx.counts
+        counts, t = ctx.counts, ctx.transposed
         grad_out = grad_out.contiguous()
         grad_x = torch.zeros_like(x)
         # Fused accumulation: the weight-gradient GEMMs add straight into an existing .grad (no
@@ -171,20 +187,20 @@ class _FusedExpertMLP(torch.autograd.Function):
             tok = token_index[r0:r1]
             g = gate[r0:r1].unsqueeze(1)
             grad_rows = grad_out.index_select(0, tok)  # [m, dim] dL/d(expert output), unweighted
-            grad_a = _gmm(grad_rows, w_out[e0:e1].transpose(-2, -1), counts[e0:e1])  # [m, ffn], unweighted
+            grad_a = _gmm(grad_rows, w_out[e0:e1], counts[e0:e1], not t)  # [m, ffn], unweighted
             grad_gate[r0:r1] = torch.linalg.vecdot(grad_a, a)  # row-wise <dL/dy, y>
-            _wgrad(a, grad_rows.mul_(g), counts[e0:e1], grad_w_out[e0:e1], accumulate=sink_out is not None)
+            _wgrad_stored(a, grad_rows.mul_(g), counts[e0:e1], grad_w_out[e0:e1], t, accumulate=sink_out is not None)
             del a, grad_rows
             grad_h = _activate_backward(grad_a.mul_(g), h, ctx.activation)
             del h, grad_a
-            _wgrad(x.index_select(0, tok), grad_h, counts[e0:e1], grad_w_in[e0:e1],
-                   accumulate=sink_in is not None)
-            grad_x.index_add_(0, tok, _gmm(grad_h, w_in[e0:e1].transpose(-2, -1), counts[e0:e1]))
+            _wgrad_stored(x.index_select(0, tok), grad_h, counts[e0:e1], grad_w_in[e0:e1], t,
+                          accumulate=sink_in is not None)
+            grad_x.index_add_(0, tok, _gmm(grad_h, w_in[e0:e1], counts[e0:e1], not t))
             del grad_h
         if not ctx.repeatable:
             ctx.acts = None
         return (grad_x, None if sink_in is not None else grad_w_in, None if sink_out is not None else grad_w_out,
-                grad_gate, None, None, None, None, None, None)
+                grad_gate, None, None, None, None, None, None, None)
 
 
 def _wgrad(x: torch.Tensor, grad: torch.Tensor, counts: list[int], out: torch.Tensor,
@@ -199,6 +215,15 @@ def _wgrad(x: torch.Tensor, grad: torch.Tensor, counts: list[int], out: torch.Te
         elif not accumulate:
             out[e].zero_()
         start += c
+
+
+def _wgrad_stored(x: torch.Tensor, grad: torch.Tensor, counts: list[int], out: torch.Tensor, transposed: bool,
+                  accumulate: bool = False) -> None:
+    """_wgrad into a weight gradient stored [E, k, n], or transposed [E, n, k] (then grad^T @ x per expert)."""
+    if transposed:
+        _wgrad(grad, x, counts, out, accumulate=accumulate)
+    else:
+        _wgrad(x, grad, counts, out, accumulate=accumulate)
 
 
 def _grad_sink(p: torch.Tensor) -> torch.Tensor | None:
@@ -228,53 +253,71 @@ class GroupedExperts(nn.Module):
     autograd would run on the accumulated gradient do not fire for those weights, so only turn it on
     where nothing relies on them (`moe.set_fused_grad_accumulation`, e.g. when the ZeRO engine says
     `grads_accumulate_in_place`, stages 0-1; DDP does not qualify).
+
+    `transposed=True` stores both weights the other way round, [E, out, in] like nn.Linear: w_in
+    [E_local, 2 * ffn_dim (or ffn_dim), dim], w_out [E_local, dim, ffn_dim], the layout of Hugging Face's
+    fused experts (gate | up), whose tensors this module can then hold as they are. Every path reads them
+    in place (transposed views, no copies) and produces their gradients in that layout.
     """
 
     fuse_grad_accumulation = False
     #: Keep the saved activations through backward, for backwards that run twice over one graph (the
     #: separate input- and weight-gradient passes of zero-bubble pipeline schedules); see moe.set_repeatable_backward.
     repeatable_backward = False
+    #: Parameter names of the (input, output) weights. A subclass that stores them under other names (another
+    #: framework's) overrides this and defines `w_in` / `w_out` as properties reading them.
+    weight_names = ("w_in", "w_out")
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, activation: str = "swiglu",
-                 expert_range: tuple[int, int] | None = None, init_std: float = 0.02) -> None:
+                 expert_range: tuple[int, int] | None = None, init_std: float = 0.02, *,
+                 transposed: bool = False) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not supported; use one of {ACTIVATIONS}")
         start, stop = expert_range or (0, num_experts)
         self.dim, self.ffn_dim, self.activation = dim, ffn_dim, activation
         self.num_experts, self.expert_range = stop - start, (start, stop)
+        self.transposed = transposed
         in_width = 2 * ffn_dim if activation == "swiglu" else ffn_dim
-        w_in = torch.empty(num_experts, dim, in_width)
-        w_out = torch.empty(num_experts, ffn_dim, dim)
+        w_in = torch.empty((num_experts, in_width, dim) if transposed else (num_experts, dim, in_width))
+        w_out = torch.empty((num_experts, dim, ffn_dim) if transposed else (num_experts, ffn_dim, dim))
         nn.init.normal_(w_in, std=init_std)
         nn.init.normal_(w_out, std=init_std)
         if (start, stop) != (0, num_experts):  # keep only this rank's slice, not a view of the full tensor
             w_in, w_out = w_in[start:stop].clone(), w_out[start:stop].clone()
-        self.w_in, self.w_out = nn.Parameter(w_in), nn.Parameter(w_out)
+        self._set_weights(w_in, w_out)
+
+    def _set_weights(self, w_in: torch.Tensor, w_out: torch.Tensor) -> None:
+        """Register (or replace) the two weights as parameters named `weight_names`."""
+        for name, w in zip(self.weight_names, (w_in, w_out)):
+            self.register_parameter(name, nn.Parameter(w))
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, ffn_dim={self.ffn_dim}, experts={self.num_experts} "
-                f"(range {self.expert_range}), activation={self.activation}")
+                f"(range {self.expert_range}), activation={self.activation}" + (", transposed" * self.transposed))
 
     def keep_experts(self, start: int, stop: int) -> None:
         """Drop every expert outside [start, stop) (relative to this module's current experts)."""
-        self.w_in = nn.Parameter(self.w_in.data[start:stop].clone())
-        self.w_out = nn.Parameter(self.w_out.data[start:stop].clone())
+        self._set_weights(self.w_in.data[start:stop].clone(), self.w_out.data[start:stop].clone())
         base = self.expert_range[0]
         self.num_experts, self.expert_range = stop - start, (base + start, base + stop)
 
     def keep_hidden(self, start: int, stop: int) -> None:
         """Keep hidden units [start, stop) of every expert (expert tensor parallelism): the output is then
         this slice's partial sum of the expert MLP, to be summed over the ranks holding the other slices."""
-        self.w_in = nn.Parameter(_hidden_columns(self.w_in.data, self.ffn_dim, start, stop, self.activation))
-        self.w_out = nn.Parameter(self.w_out.data[:, start:stop].clone())
+        if self.transposed:  # [E, out, in]: the hidden units are rows of w_in and columns of w_out
+            w_in = _hidden_columns(self.w_in.data.transpose(1, 2), self.ffn_dim, start, stop, self.activation)
+            self._set_weights(w_in.transpose(1, 2).contiguous(), self.w_out.data[:, :, start:stop].clone())
+        else:
+            self._set_weights(_hidden_columns(self.w_in.data, self.ffn_dim, start, stop, self.activation),
+                              self.w_out.data[:, start:stop].clone())
         self.ffn_dim = stop - start
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [M, dim] in contiguous per-expert segments of sizes tokens_per_expert [E_local] -> [M, dim]."""
-        fuse = self.fuse_grad_accumulation
-        h = grouped_matmul(x, self.w_in, tokens_per_expert, fuse)  # [M, ffn] or [M, 2 ffn]
-        return grouped_matmul(_activate(h, self.activation), self.w_out, tokens_per_expert, fuse)
+        fuse, transposed = self.fuse_grad_accumulation, self.transposed
+        h = grouped_matmul(x, self.w_in, tokens_per_expert, fuse, transposed)  # [M, ffn] or [M, 2 ffn]
+        return grouped_matmul(_activate(h, self.activation), self.w_out, tokens_per_expert, fuse, transposed)
 
     def forward_tokens(self, x: torch.Tensor, token_index: torch.Tensor, gate: torch.Tensor,
                        tokens_per_expert: torch.Tensor, max_chunks: int = 8) -> torch.Tensor:
@@ -286,7 +329,7 @@ class GroupedExperts(nn.Module):
         """
         return _FusedExpertMLP.apply(x.contiguous(), self.w_in, self.w_out, gate, token_index,
                                      tokens_per_expert.tolist(), self.activation, max_chunks,
-                                     self.fuse_grad_accumulation, self.repeatable_backward)
+                                     self.fuse_grad_accumulation, self.repeatable_backward, self.transposed)
 
 
 def _hidden_columns(w: torch.Tensor, hidden: int, start: int, stop: int, activation: str) -> torch.Tensor:

@@ -21,7 +21,8 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 @dataclass
 class Routing:
-    """One routing decision for N tokens (all fp32 except the indices)."""
+    """One routing decision for N tokens (all fp32 except the indices, and the logits of a router with
+    fp32_logits=False, which keep the input's dtype)."""
 
     weights: torch.Tensor  # [N, k] gate weights of the chosen experts (unbiased scores, maybe renormalised)
     indices: torch.Tensor  # [N, k] int64 chosen expert ids
@@ -36,13 +37,15 @@ class TopKRouter(nn.Module):
     optionally renormalised over the chosen k. score_func="sigmoid" (DeepSeek-V3): independent
     sigmoid affinities, gate weights normalised over the chosen experts. `expert_bias` (a buffer) is
     added to the scores for SELECTION only; the gate weights always use the unbiased scores.
-    The router always runs in fp32: bf16 logits flip near-tied top-k choices between otherwise
-    identical runs and make the z-loss meaningless.
+    The router runs in fp32 by default: bf16 logits flip near-tied top-k choices between otherwise
+    identical runs and make the z-loss meaningless. `fp32_logits=False` computes the logits in the input's
+    dtype instead and only the scores in fp32, as Hugging Face's Mixtral and Qwen3-MoE routers do (the
+    logits then keep that dtype; with fp32 inputs both are the same).
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int = 2, score_func: str = "softmax",
                  renormalize: bool | None = None, jitter_eps: float = 0.0, num_groups: int | None = None,
-                 topk_groups: int | None = None, init_std: float = 0.02) -> None:
+                 topk_groups: int | None = None, init_std: float = 0.02, *, fp32_logits: bool = True) -> None:
         super().__init__()
         if score_func not in SCORE_FUNCTIONS:
             raise ValueError(f"router={score_func!r} is not a known score function; "
@@ -72,6 +75,7 @@ class TopKRouter(nn.Module):
         self.renormalize = (top_k > 1 or score_func == "sigmoid") if renormalize is None else renormalize
         self.jitter_eps = jitter_eps
         self.num_groups, self.topk_groups = num_groups, topk_groups
+        self.fp32_logits = fp32_logits
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         nn.init.normal_(self.weight, std=init_std)
         # Selection-only bias for auxiliary-loss-free balancing (DeepSeek-V3); updated outside autograd.
@@ -96,17 +100,17 @@ class TopKRouter(nn.Module):
         return group_keep.unsqueeze(-1).expand_as(grouped).reshape(n, e)
 
     def forward(self, x: torch.Tensor) -> Routing:
-        """x [N, dim] (any dtype) -> Routing with fp32 weights/logits/probs."""
-        x = x.float()
+        """x [N, dim] (any dtype) -> Routing with fp32 weights/probs (and logits, unless fp32_logits=False)."""
+        x = x.float() if self.fp32_logits else x
         if self.training and self.jitter_eps > 0:
             # Switch Transformer input jitter: multiplicative uniform noise, training only.
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
-        logits = F.linear(x, self.weight.float())  # [N, E]
+        logits = F.linear(x, self.weight.to(x.dtype))  # [N, E]
         if self.score_func == "softmax":
-            scores = logits.softmax(dim=-1)
+            scores = logits.float().softmax(dim=-1)
             probs = scores
         else:
-            scores = logits.sigmoid()
+            scores = logits.float().sigmoid()
             # The aux loss needs a distribution over experts: normalise the affinities per token.
             probs = scores / scores.sum(dim=-1, keepdim=True)
         select = scores.detach() + self.expert_bias
