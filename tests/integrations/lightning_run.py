@@ -1,0 +1,126 @@
+"""Trains the project's Llama with lightning.Trainer(strategy=ZeroStrategy(...), devices=2) on the recipe's data:
+4 steps straight, then 2 steps saved by ModelCheckpoint and resumed for 2 more. Lightning's launcher starts
+the second process (this script again). Rank 0 writes the per-step losses; every rank its final weights.
+
+python tests/integrations/lightning_run.py OUT_DIR '{"name": {"stage": 3, "offload": "cpu", "moe": true, "ep": 2,
+                                                          "sp": 1, "meta": false, "micro": 4}, ...}'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from moe_lst.integrations.lightning import ZeroStrategy
+
+import zero
+from moe import apply_expert_parallel, update_router_biases
+from recipes.losses import logits_loss, mean_over_dp
+from recipes.models.llama import Transformer
+from sequence_parallel import apply_ulysses, shard_sequence
+from tests.integrations.common import (
+    ACCUM,
+    BETAS,
+    CLIP,
+    EPS,
+    LR,
+    MICRO,
+    SEED,
+    WD,
+    EpochSampler,
+    MicroBatches,
+    model_config,
+    train_stream,
+)
+
+STEPS_PER_EPOCH = 2
+
+
+class LitLlama(L.LightningModule):
+    """The recipe's model, loss and optimizer as a LightningModule; parallelism applied in configure_model."""
+
+    def __init__(self, moe: bool, meta: bool, micro: int) -> None:
+        super().__init__()
+        self.cfg, self.meta, self.micro = model_config(moe), meta, micro
+        self.model: Transformer | None = None
+        self.micro_losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        strategy, dims = self.trainer.strategy, self.trainer.strategy.dims
+        torch.manual_seed(SEED)  # the recipe's init; a meta-built model is filled by its init_parameter
+        self.model = Transformer(self.cfg, device="meta" if self.meta else None)
+        plans = [apply_expert_parallel(self.model, dims)] if self.cfg.moe.num_experts else []
+        apply_ulysses(self.model, dims.sp_group)
+        strategy.configure_engine(self.model, plans=plans)
+
+    def training_step(self, batch, batch_idx):
+        dims = self.trainer.strategy.dims
+        tokens, labels, positions = shard_sequence(*batch, dims.sp_group)
+        loss = logits_loss(self.model(tokens, positions), labels, dims)
+        self.micro_losses.append(loss.item())
+        return loss
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        update_router_biases(self.model, self.trainer.strategy.dims.dp_sp_group)  # (a dense model: nothing)
+
+    def configure_optimizers(self):
+        return zero.FastAdamW(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+
+    def train_dataloader(self):
+        dims = self.trainer.strategy.dims
+        count = 2 * STEPS_PER_EPOCH * ACCUM
+        stream = train_stream(dims.dp, self.micro)
+        return torch.utils.data.DataLoader(MicroBatches(stream, dims.dp_rank, count), batch_size=None,
+                                           sampler=EpochSampler(STEPS_PER_EPOCH * ACCUM))
+
+
+def fit(run: dict, epochs: int, ckpt_dir: Path | None = None, resume: str | None = None) -> tuple[list, LitLlama]:
+    """Train `run` ({"stage", "offload", "moe", "ep", "sp", "meta", "micro"}) for `epochs`; the per-step global
+    losses."""
+    offload = run.get("offload", "none")
+    config = zero.ZeroConfig(stage=run["stage"], offload_optimizer=offload,
+                             offload_params=offload if run["stage"] == 3 else "none")
+    strategy = ZeroStrategy(config, sp=run.get("sp", 1), ep=run.get("ep", 1))
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", save_top_k=-1)] if ckpt_dir else []
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(ckpt_dir),
+                        callbacks=callbacks, accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP,
+                        use_distributed_sampler=False)  # the dataset takes this rank's rows itself
+    module = LitLlama(run.get("moe", False), run.get("meta", False), run.get("micro", MICRO))
+    trainer.fit(module, ckpt_path=resume)
+    micro = module.micro_losses
+    steps = [sum(micro[i:i + ACCUM]) / ACCUM for i in range(0, len(micro), ACCUM)]
+    return [mean_over_dp(s, strategy.dims) for s in steps], module
+
+
+def straight_and_resumed(run: dict, out: Path) -> dict:
+    """4 steps straight; 2 steps with a checkpoint, resumed for 2 more. Saves every rank's final weights of both."""
+    straight, module = fit(run, epochs=2)
+    final_straight = module.trainer.strategy.engine.full_state_dict()
+    first, _ = fit(run, epochs=1, ckpt_dir=out / "ckpt")
+    resumed, module = fit(run, epochs=2, resume=str(out / "ckpt" / f"step={STEPS_PER_EPOCH}.ckpt"))
+    torch.save({"straight": final_straight, "resumed": module.trainer.strategy.engine.full_state_dict()},
+               out / f"final_rank{dist.get_rank()}.pt")
+    return {"straight": straight, "first": first, "resumed": resumed}
+
+
+def main() -> None:
+    out, runs = Path(sys.argv[1]), json.loads(sys.argv[2])  # {name: run}
+    results = {}
+    for name, run in runs.items():
+        (out / name).mkdir(parents=True, exist_ok=True)
+        results[name] = straight_and_resumed(run, out / name)
+    if dist.get_rank() == 0:
+        (out / "losses.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
