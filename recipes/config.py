@@ -127,6 +127,15 @@ class BinDataConfig:
 
 
 @dataclass
+class TokenizedDataConfig:
+    """`data=tokenized`: a corpus prepared by `python -m recipes.prepare_data` (token shards, document index and
+    meta.json; docs/data.md); its tokenizer's vocabulary must fit model.vocab_size."""
+
+    kind: str = "tokenized"  # the corpus reader (recipes.data.build_streams); comes with the data=... choice
+    path: str = MISSING  # the directory prepare_data wrote (its --out; required)
+
+
+@dataclass
 class WandbConfig:
     """`wandb.*`: Weights & Biases; metrics.jsonl is written whatever the mode."""
 
@@ -179,6 +188,7 @@ _store.store(group="optim", name="base", node=OptimConfig)
 _store.store(group="parallel", name="base", node=ParallelConfig)
 _store.store(group="data", name="base_stdlib", node=StdlibDataConfig)
 _store.store(group="data", name="base_bin", node=BinDataConfig)
+_store.store(group="data", name="base_tokenized", node=TokenizedDataConfig)
 _store.store(group="wandb", name="base", node=WandbConfig)
 _store.store(group="zero", name="base", node=ZeroSection)
 # The MoE, sparse-attention and NSA blocks of every model config (`defaults: [moe: base, sparse: base,
@@ -193,7 +203,7 @@ ROOT_KEYS = ("model", "data", "parallel", "optim", "zero", "train", "wandb", "ru
 #: The schema of a section whose node carries no type of its own (the model files are plain yaml; their `moe`,
 #: `sparse` and `nsa` blocks are typed) and the other choices of a group whose choices have different keys.
 UNTYPED_SCHEMAS = {"model": ModelConfig}
-GROUP_CHOICES = {"data": {"stdlib": StdlibDataConfig, "bin": BinDataConfig}}
+GROUP_CHOICES = {"data": {"stdlib": StdlibDataConfig, "bin": BinDataConfig, "tokenized": TokenizedDataConfig}}
 
 
 _type_hints = functools.lru_cache(maxsize=None)(get_type_hints)

@@ -1,5 +1,6 @@
-"""Training data: byte-level corpora (default: the Python standard library's own source) and token
-`.bin` memmaps, served as deterministic, resumable, layout-independent global batches.
+"""Training data: byte-level corpora (default: the Python standard library's own source), token `.bin` memmaps
+and corpora prepared by `python -m recipes.prepare_data` (with their documents' starts), served as deterministic,
+resumable, layout-independent global batches.
 
 The global batch of step t depends only on (seed, t, global batch size): each data-parallel rank takes
 its slice of every global batch, so dp=2 x micro 4 trains on exactly the tokens of dp=1 x micro 8.
@@ -8,6 +9,7 @@ its slice of every global batch, so dp=2 x micro 4 trains on exactly the tokens 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -15,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from recipes.config import atomic_write_text
+from recipes.prepare_data import FORMAT, FORMAT_VERSION, INDEX_DTYPE, META, PARTIAL, SPLITS, index_name, shard_name
 
 
 class DataError(ValueError):
@@ -104,6 +109,9 @@ class TokenStream:
     (micro-step major, then dp rank), so the set of rows in a step is independent of the layout.
     """
 
+    #: What identifies the data beyond the config (a prepared corpus: its tokenizer), or None.
+    identity: dict | None = None
+
     def __init__(self, tokens: np.ndarray, spec: BatchSpec, seed: int, vocab_size: int) -> None:
         if len(tokens) < spec.seq_len + 2:
             raise DataError(
@@ -115,15 +123,135 @@ class TokenStream:
         rng = np.random.Generator(np.random.PCG64([self.seed, step]))
         return rng.integers(0, len(self.tokens) - self.spec.seq_len - 1, size=self.spec.global_batch)
 
-    def batch(self, step: int, micro: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row_offsets(self, step: int, micro: int, dp_rank: int) -> np.ndarray:
+        """Where the windows of one micro batch of one rank start."""
         spec = self.spec
         start = (micro * spec.dp_size + dp_rank) * spec.micro_batch_size
-        offsets = self._offsets(step)[start:start + spec.micro_batch_size]
+        return self._offsets(step)[start:start + spec.micro_batch_size]
+
+    def batch(self, step: int, micro: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = self.spec
+        offsets = self._row_offsets(step, micro, dp_rank)
         rows = np.stack([np.asarray(self.tokens[o:o + spec.seq_len + 1], dtype=np.int64) for o in offsets])
         rows = torch.from_numpy(rows)
         if int(rows.max()) >= self.vocab_size:
             raise DataError(f"token id {int(rows.max())} in the data is >= model.vocab_size={self.vocab_size}")
         return rows[:, :-1], rows[:, 1:]
+
+
+class DocumentStream(TokenStream):
+    """A TokenStream over a prepared split that also knows where its documents start (the split's index), for
+    document-aware packing: `document_starts` marks them in the same rows `batch` returns."""
+
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, spec: BatchSpec, seed: int, vocab_size: int,
+                 identity: dict) -> None:
+        super().__init__(tokens, spec, seed, vocab_size)
+        self.starts = starts  # [documents + 1] token offsets of each document's first token, then the end
+        self.identity = identity
+
+    def document_starts(self, step: int, micro: int, dp_rank: int) -> torch.Tensor:
+        """[micro_batch, seq_len] bool: True where the input token of `batch(step, micro, dp_rank)` is the first
+        token of a document (its BOS, or the token after the previous document's EOS). A row's first position is
+        True only when its window begins exactly at a document; either way the tokens before the row's first
+        True belong to one (cut) document."""
+        offsets = self._row_offsets(step, micro, dp_rank)
+        seq_len = self.spec.seq_len
+        marks = np.zeros((len(offsets), seq_len), dtype=bool)
+        for row, first in enumerate(offsets.tolist()):
+            lo, hi = np.searchsorted(self.starts, [first, first + seq_len])
+            marks[row, np.asarray(self.starts[lo:hi], dtype=np.int64) - first] = True
+        return torch.from_numpy(marks)
+
+
+def load_tokenized(path: str) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """A corpus `python -m recipes.prepare_data` wrote: its meta.json and per split (tokens, document starts) as
+    read-only memmaps, after checking that the files are complete and belong together (one-line DataError)."""
+    root = Path(path)
+    redo = f"prepare it with python -m recipes.prepare_data --tokenizer TOKENIZER --out {path} INPUT..."
+    if not root.is_dir():
+        raise DataError(f"data.path={path!r} is not a directory: {redo}")
+    if not (root / META).is_file():
+        names = [shard_name(s) for s in SPLITS] + [index_name(s) for s in SPLITS]
+        if any(p.name in names or p.name.endswith(PARTIAL) for p in root.iterdir()):
+            raise DataError(f"data.path={path!r} has no {META}: its preparation did not finish (interrupted?); "
+                            f"run it again (it replaces the partial files): {redo}")
+        raise DataError(f"data.path={path!r} holds no prepared corpus (no {META}): {redo}")
+    try:
+        meta = json.loads((root / META).read_text())
+        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+            raise ValueError(f"not a {FORMAT} version {FORMAT_VERSION} meta.json")
+        dtype = np.dtype(meta["dtype"])
+        if dtype.name not in ("uint16", "uint32"):
+            raise ValueError(f"dtype {dtype.name}")
+        splits = {s: _split_files(root, meta["splits"][s], dtype) for s in SPLITS}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        what = e.args[0] if isinstance(e, KeyError) else (getattr(e, "strerror", None) or str(e).splitlines()[0])
+        raise DataError(f"data.path={path!r}: {META} cannot be used ({what}); {redo}") from None
+    return meta, splits
+
+
+def _split_files(root: Path, split: dict, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """One split's token and index memmaps, their sizes checked against meta.json."""
+    arrays = []
+    for name, itemsize, count in ((split["file"], dtype.itemsize, split["tokens"]),
+                                  (split["index"], INDEX_DTYPE.itemsize, split["documents"] + 1)):
+        file = root / name
+        if not file.is_file():
+            raise ValueError(f"{name} is missing")
+        if file.stat().st_size != itemsize * count:
+            raise ValueError(f"{name} has {file.stat().st_size} bytes where {META} records {itemsize * count}: the "
+                             "files are not of one preparation")
+        arrays.append(np.memmap(file, dtype=dtype if name == split["file"] else INDEX_DTYPE, mode="r"))
+    tokens, starts = arrays
+    if int(starts[0]) != 0 or int(starts[-1]) != len(tokens):
+        raise ValueError(f"{split['index']} does not span {split['file']}")
+    return tokens, starts
+
+
+def tokenized_streams(path: str, spec: BatchSpec, seed: int, vocab_size: int) -> tuple[DocumentStream, ...]:
+    """(train, val) DocumentStreams over a prepared corpus, refused in one line when its tokenizer's vocabulary
+    does not fit the model."""
+    meta, splits = load_tokenized(path)
+    tokenizer = meta["tokenizer"]
+    if meta["vocab_size"] > vocab_size:
+        raise DataError(f"data.path={path!r} was tokenized by {tokenizer['name']} with a vocabulary of "
+                        f"{meta['vocab_size']:,} tokens, more than model.vocab_size={vocab_size}: set "
+                        f"model.vocab_size={meta['vocab_size']} (or more)")
+    identity = {"path": str(Path(path).resolve()), "tokenizer": tokenizer["name"],
+                "tokenizer_path": tokenizer["path"], "tokenizer_sha256": tokenizer["sha256"],
+                "vocab_size": meta["vocab_size"]}
+    return (DocumentStream(*splits["train"], spec, seed, vocab_size, identity),
+            DocumentStream(*splits["val"], spec, seed + VAL_SEED_OFFSET, vocab_size, identity))
+
+
+DATA_IDENTITY = "data_identity.json"
+
+
+def check_data_identity(stream: TokenStream, run_dir: Path, resuming: bool, is_rank0: bool) -> None:
+    """A run records the tokenizer of its data in run_dir (data_identity.json) when it starts; a resumed run whose
+    data.path was since prepared with another tokenizer (its hash differs) is refused in one line, since its ids
+    would mean other text. Data without a tokenizer (stdlib, bin) records nothing."""
+    mine = stream.identity
+    if mine is None:
+        return
+    path = Path(run_dir) / DATA_IDENTITY
+    if resuming and path.exists():
+        try:
+            started = json.loads(path.read_text())
+            sha256 = started["tokenizer_sha256"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{path} is damaged ({type(e).__name__}): restore it, or remove it to resume without "
+                            "checking the data's tokenizer") from None
+        if sha256 != mine["tokenizer_sha256"]:
+            raise DataError(f"data.path={mine['path']} is now tokenized by {mine['tokenizer']} (sha256 "
+                            f"{mine['tokenizer_sha256'][:12]}), but this run started with {started.get('tokenizer')} "
+                            f"(sha256 {sha256[:12]}): resume on data of that tokenizer, or start a new run_dir")
+        return
+    if is_rank0:
+        atomic_write_text(path, json.dumps(mine, indent=1, sort_keys=True) + "\n")
+
+
+VAL_SEED_OFFSET = 1_000_003  # validation draws from its own seed stream: a new train seed does not move the eval set
 
 
 def build_streams(data_cfg, spec: BatchSpec, seed: int, vocab_size: int) -> tuple[TokenStream, TokenStream]:
@@ -138,7 +266,8 @@ def build_streams(data_cfg, spec: BatchSpec, seed: int, vocab_size: int) -> tupl
         val = load_bin(data_cfg.val_path, data_cfg.dtype)
         for name, tokens in (("data.train_path", train), ("data.val_path", val)):
             check_token_ids(tokens, vocab_size, f"{name}={data_cfg[name.split('.')[1]]!r}")
+    elif kind == "tokenized":
+        return tokenized_streams(data_cfg.path, spec, seed, vocab_size)
     else:
-        raise DataError(f"data.kind={kind!r} is unknown; use 'stdlib' or 'bin'")
-    # Validation draws from its own seed stream so changing the train seed does not move the eval set.
-    return TokenStream(train, spec, seed, vocab_size), TokenStream(val, spec, seed + 1_000_003, vocab_size)
+        raise DataError(f"data.kind={kind!r} is unknown; use 'stdlib', 'bin' or 'tokenized'")
+    return TokenStream(train, spec, seed, vocab_size), TokenStream(val, spec, seed + VAL_SEED_OFFSET, vocab_size)
