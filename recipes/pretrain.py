@@ -132,16 +132,18 @@ def builds_on_meta(cfg: DictConfig) -> bool:
     return cfg.zero.stage == 3 and not is_moe(cfg) and cfg.parallel.tp == 1
 
 
-def new_model(cfg: DictConfig, meta: bool) -> nn.Module:
+def new_model(cfg: DictConfig, meta: bool, dims: zero.ParallelDims) -> nn.Module:
     """The full model before any parallelism: the project's Llama, or with model=hf a Hugging Face causal LM
-    behind the model contract (recipes.models.hf; its buffers on this rank's device)."""
+    behind the model contract (recipes.models.hf; its buffers on this rank's device, an MoE model's balancing
+    loss over the sequence's sp ranks)."""
     if not is_hf(cfg):
         return Transformer(model_config(cfg), device="meta" if meta else None)
     from recipes.models.hf import build
 
     fn = SparseAttention(SparseConfig(**OmegaConf.to_container(cfg.model.sparse))) \
         if cfg.model.attention == "sparse" else attention
-    return build(hf_model_config(cfg), meta=meta, device=default_device() if meta else None, attention_fn=fn)
+    return build(hf_model_config(cfg), meta=meta, device=default_device() if meta else None, attention_fn=fn,
+                 sp_group=dims.sp_group)
 
 
 @dataclass
@@ -160,10 +162,12 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
     rank's pipeline stages over pp. Each keeps its slice of the values the full model holds, so initial
     weights need no slicing of their own (a meta-built model gets them from the engine: see Run)."""
     meta = builds_on_meta(cfg)
-    model = new_model(cfg, meta)
+    model = new_model(cfg, meta, dims)
     if initial is not None and not meta:
         load_initial_weights(model, initial)
     parallel = Parallelism()
+    if is_hf(cfg):
+        parallel.plans.append(model.loss_plan())  # (a balancing loss attached inside the model)
     if is_moe(cfg):
         parallel.plans.append(apply_expert_parallel(model, dims))
     parallel.plans.append(apply_tensor_parallel(model, dims.tp_group))  # slices heads; Ulysses splits the rest

@@ -19,8 +19,11 @@ import torch
 import torch.nn as nn
 from moe_lst.kernels.attention import attention
 from moe_lst.kernels.positions import position_ids_for
+from torch.distributed import ProcessGroup
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
+import zero
+from recipes.models.hf.balance import BalancingLoss
 from recipes.models.hf.config import MODEL_TYPES, is_moe
 from zero.contract import AttentionSite, ModelContract
 
@@ -75,11 +78,16 @@ class HFCausalLM(nn.Module, ModelContract):
     replaced by this project's MoE (recipes/models/hf/moe.py), keeping their names. Tensor-parallel plans and
     pipeline stages are not offered (the contract's defaults raise ContractError).
 
+    An MoE config with `output_router_logits` trains with transformers' balancing loss, as its CausalLM forward
+    adds it with labels (`router_aux_loss_coef * load_balancing_loss_func(...)`; recipes.models.hf.balance):
+    its gradient joins the main loss's in training, scaled like it through `loss_plan()`'s hook, its statistics
+    summed over `sp_group` (the ranks holding shards of the same sequences).
+
     forward(tokens [b, s], position_ids=None, return_hidden=False) -> logits [b, s, vocab] (or the final-normed
     hidden states [b, s, dim], for losses that apply `output_weight` themselves, e.g. tiled)."""
 
     def __init__(self, causal_lm: PreTrainedModel, attention_fn: Callable[..., torch.Tensor] = attention,
-                 init_seed: int | None = None) -> None:
+                 init_seed: int | None = None, sp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         config = causal_lm.config
         if config.model_type not in MODEL_TYPES:
@@ -93,6 +101,11 @@ class HFCausalLM(nn.Module, ModelContract):
         self.moe_blocks: tuple[str, ...] = ()
         if is_moe(config):
             self.moe_blocks = tuple(self._adopt_moe())
+        self.balance: BalancingLoss | None = None
+        if self.moe_blocks and config.output_router_logits and config.router_aux_loss_coef > 0:
+            gates = [self.get_submodule(f"{block}.gate") for block in self.moe_blocks]
+            self.balance = BalancingLoss(gates, config.num_local_experts, config.num_experts_per_tok,
+                                         config.router_aux_loss_coef, sp_group)
         causal_lm.set_attn_implementation(ATTENTION)
         for layer in self.model.layers:
             _set_attention(layer.self_attn, attention_fn)
@@ -106,6 +119,10 @@ class HFCausalLM(nn.Module, ModelContract):
             raise NotImplementedError(f"model_type={self.config.model_type}: MoE models are built on a real device "
                                       "(per-parameter init of their experts is not implemented)")
         return adopt(self.causal_lm)
+
+    def loss_plan(self) -> zero.Plan:
+        """For zero.initialize(plans=[...]): the balancing loss's gradient scaled like the main loss."""
+        return zero.Plan("hf_balancing_loss", loss_scale_hooks=[self.balance.scale] if self.balance else [])
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -190,7 +207,11 @@ class HFCausalLM(nn.Module, ModelContract):
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 return_hidden: bool = False) -> torch.Tensor:
         positions = position_ids_for(tokens, position_ids)
+        if self.balance is not None:
+            self.balance.begin(self.training and torch.is_grad_enabled())
         hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
+        if self.balance is not None:
+            self.balance.finish()
         return hidden if return_hidden else self.lm_head(hidden)
 
     @torch.no_grad()
@@ -228,7 +249,7 @@ def _site(name: str, module: nn.Module) -> AttentionSite:
 
 
 def build(config: PreTrainedConfig, meta: bool = False, device: torch.device | str | None = None,
-          attention_fn: Callable[..., torch.Tensor] = attention) -> HFCausalLM:
+          attention_fn: Callable[..., torch.Tensor] = attention, sp_group: ProcessGroup | None = None) -> HFCausalLM:
     """The adapted model of `config`, in fp32. Dense models are built on the meta device; with `meta` their
     parameters stay there (the engine materialises them through init_parameter), else they are made on the CPU
     and initialised by name (the same values); buffers get their values on `device` (default: the CPU). MoE
@@ -237,10 +258,11 @@ def build(config: PreTrainedConfig, meta: bool = False, device: torch.device | s
     if is_moe(config):
         if meta:
             raise NotImplementedError(f"model_type={config.model_type}: MoE models are not built on the meta device")
-        return HFCausalLM(AutoModelForCausalLM.from_config(config, dtype=torch.float32), attention_fn)
+        causal_lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return HFCausalLM(causal_lm, attention_fn, sp_group=sp_group)
     with torch.device("meta"):
         causal_lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model = HFCausalLM(causal_lm, attention_fn)
+    model = HFCausalLM(causal_lm, attention_fn, sp_group=sp_group)
     model.materialise_buffers(device)
     if not meta:
         model.materialise_parameters("cpu")

@@ -1,0 +1,97 @@
+"""transformers' MoE balancing loss (`load_balancing_loss_func`: Switch Transformer's, over every layer's router
+at once) for an adapted model, built from each router's input as the layers run, so that it survives activation
+checkpointing (a recomputed layer is not counted twice and still gets its gradient) and covers the whole
+sequences of a Ulysses group.
+
+The loss is E * sum_e (C_e / R) * (P_e / R): C_e the top-k choices of expert e and P_e its routing probabilities
+summed over every layer's tokens, R the number of (layer, token) rows. C is not differentiable, so the gradient
+into a layer's probability sums is coef * E * C / R^2, known once every layer has run: each layer's router input
+carries a node whose backward sends exactly that (scaled like the main loss), whatever order backward takes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from zero.dist import comm
+from zero.plan import AttachedLossScale, attach_loss
+
+
+class _Statistics:
+    """The counts of one training forward: per expert top-k choices and probability sums, and rows."""
+
+    def __init__(self, num_experts: int, device: torch.device) -> None:
+        self.counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        self.prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        self.rows = 0
+        self.seen: set[int] = set()
+        self.grad_weights: torch.Tensor | None = None  # d loss / d (one layer's probability sums), once finished
+
+
+class _DeferredGrad(torch.autograd.Function):
+    """Zero in forward; backward sends `grad * stats.grad_weights` into a layer's probability sums."""
+
+    @staticmethod
+    def forward(ctx, prob_sum: torch.Tensor, stats: _Statistics) -> torch.Tensor:
+        ctx.stats = stats
+        return prob_sum.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.stats.grad_weights, None
+
+
+class BalancingLoss:
+    """Hooks on the routers (`gate` modules, weight [E, dim], input the tokens [N, dim]) of a model's MoE blocks
+    that add `coef` times transformers' balancing loss to its training gradient. Call `begin()` before each
+    forward and `finish()` after it; `scale` is the engine's loss-scale hook (zero.Plan.loss_scale_hooks)."""
+
+    def __init__(self, gates: list[nn.Module], num_experts: int, top_k: int, coef: float,
+                 sp_group: ProcessGroup | None = None) -> None:
+        self.num_experts, self.top_k, self.coef, self.sp_group = num_experts, top_k, coef, sp_group
+        self.scale = AttachedLossScale()
+        self.stats: _Statistics | None = None
+        self.last_value: float | None = None  # the loss (without coef) of the last training forward
+        for layer, gate in enumerate(gates):
+            gate.register_forward_pre_hook(self._hook(layer))
+
+    def begin(self, training: bool) -> None:
+        """A forward starts: a training one (gradient on) counts, any other leaves the routers alone."""
+        self.stats = _Statistics(self.num_experts, torch.device("cpu")) if training else None
+
+    def finish(self) -> None:
+        """Every layer has run: sum the counts over the sequence's ranks and fix each layer's gradient."""
+        s = self.stats
+        if s is None or not s.seen:
+            return
+        device = s.counts.device
+        totals = torch.cat([s.counts, s.prob_sum, torch.tensor([float(s.rows)], device=device)])
+        comm.all_reduce(totals, self.sp_group)
+        counts, prob_sum, rows = totals[:self.num_experts], totals[self.num_experts:-1], totals[-1]
+        s.grad_weights = self.coef * self.num_experts * counts / rows**2
+        self.last_value = float(torch.sum((counts / rows) * (prob_sum / rows)) * self.num_experts)
+
+    def _hook(self, layer: int):
+        def hook(gate: nn.Module, args: tuple):
+            s = self.stats
+            if s is None:
+                return None
+            x = args[0]
+            probs = F.softmax(F.linear(x, gate.weight), dim=-1)  # transformers' router logits, then softmax
+            if layer not in s.seen:  # (a recomputed checkpointed layer is counted once)
+                if s.counts.device != probs.device:
+                    s.counts, s.prob_sum = s.counts.to(probs.device), s.prob_sum.to(probs.device)
+                s.seen.add(layer)
+                chosen = torch.topk(probs, self.top_k, dim=-1).indices
+                s.counts += torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
+                s.prob_sum += probs.detach().float().sum(dim=0)
+                s.rows += probs.shape[0]
+            if not (torch.is_grad_enabled() and probs.requires_grad):
+                return None  # (a checkpointed layer's first pass: its recomputation carries the gradient)
+            surrogate = _DeferredGrad.apply(probs.float().sum(dim=0), s)
+            return (attach_loss(x, surrogate, self.scale), *args[1:])
+
+        return hook

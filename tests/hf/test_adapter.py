@@ -1,0 +1,160 @@
+"""The Hugging Face adapter on one rank: the plain transformers model's logits and training, its own init on the
+meta device, and tiling / checkpointing that change nothing."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zero
+from moe import MoELayer
+from sequence_parallel import apply_activation_checkpointing, apply_tiled_mlp, tiled_cross_entropy
+from tests.hf.tiny import ALL, DENSE, MAIN, MOE, adapted_copy, plain_model, tiny_config
+from zero.contract import ContractError
+
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def _batch(seed: int, b: int = 2, s: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(1, 256, (b, s + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _plain_loss(model, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss to minimise, its cross-entropy part) of the plain transformers model: an MoE config with
+    output_router_logits adds the balancing loss as transformers' own forward does with labels."""
+    out = model(input_ids=x)
+    ce = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    aux = getattr(out, "aux_loss", None)
+    return (ce if aux is None else ce + model.config.router_aux_loss_coef * aux), ce
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_engine_logits_equal_the_plain_model(kind):
+    ref = plain_model(kind).eval()
+    engine = zero.initialize(adapted_copy(ref), zero.FastAdamW(lr=1e-3), zero.ZeroConfig(stage=0))
+    engine.eval()
+    x, _ = _batch(1)
+    with torch.no_grad():
+        want = ref(input_ids=x).logits
+        got = engine(x)
+        hidden = engine(x, torch.arange(x.shape[1]), return_hidden=True)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(F.linear(hidden, engine.module.output_weight), want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("kind", MAIN)
+def test_five_steps_equal_a_plain_adamw_loop(kind):
+    ref = plain_model(kind, seed=3)
+    # eps well above the float rounding of a gradient (the MoE's grouped experts sum in another order than
+    # transformers' loop): at 1e-8 a rarely routed expert's 1e-9 gradient would take a full Adam step either way
+    adamw = functools.partial(torch.optim.AdamW, lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    model = adapted_copy(ref)
+    engine = zero.initialize(model, adamw, zero.ZeroConfig(stage=0, grad_accum_steps=2), plans=[model.loss_plan()])
+    opt = adamw(ref.parameters())
+    got, want = [], []
+    for step in range(5):
+        x, y = _batch(10 + step, b=4)
+        for micro in (slice(0, 2), slice(2, 4)):  # two micro-batches: the balancing loss's gradient scales too
+            loss = F.cross_entropy(engine(x[micro]).flatten(0, 1), y[micro].flatten())
+            engine.backward(loss)
+            total, ce = _plain_loss(ref, x[micro], y[micro])
+            (total / 2).backward()
+            got.append(loss.item())
+            want.append(ce.item())
+        engine.step()
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=0)
+    # Parameters at 1e-5 of each tensor's scale. MoE experts sum their tokens in another order than transformers'
+    # per-expert loop, and Adam turns that rounding in a rarely used row's small gradient into a visible step:
+    # 5e-5 there (dense models come out identical).
+    scale = 5 * RTOL if kind in MOE else RTOL
+    trained, plain = engine.full_state_dict(), ref.state_dict()
+    for name, value in plain.items():
+        torch.testing.assert_close(trained[name].reshape(value.shape), value, rtol=RTOL,
+                                   atol=scale * float(value.abs().max()), msg=lambda m, n=name: f"{n}: {m}")
+    start = plain_model(kind, seed=3).state_dict()
+    assert all((v - start[n]).abs().max() > 1e-3 for n, v in plain.items()), "every parameter trains"
+
+
+@pytest.mark.parametrize("kind", DENSE)
+def test_meta_build_is_materialised_with_the_models_own_init(kind):
+    from recipes.models.hf import build
+
+    config = tiny_config(kind)
+    torch.manual_seed(7)
+    eager = build(config)
+    torch.manual_seed(7)
+    meta = build(config, meta=True)
+    assert all(p.is_meta for p in meta.parameters()) and not any(b.is_meta for b in meta.buffers())
+    engine = zero.initialize(meta, zero.FastAdamW(lr=1e-3), zero.ZeroConfig(stage=3))
+    materialised, want = engine.full_state_dict(), eager.state_dict()
+    for name, value in materialised.items():
+        assert torch.equal(value.reshape(want[name].shape), want[name]), name
+    # the distributions of transformers' _init_weights: N(0, initializer_range), norms 1, biases 0, padding row 0
+    std = config.initializer_range
+    for name, p in eager.named_parameters():
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        elif name.endswith("bias"):
+            assert torch.equal(p, torch.zeros_like(p)), name
+        else:
+            assert abs(p.std().item() / std - 1) < 0.1 and abs(p.mean().item()) < std / 5, name
+    if config.pad_token_id is not None:
+        assert torch.equal(eager.model.embed_tokens.weight[config.pad_token_id], torch.zeros(config.hidden_size))
+    # seeded by name: any order of calls, any device, gives the same values
+    params = dict(eager.named_parameters())
+    for name in list(params)[::-1]:
+        out = torch.empty_like(params[name])
+        eager.init_parameter(name, out)
+        assert torch.equal(out, params[name]), name
+
+
+@pytest.mark.parametrize("kind", ALL)
+def test_tiled_mlp_tiled_loss_and_checkpointing_change_nothing(kind):
+    ref = plain_model(kind, seed=5)
+    x, y = _batch(2, b=2, s=24)
+
+    def loss_and_grads(tiled: bool) -> tuple[float, dict[str, torch.Tensor]]:
+        model = adapted_copy(ref)
+        if tiled:
+            if model.mlp_sites():  # (Mixtral has none: every feed-forward is a sparse-MoE block)
+                apply_tiled_mlp(model, num_tiles=5, exclude=(MoELayer,))
+            apply_activation_checkpointing(model)
+            loss_sum, count = tiled_cross_entropy(model(x, return_hidden=True), model.output_weight, y, tile_size=7)
+            loss = loss_sum / count
+        else:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+    plain_loss, plain_grads = loss_and_grads(False)
+    tiled_loss, tiled_grads = loss_and_grads(True)
+    assert tiled_loss == pytest.approx(plain_loss, rel=RTOL)
+    assert plain_grads.keys() == tiled_grads.keys()
+    for name, g in plain_grads.items():
+        assert g is not None and g.abs().max() > 0, name
+        torch.testing.assert_close(tiled_grads[name], g, rtol=RTOL, atol=1e-6, msg=name)
+
+
+def test_contract_parts_and_refusals():
+    from recipes.models.hf import build
+
+    model = build(tiny_config("qwen3"))
+    assert [n for n, _ in model.blocks()] == ["model.layers.0", "model.layers.1"]
+    assert [s.name for s in model.attention_sites()] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert [n for n, _ in model.mlp_sites()] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert model.output_weight is model.model.embed_tokens.weight  # tied
+    with pytest.raises(ContractError, match="tensor_parallel_plan"):
+        model.tensor_parallel_plan(2)
+    with pytest.raises(ContractError, match="pipeline_stage"):
+        model.pipeline_stage(range(1), True, False)
+    x, _ = _batch(0)
+    with pytest.raises(NotImplementedError, match="attention mask"):
+        model.model(input_ids=x, attention_mask=torch.ones_like(x)[:, None, None, :].float(), use_cache=False)
+    with pytest.raises(NotImplementedError, match="sliding_window=4"):
+        build(tiny_config("mistral", sliding_window=4))(x)
