@@ -8,7 +8,6 @@ ZeRO stages 0-3 with cpu/nvme offload, the expert / sequence / tensor parallel p
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -22,6 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities import apply_to_collection
+from moe_lst.integrations.factories import rebuild_factory
 from torch import nn
 
 import zero
@@ -298,23 +298,3 @@ def optimizer_factories(returned: Any) -> tuple[OptimizerFactory, Callable | Non
         raise TypeError(f"configure_optimizers returned {type(returned).__name__}; return a torch optimizer or a "
                         "factory (e.g. zero.FastAdamW(lr=3e-4))")
     return returned, scheduler
-
-
-def rebuild_factory(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
-    """A factory building `optimizer`'s class with its hyperparameters over other parameters (the engine's flat
-    master shards). Param groups with different hyperparameters (e.g. no weight decay for norms) are refused:
-    the engine's shards are one group."""
-    ignored = {"params", "initial_lr", "param_names"}
-    groups = [{k: v for k, v in g.items() if k not in ignored} for g in optimizer.param_groups]
-    differ = sorted(k for k in groups[0] if any(g.get(k) != groups[0][k] for g in groups[1:]))
-    if differ:
-        raise NotImplementedError(f"param groups with different {', '.join(differ)} are not implemented: the engine "
-                                  "steps its flat master shards as one group; use one group (or a factory)")
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    hyper = {k: v for k, v in groups[0].items() if k in accepted}
-    cls = type(optimizer)
-
-    def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        return cls(params, **hyper)
-
-    return build
