@@ -125,8 +125,20 @@ def test_shards_decode_back_to_the_documents(tmp_path, tokenizer_json, inputs):
     assert decoded["train"] == [t for t in texts if not pd.in_val(t, 0.1)]
     assert decoded["val"] == [t for t in texts if pd.in_val(t, 0.1)]
     assert meta["documents"] == len(texts) and meta["tokens"] == sum(s["tokens"] for s in meta["splits"].values())
+    assert 0.05 < len(decoded["val"]) / len(texts) < 0.2  # --val-fraction 0.1
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
         [".prepare.lock", "meta.json", "train.bin", "train.idx", "val.bin", "val.idx"]
+
+
+def test_split_rule_holds_out_the_fraction_by_text():
+    texts = [f"document {i}" for i in range(20_000)]
+    for fraction in (0.01, 0.1, 0.5):
+        held = sum(pd.in_val(t, fraction) for t in texts) / len(texts)
+        assert abs(held - fraction) < 3 * (fraction * (1 - fraction) / len(texts)) ** 0.5 + 1e-3, (fraction, held)
+    # the same in another process (no per-process salt, as Python's hash() has): reruns and workers agree
+    code = "from recipes.prepare_data import in_val; print([in_val(f'document {i}', 0.1) for i in range(500)])"
+    other = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == str([pd.in_val(t, 0.1) for t in texts[:500]])
 
 
 def test_same_inputs_give_the_same_bytes(tmp_path, tokenizer_json, inputs):
@@ -238,8 +250,14 @@ def test_no_interruption_point_leaves_a_complete_looking_corpus(tmp_path, tokeni
         build_streams(OmegaConf.create({"kind": "tokenized", "path": str(out)}), BatchSpec(2, 1, 1, 16), 0, 1000)
     monkeypatch.undo()
     said = []
-    meta = pd.prepare(inputs[:1], tokenizer_json, out, val_fraction=0.1, progress=False, say=said.append).meta
-    assert "interrupted preparation" in said[0] and meta["documents"] == len([d for d in DOCS[:60] if d])
+    lock = pd.claim_output(out, False, said.append)  # what a rerun does first: the leftovers go
+    assert "interrupted preparation (train.bin, train.idx, val.bin, val.idx)" in said[0]
+    assert sorted(p.name for p in out.iterdir()) == [".prepare.lock"]
+    with pytest.raises(pd.PrepareError, match="is being written by another preparation"):
+        pd.claim_output(out, False, said.append)
+    lock.close()
+    meta = _prepare(inputs[:1], tokenizer_json, out).meta
+    assert meta["documents"] == len([d for d in DOCS[:60] if d])
     with pytest.raises(pd.PrepareError, match="already holds a prepared corpus.*--force"):
         _prepare(inputs, tokenizer_json, out)
 
