@@ -75,6 +75,13 @@ def reset_peak_rss() -> float:
     return rss_mb()
 
 
+def rss_over_ranks(ranks: list[dict]) -> dict[str, float]:
+    """The largest rank's figures of a run whose ranks each returned `peak_rss_mb` and `baseline_rss_mb` (its
+    RSS before the model): peak RSS, and the training's own RSS (peak less that rank's baseline)."""
+    return {"peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
+            "train_rss_mb": max(r["peak_rss_mb"] - r["baseline_rss_mb"] for r in ranks)}
+
+
 def watch_rss(cap_mb: float, every_s: float = 0.002) -> None:
     """End this process with exit code OVER_CAP as soon as its RSS passes `cap_mb` (a daemon thread)."""
 
@@ -306,11 +313,16 @@ def run_parts(name: str, parts, args, argv: list[str] | None) -> dict:
 _FAILED: list[str] = []
 
 
+def last_line(error: BaseException | str) -> str:
+    """The last non-blank line of an error's message (a rank's traceback ends with the exception)."""
+    lines = [x for x in str(error).strip().splitlines() if x.strip()]
+    return lines[-1] if lines else repr(error)
+
+
 def failed(what: str, error: BaseException | str) -> None:
     """A variant that failed: said now, and again by `finish`, which then ends the run with exit status 1
     (the other variants still run and print their figures)."""
-    lines = [x for x in str(error).strip().splitlines() if x.strip()]
-    _FAILED.append(f"{what}: {lines[-1] if lines else repr(error)}")
+    _FAILED.append(f"{what}: {last_line(error)}")
     print(f"{what}: FAILED:\n{error}", file=sys.stderr, flush=True)
 
 
@@ -352,6 +364,24 @@ def deepspeed_runs(what: str = "the DeepSpeed side") -> bool:
     if why is not None:
         skip_note(what, why)
     return why is None
+
+
+def deepspeed_moe(dim: int, ffn: int, num_experts: int, top_k: int, backend: str = "gloo"):
+    """DeepSpeed's MoE layer: GELU experts (dim -> ffn -> dim, no biases), capacity factor 1.25, every expert on
+    this rank. Its expert-parallel groups need a process group: a one-rank one (`backend`) when there is none."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.moe.layer import MoE
+    from torch import nn
+
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    expert = nn.Sequential(nn.Linear(dim, ffn, bias=False), nn.GELU(), nn.Linear(ffn, dim, bias=False))
+    layer = MoE(dim, expert, num_experts=num_experts, ep_size=1, k=top_k, capacity_factor=1.25)
+    layer.set_deepspeed_parallelism()
+    return layer
 
 
 def without_deepspeed(names, what: str = "the DeepSpeed side") -> list:

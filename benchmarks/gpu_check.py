@@ -143,18 +143,8 @@ def gemm_rate(tokens: int, dim: int, ffn: int, experts: int, device, dtype, warm
 
 
 def _deepspeed_moe(dim: int, ffn: int, experts: int, device, dtype):
-    import deepspeed
-    from deepspeed.moe.layer import MoE
-    from torch import nn
-
-    if not torch.distributed.is_initialized():  # its expert groups need a process group: one rank
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
-    expert = nn.Sequential(nn.Linear(dim, ffn, bias=False), nn.GELU(), nn.Linear(ffn, dim, bias=False))
-    layer = MoE(dim, expert, num_experts=experts, ep_size=1, k=TOP_K, capacity_factor=1.25)
-    layer.set_deepspeed_parallelism()
-    return layer.to(device, dtype)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    return common.deepspeed_moe(dim, ffn, experts, TOP_K, backend).to(device, dtype)
 
 
 def _moe_step(layer, x: torch.Tensor, g: torch.Tensor, deepspeed: bool):

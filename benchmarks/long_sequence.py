@@ -77,61 +77,25 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "
     sliding-window block-sparse attention (64-token blocks, 4-block window)."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from recipes.models.llama import ModelConfig, Transformer
-    from sequence_parallel import (
-        apply_activation_checkpointing,
-        apply_tiled_mlp,
-        apply_ulysses,
-        cross_entropy_sum,
-        shard_sequence,
-        sp_loss,
-        tiled_cross_entropy,
-    )
+    from recipes.models.llama import Transformer
+    from sequence_parallel import shard_sequence, sp_loss
     from zero.dist import comm
 
     torch.set_num_threads(1)
     group = dist.new_group(list(range(sp))) if sp > 1 else None
     common.watch_rss(cap_bytes / 2**20)  # the probe ends (exit OVER_CAP) as soon as its RSS passes the cap
-    if model_name == "million":
-        from moe_lst.kernels.sparse import SparseConfig
-
-        attention = {"attention": "sparse", "sparse": SparseConfig(layout="sliding_window", block_size=64,
-                                                                    window_blocks=4)} if mode == "alst-sparse" else {}
-        cfg = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=384, max_seq_len=seq,
-                          **attention)
-    elif mode == "alst-sparse":
-        raise ValueError("mode alst-sparse runs on the million-token preset's model (--model million)")
-    else:
-        cfg = ModelConfig(vocab_size=32768, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, max_seq_len=seq)
+    cfg = _probe_model_config(seq, mode, model_name)
     torch.manual_seed(0)
     model = Transformer(cfg)
-    if sp > 1:
-        apply_ulysses(model, group)
-    mlp_tile, loss_tile = cfg.dim, (16 * 2**20) // cfg.vocab_size
-    if model_name == "million":  # the preset's tiles: 64 MLP tiles (16k tokens at 1M), 64k-token loss tiles
-        mlp_tile = max(cfg.dim, seq // sp // 64)
-    sparse = mode == "alst-sparse"
-    mode = "alst" if sparse else mode
-    if mode == "alst":
-        apply_tiled_mlp(model, tile_size=mlp_tile)
-    if mode == "alst-deepspeed":
-        _use_deepspeed_tiled_mlp(model, mlp_tile)
-    if mode in ("alst", "alst-deepspeed"):
-        apply_activation_checkpointing(model, offload=model_name != "million")  # the preset: no offload on CPU
+    mode, loss_tile = _apply_probe_mode(model, cfg, seq, mode, sp, group, model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=gen)
     tok, lab, pos = shard_sequence(tokens[:, :-1], tokens[:, 1:], group)
     t0 = time.perf_counter()
     hidden = model.forward_hidden(tok, pos)
-    if mode == "alst":
-        loss_sum, count = tiled_cross_entropy(hidden, model.output_weight, lab, tile_size=loss_tile)
-    elif mode == "alst-deepspeed":
-        loss_sum, count = _deepspeed_tiled_loss(hidden, model.output_weight, lab, loss_tile)
-    else:
-        loss_sum, count = cross_entropy_sum(F.linear(hidden, model.output_weight), lab)
+    loss_sum, count = _probe_loss(hidden, model.output_weight, lab, mode, loss_tile)
     loss = sp_loss(loss_sum, count, group)
     del hidden
     loss.backward()
@@ -140,6 +104,56 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "
     opt.step()
     seconds = time.perf_counter() - t0
     return {"peak_bytes": common.peak_rss_mb() * 2**20, "seconds": seconds, "loss": loss.item()}
+
+
+def _probe_model_config(seq: int, mode: str, model_name: str):
+    """The probe's Llama: "bench" (32k vocabulary, so logits matter) or the million-token preset's model,
+    with its sliding-window sparse attention in mode alst-sparse."""
+    from recipes.models.llama import ModelConfig
+
+    if model_name == "million":
+        from moe_lst.kernels.sparse import SparseConfig
+
+        attention = {"attention": "sparse", "sparse": SparseConfig(layout="sliding_window", block_size=64,
+                                                                    window_blocks=4)} if mode == "alst-sparse" else {}
+        return ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=384,
+                           max_seq_len=seq, **attention)
+    if mode == "alst-sparse":
+        raise ValueError("mode alst-sparse runs on the million-token preset's model (--model million)")
+    return ModelConfig(vocab_size=32768, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, max_seq_len=seq)
+
+
+def _apply_probe_mode(model, cfg, seq: int, mode: str, sp: int, group, model_name: str) -> tuple[str, int]:
+    """Ulysses over `group` (sp > 1) and the mode's tiled MLP and checkpointing on `model`. Returns the mode
+    as far as the loss is concerned (alst-sparse is alst) and the loss tile."""
+    from sequence_parallel import apply_activation_checkpointing, apply_tiled_mlp, apply_ulysses
+
+    if sp > 1:
+        apply_ulysses(model, group)
+    mlp_tile, loss_tile = cfg.dim, (16 * 2**20) // cfg.vocab_size
+    if model_name == "million":  # the preset's tiles: 64 MLP tiles (16k tokens at 1M), 64k-token loss tiles
+        mlp_tile = max(cfg.dim, seq // sp // 64)
+    mode = "alst" if mode == "alst-sparse" else mode
+    if mode == "alst":
+        apply_tiled_mlp(model, tile_size=mlp_tile)
+    if mode == "alst-deepspeed":
+        _use_deepspeed_tiled_mlp(model, mlp_tile)
+    if mode in ("alst", "alst-deepspeed"):
+        apply_activation_checkpointing(model, offload=model_name != "million")  # the preset: no offload on CPU
+    return mode, loss_tile
+
+
+def _probe_loss(hidden, weight, labels, mode: str, loss_tile: int):
+    """(loss sum, token count) of the step: tiled (ours or DeepSpeed's) under ALST, else whole logits."""
+    import torch.nn.functional as F
+
+    from sequence_parallel import cross_entropy_sum, tiled_cross_entropy
+
+    if mode == "alst":
+        return tiled_cross_entropy(hidden, weight, labels, tile_size=loss_tile)
+    if mode == "alst-deepspeed":
+        return _deepspeed_tiled_loss(hidden, weight, labels, loss_tile)
+    return cross_entropy_sum(F.linear(hidden, weight), labels)
 
 
 # ------------------------------------------------------------------------------------ search
@@ -179,8 +193,7 @@ def longest(mode: str, cap_bytes: int, sp: int, start: int, max_seq: int, timeou
         """One probe, logged and printed; None when it went over the cap or hit the time limit."""
         info = run_probe(seq, mode, cap_bytes, sp, timeout, model_name, budget)
         log.append((mode, sp, seq, info))
-        print(f"  probe mode={mode:<15} sp={sp} seq={seq:>7}: "
-              f"{'over cap' if info is None else ('timeout' if 'timeout' in info else _fmt(info))}", flush=True)
+        _print_probe(mode, sp, seq, info)
         return info
 
     best, best_info, fail, note = 0, None, None, ""
@@ -207,6 +220,12 @@ def longest(mode: str, cap_bytes: int, sp: int, start: int, max_seq: int, timeou
             else:
                 best, best_info = mid, info
     return best, best_info, note
+
+
+def _print_probe(mode: str, sp: int, seq: int, info: dict | None) -> None:
+    """A probe's line: its peak and step time, or over cap, or timeout."""
+    shown = "over cap" if info is None else ("timeout" if "timeout" in info else _fmt(info))
+    print(f"  probe mode={mode:<15} sp={sp} seq={seq:>7}: {shown}", flush=True)
 
 
 def _fmt(info: dict) -> str:
@@ -236,20 +255,7 @@ def sparse_section(args, rows: list, log: list) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small caps and lengths, one probe per length")
-    parser.add_argument("--cap-gib", type=float, default=None, help="RSS cap for the sp=1 ALST comparison")
-    parser.add_argument("--sp-cap-gib", type=float, default=None, help="per-rank RSS cap for the sp scan")
-    parser.add_argument("--max-seq", type=int, default=None, help="stop doubling here (CPU time bound)")
-    parser.add_argument("--refine", type=int, default=None, help="bisection probes after the doubling "
-                        "(default 2; quick 0)")
-    parser.add_argument("--probe-timeout", type=float, default=600.0)
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: alst,sp,deepspeed,sparse")
-    parser.add_argument("--sparse-cap-gib", type=float, default=6.0,
-                        help="per-rank RSS cap of the dense vs sparse section")
-    parser.add_argument("--sparse-budget-s", type=float, default=120.0,
-                        help="step-time budget of the dense vs sparse section")
-    args = parser.parse_args()
+    args = _parse_args()
     quick = args.quick
     common.quick_mode(quick, "recipes.models.llama", "sequence_parallel")
     # quick: ALST off fits at 512 tokens and not at 1024, ALST on fits at 1024 (the --max-seq)
@@ -265,29 +271,64 @@ def main() -> None:
     rows = []
     t_start = time.time()
     if "alst" not in skip:
-        print(f"ALST off vs on, sp=1, RSS cap {cap / 2**30:.1f} GiB")
-        for mode in ("baseline", "alst"):
-            best, info, note = longest(mode, cap, 1, start, max_seq, args.probe_timeout, log, refine=args.refine)
-            rows.append(("sp=1", mode, cap, best, info, note))
-        if "deepspeed" not in skip and best and common.deepspeed_runs("DeepSpeed's TiledMLP + TiledFusedLogitsLoss"):
-            # DeepSpeed's TiledMLP + TiledFusedLogitsLoss (with our checkpointing) at our longest length.
-            info = run_probe(best, "alst-deepspeed", cap, 1, args.probe_timeout)
-            print(f"  probe mode=alst-deepspeed  sp=1 seq={best:>7}: "
-                  f"{'over cap' if info is None else ('timeout' if 'timeout' in info else _fmt(info))}", flush=True)
-            ok = info is not None and "timeout" not in info
-            rows.append(("sp=1", "alst-deepspeed", cap, best if ok else 0, info if ok else None,
-                         "single probe at the ALST length"))
+        rows += alst_section(args, cap, start, max_seq, log, with_deepspeed="deepspeed" not in skip)
     sps = []
     if "sp" not in skip:
-        print(f"Ulysses sp scan (ALST off), per-rank RSS cap {sp_cap / 2**30:.1f} GiB")
-        for sp in ((1, 2) if quick else (1, 2, 4)):
-            # quick: one probe per sp, at 512 tokens per rank
-            best, info, note = longest("baseline", sp_cap, sp, start * sp, start * sp if quick else max_seq,
-                                       args.probe_timeout, log, refine=args.refine)
-            sps.append((f"sp={sp}", "baseline", sp_cap, best, info, note))
+        sps = sp_section(args, sp_cap, start, max_seq, log)
         rows += sps
     if "sparse" not in skip:
         sparse_section(args, rows, log)
+    _print_summary(rows, sps, cap)
+    print(f"total {time.time() - t_start:.0f}s")
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small caps and lengths, one probe per length")
+    parser.add_argument("--cap-gib", type=float, default=None, help="RSS cap for the sp=1 ALST comparison")
+    parser.add_argument("--sp-cap-gib", type=float, default=None, help="per-rank RSS cap for the sp scan")
+    parser.add_argument("--max-seq", type=int, default=None, help="stop doubling here (CPU time bound)")
+    parser.add_argument("--refine", type=int, default=None, help="bisection probes after the doubling "
+                        "(default 2; quick 0)")
+    parser.add_argument("--probe-timeout", type=float, default=600.0)
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: alst,sp,deepspeed,sparse")
+    parser.add_argument("--sparse-cap-gib", type=float, default=6.0,
+                        help="per-rank RSS cap of the dense vs sparse section")
+    parser.add_argument("--sparse-budget-s", type=float, default=120.0,
+                        help="step-time budget of the dense vs sparse section")
+    return parser.parse_args()
+
+
+def alst_section(args, cap: int, start: int, max_seq: int, log: list, with_deepspeed: bool) -> list[tuple]:
+    """ALST off vs on at sp=1 under `cap`; with DeepSpeed, its tiled MLP and loss at our longest length."""
+    rows = []
+    print(f"ALST off vs on, sp=1, RSS cap {cap / 2**30:.1f} GiB")
+    for mode in ("baseline", "alst"):
+        best, info, note = longest(mode, cap, 1, start, max_seq, args.probe_timeout, log, refine=args.refine)
+        rows.append(("sp=1", mode, cap, best, info, note))
+    if with_deepspeed and best and common.deepspeed_runs("DeepSpeed's TiledMLP + TiledFusedLogitsLoss"):
+        # DeepSpeed's TiledMLP + TiledFusedLogitsLoss (with our checkpointing) at our longest length.
+        info = run_probe(best, "alst-deepspeed", cap, 1, args.probe_timeout)
+        _print_probe("alst-deepspeed", 1, best, info)
+        ok = info is not None and "timeout" not in info
+        rows.append(("sp=1", "alst-deepspeed", cap, best if ok else 0, info if ok else None,
+                     "single probe at the ALST length"))
+    return rows
+
+
+def sp_section(args, sp_cap: int, start: int, max_seq: int, log: list) -> list[tuple]:
+    """The longest step without ALST at sp 1, 2 and 4 (quick: 1 and 2) under a per-rank cap."""
+    sps = []
+    print(f"Ulysses sp scan (ALST off), per-rank RSS cap {sp_cap / 2**30:.1f} GiB")
+    for sp in ((1, 2) if args.quick else (1, 2, 4)):
+        # quick: one probe per sp, at 512 tokens per rank
+        best, info, note = longest("baseline", sp_cap, sp, start * sp, start * sp if args.quick else max_seq,
+                                   args.probe_timeout, log, refine=args.refine)
+        sps.append((f"sp={sp}", "baseline", sp_cap, best, info, note))
+    return sps
+
+
+def _print_summary(rows: list[tuple], sps: list[tuple], cap: int) -> None:
     print()
     print(f"{'layout':<6} {'mode':<15} {'cap GiB':>7} {'longest seq':>11} {'peak GiB':>8} {'step s':>7}  note")
     for layout, mode, c, best, info, note in rows:
@@ -305,7 +346,6 @@ def main() -> None:
         print("sp scan (longest / sp=1 longest): " + ", ".join(f"{r[0]}: {r[3] / sps[0][3]:.2f}x" for r in sps))
         for r in sps[1:]:
             common.print_ratio(f"Ulysses {r[0]} longest step / sp=1", r[3] / sps[0][3])
-    print(f"total {time.time() - t_start:.0f}s")
 
 
 if __name__ == "__main__":

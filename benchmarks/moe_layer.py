@@ -29,25 +29,13 @@ GRAD_MODES = ("fresh", "kept")
 
 
 def _build(impl: str, num_experts: int):
-    from torch import nn
-
     if impl in ("ours", "ours_cap"):
         from moe import MoELayer
 
         return MoELayer(DIM, FFN, num_experts, top_k=TOP_K, activation="gelu",
                         capacity_factor=1.25 if impl == "ours_cap" else None)
     if impl == "deepspeed":
-        import deepspeed
-        from deepspeed.moe.layer import MoE
-
-        # DeepSpeed's MoE needs its expert-parallel groups, which need a process group: one gloo rank.
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(common.free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-        expert = nn.Sequential(nn.Linear(DIM, FFN, bias=False), nn.GELU(), nn.Linear(FFN, DIM, bias=False))
-        layer = MoE(DIM, expert, num_experts=num_experts, ep_size=1, k=TOP_K, capacity_factor=1.25)
-        layer.set_deepspeed_parallelism()
-        return layer
+        return common.deepspeed_moe(DIM, FFN, num_experts, TOP_K)  # on one gloo rank
     return _naive_module(num_experts)
 
 

@@ -36,7 +36,7 @@ if not __package__:  # run as a file: the repository root leads sys.path, not th
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import OverMemory, fmt, table, verdict  # noqa: E402
-from benchmarks.zero import WORLD, _model_config, fsdp2_step, rank_start, timed_steps  # noqa: E402
+from benchmarks.zero import WORLD, _model_config, fsdp2_step, rank_start, summarise_ranks, timed_steps  # noqa: E402
 
 # The AdamW of every framework here (benchmarks/zero.py's hyper-parameters); no gradient clipping anywhere.
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -46,34 +46,16 @@ ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 def _host_adamw(n_params: int, n_tensors: int, repeats: int, with_deepspeed: bool) -> dict:
     """One process: the same AdamW step on `n_params` host fp32 elements, by each implementation."""
     import torch
-    import torch.nn as nn
 
     warnings.filterwarnings("ignore")
     n = n_params // n_tensors
     g = torch.Generator().manual_seed(0)
     init = [torch.randn(n, generator=g) * 0.02 for _ in range(n_tensors)]
     grads = [torch.randn(n, generator=g) * 1e-3 for _ in range(n_tensors)]
-
-    def params() -> list[nn.Parameter]:
-        out = [nn.Parameter(t.clone()) for t in init]
-        for p, gr in zip(out, grads):
-            p.grad = gr  # shared by every variant: no optimizer here writes its gradient
-        return out
-
-    class Flat(nn.Module):
-        """`n_tensors` flat parameters; forward(grads) = sum(p * grad), so backward leaves .grad == grads."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.weights = nn.ParameterList(nn.Parameter(t.clone()) for t in init)
-
-        def forward(self, coefficients: list[torch.Tensor]) -> torch.Tensor:
-            return sum((p * c).sum() for p, c in zip(self.weights, coefficients))
-
     # Ours: what the engine runs for an offloaded step. World 1, stage 1, fp32 masters and AdamW state in
     # host memory (HostMasters), the optimizer built by zero.FastAdamW (the recipe's factory). Buckets of
     # one tensor each, so its masters are the same n_tensors flat tensors the peers step.
-    engine = common.initialize(Flat(), common.fast_adamw(**ADAMW), common.parallel_dims(dp=1), stage=1,
+    engine = common.initialize(_flat_model(init), common.fast_adamw(**ADAMW), common.parallel_dims(dp=1), stage=1,
                                offload_optimizer="cpu", clip_grad_norm=None, reduce_bucket_size=n)
 
     def engine_backward() -> None:
@@ -85,6 +67,58 @@ def _host_adamw(n_params: int, n_tensors: int, repeats: int, with_deepspeed: boo
     def ours_optimizer_step() -> None:
         engine.optimizer.step()
 
+    def restore_master_grads() -> None:
+        for p, gr in zip(engine.optimizer.param_groups[0]["params"], grads):
+            p.grad = gr
+
+    peers = _host_peers(init, grads, with_deepspeed)
+    first_step_diff = _first_step(engine, engine_backward, peers)
+    # From here the engine's optimizer is stepped directly over its masters; their .grad are set once
+    # (equal-sized random gradients; which goes to which does not matter for the time).
+    restore_master_grads()
+    variants = {
+        "ours engine.optimizer.step()": (ours_optimizer_step, None, None),
+        # it sets and clears its masters' .grad: restored after each step
+        "ours engine.step()": (engine_step, engine_backward, restore_master_grads),
+        **{name: (opt.step, None, None) for name, opt in peers.items()},
+    }
+    times = _rotating_rounds(variants, repeats)
+    kind = "fused" if engine.optimizer.defaults.get("fused") else "foreach"
+    engine.close()
+    return {"times": times, "first_step_diff": first_step_diff, "ours_kind": kind,
+            "threads": torch.get_num_threads(), "n_params": n * n_tensors, "n_tensors": n_tensors,
+            "engine_optimizer": type(engine.optimizer).__name__}
+
+
+def _flat_model(init: list):
+    """A module of flat parameters (copies of `init`); forward(grads) = sum(p * grad), so backward leaves
+    .grad == grads."""
+    import torch
+    import torch.nn as nn
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = nn.ParameterList(nn.Parameter(t.clone()) for t in init)
+
+        def forward(self, coefficients: list[torch.Tensor]) -> torch.Tensor:
+            return sum((p * c).sum() for p, c in zip(self.weights, coefficients))
+
+    return Flat()
+
+
+def _host_peers(init: list, grads: list, with_deepspeed: bool) -> dict:
+    """torch's AdamW (fused, default, foreach) and DeepSpeedCPUAdam, each over its own copy of the
+    parameters, whose .grad are the shared `grads` (no optimizer here writes its gradient)."""
+    import torch
+    import torch.nn as nn
+
+    def params() -> list[nn.Parameter]:
+        out = [nn.Parameter(t.clone()) for t in init]
+        for p, gr in zip(out, grads):
+            p.grad = gr
+        return out
+
     peers = {"torch AdamW fused": torch.optim.AdamW(params(), fused=True, **ADAMW),
              # on CPU tensors: the single-tensor for-loop path
              "torch AdamW default": torch.optim.AdamW(params(), **ADAMW),
@@ -93,8 +127,12 @@ def _host_adamw(n_params: int, n_tensors: int, repeats: int, with_deepspeed: boo
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         peers["DeepSpeedCPUAdam"] = DeepSpeedCPUAdam(params(), adamw_mode=True, **ADAMW)
+    return peers
 
-    # Warm-up: one step each (state allocation), which also checks that all compute the same update.
+
+def _first_step(engine, engine_backward, peers: dict) -> dict[str, float]:
+    """Warm-up: one step each (state allocation), which also checks that all compute the same update: the
+    largest difference of each one's parameters from torch's default AdamW after it."""
     engine_backward()
     engine.step()
     for opt in peers.values():
@@ -104,37 +142,27 @@ def _host_adamw(n_params: int, n_tensors: int, repeats: int, with_deepspeed: boo
     def max_diff(values) -> float:
         return max(float((a.detach() - b).abs().max()) for a, b in zip(values, reference))
 
-    first_step_diff = {"ours engine.step()": max_diff(list(engine.module.weights)),
-                       **{name: max_diff(opt.param_groups[0]["params"]) for name, opt in peers.items()}}
-    # From here the engine's optimizer is stepped directly over its masters; their .grad are set once
-    # (equal-sized random gradients; which goes to which does not matter for the time).
-    for p, gr in zip(engine.optimizer.param_groups[0]["params"], grads):
-        p.grad = gr
-    variants = {
-        "ours engine.optimizer.step()": (ours_optimizer_step, None),
-        "ours engine.step()": (engine_step, engine_backward),
-        **{name: (opt.step, None) for name, opt in peers.items()},
-    }
+    return {"ours engine.step()": max_diff(list(engine.module.weights)),
+            **{name: max_diff(opt.param_groups[0]["params"]) for name, opt in peers.items()}}
+
+
+def _rotating_rounds(variants: dict, repeats: int) -> dict[str, list[float]]:
+    """`repeats` rounds of every variant's timed step (prepare and restore, untimed, around it)."""
     times: dict[str, list[float]] = defaultdict(list)
     names = list(variants)
     for r in range(repeats):
         # Round-robin, the order rotated every round: load drift and what ran just before (a slow step's
         # temporaries, memory traffic) reach every variant alike.
         for name in names[r % len(names):] + names[:r % len(names)]:
-            step, prepare = variants[name]
+            step, prepare, restore = variants[name]
             if prepare is not None:
                 prepare()  # untimed: the backward that leaves the gradients engine.step() reduces
             t0 = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t0)
-            if name == "ours engine.step()":  # it sets and clears its masters' .grad: restore them
-                for p, gr in zip(engine.optimizer.param_groups[0]["params"], grads):
-                    p.grad = gr
-    kind = "fused" if engine.optimizer.defaults.get("fused") else "foreach"
-    engine.close()
-    return {"times": dict(times), "first_step_diff": first_step_diff, "ours_kind": kind,
-            "threads": torch.get_num_threads(), "n_params": n * n_tensors, "n_tensors": n_tensors,
-            "engine_optimizer": type(engine.optimizer).__name__}
+            if restore is not None:
+                restore()
+    return dict(times)
 
 
 def part1(args) -> dict:
@@ -317,11 +345,7 @@ def _run_rounds(variants: list[tuple[str, str, str]], args) -> list[dict]:
     for r in range(args.rounds):
         for fw, arch, offload in variants:
             ranks = common.spawn(_train, fw, arch, offload, args, world=WORLD, timeout=args.timeout)
-            losses = [sum(x["losses"][i] for x in ranks) / WORLD for i in range(len(ranks[0]["losses"]))]
-            run = {"step_s": max(x["step_s"] for x in ranks), "peak_rss_mb": max(x["peak_rss_mb"] for x in ranks),
-                   "train_rss_mb": max(x["peak_rss_mb"] - x["baseline_rss_mb"] for x in ranks),
-                   "bytes_per_step": max(x["bytes_per_step"] for x in ranks), "losses": losses,
-                   "params": ranks[0]["params"], "optimizer": ranks[0]["optimizer"]}
+            run = {**summarise_ranks(ranks), "optimizer": ranks[0]["optimizer"]}
             runs[(fw, arch, offload)].append(run)
             print(f"round {r + 1}: {fw} {arch} offload={offload}: {run['step_s']:.3f} s/step", file=sys.stderr,
                   flush=True)

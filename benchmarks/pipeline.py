@@ -301,9 +301,32 @@ def part1(args) -> dict:
     schedules = args.schedules.split(",")
     n_layers = model_config(args).n_layers
     skipped = {(s, m): why for s in schedules for m in ms if (why := case_problem(s, m, n_layers))}
-    results: dict = defaultdict(list)  # (schedule, m) -> per round, the per-rank results
-    failed = {}
     load = [os.getloadavg()[0]]
+    results, failed = _run_sweeps(schedules, ms, skipped, args)
+    load.append(os.getloadavg()[0])
+    cases = {key: _summarise_case(rounds) for key, rounds in results.items()}
+    _print_part1_header(cases, load, args)
+    _print_bubbles(cases, schedules, ms, skipped, failed)
+    _print_busy_by_kind(cases, schedules, ms)
+    _print_timelines(cases, schedules, ms[len(ms) // 2])
+    _print_activations(cases, schedules, ms)
+    print("\nAgainst the targets:")
+    for m in ms:
+        _print_targets(cases, m)
+    for schedule, why in failed.items():
+        print(f"- {schedule}: did not run: {why}")
+    for (schedule, m), why in skipped.items():
+        print(f"- {schedule} m={m}: not run: {why}")
+    return {"skipped": {f"{s}/{m}": w for (s, m), w in skipped.items()}, "load": load,
+            "cases": {f"{s}/{m}": {k: v for k, v in c.items() if k != "actions"} for (s, m), c in cases.items()},
+            "failed": failed}
+
+
+def _run_sweeps(schedules: list[str], ms: list[int], skipped: dict, args) -> tuple[dict, dict]:
+    """Every schedule's sweep over the micro-batch counts it can run, in fresh processes, round after round.
+    Returns ((schedule, m) -> per round, the per-rank results; schedule -> why it failed)."""
+    results: dict = defaultdict(list)
+    failed = {}
     for r in range(args.rounds):
         for schedule in schedules:
             if schedule in failed:
@@ -315,16 +338,25 @@ def part1(args) -> dict:
             try:
                 ranks = common.spawn(_sweep, schedule, run_ms, args, world=PP, timeout=args.timeout)
             except common.RankFailed as e:
-                lines = [x for x in str(e).strip().splitlines() if x.strip()]
-                failed[schedule] = lines[-1] if lines else repr(e)
+                failed[schedule] = common.last_line(e)
                 common.failed(f"part 1: {schedule}", e)
                 continue
             for i, m in enumerate(run_ms):
                 results[(schedule, m)].append([rk[i] for rk in ranks])
             print(f"round {r + 1}: {schedule}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    load.append(os.getloadavg()[0])
-    cases = {key: _summarise_case(rounds) for key, rounds in results.items()}
+    return results, failed
 
+
+def _measured(cases: dict, schedules: list[str], ms: list[int]):
+    """(schedule, m, its summary) of every case that ran, m outside, schedules inside."""
+    for m in ms:
+        for schedule in schedules:
+            c = cases.get((schedule, m))
+            if c is not None:
+                yield schedule, m, c
+
+
+def _print_part1_header(cases: dict, load: list[float], args) -> None:
     cfg = model_config(args)
     print(f"\n## Part 1: pipeline schedules, pp={PP}, Llama {cfg.num_params() / 1e6:.1f}M "
           f"(dim {cfg.dim}, {cfg.n_layers} blocks, vocab {cfg.vocab_size} untied)")
@@ -341,6 +373,10 @@ def part1(args) -> dict:
         print("stage layers per rank: " + "; ".join(
             f"rank {r}: " + ", ".join(f"stage {s} blocks {ls[0]}-{ls[-1]}" for s, ls in zip(st, lay))
             for r, (st, lay) in enumerate(zip(some["stages"], some["layers"]))) + " (for 1-stage schedules)\n")
+
+
+def _print_bubbles(cases: dict, schedules: list[str], ms: list[int], skipped: dict, failed: dict) -> None:
+    """The main table: bubble (measured and theory), idle per rank, step and busy time, against 1f1b."""
     rows = []
     for m in ms:
         base = cases.get(("1f1b", m))
@@ -362,18 +398,15 @@ def part1(args) -> dict:
                  "bubble vs 1f1b", "step s", "step vs 1f1b", "busy vs 1f1b", "busy s r0 / r1", "loss step 0",
                  "note"], rows))
 
+
+def _print_busy_by_kind(cases: dict, schedules: list[str], ms: list[int]) -> None:
     print("\nBusy time by kind (s, rank 0 / rank 1; I + W = a full backward split in two):\n")
-    krows = []
-    for m in ms:
-        for schedule in schedules:
-            c = cases.get((schedule, m))
-            if c is None:
-                continue
-            krows.append([schedule, str(m)] + [
-                " / ".join(f"{c['busy_by_kind'][r][k]:.3f}" for r in range(PP)) for k in "FBIW"])
+    krows = [[schedule, str(m)] + [" / ".join(f"{c['busy_by_kind'][r][k]:.3f}" for r in range(PP)) for k in "FBIW"]
+             for schedule, m, c in _measured(cases, schedules, ms)]
     print(table(["schedule", "m", "F", "B", "I", "W"], krows))
 
-    show = ms[len(ms) // 2]
+
+def _print_timelines(cases: dict, schedules: list[str], show: int) -> None:
     print(f"\nTimelines at m={show} (last measured step; F/B/I/W first stage of the rank, f/b/i/w its "
           "second, '.' idle):\n")
     for schedule in schedules:
@@ -384,6 +417,9 @@ def part1(args) -> dict:
             print("\n".join(gantt(c["actions"])))
             print("```")
 
+
+def _print_activations(cases: dict, schedules: list[str], ms: list[int]) -> None:
+    """Part 1b: the micro-batches and saved-activation bytes each stage held, against GPipe."""
     print("\n## Part 1b: activations held, 1F1B against GPipe (and the rest)\n")
     print("max held = most micro-batches whose activations one stage held at once (`timeline.max_held`, per "
           "rank; per stage in brackets); saved MiB = peak bytes of live autograd-saved tensors on the rank in "
@@ -392,54 +428,43 @@ def part1(args) -> dict:
           "the weight-gradient step (W) still needs the activations; 'held until B or W' counts from the actions "
           "instead (F adds one, B or W releases one).\n")
     mrows = []
-    for m in ms:
+    for schedule, m, c in _measured(cases, schedules, ms):
         gp = cases.get(("gpipe", m))
-        for schedule in schedules:
-            c = cases.get((schedule, m))
-            if c is None:
-                continue
-            held = ", ".join(f"s{s}: {h}" for s, h in sorted(c["held_by_stage"].items()))
-            until = ", ".join(f"s{s}: {h}" for s, h in sorted(c["until_released"].items()))
-            mrows.append([schedule, str(m), f"{c['max_held'][0]} / {c['max_held'][1]} ({held})", until,
-                          f"{c['saved_peak'][0] / 2**20:.1f} / {c['saved_peak'][1] / 2**20:.1f}",
-                          fmt(max(c["saved_peak"]) / max(gp["saved_peak"])) if gp else "-"])
+        held = ", ".join(f"s{s}: {h}" for s, h in sorted(c["held_by_stage"].items()))
+        until = ", ".join(f"s{s}: {h}" for s, h in sorted(c["until_released"].items()))
+        mrows.append([schedule, str(m), f"{c['max_held'][0]} / {c['max_held'][1]} ({held})", until,
+                      f"{c['saved_peak'][0] / 2**20:.1f} / {c['saved_peak'][1] / 2**20:.1f}",
+                      fmt(max(c["saved_peak"]) / max(gp["saved_peak"])) if gp else "-"])
     print(table(["schedule", "m", "max held r0 / r1 (per stage)", "held until B or W (per stage)", "saved MiB r0 / r1",
                  "largest rank vs gpipe"], mrows))
 
-    print("\nAgainst the targets:")
-    verdicts = {}
-    for m in ms:
-        base = cases.get(("1f1b", m))
-        for schedule in ZERO_BUBBLE:
-            c = cases.get((schedule, m))
-            if c is None or base is None:
-                continue
-            ratio = c["bubble"] / base["bubble"] if base["bubble"] > 0 else None
-            verdicts[(schedule, m)] = ratio
-            print(f"- m={m} {schedule}: bubble {c['bubble']:.3f} vs 1f1b {base['bubble']:.3f} = {fmt(ratio, '.3f')}x "
-                  f"(target <= 0.5x: {'met' if ratio is not None and ratio <= 0.5 else 'MISSED'}); step time "
-                  f"{c['step_s'] / base['step_s']:.2f}x 1f1b, busy {sum(c['busy']) / sum(base['busy']):.2f}x")
-            common.print_ratio(f"pp={PP} bubble at m={m}, {schedule} / 1f1b", ratio)
-        for schedule in ("gpipe", "1f1b"):
-            c = cases.get((schedule, m))
-            if c is not None:
-                print(f"- m={m} {schedule}: bubble {c['bubble']:.3f}, theory {c['theory']:.3f} "
-                      f"(measured - theory {c['bubble'] - c['theory']:+.3f})")
-                common.print_ratio(f"pp={PP} bubble at m={m}, {schedule} measured / theory", c["bubble"] / c["theory"])
-        c, g = cases.get(("1f1b", m)), cases.get(("gpipe", m))
+
+def _print_targets(cases: dict, m: int) -> None:
+    """At m micro-batches: the zero-bubble schedules' bubble against 1f1b, gpipe and 1f1b against theory,
+    and the micro-batches 1f1b holds."""
+    base = cases.get(("1f1b", m))
+    for schedule in ZERO_BUBBLE:
+        c = cases.get((schedule, m))
+        if c is None or base is None:
+            continue
+        ratio = c["bubble"] / base["bubble"] if base["bubble"] > 0 else None
+        print(f"- m={m} {schedule}: bubble {c['bubble']:.3f} vs 1f1b {base['bubble']:.3f} = {fmt(ratio, '.3f')}x "
+              f"(target <= 0.5x: {'met' if ratio is not None and ratio <= 0.5 else 'MISSED'}); step time "
+              f"{c['step_s'] / base['step_s']:.2f}x 1f1b, busy {sum(c['busy']) / sum(base['busy']):.2f}x")
+        common.print_ratio(f"pp={PP} bubble at m={m}, {schedule} / 1f1b", ratio)
+    for schedule in ("gpipe", "1f1b"):
+        c = cases.get((schedule, m))
         if c is not None:
-            ok = max(c["held_by_stage"].values()) <= PP
-            print(f"- m={m} 1f1b holds at most {max(c['held_by_stage'].values())} micro-batches per stage "
-                  f"(target <= p={PP}: {'met' if ok else 'MISSED'})"
-                  + (f"; gpipe {max(g['held_by_stage'].values())} (m={m}); saved-activation peak 1f1b/gpipe "
-                     f"{max(c['saved_peak']) / max(g['saved_peak']):.2f}" if g is not None else ""))
-    for schedule, why in failed.items():
-        print(f"- {schedule}: did not run: {why}")
-    for (schedule, m), why in skipped.items():
-        print(f"- {schedule} m={m}: not run: {why}")
-    return {"skipped": {f"{s}/{m}": w for (s, m), w in skipped.items()}, "load": load,
-            "cases": {f"{s}/{m}": {k: v for k, v in c.items() if k != "actions"} for (s, m), c in cases.items()},
-            "failed": failed}
+            print(f"- m={m} {schedule}: bubble {c['bubble']:.3f}, theory {c['theory']:.3f} "
+                  f"(measured - theory {c['bubble'] - c['theory']:+.3f})")
+            common.print_ratio(f"pp={PP} bubble at m={m}, {schedule} measured / theory", c["bubble"] / c["theory"])
+    c, g = cases.get(("1f1b", m)), cases.get(("gpipe", m))
+    if c is not None:
+        ok = max(c["held_by_stage"].values()) <= PP
+        print(f"- m={m} 1f1b holds at most {max(c['held_by_stage'].values())} micro-batches per stage "
+              f"(target <= p={PP}: {'met' if ok else 'MISSED'})"
+              + (f"; gpipe {max(g['held_by_stage'].values())} (m={m}); saved-activation peak 1f1b/gpipe "
+                 f"{max(c['saved_peak']) / max(g['saved_peak']):.2f}" if g is not None else ""))
 
 
 # ---------------------------------------------------------------------------- part 2: against DeepSpeed
@@ -482,64 +507,33 @@ def _deepspeed_layers(model):
     return [Embed(model.tok_embeddings)] + [Block(b) for b in model.layers] + [Head(model.norm, model.output)]
 
 
+class _Clock:
+    """Wall seconds and calls of the functions it wraps (`clock.wrap(fn, key)`), summed per key."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def wrap(self, fn, key: str):
+        def run(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds[key] += time.perf_counter() - start
+                self.calls[key] += 1
+        return run
+
+
 def _vs_deepspeed(framework: str, args) -> dict:
     """pp=2 training on this rank by `framework` ("ours <schedule>" or "deepspeed"): step times, their
     breakdown, losses, peak RSS."""
-    import torch
-    import torch.distributed as dist
-
     warnings.filterwarnings("ignore")
     baseline = common.rss_mb()
-    m = args.ds_m
     if framework.startswith("ours "):
-        args.dims = common.parallel_dims(pp=PP)
-        res = _pipeline_case(framework.split()[1], m, args, memory=False)
-        times = [s["step_s"] for s in res["steps"]]
-        losses = res["losses"]
-        parts = [{"compute": s["busy"], "optimizer": s["optimizer_s"], "cpu": s["cpu_s"],
-                  "rest": s["step_s"] - s["busy"] - s["optimizer_s"]} for s in res["steps"]]
+        times, losses, parts = _ours_pipeline_steps(framework.split()[1], args)
     elif framework == "deepspeed":
-        import deepspeed
-        from deepspeed.pipe import PipelineModule
-
-        deepspeed.init_distributed(dist_backend="gloo")  # wraps the process group already made
-        model = build_model(args)
-        vocab = model.cfg.vocab_size
-        module = PipelineModule(layers=_deepspeed_layers(model), num_stages=PP, loss_fn=mean_cross_entropy,
-                                partition_method="type:Block")
-        config = {"train_micro_batch_size_per_gpu": args.rows, "gradient_accumulation_steps": m,
-                  "gradient_clipping": 0.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
-        engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(module.parameters(), **ADAMW_FUSED),
-                                          config=config, dist_init_required=False)
-        # Time each instruction of DeepSpeed's schedule by kind (its engine runs them from this map).
-        spent: dict = defaultdict(float)
-
-        def timed(fn, name):
-            def run(self, *a, **kw):
-                start = time.perf_counter()
-                try:
-                    return fn(self, *a, **kw)
-                finally:
-                    spent[name] += time.perf_counter() - start
-            return run
-
-        engine._INSTRUCTION_MAP = {cls: timed(fn, cls.__name__) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
-        times, losses, parts = [], [], []
-        for step in range(args.warmup + args.steps):
-            tokens, labels = batch(step, m * args.rows, args.seq, vocab)
-            micro = [(tokens[i * args.rows:(i + 1) * args.rows], labels[i * args.rows:(i + 1) * args.rows])
-                     for i in range(m)]
-            dist.barrier()
-            spent.clear()
-            c0, t0 = time.process_time(), time.perf_counter()
-            loss = engine.train_batch(iter(micro))
-            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-            losses.append(float(loss))
-            if step >= args.warmup:
-                times.append(elapsed)
-                compute = spent["ForwardPass"] + spent["BackwardPass"]
-                parts.append({"compute": compute, "optimizer": spent["OptimizerStep"], "cpu": cpu,
-                              "rest": elapsed - compute - spent["OptimizerStep"]})
+        times, losses, parts = _deepspeed_pipeline_steps(args)
     else:
         raise ValueError(framework)
     med = {k: statistics.median(p[k] for p in parts) for k in ("compute", "optimizer", "rest", "cpu")}
@@ -547,66 +541,64 @@ def _vs_deepspeed(framework: str, args) -> dict:
             "baseline_rss_mb": baseline}
 
 
+def _ours_pipeline_steps(schedule: str, args) -> tuple[list[float], list[float], list[dict]]:
+    """Our pipeline (`schedule`, ds_m micro-batches): measured step times, every loss, per-step breakdown."""
+    args.dims = common.parallel_dims(pp=PP)
+    res = _pipeline_case(schedule, args.ds_m, args, memory=False)
+    parts = [{"compute": s["busy"], "optimizer": s["optimizer_s"], "cpu": s["cpu_s"],
+              "rest": s["step_s"] - s["busy"] - s["optimizer_s"]} for s in res["steps"]]
+    return [s["step_s"] for s in res["steps"]], res["losses"], parts
+
+
+def _deepspeed_pipeline_steps(args) -> tuple[list[float], list[float], list[dict]]:
+    """DeepSpeed's PipelineModule + `train_batch` on the same model, weights and micro-batches: measured
+    step times, every loss, per-step breakdown (its instructions timed by kind)."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    m = args.ds_m
+    deepspeed.init_distributed(dist_backend="gloo")  # wraps the process group already made
+    model = build_model(args)
+    vocab = model.cfg.vocab_size
+    module = PipelineModule(layers=_deepspeed_layers(model), num_stages=PP, loss_fn=mean_cross_entropy,
+                            partition_method="type:Block")
+    config = {"train_micro_batch_size_per_gpu": args.rows, "gradient_accumulation_steps": m,
+              "gradient_clipping": 0.0, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(module.parameters(), **ADAMW_FUSED),
+                                      config=config, dist_init_required=False)
+    # Time each instruction of DeepSpeed's schedule by kind (its engine runs them from this map).
+    clock = _Clock()
+    engine._INSTRUCTION_MAP = {cls: clock.wrap(fn, cls.__name__) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
+    spent = clock.seconds
+    times, losses, parts = [], [], []
+    for step in range(args.warmup + args.steps):
+        tokens, labels = batch(step, m * args.rows, args.seq, vocab)
+        micro = [(tokens[i * args.rows:(i + 1) * args.rows], labels[i * args.rows:(i + 1) * args.rows])
+                 for i in range(m)]
+        dist.barrier()
+        spent.clear()
+        c0, t0 = time.process_time(), time.perf_counter()
+        loss = engine.train_batch(iter(micro))
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        losses.append(float(loss))
+        if step >= args.warmup:
+            times.append(elapsed)
+            compute = spent["ForwardPass"] + spent["BackwardPass"]
+            parts.append({"compute": compute, "optimizer": spent["OptimizerStep"], "cpu": cpu,
+                          "rest": elapsed - compute - spent["OptimizerStep"]})
+    return times, losses, parts
+
+
 def part2(args) -> dict:
     # "ours 1f1b" is the comparison the target is about; further schedules of ours run alongside for reference.
     variants = common.without_deepspeed([f"ours {sched}" for sched in args.ds_ours.split(",")] + ["deepspeed"],
                                         "part 2: DeepSpeed's pipeline engine")
-    runs: dict[str, list[dict]] = {v: [] for v in variants}
-    errors = {}
     load = [os.getloadavg()[0]]
-    for r in range(args.ds_rounds):
-        for variant in variants:
-            if variant in errors:
-                continue
-            try:
-                ranks = common.spawn(_vs_deepspeed, variant, args, world=PP, timeout=args.timeout, env=DS_ENV)
-            except common.RankFailed as e:
-                errors[variant] = str(e)
-                if variant == "deepspeed":  # the peer's failure is a result (reported below), ours a bug
-                    print(f"{variant}: FAILED:\n{e}", file=sys.stderr, flush=True)
-                else:
-                    common.failed(f"part 2: {variant}", e)
-                continue
-            # The slowest rank per step, then the median over steps
-            step_s = statistics.median(max(x) for x in zip(*(rk["times"] for rk in ranks)))
-            runs[variant].append({"step_s": step_s, "losses": ranks[-1]["losses"],
-                                  "parts": [rk["parts"] for rk in ranks],
-                                  "peak_rss_mb": max(rk["peak_rss_mb"] for rk in ranks),
-                                  "train_rss_mb": max(rk["peak_rss_mb"] - rk["baseline_rss_mb"] for rk in ranks)})
-            print(f"round {r + 1}: {variant} {step_s:.3f} s/step", file=sys.stderr, flush=True)
+    runs, errors = _part2_rounds(variants, args)
     load.append(os.getloadavg()[0])
-    print(f"\n## Part 2: pp={PP}, ours against DeepSpeed's pipeline engine, m={args.ds_m} micro-batches of "
-          f"{args.rows}x{args.seq}")
-    n_layers = model_config(args).n_layers
-    print(f"Same model and initial weights, same micro-batches, torch AdamW {ADAMW} (fused=True), fp32, no clipping "
-          "(DeepSpeed `gradient_clipping: 0.0`); ours: `apply_pipeline(..., schedule)` + `zero.initialize` "
-          f"(stage 0); DeepSpeed: `PipelineModule` (embedding, {n_layers} block layers, norm+head; partition "
-          f"`type:Block`, {n_layers // PP} blocks per stage) + `deepspeed.initialize` + `engine.train_batch` (its "
-          "1F1B-style TrainSchedule). Step time = "
-          f"slowest rank, median of {args.steps} steps after {args.warmup} warm-up; {args.ds_rounds} alternating "
-          f"round(s). Load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end.\n")
-    if errors.get("deepspeed"):
-        lines = [x for x in errors["deepspeed"].strip().splitlines() if x.strip()]
-        print(f"DeepSpeed did not run: {lines[-1] if lines else errors['deepspeed']}")
-    rows = []
-    for r in range(args.ds_rounds):
-        ds = runs["deepspeed"][r] if r < len(runs.get("deepspeed", [])) else None
-        for variant in variants:
-            x = runs[variant][r] if r < len(runs[variant]) else None
-            if x is None:
-                continue
-            rows.append([str(r + 1), variant, f"{x['step_s']:.3f}", fmt(x["step_s"] / ds["step_s"]) if ds else "-"]
-                        + [" / ".join(f"{p[k]:.3f}" for p in x["parts"])
-                           for k in ("compute", "optimizer", "rest", "cpu")]
-                        + [f"{x['peak_rss_mb']:.0f}", f"{x['train_rss_mb']:.0f}",
-                           " ".join(f"{v:.5f}" for v in x["losses"])])
-    print(table(["round", "framework", "step s", "vs DeepSpeed", "compute s r0 / r1", "optimizer s r0 / r1",
-                 "rest s r0 / r1", "CPU s r0 / r1", "peak RSS MB", "train RSS MB", "losses"], rows))
-    print("\ncompute = forward + backward computations of the rank's stage (ours: `timeline.busy`; DeepSpeed: its "
-          "ForwardPass and BackwardPass instructions, timed by wrapping its instruction map); optimizer = "
-          "`engine.step()` / its OptimizerStep; rest = the step time less both: waiting on the other stage, "
-          "sends and receives, loss, schedule bookkeeping; CPU = the process's CPU time over the step, all threads "
-          "(what the step cost the machine, less sensitive to other jobs' load than wall time). Medians per rank.\n")
+    _print_part2(runs, errors, variants, load, args)
     out: dict = {"runs": runs, "errors": errors, "ratio": {}, "cpu_ratio": {}, "loss_diff": {}}
     if not runs.get("deepspeed"):
         return out
@@ -630,32 +622,83 @@ def part2(args) -> dict:
     return out
 
 
+def _part2_rounds(variants: list[str], args) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """Every variant once per round in fresh processes, rounds alternating. Returns (variant -> per round:
+    slowest rank's median step time, losses, per-rank breakdown, RSS; variant -> why it failed)."""
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    errors = {}
+    for r in range(args.ds_rounds):
+        for variant in variants:
+            if variant in errors:
+                continue
+            try:
+                ranks = common.spawn(_vs_deepspeed, variant, args, world=PP, timeout=args.timeout, env=DS_ENV)
+            except common.RankFailed as e:
+                errors[variant] = str(e)
+                if variant == "deepspeed":  # the peer's failure is a result (reported below), ours a bug
+                    print(f"{variant}: FAILED:\n{e}", file=sys.stderr, flush=True)
+                else:
+                    common.failed(f"part 2: {variant}", e)
+                continue
+            runs[variant].append({"step_s": _slowest_rank_median(ranks), "losses": ranks[-1]["losses"],
+                                  "parts": [rk["parts"] for rk in ranks], **common.rss_over_ranks(ranks)})
+            print(f"round {r + 1}: {variant} {runs[variant][-1]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
+    return runs, errors
+
+
+def _slowest_rank_median(ranks: list[dict]) -> float:
+    """The slowest rank per step, then the median over steps."""
+    return statistics.median(max(x) for x in zip(*(rk["times"] for rk in ranks)))
+
+
+def _print_part2(runs: dict, errors: dict, variants: list[str], load: list[float], args) -> None:
+    print(f"\n## Part 2: pp={PP}, ours against DeepSpeed's pipeline engine, m={args.ds_m} micro-batches of "
+          f"{args.rows}x{args.seq}")
+    n_layers = model_config(args).n_layers
+    print(f"Same model and initial weights, same micro-batches, torch AdamW {ADAMW} (fused=True), fp32, no clipping "
+          "(DeepSpeed `gradient_clipping: 0.0`); ours: `apply_pipeline(..., schedule)` + `zero.initialize` "
+          f"(stage 0); DeepSpeed: `PipelineModule` (embedding, {n_layers} block layers, norm+head; partition "
+          f"`type:Block`, {n_layers // PP} blocks per stage) + `deepspeed.initialize` + `engine.train_batch` (its "
+          "1F1B-style TrainSchedule). Step time = "
+          f"slowest rank, median of {args.steps} steps after {args.warmup} warm-up; {args.ds_rounds} alternating "
+          f"round(s). Load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end.\n")
+    if errors.get("deepspeed"):
+        print(f"DeepSpeed did not run: {common.last_line(errors['deepspeed'])}")
+    rows = []
+    for r in range(args.ds_rounds):
+        ds = runs["deepspeed"][r] if r < len(runs.get("deepspeed", [])) else None
+        for variant in variants:
+            x = runs[variant][r] if r < len(runs[variant]) else None
+            if x is None:
+                continue
+            rows.append([str(r + 1), variant, f"{x['step_s']:.3f}", fmt(x["step_s"] / ds["step_s"]) if ds else "-"]
+                        + [" / ".join(f"{p[k]:.3f}" for p in x["parts"])
+                           for k in ("compute", "optimizer", "rest", "cpu")]
+                        + [f"{x['peak_rss_mb']:.0f}", f"{x['train_rss_mb']:.0f}",
+                           " ".join(f"{v:.5f}" for v in x["losses"])])
+    print(table(["round", "framework", "step s", "vs DeepSpeed", "compute s r0 / r1", "optimizer s r0 / r1",
+                 "rest s r0 / r1", "CPU s r0 / r1", "peak RSS MB", "train RSS MB", "losses"], rows))
+    print("\ncompute = forward + backward computations of the rank's stage (ours: `timeline.busy`; DeepSpeed: its "
+          "ForwardPass and BackwardPass instructions, timed by wrapping its instruction map); optimizer = "
+          "`engine.step()` / its OptimizerStep; rest = the step time less both: waiting on the other stage, "
+          "sends and receives, loss, schedule bookkeeping; CPU = the process's CPU time over the step, all threads "
+          "(what the step cost the machine, less sensitive to other jobs' load than wall time). Medians per rank.\n")
+
+
 # ---------------------------------------------------------------------------- part 3: tensor parallelism
 def _tp_run(layout: dict, args) -> dict:
     """Train the model (no pipeline) with `layout` for warmup + steps; global batch tp_rows x seq."""
     import torch
-    import torch.distributed as dist
 
     from zero.dist import comm
-    from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+    from zero.parallel.tensor import apply_tensor_parallel
 
     warnings.filterwarnings("ignore")
     baseline = common.rss_mb()
     # Time spent inside zero.dist.comm's collectives (tensor parallelism and the engine call them through the module).
-    in_comm = [0.0, 0]
-
-    def timed(fn):
-        def run(*a, **kw):
-            start = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                in_comm[0] += time.perf_counter() - start
-                in_comm[1] += 1
-        return run
-
+    clock = _Clock()
     for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
-        setattr(comm, name, timed(getattr(comm, name)))
+        setattr(comm, name, clock.wrap(getattr(comm, name), "collectives"))
     dims = common.parallel_dims(**layout)
     coord = dims.coordinate()
     model = build_model(args)
@@ -665,35 +708,43 @@ def _tp_run(layout: dict, args) -> dict:
                                stage=0, clip_grad_norm=None)
     param_bytes = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     breakdown = engine.memory_breakdown()
-    per = args.tp_rows // dims.dp
-    times, losses, comm_s, comm_calls, cpu_s = [], [], [], [], []
-    for step in range(args.warmup + args.steps):
-        tokens, labels = batch(step, args.tp_rows, args.seq, vocab)
-        tokens, labels = (t[coord["dp"] * per:(coord["dp"] + 1) * per] for t in (tokens, labels))
-        pos = torch.arange(args.seq).expand_as(tokens)
-        if dims.distributed:
-            dist.barrier()
-        c0, t0, k0, n0 = time.process_time(), time.perf_counter(), in_comm[0], in_comm[1]
-        logits = engine(tokens, pos)
-        loss_sum, count = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), dims.tp_group)
-        loss = loss_sum / count
-        engine.backward(loss)
-        engine.step()
-        elapsed = time.perf_counter() - t0
-        cpu, spent, calls = time.process_time() - c0, in_comm[0] - k0, in_comm[1] - n0
-        value = torch.tensor([loss.item()], dtype=torch.float64)
-        if dims.dp > 1:
-            dist.all_reduce(value, group=dims.dp_group)
-        losses.append(float(value) / dims.dp)
-        if step >= args.warmup:
-            times.append(elapsed)
-            comm_s.append(spent)
-            comm_calls.append(calls)
-            cpu_s.append(cpu)
+    steps = [_tp_step(engine, dims, coord["dp"], clock, step, vocab, args) for step in range(args.warmup + args.steps)]
     engine.close()
-    return {"times": times, "losses": losses, "comm_s": statistics.median(comm_s), "comm_calls": max(comm_calls),
-            "cpu_s": statistics.median(cpu_s), "param_bytes": param_bytes, "breakdown": breakdown,
-            "peak_rss_mb": common.peak_rss_mb(), "baseline_rss_mb": baseline}
+    measured = steps[args.warmup:]
+    return {"times": [s["step_s"] for s in measured], "losses": [s["loss"] for s in steps],
+            "comm_s": statistics.median(s["comm_s"] for s in measured),
+            "comm_calls": max(s["comm_calls"] for s in measured),
+            "cpu_s": statistics.median(s["cpu_s"] for s in measured), "param_bytes": param_bytes,
+            "breakdown": breakdown, "peak_rss_mb": common.peak_rss_mb(), "baseline_rss_mb": baseline}
+
+
+def _tp_step(engine, dims, dp_rank: int, clock: _Clock, step: int, vocab: int, args) -> dict:
+    """One step on this rank's rows of step `step`'s batch: its time, CPU time, time and calls in
+    collectives, and the loss averaged over the data-parallel ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from zero.parallel.tensor import vocab_parallel_cross_entropy
+
+    per = args.tp_rows // dims.dp
+    tokens, labels = batch(step, args.tp_rows, args.seq, vocab)
+    tokens, labels = (t[dp_rank * per:(dp_rank + 1) * per] for t in (tokens, labels))
+    pos = torch.arange(args.seq).expand_as(tokens)
+    if dims.distributed:
+        dist.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    k0, n0 = clock.seconds["collectives"], clock.calls["collectives"]
+    logits = engine(tokens, pos)
+    loss_sum, count = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), dims.tp_group)
+    loss = loss_sum / count
+    engine.backward(loss)
+    engine.step()
+    elapsed = time.perf_counter() - t0
+    cpu, spent, calls = time.process_time() - c0, clock.seconds["collectives"] - k0, clock.calls["collectives"] - n0
+    value = torch.tensor([loss.item()], dtype=torch.float64)
+    if dims.dp > 1:
+        dist.all_reduce(value, group=dims.dp_group)
+    return {"step_s": elapsed, "cpu_s": cpu, "comm_s": spent, "comm_calls": calls, "loss": float(value) / dims.dp}
 
 
 TP_LAYOUTS = {"tp=1, 1 rank": ({"dp": 1}, 1), "dp=2": ({"dp": 2}, 2), "tp=2": ({"tp": 2}, 2)}
@@ -705,14 +756,12 @@ def part3(args) -> dict:
     for r in range(args.rounds):
         for name, (layout, world) in TP_LAYOUTS.items():
             ranks = common.spawn(_tp_run, layout, args, world=world, timeout=args.timeout)
-            step_s = statistics.median(max(x) for x in zip(*(rk["times"] for rk in ranks)))
+            step_s = _slowest_rank_median(ranks)
             runs[name].append({"step_s": step_s, "losses": ranks[0]["losses"],
                                "comm_s": max(rk["comm_s"] for rk in ranks), "comm_calls": ranks[0]["comm_calls"],
                                "cpu_s": max(rk["cpu_s"] for rk in ranks),
                                "param_bytes": max(rk["param_bytes"] for rk in ranks),
-                               "breakdown": ranks[0]["breakdown"],
-                               "peak_rss_mb": max(rk["peak_rss_mb"] for rk in ranks),
-                               "train_rss_mb": max(rk["peak_rss_mb"] - rk["baseline_rss_mb"] for rk in ranks)})
+                               "breakdown": ranks[0]["breakdown"], **common.rss_over_ranks(ranks)})
             print(f"round {r + 1}: {name} {step_s:.3f} s/step", file=sys.stderr, flush=True)
     load.append(os.getloadavg()[0])
     med = {name: statistics.median(x["step_s"] for x in v) for name, v in runs.items()}

@@ -133,7 +133,7 @@ def _run_probe(mode: str, seq: int, timeout: float, attempts: int = 3, quiet: bo
             return {"mode": mode, "seq": seq, "skipped": f"over {timeout:.0f} s"}
         except common.RankFailed as e:
             common.failed(f"probe {mode} {seq}", e)
-            return {"mode": mode, "seq": seq, "skipped": f"failed: {str(e).strip().splitlines()[-1]}"}
+            return {"mode": mode, "seq": seq, "skipped": f"failed: {common.last_line(e)}"}
         if not quiet:
             return result
         others = (_cpu_busy_s() - busy) - (_children_cpu_s() - ours)
@@ -244,16 +244,7 @@ def layout_images(path: str, seq: int = 2048) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--probe", nargs=2, metavar=("MODE", "SEQ"))
-    parser.add_argument("--quick", action="store_true", help="1k only, one timed run per cell, no waiting for quiet")
-    parser.add_argument("--modes", nargs="*", default=list(MODES))
-    parser.add_argument("--repeats", type=int, default=1, help="probes per cell under 30 s; the fastest is kept")
-    parser.add_argument("--resume", metavar="LOG", help="keep the quiet measurements printed in an earlier run's "
-                        "output and measure only the rest")
-    parser.add_argument("--out", default=None, help="plot path prefix (default: benchmarks/sparse_attention; "
-                        "quick: a temporary directory)")
-    args = parser.parse_args()
+    args = _parse_args()
     if args.probe:
         print(json.dumps(probe(args.probe[0], int(args.probe[1]))))
         return
@@ -271,52 +262,13 @@ def main() -> None:
     def measure(mode: str, seq: int) -> dict:
         return _run_probe(mode, seq, timeout=3 * MAX_PROBE_S, quiet=not quick, timed=1 if quick else 3)
 
-    # Lengths outside, modes inside, and every probe `--repeats` times keeping the fastest: load from other
-    # processes on the machine only ever slows a probe down, and it hits the modes of one length alike.
-    results: dict = {}
-    previous: dict = {}
     kept = _earlier_results(args.resume) if args.resume else {}
-    for s in lengths:
-        for mode in args.modes:
-            growth = 4 if mode == "dense" else 2.2
-            if (mode, s) in kept:
-                results[(mode, s)] = kept[(mode, s)]
-            elif mode in previous and previous[mode] * growth > MAX_PROBE_S:
-                results[(mode, s)] = {"mode": mode, "seq": s,
-                                      "skipped": f"projected {previous[mode] * growth:.0f} s > {MAX_PROBE_S:.0f} s"}
-            else:
-                runs = [measure(mode, s)]
-                while len(runs) < args.repeats and runs[0].get("time_s", float("inf")) < 30:
-                    runs.append(measure(mode, s))
-                results[(mode, s)] = min(runs, key=lambda r: r.get("time_s", float("inf")))
-            previous[mode] = results[(mode, s)].get("time_s", float("inf"))
-            print(json.dumps(results[(mode, s)]), flush=True)
+    results = _measure_all(args.modes, lengths, kept, measure, args.repeats)
     lines = ["Forward + backward seconds (peak MiB above the inputs; * = other processes used over 15% of a core "
              "during every attempt):", "", *table(results, lengths), "",
              "Speed-up over dense SDPA (dense time / mode time):", "", *speedups(results, lengths)]
-    k = f"{budget_seq // 1024}k"
     if ("dense", budget_seq) in results and "time_s" in results[("dense", budget_seq)]:
-        budget = results[("dense", budget_seq)]["time_s"]
-        lines += ["", f"Within dense's {k} step time ({budget:.3f} s), the longest length per mode (measured "
-                      f"lengths, then {refine} bisection probes between the last that fits and the next):"]
-        for mode in args.modes[1:] if args.modes[0] == "dense" else args.modes:
-            if mode == "dense":
-                continue
-            best = longest_within(results, mode, budget, lengths)
-            if best is None:
-                lines.append(f"- {mode}: none")
-                continue
-            lo, hi = best[0], best[0] * 2
-            for _ in range(refine):
-                mid = (lo + hi) // 2 // BLOCK * BLOCK
-                r = kept.get((mode, mid)) or min((measure(mode, mid) for _ in range(args.repeats)),
-                                                 key=lambda r: r.get("time_s", float("inf")))
-                print(json.dumps(r), flush=True)
-                if r.get("time_s", float("inf")) <= budget:
-                    lo, best = mid, (mid, r["time_s"])
-                else:
-                    hi = mid
-            lines.append(f"- {mode}: {best[0]} tokens ({best[0] / budget_seq:.1f}x {k}) in {best[1]:.3f} s")
+        lines += _within_dense_time(results, budget_seq, refine, args, lengths, kept, measure)
     print("\n".join(lines))
     dense = results.get(("dense", lengths[-1]), {})
     for mode in args.modes:
@@ -328,6 +280,75 @@ def main() -> None:
     layout_images(args.out + "_layouts.png")
     print(f"plot: {args.out}.png, layouts: {args.out}_layouts.png")
     common.finish()
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--probe", nargs=2, metavar=("MODE", "SEQ"))
+    parser.add_argument("--quick", action="store_true", help="1k only, one timed run per cell, no waiting for quiet")
+    parser.add_argument("--modes", nargs="*", default=list(MODES))
+    parser.add_argument("--repeats", type=int, default=1, help="probes per cell under 30 s; the fastest is kept")
+    parser.add_argument("--resume", metavar="LOG", help="keep the quiet measurements printed in an earlier run's "
+                        "output and measure only the rest")
+    parser.add_argument("--out", default=None, help="plot path prefix (default: benchmarks/sparse_attention; "
+                        "quick: a temporary directory)")
+    return parser.parse_args()
+
+
+def _fastest(runs) -> dict:
+    return min(runs, key=lambda r: r.get("time_s", float("inf")))
+
+
+def _measure_all(modes: list[str], lengths, kept: dict, measure, repeats: int) -> dict:
+    """Every (mode, length), printed as it comes: kept from an earlier run, skipped when projected over
+    MAX_PROBE_S, else measured `repeats` times (while under 30 s), the fastest kept."""
+    # Lengths outside, modes inside, and every probe `--repeats` times keeping the fastest: load from other
+    # processes on the machine only ever slows a probe down, and it hits the modes of one length alike.
+    results: dict = {}
+    previous: dict = {}
+    for s in lengths:
+        for mode in modes:
+            growth = 4 if mode == "dense" else 2.2
+            if (mode, s) in kept:
+                results[(mode, s)] = kept[(mode, s)]
+            elif mode in previous and previous[mode] * growth > MAX_PROBE_S:
+                results[(mode, s)] = {"mode": mode, "seq": s,
+                                      "skipped": f"projected {previous[mode] * growth:.0f} s > {MAX_PROBE_S:.0f} s"}
+            else:
+                runs = [measure(mode, s)]
+                while len(runs) < repeats and runs[0].get("time_s", float("inf")) < 30:
+                    runs.append(measure(mode, s))
+                results[(mode, s)] = _fastest(runs)
+            previous[mode] = results[(mode, s)].get("time_s", float("inf"))
+            print(json.dumps(results[(mode, s)]), flush=True)
+    return results
+
+
+def _within_dense_time(results: dict, budget_seq: int, refine: int, args, lengths, kept: dict, measure) -> list[str]:
+    """The longest length of each sparse mode within dense's step time at `budget_seq` tokens: the longest
+    measured one, then `refine` bisection probes towards twice it."""
+    budget = results[("dense", budget_seq)]["time_s"]
+    k = f"{budget_seq // 1024}k"
+    lines = ["", f"Within dense's {k} step time ({budget:.3f} s), the longest length per mode (measured "
+                 f"lengths, then {refine} bisection probes between the last that fits and the next):"]
+    for mode in args.modes[1:] if args.modes[0] == "dense" else args.modes:
+        if mode == "dense":
+            continue
+        best = longest_within(results, mode, budget, lengths)
+        if best is None:
+            lines.append(f"- {mode}: none")
+            continue
+        lo, hi = best[0], best[0] * 2
+        for _ in range(refine):
+            mid = (lo + hi) // 2 // BLOCK * BLOCK
+            r = kept.get((mode, mid)) or _fastest(measure(mode, mid) for _ in range(args.repeats))
+            print(json.dumps(r), flush=True)
+            if r.get("time_s", float("inf")) <= budget:
+                lo, best = mid, (mid, r["time_s"])
+            else:
+                hi = mid
+        lines.append(f"- {mode}: {best[0]} tokens ({best[0] / budget_seq:.1f}x {k}) in {best[1]:.3f} s")
+    return lines
 
 
 if __name__ == "__main__":

@@ -193,7 +193,39 @@ def run_framework(framework: str, stage: int, args) -> list[dict]:
     return common.spawn(_run, framework, stage, args, world=WORLD, threads=args.threads, timeout=args.timeout)
 
 
+def summarise_ranks(ranks: list[dict]) -> dict:
+    """One run from its ranks' `timed_steps` figures: the slowest rank's step time, the largest rank's RSS and
+    bytes sent, the losses averaged over the ranks."""
+    losses = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(len(ranks[0]["losses"]))]
+    return {"step_s": max(r["step_s"] for r in ranks), **common.rss_over_ranks(ranks),
+            "bytes_per_step": max(r["bytes_per_step"] for r in ranks), "losses": losses, "params": ranks[0]["params"]}
+
+
 def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    common.quick_mode(args.quick, "torch.distributed.fsdp")
+    stages = [int(s) for s in args.stages.split(",")]
+    frameworks = common.without_deepspeed(args.frameworks.split(","), "DeepSpeed ZeRO")
+    table = {}
+    for stage in stages:
+        for fw in frameworks:
+            if fw == "fsdp2" and stage != 3:
+                continue
+            table[(fw, stage)] = summarise_ranks(run_framework(fw, stage, args))
+            print(f"done {fw} stage {stage}: {table[(fw, stage)]['step_s']:.3f}s/step", file=sys.stderr, flush=True)
+    _print_table(table, args)
+    for (fw, stage), row in table.items():
+        for peer, name in (("deepspeed", "DeepSpeed"), ("fsdp2", "FSDP2")):
+            other = table.get((peer, stage))
+            if fw == "ours" and other:
+                common.print_ratio(f"stage {stage} step time ours / {name}", row["step_s"] / other["step_s"],
+                                   f"peak RSS {row['peak_rss_mb'] / other['peak_rss_mb']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{fw}/{stage}": row for (fw, stage), row in table.items()}, f, indent=1)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model and few steps (smoke run)")
     parser.add_argument("--stages", default="1,2,3")
@@ -207,29 +239,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args(argv)
-    common.quick_mode(args.quick, "torch.distributed.fsdp")
     args.steps = args.steps or (2 if args.quick else 4)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.seq = args.seq or (64 if args.quick else 128)
     if args.quick and args.stages == parser.get_default("stages"):
         args.stages = "1,3"
-    stages = [int(s) for s in args.stages.split(",")]
-    frameworks = common.without_deepspeed(args.frameworks.split(","), "DeepSpeed ZeRO")
-    table = {}
-    for stage in stages:
-        for fw in frameworks:
-            if fw == "fsdp2" and stage != 3:
-                continue
-            ranks = run_framework(fw, stage, args)
-            losses = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(len(ranks[0]["losses"]))]
-            table[(fw, stage)] = {
-                "step_s": max(r["step_s"] for r in ranks),
-                "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
-                "train_rss_mb": max(r["peak_rss_mb"] - r["baseline_rss_mb"] for r in ranks),
-                "bytes_per_step": max(r["bytes_per_step"] for r in ranks),
-                "losses": losses, "params": ranks[0]["params"],
-            }
-            print(f"done {fw} stage {stage}: {table[(fw, stage)]['step_s']:.3f}s/step", file=sys.stderr, flush=True)
+    return args
+
+
+def _print_table(table: dict, args) -> None:
+    """Every (framework, stage) run: step time against the peers, memory, bytes sent, losses."""
     psi = next(iter(table.values()))["params"] * 4  # fp32 bytes of the model
     print(f"\nmodel: {next(iter(table.values()))['params'] / 1e6:.1f}M parameters, {WORLD} gloo ranks, "
           f"batch {args.batch}x{args.seq} per rank, {args.steps} measured steps, {args.threads} thread(s)/rank")
@@ -247,15 +266,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{stage:>5} {fw:>10} {row['step_s']:>8.3f} {vs_ds:>6} {vs_fsdp:>8} {row['peak_rss_mb']:>11.0f} "
               f"{row['train_rss_mb']:>12.0f} {row['bytes_per_step'] / 2**20:>8.1f} "
               f"{row['bytes_per_step'] * WORLD / (WORLD - 1) / psi:>6.2f}  {losses}")
-    for (fw, stage), row in table.items():
-        for peer, name in (("deepspeed", "DeepSpeed"), ("fsdp2", "FSDP2")):
-            other = table.get((peer, stage))
-            if fw == "ours" and other:
-                common.print_ratio(f"stage {stage} step time ours / {name}", row["step_s"] / other["step_s"],
-                                   f"peak RSS {row['peak_rss_mb'] / other['peak_rss_mb']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({f"{fw}/{stage}": row for (fw, stage), row in table.items()}, f, indent=1)
 
 
 if __name__ == "__main__":
