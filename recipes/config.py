@@ -642,8 +642,8 @@ def check_hf_attention(cfg: DictConfig) -> None:
 def check_hf_model(cfg: DictConfig) -> None:
     """The model=hf rules before any process group: a config the adapter covers (recipes.models.hf), its attention
     options, the sequence against its positions and window, MoE needs, and what its runtime does not offer."""
+    from recipes.models.hf import dense_mlp_layers, moe_supported, sliding_window
     from recipes.models.hf import is_moe as hf_is_moe
-    from recipes.models.hf import moe_supported, sliding_window
 
     config = hf_model_config(cfg)
     check_hf_attention(cfg)
@@ -660,6 +660,10 @@ def check_hf_model(cfg: DictConfig) -> None:
                           "(adopt_moe_blocks, which swaps them for this project's MoE) is not available")
     if cfg.parallel.ep > 1 and not hf_is_moe(config):
         raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model_type {config.model_type} is dense)")
+    if cfg.train.tiled_mlp and not dense_mlp_layers(config):
+        raise ConfigError(f"train.tiled_mlp={cfg.train.tiled_mlp}: model_type {config.model_type} has no dense MLP to "
+                          "tile (its sparse-MoE blocks are not tiled: their router statistics are per sequence); "
+                          "set train.tiled_mlp=0")
     if _positive_int(cfg, "train.crop_check_tokens", minimum=0):
         raise ConfigError("train.crop_check_tokens needs the project's Llama with sliding-window sparse attention; "
                           "set it to 0 with model=hf")

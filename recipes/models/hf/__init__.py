@@ -6,6 +6,7 @@ project's MoE layer."""
 from recipes.models.hf.config import (  # noqa: F401
     MODEL_TYPES,
     HFConfigError,
+    dense_mlp_layers,
     is_moe,
     load_config,
     rope_type,

@@ -145,6 +145,18 @@ def is_moe(config: PreTrainedConfig) -> bool:
     return MODEL_TYPES[config.model_type]
 
 
+def dense_mlp_layers(config: PreTrainedConfig) -> list[int]:
+    """The layers whose feed-forward is a dense MLP (every layer of a dense model; none of Mixtral's; Qwen3-MoE's
+    mlp_only_layers and those off its decoder_sparse_step)."""
+    layers = range(config.num_hidden_layers)
+    if config.model_type == "mixtral":
+        return []
+    if config.model_type == "qwen3_moe":
+        return [i for i in layers if i in config.mlp_only_layers or not config.num_experts
+                or (i + 1) % config.decoder_sparse_step]
+    return list(layers)
+
+
 def sliding_window(config: PreTrainedConfig) -> int | None:
     """The attention window the model's layers use, or None for full causal attention. (Qwen2 / Qwen3 keep
     `sliding_window` only with use_sliding_window; Mistral, Mixtral and Qwen3-MoE pass it to every layer.)"""
