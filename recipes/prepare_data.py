@@ -466,17 +466,18 @@ def tokenize_unit(unit: Unit, job: Job | None = None, tok: TextTokenizer | None 
     return UnitTokens(tokens, lengths, empty, unit.size)
 
 
-_WORKER: dict = {}
+_WORKER: dict = {}  # this worker's job and tokenizer (a forked worker finds its parent's here)
 
 
 def _init_worker(job: Job) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the processes are the parallelism
-    _WORKER["job"], _WORKER["tok"] = job, TextTokenizer(job.tokenizer)
+    if _WORKER.get("job") != job:  # (a spawned worker loads the tokenizer itself)
+        _WORKER["job"], _WORKER["tok"] = job, TextTokenizer(job.tokenizer)
 
 
 @contextlib.contextmanager
 def _one_thread():
-    """Tokenizers' own thread pool off while this process tokenizes by itself (workers=1)."""
+    """Tokenizers' own thread pool off while this process tokenizes, or forks workers that do."""
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
@@ -488,27 +489,38 @@ def _one_thread():
             os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
+def _start_method() -> str:
+    """fork where there is one: a worker starts in milliseconds with the tokenizer already loaded (a spawned one
+    imports and loads it again, a second or more: most of the work of a small corpus). The workers only read
+    files and tokenize, as a DataLoader's forked workers do."""
+    return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+
+
 def tokenized_units(units: list[Unit], job: Job, tok: TextTokenizer, workers: int) -> Iterator[UnitTokens]:
-    """Every unit's tokens, in unit order: here (workers=1) or over `workers` fresh processes with at most two
-    units each in flight, so memory does not grow with the corpus."""
-    if workers == 1:
-        with _one_thread():
+    """Every unit's tokens, in unit order: here (workers=1) or over `workers` processes with at most two units
+    each in flight, so memory does not grow with the corpus."""
+    with _one_thread():
+        if workers == 1:
             for unit in units:
                 yield tokenize_unit(unit, job, tok)
-        return
-    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
-        pending: deque = deque()
-        todo = iter(units)
-        for unit in todo:
-            pending.append(pool.apply_async(tokenize_unit, (unit,)))
-            if len(pending) >= 2 * workers:
-                break
-        while pending:
-            done = pending.popleft().get()
-            unit = next(todo, None)
-            if unit is not None:
-                pending.append(pool.apply_async(tokenize_unit, (unit,)))
-            yield done
+            return
+        _WORKER.update(job=job, tok=tok)
+        try:
+            with mp.get_context(_start_method()).Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
+                pending: deque = deque()
+                todo = iter(units)
+                for unit in todo:
+                    pending.append(pool.apply_async(tokenize_unit, (unit,)))
+                    if len(pending) >= 2 * workers:
+                        break
+                while pending:
+                    done = pending.popleft().get()
+                    unit = next(todo, None)
+                    if unit is not None:
+                        pending.append(pool.apply_async(tokenize_unit, (unit,)))
+                    yield done
+        finally:
+            _WORKER.clear()
 
 
 # ---------------------------------------------------------------------------- writing

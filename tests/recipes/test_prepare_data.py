@@ -141,12 +141,15 @@ def test_split_rule_holds_out_the_fraction_by_text():
     assert other.stdout.strip() == str([pd.in_val(t, 0.1) for t in texts[:500]])
 
 
-def test_same_inputs_give_the_same_bytes(tmp_path, tokenizer_json, inputs):
-    # workers and unit sizes change how the work is cut, never the output
+def test_same_inputs_give_the_same_bytes(tmp_path, tokenizer_json, inputs, monkeypatch):
+    # workers, unit sizes and how workers start change how the work is cut, never the output
     _prepare(inputs, tokenizer_json, tmp_path / "a", workers=1, chunk_bytes=8 << 10)
     _prepare(inputs, tokenizer_json, tmp_path / "b", workers=2, chunk_bytes=200 << 10)
+    monkeypatch.setattr(pd, "_start_method", lambda: "spawn")  # (where fork is missing: workers load the tokenizer)
+    _prepare(inputs, tokenizer_json, tmp_path / "c", workers=2, chunk_bytes=64 << 10)
     for name in ("meta.json", "train.bin", "train.idx", "val.bin", "val.idx"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "c" / name).read_bytes(), name
     meta = json.loads((tmp_path / "a" / "meta.json").read_text())
     assert meta["splits"]["train"]["sha256"] == hashlib.sha256((tmp_path / "a" / "train.bin").read_bytes()).hexdigest()
 
