@@ -92,7 +92,9 @@ def export_hf(run_dir: Path, run_cfg, checkpoint: Path, out_dir: str | Path, exp
     try:
         config = load_config(written) if written.is_file() else hf_model_config(run_cfg)
         flat = consolidate(checkpoint)
-        return save_weights(flat, config, out_dir, original_format=experts == "per_expert")
+        parameters = set(zero.open_checkpoint(checkpoint).names())  # (the rest are the trained model's buffers)
+        return save_weights(flat, config, out_dir, original_format=experts == "per_expert",
+                            buffers=set(flat) - parameters)
     except (HFConfigError, ConfigError) as e:
         raise ExportError(f"{run_dir}: {e}") from None
 

@@ -27,11 +27,12 @@ EXTRA = {
 }
 DENSE = ("llama", "qwen3", "mistral", "qwen2")
 MOE = ("mixtral", "qwen3_moe")
-_NO_MOE = pytest.mark.skipif(not moe_supported(), reason="recipes/models/hf/moe.py (adopt_moe_blocks) is not there")
+#: The mark of a test parameter that needs recipes/models/hf/moe.py (MoE model types): skipped until it exists.
+NEEDS_MOE = pytest.mark.skipif(not moe_supported(), reason="recipes/models/hf/moe.py (adopt_moe_blocks) is not there")
 #: Every covered model type as a pytest parameter; the MoE ones run once recipes/models/hf/moe.py exists.
-ALL = [*DENSE, *(pytest.param(kind, marks=_NO_MOE) for kind in MOE)]
+ALL = [*DENSE, *(pytest.param(kind, marks=NEEDS_MOE) for kind in MOE)]
 #: The ones the longer tests run: the two the adapter is built for first, and the MoE ones when they can.
-MAIN = ["llama", "qwen3", *(pytest.param(kind, marks=_NO_MOE) for kind in MOE)]
+MAIN = ["llama", "qwen3", *(pytest.param(kind, marks=NEEDS_MOE) for kind in MOE)]
 
 
 def tiny_config(kind: str, **overrides):

@@ -6,6 +6,7 @@ written back through `save_pretrained`."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -74,21 +75,23 @@ def load_weights(directory: str | Path, config: PreTrainedConfig) -> dict[str, t
 
 
 def save_weights(state: dict[str, torch.Tensor], config: PreTrainedConfig, out_dir: str | Path,
-                 original_format: bool = True) -> Path:
-    """Write the full state dict `state` (Hugging Face names, flat or shaped; the tied head and non-persistent
-    buffers may be absent or are ignored) of `config`'s model
-    into `out_dir` through transformers' `save_pretrained` (config.json and safetensors), loadable by
-    `AutoModelForCausalLM.from_pretrained`. `original_format`: MoE experts per expert (the published layout)
-    rather than fused as transformers 5 holds them."""
+                 original_format: bool = True, buffers: Collection[str] = ()) -> Path:
+    """Write the full state dict `state` (Hugging Face names, flat or shaped) of `config`'s model into `out_dir`
+    through transformers' `save_pretrained` (config.json and safetensors), loadable by
+    `AutoModelForCausalLM.from_pretrained`. The tied head may be absent; transformers' non-persistent buffers
+    (rotary tables) and the names in `buffers` (the trained model's own, e.g. MoE load counters) are left out.
+    `original_format`: MoE experts per expert (the published layout) rather than fused as transformers 5
+    holds them."""
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+    model.tie_weights()  # (skipped with the init: a tied head would be saved as its own uninitialised tensor)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
-    buffers = {name for name, _ in model.named_buffers()}  # e.g. rotary tables: not saved, recomputed on load
+    left_out = {name for name, _ in model.named_buffers()} | set(buffers)
     tensors = {}
     for name, value in state.items():
         if name in shapes:
             tensors[name] = value.detach().to(torch.float32).reshape(shapes[name])
-        elif name not in buffers:
+        elif name not in left_out:
             raise HFConfigError(f"{name} is not a tensor of the {config.model_type} model this config describes")
     result = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()  # the embedding's, loaded under its name
