@@ -3,6 +3,7 @@ one training setting for every comparison, launching processes and reading their
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -17,9 +18,12 @@ from recipes.models.llama import ModelConfig
 REPO = Path(__file__).resolve().parents[2]
 
 # One setting for every comparison: 2 data-parallel ranks, 2 micro-batches of 4 sequences of 64 bytes per step,
-# constant lr (the recipe's schedule with warmup 0 and min_lr_ratio 1), AdamW as the recipe's, clip 1.0.
+# constant lr (the recipe's schedule with warmup 0 and min_lr_ratio 1), AdamW as the recipe's, clip 1.0; the first
+# 2 MB of the standard library's source (the whole of it takes every process ~3 s to read).
 SEED, MICRO, ACCUM, SEQ, LR, BETAS, EPS, WD, CLIP = 1234, 4, 2, 64, 2e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
-RECIPE_ARGS = [f"train.micro_batch_size={MICRO}", f"train.grad_accum={ACCUM}", f"train.seq_len={SEQ}",
+MAX_BYTES = 2_000_000
+RECIPE_ARGS = [f"data.max_bytes={MAX_BYTES}", f"train.micro_batch_size={MICRO}", f"train.grad_accum={ACCUM}",
+               f"train.seq_len={SEQ}",
                f"train.seed={SEED}", f"optim.lr={LR}", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0",
                f"optim.weight_decay={WD}", f"optim.grad_clip={CLIP}", "train.eval_batches=0", "train.sample_tokens=0",
                "wandb.mode=disabled"]
@@ -33,9 +37,11 @@ def model_config(moe: bool = False) -> ModelConfig:
                        moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=64) if moe else MoEConfig())
 
 
+@functools.lru_cache
 def train_stream(dp: int, micro: int = MICRO) -> TokenStream:
     """The recipe's training stream for this setting on `dp` data-parallel ranks (stdlib bytes, seed SEED)."""
-    train, _ = build_streams({"kind": "stdlib"}, BatchSpec(micro, ACCUM, dp, SEQ), seed=SEED, vocab_size=256)
+    data = {"kind": "stdlib", "max_bytes": MAX_BYTES}
+    train, _ = build_streams(data, BatchSpec(micro, ACCUM, dp, SEQ), seed=SEED, vocab_size=256)
     return train
 
 
@@ -71,24 +77,22 @@ class EpochSampler(torch.utils.data.Sampler):
         yield from range(self.epoch * self.per_epoch, (self.epoch + 1) * self.per_epoch)
 
 
-class GlobalRows(torch.utils.data.Dataset):
-    """The recipe's sequences in global order (step, then micro-batch, then data-parallel rank, then row), as
-    {"input_ids", "labels"} (already shifted). Batches of MICRO rows dealt round-robin over the ranks (what
-    Accelerate's prepared dataloader and the Trainer's sequential sampler do) are the recipe's per-rank batches."""
+class HFRows(torch.utils.data.Dataset):
+    """The Accelerate example's StreamRows (the recipe's sequences in global order) as a Hugging Face causal LM's
+    items: its inputs are its labels (it shifts them itself). Batches of MICRO rows dealt round-robin over the
+    ranks (the Trainer's sequential sampler through Accelerate) are the recipe's per-rank batches."""
 
-    def __init__(self, stream: TokenStream, steps: int, hf_labels: bool = False) -> None:
-        self.stream, self.steps, self.hf_labels = stream, steps, hf_labels
+    def __init__(self, stream: TokenStream, steps: int) -> None:
+        from moe_lst.integrations.accelerate_example import StreamRows
+
+        self.rows = StreamRows(stream, steps)
 
     def __len__(self) -> int:
-        return self.steps * self.stream.spec.global_batch
+        return len(self.rows)
 
     def __getitem__(self, g: int) -> dict[str, torch.Tensor]:
-        spec = self.stream.spec
-        step, within = divmod(g, spec.global_batch)
-        block, row = divmod(within, spec.micro_batch_size)  # block = micro * dp + dp_rank
-        tokens, labels = self.stream.batch(step, block // spec.dp_size, block % spec.dp_size)
-        # A Hugging Face causal LM shifts its labels itself: it gets the inputs as labels.
-        return {"input_ids": tokens[row], "labels": tokens[row] if self.hf_labels else labels[row]}
+        tokens, _ = self.rows[g]
+        return {"input_ids": tokens, "labels": tokens}
 
 
 def launch(args: list[str], cwd: Path = REPO, timeout: float = 240.0, env: dict | None = None) -> str:
@@ -107,12 +111,12 @@ def torchrun(script_args: list[str], nproc: int = 2, **kw) -> str:
                    "--master_port", str(free_port()), *script_args], **kw)
 
 
-def recipe_losses(run_dir: Path, extra: list[str], steps: int = 4) -> list[float]:
-    """`python -m recipes.pretrain` on 2 processes with this setting; its per-step losses."""
+def recipe_run(run_dir: Path, extra: list[str], steps: int = 4) -> dict[str, list[float]]:
+    """`python -m recipes.pretrain` on 2 processes with this setting: its per-step losses and gradient norms."""
     torchrun(["-m", "recipes.pretrain", f"train.steps={steps}", f"run_dir={run_dir}", *RECIPE_ARGS, *extra])
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    return [m["loss"] for m in metrics]
+    return {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics]}
 
 
 def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -1,7 +1,7 @@
 """Trains a plain transformers LlamaForCausalLM (tiny config) on the recipe's data, 2 processes under torchrun:
 the engine's own loop, then ZeroTrainer 4 steps straight (checkpoints every 2), then ZeroTrainer resumed from
 checkpoint-2, then (optionally) ZeroTrainer with Ulysses sp=2 through recipes.models.hf. Rank 0 writes the
-per-step losses; every rank the final weights of each run.
+per-step losses and gradient norms (the Trainer's: what it logged); every rank the final weights of each run.
 
 torchrun --nproc_per_node 2 tests/integrations/hf_run.py OUT_DIR STAGE OFFLOAD [sp]
 """
@@ -19,7 +19,7 @@ from moe_lst.integrations.transformers import ZeroTrainer
 
 import zero
 from recipes.losses import mean_over_dp
-from tests.integrations.common import ACCUM, BETAS, CLIP, EPS, LR, MICRO, SEED, GlobalRows, train_stream
+from tests.integrations.common import ACCUM, BETAS, CLIP, EPS, LR, MICRO, SEED, HFRows, train_stream
 
 STEPS = 4
 
@@ -41,14 +41,14 @@ def schedule(optimizer: torch.optim.Optimizer):
     return transformers.get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=STEPS)
 
 
-def own_loop(stage: int, offload: str) -> tuple[list[float], dict]:
+def own_loop(stage: int, offload: str) -> tuple[dict, dict]:
     """The engine's plain loop over the same model, data, optimizer and schedule."""
     config = zero_config(stage, offload)
     config.grad_accum_steps, config.clip_grad_norm = ACCUM, CLIP
     dims = zero.ParallelDims()
     engine = zero.initialize(hf_model(), lambda p: torch.optim.AdamW(p, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0,
                                                                      fused=True), config, dims, lr_scheduler=schedule)
-    stream, losses = train_stream(dims.dp), []
+    stream, out = train_stream(dims.dp), {"loss": [], "grad_norm": []}
     for step in range(STEPS):
         total = 0.0
         for micro in range(ACCUM):
@@ -57,19 +57,9 @@ def own_loop(stage: int, offload: str) -> tuple[list[float], dict]:
             engine.backward(loss)
             total += loss.item() / ACCUM
         engine.step()
-        losses.append(mean_over_dp(total, dims))
-    return losses, engine.full_state_dict()
-
-
-class RecordingTrainer(ZeroTrainer):
-    """Keeps what each micro-batch's training_step returns (its share of the step's loss on this rank)."""
-
-    micro_losses: list[float]
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self.micro_losses = getattr(self, "micro_losses", []) + [loss.item()]
-        return loss
+        out["loss"].append(mean_over_dp(total, dims))
+        out["grad_norm"].append(engine.global_grad_norm)
+    return out, engine.full_state_dict()
 
 
 def trainer_run(out: Path, stage: int, offload: str, resume: str | None = None, sp: int = 1):
@@ -80,13 +70,16 @@ def trainer_run(out: Path, stage: int, offload: str, resume: str | None = None, 
         train_sampling_strategy="sequential", save_strategy="steps", save_steps=2, logging_steps=1,
         report_to="none", disable_tqdm=True, seed=SEED, use_cpu=True)
     dims_dp = dist.get_world_size() // sp
-    trainer = RecordingTrainer(model=hf_model(), args=args, train_dataset=GlobalRows(train_stream(2), STEPS, True),
+    trainer = ZeroTrainer(model=hf_model(), args=args, train_dataset=HFRows(train_stream(2), STEPS),
                                zero_config=zero_config(stage, offload), sp=sp)
     assert dims_dp == trainer.dims.dp
     trainer.train(resume_from_checkpoint=resume)
-    micro = trainer.micro_losses
-    steps = [sum(micro[i:i + ACCUM]) for i in range(0, len(micro), ACCUM)]
-    return [mean_over_dp(s, trainer.dims) for s in steps], trainer.engine.full_state_dict()
+    # what the Trainer logged at each step it ran (logging_steps=1): the loss over every process, the engine's norm
+    logged = [r for r in trainer.state.log_history if "loss" in r and "train_loss" not in r]
+    first = 2 if resume else 0
+    assert [r["step"] for r in logged][-STEPS + first:] == list(range(first + 1, STEPS + 1)), logged
+    logged = logged[-STEPS + first:]
+    return {k: [r[k] for r in logged] for k in ("loss", "grad_norm")}, trainer.engine.full_state_dict()
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ class LitLlama(L.LightningModule):
         self.cfg, self.meta, self.micro = model_config(moe), meta, micro
         self.model: Transformer | None = None
         self.micro_losses: list[float] = []
+        self.grad_norms: list[float] = []  # the engine's global norm at each step
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -69,6 +70,7 @@ class LitLlama(L.LightningModule):
 
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)
+        self.grad_norms.append(self.trainer.strategy.engine.global_grad_norm)
         update_router_biases(self.model, self.trainer.strategy.dims.dp_sp_group)  # (a dense model: nothing)
 
     def configure_optimizers(self):
@@ -82,9 +84,9 @@ class LitLlama(L.LightningModule):
                                            sampler=EpochSampler(STEPS_PER_EPOCH * ACCUM))
 
 
-def fit(run: dict, epochs: int, ckpt_dir: Path | None = None, resume: str | None = None) -> tuple[list, LitLlama]:
+def fit(run: dict, epochs: int, ckpt_dir: Path | None = None, resume: str | None = None) -> tuple[dict, LitLlama]:
     """Train `run` ({"stage", "offload", "moe", "ep", "sp", "meta", "micro"}) for `epochs`; the per-step global
-    losses."""
+    losses and gradient norms."""
     offload = run.get("offload", "none")
     config = zero.ZeroConfig(stage=run["stage"], offload_optimizer=offload,
                              offload_params=offload if run["stage"] == 3 else "none")
@@ -98,7 +100,7 @@ def fit(run: dict, epochs: int, ckpt_dir: Path | None = None, resume: str | None
     trainer.fit(module, ckpt_path=resume)
     micro = module.micro_losses
     steps = [sum(micro[i:i + ACCUM]) / ACCUM for i in range(0, len(micro), ACCUM)]
-    return [mean_over_dp(s, strategy.dims) for s in steps], module
+    return {"loss": [mean_over_dp(s, strategy.dims) for s in steps], "grad_norm": module.grad_norms}, module
 
 
 def straight_and_resumed(run: dict, out: Path) -> dict:

@@ -22,25 +22,28 @@ def hf_runs(tmp_path_factory):
 
 
 def test_trainer_equals_the_engines_own_loop(hf_runs):
-    losses, finals = hf_runs
-    assert losses["straight"] == pytest.approx(losses["own"], rel=1e-5, abs=0)
-    assert losses["own"][-1] < losses["own"][0] - 0.3  # it trains
+    runs, finals = hf_runs
+    for key in ("loss", "grad_norm"):
+        assert runs["straight"][key] == pytest.approx(runs["own"][key], rel=1e-5, abs=0), key
+    assert runs["own"]["loss"][-1] < runs["own"]["loss"][0] - 0.3  # it trains
     for final in finals:
         for name, value in final["own"].items():
             torch.testing.assert_close(final["straight"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_trainer_resumes_from_its_checkpoint_bit_for_bit(hf_runs):
-    losses, finals = hf_runs
-    assert losses["resumed"] == losses["straight"][2:]
+    runs, finals = hf_runs
+    for key in ("loss", "grad_norm"):
+        assert runs["resumed"][key] == runs["straight"][key][2:], key
     for final in finals:
         assert_same_state(final["straight"], final["resumed"])
 
 
 def test_sequence_parallel_through_the_adapter(hf_runs):
-    losses, finals = hf_runs
+    runs, finals = hf_runs
     # one data-parallel rank reading both ranks' rows (batch 8): the same global batches as the own loop
-    assert losses["sp2"] == pytest.approx(losses["own"], rel=1e-5, abs=0)
+    for key in ("loss", "grad_norm"):
+        assert runs["sp2"][key] == pytest.approx(runs["own"][key], rel=1e-5, abs=0), key
     for final in finals:
         for name, value in final["own"].items():
             torch.testing.assert_close(final["sp2"][name], value, rtol=1e-4, atol=1e-5, msg=name)
