@@ -1,4 +1,4 @@
-"""Hugging Face MoE models (Mixtral, Qwen3-MoE) with their sparse-MoE blocks swapped for moe.MoELayer
+"""Hugging Face MoE models (Mixtral, Qwen3-MoE, OLMoE) with their sparse-MoE blocks swapped for moe.MoELayer
 (`recipes.models.hf.moe.adopt_moe_blocks`) equal the unswapped models: logits, loss with and without the
 auxiliary loss, every parameter's gradient, state_dict; under expert parallelism (ep=2 over dp=2 through
 zero.initialize) a few SGD steps equal the unswapped model's on one process.
@@ -12,16 +12,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    OlmoeConfig,
-    OlmoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from recipes.models.hf.moe import HFMoEBlock, adopt_moe_blocks
 from tests.equivalence import Recorder, assert_equivalent, reference_trajectory
@@ -39,6 +30,12 @@ def build(kind: str, seed: int = 0, **kw) -> torch.nn.Module:
         config = MixtralConfig(**COMMON, intermediate_size=24, num_hidden_layers=2, num_local_experts=4,
                                **{"num_experts_per_tok": 2, **kw})
         return MixtralForCausalLM(config).float()
+    if kind == "olmoe":
+        from transformers import OlmoeConfig, OlmoeForCausalLM
+
+        config = OlmoeConfig(**COMMON, intermediate_size=24, num_hidden_layers=2, num_experts=4,
+                             **{"num_experts_per_tok": 2, **kw})
+        return OlmoeForCausalLM(config).float()
     # layer 1 dense (mlp_only_layers): only the sparse blocks are swapped
     config = Qwen3MoeConfig(**COMMON, intermediate_size=40, moe_intermediate_size=24, num_hidden_layers=3,
                             head_dim=8, num_experts=4, mlp_only_layers=[1],
@@ -61,18 +58,19 @@ def _forward_backward(model, ids, mask, aux: bool):
 
 
 CASES = [("mixtral", {}), ("mixtral", {"num_experts_per_tok": 1}), ("qwen3_moe", {}),
-         ("qwen3_moe", {"norm_topk_prob": False})]
+         ("qwen3_moe", {"norm_topk_prob": False}), ("olmoe", {"num_experts_per_tok": 3})]
 
 
-@pytest.mark.parametrize("kind,kw", CASES, ids=["mixtral", "mixtral-top1", "qwen3", "qwen3-unnormalised"])
+@pytest.mark.parametrize("kind,kw", CASES, ids=["mixtral", "mixtral-top1", "qwen3", "qwen3-unnormalised", "olmoe"])
 def test_swapped_blocks_equal_hugging_face(kind, kw):
     ref = build(kind, **kw)
     ours = copy.deepcopy(ref)
+    before = dict(ours.named_parameters())
     names = adopt_moe_blocks(ours)
-    layers = ["model.layers.0.mlp", "model.layers.1.mlp"] if kind == "mixtral" else \
-        ["model.layers.0.mlp", "model.layers.2.mlp"]
+    assert all(p is before[n] for n, p in ours.named_parameters())  # the very same parameter tensors
+    layers = ["model.layers.0.mlp", "model.layers.2.mlp" if kind == "qwen3_moe" else "model.layers.1.mlp"]
     assert names == layers and all(isinstance(ours.get_submodule(n), HFMoEBlock) for n in names)
-    # same names, shapes and order in state_dict; the new blocks hold the very same tensors
+    # same names, shapes and order in state_dict
     assert [(k, v.shape) for k, v in ours.state_dict().items()] == [(k, v.shape) for k, v in ref.state_dict().items()]
     ids = tokens(3, 1)
     mask = torch.ones_like(ids)
@@ -117,6 +115,17 @@ def test_jitter_noise_is_hugging_faces_draw():
     torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=RTOL, atol=ATOL)
 
 
+def test_generation_with_cache_matches():
+    ref = build("qwen3_moe").eval()
+    ours = copy.deepcopy(ref)
+    adopt_moe_blocks(ours)
+    prompt = tokens(2, 4)[:, :4]
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    got, want = ours.generate(prompt, **kw), ref.generate(prompt, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=RTOL, atol=ATOL)
+
+
 def test_balancing_statistics_on_swapped_blocks():
     from moe import collect_moe_stats
 
@@ -147,17 +156,20 @@ def test_save_pretrained_round_trip(tmp_path):
 
 
 def test_covered_dense_and_uncovered_models():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
     dense = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
     assert adopt_moe_blocks(dense) == []
     model = build("mixtral")
     assert len(adopt_moe_blocks(model)) == 2 and adopt_moe_blocks(model) == []  # adopted once
-    olmoe = OlmoeForCausalLM(OlmoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, num_experts=4,
-                                         num_experts_per_tok=2))
-    with pytest.raises(NotImplementedError, match="model_type='olmoe'.* is a mixture-of-experts model whose MoE "
-                                                  "block is not covered"):
-        adopt_moe_blocks(olmoe)
+    qwen2 = Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=8,
+                                               moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                               num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(NotImplementedError, match="model_type='qwen2_moe'.* is a mixture-of-experts model whose "
+                                                  "MoE block is not covered"):
+        adopt_moe_blocks(qwen2)
     with pytest.raises(NotImplementedError, match="hidden_act='gelu' is not supported"):
         adopt_moe_blocks(build("mixtral", hidden_act="gelu"))
     with pytest.raises(NotImplementedError, match="expert tensor parallelism of Hugging Face MoE blocks"):

@@ -1,7 +1,7 @@
 """Hugging Face sparse-MoE blocks run by this project's MoELayer: sort-based dispatch, grouped experts, expert
 parallelism, balancing statistics, under Hugging Face's parameter names, shapes and routing semantics.
 
-`adopt_moe_blocks(model)` swaps every covered block in place (Mixtral, Qwen3-MoE); the model's state_dict,
+`adopt_moe_blocks(model)` swaps every covered block in place (Mixtral, Qwen3-MoE, OLMoE); the model's state_dict,
 logits, loss (with its `router_aux_loss_coef * load_balancing_loss_func(...)` term) and gradients stay
 those of the unswapped model, and `moe.apply_expert_parallel(model, dims)` then shards its experts.
 """
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 from transformers.utils.output_capturing import install_output_capuring_hook
 
@@ -39,7 +40,7 @@ class HFRouter(TopKRouter):
     """The router of a Hugging Face sparse-MoE block: logits in the input's dtype (F.linear as Hugging Face
     computes them), softmax over all experts in fp32, top-k, renormalised over the chosen k when
     `renormalize`; routing weights in fp32 (Mixtral) or, with `weights_in_logits_dtype`, cast to the
-    logits' dtype (Qwen3-MoE). Its weight is the block's `gate.weight` [E, dim]."""
+    logits' dtype (Qwen3-MoE, OLMoE). Its weight is the block's `gate.weight` [E, dim]."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, renormalize: bool,
                  weights_in_logits_dtype: bool) -> None:
@@ -155,13 +156,15 @@ def _mixtral(block: MixtralSparseMoeBlock) -> BlockSemantics:
     return BlockSemantics(block.top_k, True, float(block.jitter_noise), False)
 
 
-def _qwen3_moe(block: Qwen3MoeSparseMoeBlock) -> BlockSemantics:
-    # Qwen3MoeTopKRouter renormalises per config.norm_topk_prob and casts the weights to the logits' dtype.
+def _norm_topk_prob(block: Qwen3MoeSparseMoeBlock | OlmoeSparseMoeBlock) -> BlockSemantics:
+    # Qwen3MoeTopKRouter and OlmoeTopKRouter renormalise per config.norm_topk_prob and cast the weights to
+    # the logits' dtype.
     return BlockSemantics(block.gate.top_k, bool(block.gate.norm_topk_prob), 0.0, True)
 
 
 #: The Hugging Face blocks covered (by exact class: a subclass may route differently) and their semantics.
-BLOCKS = {MixtralSparseMoeBlock: _mixtral, Qwen3MoeSparseMoeBlock: _qwen3_moe}
+BLOCKS = {MixtralSparseMoeBlock: _mixtral, Qwen3MoeSparseMoeBlock: _norm_topk_prob,
+          OlmoeSparseMoeBlock: _norm_topk_prob}
 
 
 def _is_moe(model: PreTrainedModel) -> bool:
