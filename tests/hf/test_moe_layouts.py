@@ -103,3 +103,31 @@ def test_router_in_model_dtype_routes_like_hugging_face(kind):
     default = TopKRouter(DIM, 8, 2)
     default.weight = hf.weight
     assert default(x).logits.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_transposed_experts_on_gpu_in_bf16():
+    torch.manual_seed(0)
+    plain = GroupedExperts(64, 128, 8, init_std=0.1).cuda().to(torch.bfloat16)
+    flipped = GroupedExperts(64, 128, 8, init_std=0.1, transposed=True).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        flipped.w_in.copy_(plain.w_in.transpose(1, 2))
+        flipped.w_out.copy_(plain.w_out.transpose(1, 2))
+    assert experts_mod.grouped_mm_supported(torch.device("cuda"), torch.bfloat16, 64, 256)  # the grouped kernel
+    counts = torch.tensor([40, 0, 100, 7, 1, 0, 60, 92], device="cuda")
+    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    for fuse in (False, True):
+        outs = []
+        for ex in (plain, flipped):
+            ex.fuse_grad_accumulation = fuse
+            ex.w_in.grad = torch.zeros_like(ex.w_in) if fuse else None
+            ex.w_out.grad = torch.zeros_like(ex.w_out) if fuse else None
+            xi = x.clone().requires_grad_(True)
+            y = ex(xi, counts)
+            y.backward(g)
+            w_grads = [ex.w_in.grad, ex.w_out.grad]
+            outs.append([y, xi.grad] + ([w.transpose(1, 2) for w in w_grads] if ex.transposed else w_grads))
+        for a, b in zip(outs[1], outs[0]):
+            assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
