@@ -152,9 +152,10 @@ class HFSourceConfig:
     # a config.json, or a model directory holding one (null: train.init_from's); its model_type must be one the
     # adapter covers (recipes.models.hf.MODEL_TYPES)
     config: str | None = None
-    # keys of that config.json replaced before the model is built, e.g. {hidden_size: 64, num_hidden_layers: 2};
-    # each must be a key of that config, with a value of its type
-    overrides: dict[str, Any] = field(default_factory=dict)
+    # keys of that config.json replaced before the model is built, a mapping such as model.hf.overrides='{hidden_size:
+    # 64, num_hidden_layers: 2}'; each must be a key of that config, with a value of its type (null: none; Any, not a
+    # typed dict, so that the command line can set the whole mapping; checked by hf_model_config)
+    overrides: Any = None
 
 
 @dataclass
@@ -588,8 +589,12 @@ def hf_model_config(cfg: DictConfig):
         raise ConfigError("model=hf needs model.hf.config=<a config.json or a model directory> (or train.init_from="
                           "<a Hugging Face model directory>, whose config it then takes)")
     key = "model.hf.config" if cfg.model.hf.config else "train.init_from"
+    overrides = cfg.model.hf.overrides
+    if overrides is not None and not isinstance(overrides, DictConfig):
+        raise ConfigError(f"model.hf.overrides={overrides!r} must be a mapping of config.json keys to values, e.g. "
+                          "model.hf.overrides='{hidden_size: 64, num_hidden_layers: 2}'")
     try:
-        return load_config(source, OmegaConf.to_container(cfg.model.hf.overrides, resolve=True))
+        return load_config(source, None if overrides is None else OmegaConf.to_container(overrides, resolve=True))
     except HFConfigError as e:
         raise ConfigError(f"{key}={source}: {e}") from None
 
