@@ -63,14 +63,15 @@ def test_run_exports_to_the_same_logits(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", pytest.param("qwen3_moe", marks=NEEDS_MOE)])
-def test_zero3_tiled_checkpointed_run_and_resume_under_another_layout_equal_the_plain_run(tmp_path, kind):
+def test_zero3_offloaded_tiled_checkpointed_run_and_a_resharded_resume_equal_the_plain_run(tmp_path, kind):
     config_dir = write_config(tmp_path / "config", kind)
     common = [f"model.hf.config={config_dir}", "train.steps=4"]
     plain, switched, resumed = tmp_path / "plain", tmp_path / "switched", tmp_path / "resumed"
     train(_cfg(plain, *common, "train.ckpt_every=2"))
-    # ZeRO-3 (a dense model built on the meta device), tiled MLP, tiled loss over the model's head, checkpointing
-    train(_cfg(switched, *common, "zero.stage=3", "train.tiled_mlp=3", "train.tiled_loss=true",
-               "train.activation_checkpointing=true"))
+    # ZeRO-3 (a dense model built on the meta device) with parameters and optimizer offloaded to host memory,
+    # tiled MLP, tiled loss over the model's head, activation checkpointing
+    train(_cfg(switched, *common, "zero.stage=3", "zero.offload_params=cpu", "zero.offload_optimizer=cpu",
+               "train.tiled_mlp=3", "train.tiled_loss=true", "train.activation_checkpointing=true"))
     want = _records(plain)
     for key in ("loss", "grad_norm"):
         _close([r[key] for r in _records(switched)], [r[key] for r in want])
