@@ -97,13 +97,19 @@ class WorkerRSS:
         return self.peak_mb
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and of its children that have ended (the workers, once their pool is closed)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def plain_loop(tokenizer: str, corpus: str, out: str) -> dict:
     """The baseline: one process, one text at a time."""
     import numpy as np
     from tokenizers import Tokenizer
 
     start_rss = common.reset_peak_rss()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     tok = Tokenizer.from_file(tokenizer)
     eos = tok.token_to_id(EOS)
     tokens = 0
@@ -113,8 +119,9 @@ def plain_loop(tokenizer: str, corpus: str, out: str) -> dict:
             ids.append(eos)
             sink.write(np.array(ids, dtype=np.uint16).tobytes())
             tokens += len(ids)
-    seconds = time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": seconds, "peak_rss_mb": common.peak_rss_mb(), "start_rss_mb": start_rss}
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+    return {"tokens": tokens, "seconds": seconds, "cpu_s": cpu, "peak_rss_mb": common.peak_rss_mb(),
+            "start_rss_mb": start_rss}
 
 
 def ours(tokenizer: str, corpus: str, out: str, workers: int, chunk_bytes: int) -> dict:
@@ -123,11 +130,11 @@ def ours(tokenizer: str, corpus: str, out: str, workers: int, chunk_bytes: int) 
 
     start_rss = common.reset_peak_rss()
     watch = WorkerRSS()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     done = prepare([corpus], tokenizer, out, workers=workers, chunk_bytes=chunk_bytes, val_fraction=0.01,
                    progress=False, force=True, say=lambda *_: None)
-    seconds = time.perf_counter() - t0
-    return {"tokens": done.meta["tokens"], "seconds": seconds, "peak_rss_mb": common.peak_rss_mb(),
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+    return {"tokens": done.meta["tokens"], "seconds": seconds, "cpu_s": cpu, "peak_rss_mb": common.peak_rss_mb(),
             "start_rss_mb": start_rss, "worker_rss_mb": watch.stop() if workers > 1 else None}
 
 
@@ -141,7 +148,8 @@ def run(variant: str, tokenizer: str, corpus: Path, out: Path, chunk_bytes: int)
 def throughput(args, tokenizer: str, tmp: Path) -> dict:
     corpus = tmp / "throughput.jsonl"
     docs = write_corpus(corpus, args.megabytes)
-    print(f"\n## tokens/s: {args.megabytes:g} MB corpus ({docs:,} documents), {args.rounds} round(s)")
+    print(f"\n## tokens/s: {args.megabytes:g} MB corpus ({docs:,} documents), {args.rounds} round(s); load "
+          f"average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     variants = ("plain", "workers=1", f"workers={args.workers}")
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(args.rounds):
@@ -151,8 +159,11 @@ def throughput(args, tokenizer: str, tmp: Path) -> dict:
     same = len({t for ts in tokens.values() for t in ts}) == 1
     rate = {v: statistics.median(r["tokens"] / r["seconds"] for r in rs) for v, rs in runs.items()}
     rows = [[v, f"{next(iter(tokens[v])):,}", f"{statistics.median(r['seconds'] for r in runs[v]):.2f}",
-             f"{rate[v]:,.0f}", f"{rate[v] / rate['plain']:.2f}"] for v in variants]
-    print(common.table(["variant", "tokens", "median s", "tokens/s", "vs plain"], rows))
+             f"{rate[v]:,.0f}", f"{rate[v] / rate['plain']:.2f}",
+             f"{statistics.median(r['cpu_s'] for r in runs[v]):.2f}"] for v in variants]
+    print(common.table(["variant", "tokens", "median s", "tokens/s", "vs plain", "CPU s (with workers)"], rows))
+    print(f"load average after: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (more than the cores: the "
+          "figures are skewed by other work)")
     print(f"tokens written: {'the same in every variant' if same else 'DIFFER: ' + str(tokens)}")
     if not same:
         common.failed("token counts", f"the variants wrote different numbers of tokens: {tokens}")

@@ -21,7 +21,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -439,7 +439,10 @@ def tokenize_unit(unit: Unit, job: Job | None = None, tok: TextTokenizer | None 
 
     def encode() -> None:
         held = [in_val(text, job.val_fraction) for text in batch]
-        ids = tok.encode_batch(batch)
+        try:
+            ids = tok.encode_batch(batch)
+        except Exception as e:  # noqa: BLE001 - a tokenizer's own error (e.g. text it cannot take): name the input
+            raise PrepareError(f"{unit.paths[0]}: the tokenizer failed on a document ({_first_line(e)})") from None
         for split, keep in (("train", False), ("val", True)):
             docs = [d for d, h in zip(ids, held) if h == keep]
             if docs:
@@ -643,7 +646,6 @@ class Prepared:
     input_bytes: int
     units: int
     workers: int
-    extra: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -671,11 +673,15 @@ def prepare(inputs: list[str], tokenizer: str, out: str | os.PathLike, *, val_fr
         empty = 0
         with tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress,
                   dynamic_ncols=True) as bar:
-            for done in tokenized_units(units, job, tok, workers):
-                for split in SPLITS:
-                    writers[split].append(done.tokens[split], done.lengths[split])
-                empty += done.empty
-                bar.update(done.size)
+            try:
+                for done in tokenized_units(units, job, tok, workers):
+                    for split in SPLITS:
+                        writers[split].append(done.tokens[split], done.lengths[split])
+                    empty += done.empty
+                    bar.update(done.size)
+            except BaseException:
+                bar.leave = False  # the error's line replaces the bar's
+                raise
         meta = build_meta(job, described, inputs, files, writers, empty)
         commit(out, writers, meta)
     except BaseException:
@@ -744,9 +750,13 @@ def main(argv: list[str] | None = None) -> None:
         done = prepare(args.inputs, args.tokenizer, args.out, val_fraction=args.val_fraction,
                        text_field=args.text_field, workers=args.workers, chunk_bytes=int(args.chunk_mb * 2**20),
                        force=args.force, progress=not args.quiet, eos=args.eos, bos=not args.no_bos)
-    except PrepareError as e:
+    except (PrepareError, OSError) as e:  # (an input that cannot be read while working: permissions, a disk error)
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"interrupted before the preparation was complete: run the same command again (it replaces what "
+              f"was left in {args.out})", file=sys.stderr, flush=True)
+        sys.exit(130)
     m = done.meta
     print(f"prepared {m['documents']:,} documents ({m['splits']['train']['documents']:,} train, "
           f"{m['splits']['val']['documents']:,} val), {m['tokens']:,} tokens ({m['dtype']}, vocabulary "

@@ -354,14 +354,16 @@ def test_resumed_run_refuses_another_tokenizer(tmp_path, prepared):
     ({"tokenizer": "{tmp}/x.csv"}, "cannot be loaded as a SentencePiece model"),
     ({"out": "{tmp}/x.csv"}, "--out .*x.csv is a file, not a directory"),
     ({"extra": ["--workers", "0"]}, "--workers 0 must be >= 1"),
+    ({"inputs": ["{tmp}/surrogate.jsonl"]}, "surrogate.jsonl: the tokenizer failed on a document"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, tokenizer_json, case, message, capsys):
     (tmp_path / "x.csv").write_text("a,b\n")
     (tmp_path / "in.jsonl").write_text("\n" + json.dumps({"text": "hello"}) + "\n")
     _bpe(special_tokens=()).save(str(tmp_path / "noeos.json"))
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "fine"}\n{"text": "a lone \\ud800 surrogate"}\n')
     case = {"tokenizer": tokenizer_json, "out": "{tmp}/out", "inputs": ["{tmp}/in.jsonl"], "extra": [], **case}
     fill = str(tmp_path).join
-    argv = ["--tokenizer", fill(case["tokenizer"].split("{tmp}")), "--out", fill(case["out"].split("{tmp}")),
+    argv = ["--quiet", "--tokenizer", fill(case["tokenizer"].split("{tmp}")), "--out", fill(case["out"].split("{tmp}")),
             *case["extra"], *(fill(x.split("{tmp}")) for x in case["inputs"])]
     with pytest.raises(SystemExit) as e:
         pd.main(argv)
