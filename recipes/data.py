@@ -220,6 +220,11 @@ def tokenized_streams(path: str, spec: BatchSpec, seed: int, vocab_size: int) ->
     identity = {"path": str(Path(path).resolve()), "tokenizer": tokenizer["name"],
                 "tokenizer_path": tokenizer["path"], "tokenizer_sha256": tokenizer["sha256"],
                 "vocab_size": meta["vocab_size"]}
+    for split, (tokens, _) in splits.items():
+        if len(tokens) < spec.seq_len + 2:
+            raise DataError(f"data.path={path!r}: its {split} split has {len(tokens):,} tokens, fewer than one "
+                            f"sequence of train.seq_len={spec.seq_len} (+ 2): lower train.seq_len, or prepare more "
+                            "documents (or a larger --val-fraction)")
     return (DocumentStream(*splits["train"], spec, seed, vocab_size, identity),
             DocumentStream(*splits["val"], spec, seed + VAL_SEED_OFFSET, vocab_size, identity))
 

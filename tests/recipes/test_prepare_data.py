@@ -278,6 +278,9 @@ def test_loader_refusals_are_one_line(tmp_path, prepared):
                                         r"model.vocab_size=1000") as e:
         tokenized_streams(str(prepared), spec, 0, 256)
     assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match=r"its val split has [\d,]+ tokens, fewer than one sequence of "
+                                        r"train.seq_len=100000"):
+        tokenized_streams(str(prepared), BatchSpec(2, 1, 1, 100_000), 0, 1000)
     with pytest.raises(DataError, match="is not a directory"):
         tokenized_streams(str(tmp_path / "nowhere"), spec, 0, 1000)
     with pytest.raises(DataError, match="holds no prepared corpus"):
