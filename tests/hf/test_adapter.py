@@ -104,6 +104,9 @@ def test_meta_build_is_materialised_with_the_models_own_init(kind):
             assert torch.equal(p, torch.zeros_like(p)), name
         else:
             assert abs(p.std().item() / std - 1) < 0.1 and abs(p.mean().item()) < std / 5, name
+    layers = [dict(layer.named_parameters()) for layer in eager.model.layers]
+    for name, p in layers[0].items():  # each parameter its own draw
+        assert name.endswith(("norm.weight", "bias")) or not torch.equal(p, layers[1][name]), name
     if config.pad_token_id is not None:
         assert torch.equal(eager.model.embed_tokens.weight[config.pad_token_id], torch.zeros(config.hidden_size))
     # seeded by name: any order of calls, any device, gives the same values

@@ -27,7 +27,6 @@ class _Statistics:
         self.counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
         self.prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
         self.rows = 0
-        self.seen: set[int] = set()
         self.grad_weights: torch.Tensor | None = None  # d loss / d (one layer's probability sums), once finished
 
 
@@ -55,8 +54,8 @@ class BalancingLoss:
         self.scale = AttachedLossScale()
         self.stats: _Statistics | None = None
         self.last_value: float | None = None  # the loss (without coef) of the last training forward
-        for layer, gate in enumerate(gates):
-            gate.register_forward_pre_hook(self._hook(layer))
+        for gate in gates:
+            gate.register_forward_pre_hook(self._before_router)
 
     def begin(self, training: bool) -> None:
         """A forward starts: a training one (gradient on) counts, any other leaves the routers alone."""
@@ -65,7 +64,7 @@ class BalancingLoss:
     def finish(self) -> None:
         """Every layer has run: sum the counts over the sequence's ranks and fix each layer's gradient."""
         s = self.stats
-        if s is None or not s.seen:
+        if s is None or not s.rows:
             return
         device = s.counts.device
         totals = torch.cat([s.counts, s.prob_sum, torch.tensor([float(s.rows)], device=device)])
@@ -74,24 +73,22 @@ class BalancingLoss:
         s.grad_weights = self.coef * self.num_experts * counts / rows**2
         self.last_value = float(torch.sum((counts / rows) * (prob_sum / rows)) * self.num_experts)
 
-    def _hook(self, layer: int):
-        def hook(gate: nn.Module, args: tuple):
-            s = self.stats
-            if s is None:
-                return None
-            x = args[0]
-            probs = F.softmax(F.linear(x, gate.weight), dim=-1)  # transformers' router logits, then softmax
-            if layer not in s.seen:  # (a recomputed checkpointed layer is counted once)
-                if s.counts.device != probs.device:
-                    s.counts, s.prob_sum = s.counts.to(probs.device), s.prob_sum.to(probs.device)
-                s.seen.add(layer)
-                chosen = torch.topk(probs, self.top_k, dim=-1).indices
-                s.counts += torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
-                s.prob_sum += probs.detach().float().sum(dim=0)
-                s.rows += probs.shape[0]
-            if not (torch.is_grad_enabled() and probs.requires_grad):
-                return None  # (a checkpointed layer's first pass: its recomputation carries the gradient)
-            surrogate = _DeferredGrad.apply(probs.float().sum(dim=0), s)
-            return (attach_loss(x, surrogate, self.scale), *args[1:])
-
-        return hook
+    def _before_router(self, gate: nn.Module, args: tuple):
+        """Count the router's choices (in the forward) and give its input the node that brings the loss's
+        gradient (whenever the router runs with gradient: the forward, or a checkpointed layer's recomputation)."""
+        s = self.stats
+        if s is None:
+            return None
+        x = args[0]
+        probs = F.softmax(F.linear(x, gate.weight), dim=-1)  # transformers' router logits, then softmax
+        if s.grad_weights is None:  # the forward (a checkpointed layer's recomputation in backward comes later)
+            if s.counts.device != probs.device:
+                s.counts, s.prob_sum = s.counts.to(probs.device), s.prob_sum.to(probs.device)
+            chosen = torch.topk(probs, self.top_k, dim=-1).indices
+            s.counts += torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
+            s.prob_sum += probs.detach().float().sum(dim=0)
+            s.rows += probs.shape[0]
+        if not (torch.is_grad_enabled() and probs.requires_grad):
+            return None  # (a checkpointed layer's first pass: its recomputation carries the gradient)
+        surrogate = _DeferredGrad.apply(probs.float().sum(dim=0), s)
+        return (attach_loss(x, surrogate, self.scale), *args[1:])
