@@ -3,7 +3,7 @@
 the second process (this script again). Rank 0 writes the per-step losses; every rank its final weights.
 
 python tests/integrations/lightning_run.py OUT_DIR '{"name": {"stage": 3, "offload": "cpu", "moe": true, "ep": 2,
-                                                          "sp": 1, "meta": false, "micro": 4}, ...}'
+                                                          "tp": 1, "sp": 1, "meta": false, "micro": 4}, ...}'
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from tests.integrations.common import (
     model_config,
     train_stream,
 )
+from zero.parallel.tensor import apply_tensor_parallel
 
 STEPS_PER_EPOCH = 2
 
@@ -58,6 +59,7 @@ class LitLlama(L.LightningModule):
         torch.manual_seed(SEED)  # the recipe's init; a meta-built model is filled by its init_parameter
         self.model = Transformer(self.cfg, device="meta" if self.meta else None)
         plans = [apply_expert_parallel(self.model, dims)] if self.cfg.moe.num_experts else []
+        plans.append(apply_tensor_parallel(self.model, dims.tp_group))  # (tp=1: changes nothing)
         apply_ulysses(self.model, dims.sp_group)
         strategy.configure_engine(self.model, plans=plans)
 
@@ -85,12 +87,12 @@ class LitLlama(L.LightningModule):
 
 
 def fit(run: dict, epochs: int, ckpt_dir: Path | None = None, resume: str | None = None) -> tuple[dict, LitLlama]:
-    """Train `run` ({"stage", "offload", "moe", "ep", "sp", "meta", "micro"}) for `epochs`; the per-step global
+    """Train `run` ({"stage", "offload", "moe", "ep", "tp", "sp", "meta", "micro"}) for `epochs`; the per-step global
     losses and gradient norms."""
     offload = run.get("offload", "none")
     config = zero.ZeroConfig(stage=run["stage"], offload_optimizer=offload,
                              offload_params=offload if run["stage"] == 3 else "none")
-    strategy = ZeroStrategy(config, sp=run.get("sp", 1), ep=run.get("ep", 1))
+    strategy = ZeroStrategy(config, tp=run.get("tp", 1), sp=run.get("sp", 1), ep=run.get("ep", 1))
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", save_top_k=-1)] if ckpt_dir else []
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(ckpt_dir),

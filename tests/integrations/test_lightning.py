@@ -4,12 +4,15 @@ checkpoint that continues bit for bit (losses and final parameters)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+import types
 
 import pytest
 import torch
 
+import zero
 from tests.integrations.common import REPO, assert_same_state, launch, recipe_run
 
 RUNS = {
@@ -20,6 +23,8 @@ RUNS = {
     # Ulysses over both processes (dp=1, so micro-batches of 8: the global batch of dp=2 x 4), ZeRO-3 with
     # parameters and optimizer offloaded
     "sp2": {"stage": 3, "offload": "cpu", "sp": 2, "micro": 8},
+    # a tensor-parallel plan (dp=1, micro-batches of 8), ZeRO-1
+    "tp2": {"stage": 1, "tp": 2, "micro": 8},
 }
 
 
@@ -53,7 +58,70 @@ def test_expert_parallel_plan_with_offload(lightning_runs, tmp_path):
     _check(out / "moe_ep2", losses["moe_ep2"], reference)
 
 
-def test_sequence_parallel_with_offload(lightning_runs, recipe_zero3):
+@pytest.mark.parametrize("name", ["sp2", "tp2"])
+def test_sequence_and_tensor_parallel_plans(lightning_runs, recipe_zero3, name):
     out, losses = lightning_runs
     # the same global batches as the recipe's dp=2 run (the data depend on the global batch, not the layout)
-    _check(out / "sp2", losses["sp2"], recipe_zero3)
+    _check(out / name, losses[name], recipe_zero3)
+
+
+# ---------------------------------------------------------------------------- one process: what is refused
+
+
+def test_configure_optimizers_becomes_the_engines_factories():
+    from moe_lst.integrations.lightning import optimizer_factories
+
+    weight = torch.nn.Parameter(torch.zeros(3))
+    built = torch.optim.AdamW([weight], lr=0.01, betas=(0.8, 0.9), weight_decay=0.2, fused=True)
+    schedule = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda step: 0.5)
+    factory, scheduler = optimizer_factories({"optimizer": built, "lr_scheduler": {"scheduler": schedule}})
+    rebuilt = factory([torch.nn.Parameter(torch.ones(5))])
+    assert type(rebuilt) is torch.optim.AdamW and scheduler is schedule
+    assert {k: rebuilt.defaults[k] for k in ("lr", "betas", "weight_decay", "fused")} == \
+        {"lr": 0.01, "betas": (0.8, 0.9), "weight_decay": 0.2, "fused": True}
+    assert optimizer_factories([zero.FastAdamW(lr=1e-3)])[1] is None
+
+
+@pytest.mark.parametrize("returned, error", [
+    (lambda p: [torch.optim.SGD([{"params": [p], "weight_decay": 0.1}, {"params": [torch.nn.Parameter(torch.ones(1))],
+                                                                         "weight_decay": 0.0}], lr=0.1)],
+     NotImplementedError),  # param groups with different hyperparameters
+    (lambda p: [torch.optim.SGD([p], lr=0.1), torch.optim.SGD([p], lr=0.1)], NotImplementedError),  # two optimizers
+    (lambda p: {"optimizer": zero.FastAdamW(lr=1e-3), "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.SGD([p], lr=0.1), lambda s: 1.0)}, TypeError),  # a built scheduler
+    (lambda p: {"optimizer": zero.FastAdamW(lr=1e-3), "lr_scheduler": {"scheduler": lambda o: None,
+                                                                        "interval": "epoch"}}, NotImplementedError),
+    (lambda p: None, TypeError),
+])
+def test_configure_optimizers_refusals(returned, error):
+    from moe_lst.integrations.lightning import optimizer_factories
+
+    with pytest.raises(error):
+        optimizer_factories(returned(torch.nn.Parameter(torch.zeros(2))))
+
+
+def test_trainer_settings_reach_the_engine_config():
+    from moe_lst.integrations.lightning import _engine_config
+
+    def trainer(accum=2, clip=0.5, algorithm="norm"):
+        return types.SimpleNamespace(accumulate_grad_batches=accum, gradient_clip_val=clip,
+                                     gradient_clip_algorithm=algorithm)
+
+    config = _engine_config(zero.ZeroConfig(stage=3), trainer())
+    assert (config.stage, config.grad_accum_steps, config.clip_grad_norm) == (3, 2, 0.5)
+    with pytest.raises(ValueError, match="accumulate_grad_batches"):
+        _engine_config(zero.ZeroConfig(grad_accum_steps=4), trainer())
+    with pytest.raises(ValueError, match="gradient_clip_val"):
+        _engine_config(zero.ZeroConfig(clip_grad_norm=1.0), trainer())
+    with pytest.raises(NotImplementedError, match="value"):
+        _engine_config(zero.ZeroConfig(), trainer(algorithm="value"))
+
+
+def test_the_sampler_splits_over_data_parallel_ranks_only():
+    from moe_lst.integrations.lightning import ZeroStrategy
+
+    strategy = ZeroStrategy(sp=2)
+    with pytest.raises(RuntimeError, match="configure_model"):
+        _ = strategy.dims
+    strategy._dims = types.SimpleNamespace(dp=3, dp_rank=1)  # (as 6 processes with sp=2 would give rank 2 or 3)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": 1}

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+import zero
 from tests.integrations.common import REPO, assert_same_state, torchrun
 
 
@@ -47,3 +48,41 @@ def test_sequence_parallel_through_the_adapter(hf_runs):
     for final in finals:
         for name, value in final["own"].items():
             torch.testing.assert_close(final["sp2"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ---------------------------------------------------------------------------- one process: what is refused
+
+
+def _trainer(tmp_path, rows: int = 16, **overrides):
+    import transformers
+    from moe_lst.integrations.transformers import ZeroTrainer
+
+    from tests.integrations.common import HFRows, train_stream
+    from tests.integrations.hf_run import hf_model
+
+    settings = {"output_dir": str(tmp_path), "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                "report_to": "none", "disable_tqdm": True, "use_cpu": True, "save_strategy": "no", **overrides}
+    dataset = torch.utils.data.Subset(HFRows(train_stream(1), 2), range(rows))
+    return ZeroTrainer(model=hf_model(), args=transformers.TrainingArguments(**settings), train_dataset=dataset,
+                       zero_config=zero.ZeroConfig(stage=1))
+
+
+def test_one_process_trains_and_refuses_a_partial_accumulation_cycle(tmp_path):
+    trainer = _trainer(tmp_path, rows=8, max_steps=2)  # 4 batches of 2: two whole cycles
+    trainer.train()
+    assert trainer.engine.global_steps == 2 and trainer.state.global_step == 2
+    metrics = trainer.evaluate(torch.utils.data.Subset(trainer.train_dataset, range(4)))  # the trained shards
+    assert 0 < metrics["eval_loss"] < 6.0
+    with pytest.raises(NotImplementedError, match="partial accumulation cycle"):
+        _trainer(tmp_path, rows=6, num_train_epochs=1).train()  # 3 batches: the last cycle has one
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(NotImplementedError, match="weight decay"):
+        _trainer(tmp_path, weight_decay=0.1).train()  # Llama's norms are excluded from decay
+    with pytest.raises(ValueError, match="dtype"):
+        _trainer(tmp_path, bf16=True)
+    trainer = _trainer(tmp_path, max_steps=2)
+    (tmp_path / "checkpoint-1").mkdir()
+    with pytest.raises(zero.CheckpointError, match="not written by ZeroTrainer"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
