@@ -62,7 +62,7 @@ def test_run_exports_to_the_same_logits(tmp_path, kind):
         torch.testing.assert_close(exported(input_ids=tokens).logits, trained.eval()(tokens), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen3_moe", marks=NEEDS_MOE)])
+@pytest.mark.parametrize("kind", ["qwen3", pytest.param("qwen3_moe", marks=NEEDS_MOE)])
 def test_zero3_offloaded_tiled_checkpointed_run_and_a_resharded_resume_equal_the_plain_run(tmp_path, kind):
     config_dir = write_config(tmp_path / "config", kind)
     common = [f"model.hf.config={config_dir}", "train.steps=4"]
