@@ -9,7 +9,8 @@ in its own fresh process, one at a time, alternating over `--rounds`; the figure
 (each including its own start: ours starts its worker processes). Both must write the same number of tokens.
 
 Memory: each variant once per corpus size in a fresh process; VmHWM of that process, and its peak above the RSS it
-had before preparing. With workers, their RSS is sampled every 10 ms (the largest worker's is shown).
+had before preparing. With workers, their RSS is sampled every 20 ms (the largest worker's is shown; a forked
+worker's RSS counts the pages it shares with its parent).
 
     python benchmarks/prepare_data.py            # 16 MB corpus (memory: 16 and 64 MB), 3 rounds
     python benchmarks/prepare_data.py --quick    # 1 MB (memory: 0.5 and 2 MB): a smoke run
@@ -76,19 +77,29 @@ def train_tokenizer(path: Path, vocab_size: int = 4096) -> None:
 
 
 class WorkerRSS:
-    """The largest RSS any child process of this one reaches, sampled every `every_s` (a daemon thread)."""
+    """The largest RSS any child process of this one reaches, sampled every `every_s` (a daemon thread; it reads
+    the kernel's list of this process's children, not every process's, so it costs next to nothing)."""
 
-    def __init__(self, every_s: float = 0.01) -> None:
-        import psutil
-
-        self.peak_mb, self.running, self.me = 0.0, True, psutil.Process()
+    def __init__(self, every_s: float = 0.02) -> None:
+        self.peak_mb, self.running = 0.0, True
         self.thread = threading.Thread(target=self._watch, args=(every_s,), daemon=True)
         self.thread.start()
 
+    @staticmethod
+    def children() -> list[str]:
+        pids = []
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/children") as f:
+                    pids += f.read().split()
+            except OSError:  # a thread that has ended
+                continue
+        return pids
+
     def _watch(self, every_s: float) -> None:
         while self.running:
-            for child in self.me.children(recursive=True):
-                self.peak_mb = max(self.peak_mb, common.rss_mb(child.pid))
+            for pid in self.children():
+                self.peak_mb = max(self.peak_mb, common.rss_mb(pid))
             time.sleep(every_s)
 
     def stop(self) -> float:
@@ -129,13 +140,13 @@ def ours(tokenizer: str, corpus: str, out: str, workers: int, chunk_bytes: int) 
     from recipes.prepare_data import prepare
 
     start_rss = common.reset_peak_rss()
-    watch = WorkerRSS()
+    watch = WorkerRSS() if workers > 1 else None
     t0, cpu0 = time.perf_counter(), cpu_seconds()
     done = prepare([corpus], tokenizer, out, workers=workers, chunk_bytes=chunk_bytes, val_fraction=0.01,
                    progress=False, force=True, say=lambda *_: None)
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     return {"tokens": done.meta["tokens"], "seconds": seconds, "cpu_s": cpu, "peak_rss_mb": common.peak_rss_mb(),
-            "start_rss_mb": start_rss, "worker_rss_mb": watch.stop() if workers > 1 else None}
+            "start_rss_mb": start_rss, "worker_rss_mb": watch.stop() if watch else None}
 
 
 def run(variant: str, tokenizer: str, corpus: Path, out: Path, chunk_bytes: int) -> dict:
