@@ -19,7 +19,20 @@ import numpy as np
 import torch
 
 from recipes.config import atomic_write_text
-from recipes.prepare_data import FORMAT, FORMAT_VERSION, INDEX_DTYPE, META, PARTIAL, SPLITS, index_name, shard_name
+from recipes.prepare_data import (
+    FORMAT,
+    FORMAT_VERSION,
+    INDEX_DTYPE,
+    META,
+    PARTIAL,
+    SPLITS,
+    PrepareError,
+    TextTokenizer,
+    TokenizerSpec,
+    index_name,
+    shard_name,
+    tokenizer_sha256,
+)
 
 
 class DataError(ValueError):
@@ -217,7 +230,7 @@ def tokenized_streams(path: str, spec: BatchSpec, seed: int, vocab_size: int) ->
         raise DataError(f"data.path={path!r} was tokenized by {tokenizer['name']} with a vocabulary of "
                         f"{meta['vocab_size']:,} tokens, more than model.vocab_size={vocab_size}: set "
                         f"model.vocab_size={meta['vocab_size']} (or more)")
-    identity = {"path": str(Path(path).resolve()), "tokenizer": tokenizer["name"],
+    identity = {"path": str(Path(path).resolve()), "tokenizer": tokenizer["name"], "tokenizer_kind": tokenizer["kind"],
                 "tokenizer_path": tokenizer["path"], "tokenizer_sha256": tokenizer["sha256"],
                 "vocab_size": meta["vocab_size"]}
     for split, (tokens, _) in splits.items():
@@ -227,6 +240,22 @@ def tokenized_streams(path: str, spec: BatchSpec, seed: int, vocab_size: int) ->
                             "documents (or a larger --val-fraction)")
     return (DocumentStream(*splits["train"], spec, seed, vocab_size, identity),
             DocumentStream(*splits["val"], spec, seed + VAL_SEED_OFFSET, vocab_size, identity))
+
+
+def stream_tokenizer(stream: TokenStream) -> TextTokenizer | None:
+    """The tokenizer that prepared a stream's data (to encode a prompt and decode a sample), or None for data
+    without one (stdlib, bin). Refused in one line when the tokenizer at its recorded path is gone or has changed."""
+    mine = stream.identity
+    if mine is None:
+        return None
+    spec = TokenizerSpec(mine["tokenizer_kind"], mine["tokenizer_path"])
+    try:
+        if tokenizer_sha256(spec) != mine["tokenizer_sha256"]:
+            raise PrepareError("it is another tokenizer now (its sha256 differs from meta.json's)")
+        return TextTokenizer(spec)
+    except (OSError, PrepareError) as e:
+        raise DataError(f"the tokenizer of data.path={mine['path']} ({mine['tokenizer_path']}) cannot decode its "
+                        f"ids: {getattr(e, 'strerror', None) or e}") from None
 
 
 DATA_IDENTITY = "data_identity.json"

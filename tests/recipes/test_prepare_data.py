@@ -27,6 +27,7 @@ from recipes.data import (
     build_streams,
     check_data_identity,
     load_tokenized,
+    stream_tokenizer,
     tokenized_streams,
 )
 
@@ -342,6 +343,25 @@ def test_resumed_run_refuses_another_tokenizer(tmp_path, prepared):
         check_data_identity(train, run_dir, resuming=True, is_rank0=True)
     assert "\n" not in str(e.value)
     check_data_identity(train, run_dir, resuming=False, is_rank0=True)  # a fresh start records anew
+
+
+def test_stream_tokenizer_is_the_one_that_prepared_the_data(tmp_path, prepared, tokenizer_json):
+    train, _ = tokenized_streams(str(prepared), BatchSpec(2, 1, 1, 16), 0, 1000)
+    copy = tmp_path / "tokenizer.json"
+    copy.write_bytes(Path(tokenizer_json).read_bytes())
+    train.identity = dict(train.identity, tokenizer_path=str(copy))
+    tok = stream_tokenizer(train)
+    ids = tok.encode_batch(["def sample(prompt):"])[0]
+    assert tok.decode(ids) == "def sample(prompt):" and max(ids) < 1000
+    copy.write_text(copy.read_text().replace("<|endoftext|>", "<|end|>"))
+    with pytest.raises(DataError, match=r"tokenizer.json\) cannot decode its ids: it is another tokenizer now"):
+        stream_tokenizer(train)
+    copy.unlink()
+    with pytest.raises(DataError, match="cannot decode its ids: No such file or directory"):
+        stream_tokenizer(train)
+    stdlib, _ = build_streams(OmegaConf.create({"kind": "stdlib", "max_bytes": 200_000}), BatchSpec(2, 1, 1, 16), 0,
+                              256)
+    assert stream_tokenizer(stdlib) is None
 
 
 @pytest.mark.parametrize("case,message", [
