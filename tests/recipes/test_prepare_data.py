@@ -24,6 +24,7 @@ from recipes.data import (
     BatchSpec,
     DataError,
     DocumentStream,
+    TokenStream,
     build_streams,
     check_data_identity,
     load_tokenized,
@@ -359,9 +360,7 @@ def test_stream_tokenizer_is_the_one_that_prepared_the_data(tmp_path, prepared, 
     copy.unlink()
     with pytest.raises(DataError, match="cannot decode its ids: No such file or directory"):
         stream_tokenizer(train)
-    stdlib, _ = build_streams(OmegaConf.create({"kind": "stdlib", "max_bytes": 200_000}), BatchSpec(2, 1, 1, 16), 0,
-                              256)
-    assert stream_tokenizer(stdlib) is None
+    assert stream_tokenizer(TokenStream(np.zeros(100, np.uint8), BatchSpec(2, 1, 1, 16), 0, 256)) is None  # bytes
 
 
 @pytest.mark.parametrize("case,message", [
