@@ -40,7 +40,7 @@ class ZeroPrecision(Precision):
             raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(LIGHTNING_PRECISION)}")
         self.dtype = dtype
         self.precision = LIGHTNING_PRECISION[dtype]
-        self._engine: zero.Engine | None = None  # set by ZeroStrategy once the engine exists
+        self.engine: zero.Engine | None = None  # set by ZeroStrategy once the engine exists
 
     def convert_input(self, data: Any) -> Any:
         """Floating-point inputs meet parameters held in the compute dtype."""
@@ -49,7 +49,7 @@ class ZeroPrecision(Precision):
 
     def backward(self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any,
                  **kwargs: Any) -> None:
-        engine = self._engine
+        engine = self.engine
         engine.before_backward()
         # Lightning has divided the loss by accumulate_grad_batches already: only the fp16 loss scale is left.
         (tensor * engine.loss_scale).backward(*args, **kwargs)
@@ -62,7 +62,7 @@ class ZeroPrecision(Precision):
         if model.automatic_optimization and result is None:
             raise NotImplementedError("a training_step that returns None (skipping its backward) is not supported "
                                       "by ZeroStrategy: the engine counts every micro-batch of an accumulation cycle")
-        engine = self._engine
+        engine = self.engine
         if not engine.is_accumulation_boundary:
             raise NotImplementedError(
                 f"an optimizer step before {engine.config.grad_accum_steps} micro-batches (accumulate_grad_batches) "
@@ -154,7 +154,7 @@ class ZeroStrategy(DDPStrategy):
             if not any(p.is_meta for p in declared.module.parameters()):
                 self.model_to_device()
             self._engine = self._build_engine(trainer, declared)
-            self.precision_plugin._engine = self._engine
+            self.precision_plugin.engine = self._engine
         self.optimizers = [self._engine.optimizer]  # the engine steps it; Lightning sees its param_groups
         self.lr_scheduler_configs = []  # a scheduler is the engine's (stepped after each applied step)
 

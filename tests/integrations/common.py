@@ -112,15 +112,20 @@ def torchrun(script_args: list[str], nproc: int = 2, **kw) -> str:
 
 
 def recipe_run(run_dir: Path, extra: list[str], steps: int = 4) -> dict[str, list[float]]:
-    """`python -m recipes.pretrain` on 2 processes with this setting: its per-step losses and gradient norms."""
+    """`python -m recipes.pretrain` on 2 processes with this setting: its per-step losses and gradient norms, and
+    the final checkpoint's whole model ("final": fp32 masters, consolidated from the shards)."""
+    import zero
+
     torchrun(["-m", "recipes.pretrain", f"train.steps={steps}", f"run_dir={run_dir}", *RECIPE_ARGS, *extra])
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    return {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics]}
+    final = zero.consolidate(zero.open_checkpoint(str(run_dir / "checkpoints" / f"step_{steps:07d}")))
+    return {"loss": [m["loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics], "final": final}
 
 
-def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Bit-for-bit the same tensors under the same names."""
+def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 0.0,
+                      atol: float = 0.0) -> None:
+    """The same tensors under the same names: bit for bit, or within the tolerances."""
     assert sorted(a) == sorted(b)
     for name in a:
-        assert torch.equal(a[name], b[name]), f"{name} differs"
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=f"{name} differs")

@@ -30,3 +30,4 @@ def test_accelerate_example_equals_the_recipe_and_resumes_exactly(tmp_path, reci
         assert resumed[key] == straight[key][2:], key
     final = [zero.consolidate(zero.open_checkpoint(str(tmp_path / run / "step_4"))) for run in ("a", "b")]
     assert_same_state(*final)
+    assert_same_state(final[0], recipe_zero3["final"], rtol=1e-5, atol=1e-6)  # the recipe's final model

@@ -35,7 +35,9 @@ def lightning_runs(tmp_path_factory):
     return out, json.loads((out / "losses.json").read_text())
 
 
-def _check(out, runs: dict, reference: dict) -> None:
+def _check(out, runs: dict, reference: dict, whole_model: bool = True, atol: float = 1e-6) -> None:
+    """Losses and gradient norms as the recipe's; the final model as the recipe's (`whole_model`: when every rank
+    holds whole parameters); the resumed run bit for bit the straight one."""
     straight, first, resumed = runs["straight"], runs["first"], runs["resumed"]
     for key in ("loss", "grad_norm"):
         assert straight[key] == pytest.approx(reference[key], rel=1e-5, abs=0), key
@@ -44,6 +46,8 @@ def _check(out, runs: dict, reference: dict) -> None:
     for rank in (0, 1):
         final = torch.load(out / f"final_rank{rank}.pt")
         assert_same_state(final["straight"], final["resumed"])
+        if whole_model:
+            assert_same_state(final["straight"], reference["final"], rtol=1e-5, atol=atol)
 
 
 def test_zero3_equals_the_recipe_and_resumes_exactly(lightning_runs, recipe_zero3):
@@ -55,14 +59,16 @@ def test_expert_parallel_plan_with_offload(lightning_runs, tmp_path):
     out, losses = lightning_runs
     reference = recipe_run(tmp_path / "run", ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "zero.stage=2",
                                                  "zero.offload_optimizer=cpu"])
-    _check(out / "moe_ep2", losses["moe_ep2"], reference)
+    _check(out / "moe_ep2", losses["moe_ep2"], reference, whole_model=False)  # (each rank: its experts)
 
 
 @pytest.mark.parametrize("name", ["sp2", "tp2"])
 def test_sequence_and_tensor_parallel_plans(lightning_runs, recipe_zero3, name):
     out, losses = lightning_runs
-    # the same global batches as the recipe's dp=2 run (the data depend on the global batch, not the layout)
-    _check(out / name, losses[name], recipe_zero3)
+    # The same global batches as the recipe's dp=2 run (the data depend on the global batch, not the layout). The
+    # layout sums in another order, and AdamW's per-element normalisation magnifies that where a gradient is near
+    # zero: a few weights differ by up to 2e-5 after 4 steps of lr 2e-3 (bit for bit at the recipe's own layout).
+    _check(out / name, losses[name], recipe_zero3, whole_model=name == "sp2", atol=1e-4)  # (tp: rank slices)
 
 
 # ---------------------------------------------------------------------------- one process: what is refused
