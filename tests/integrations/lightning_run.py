@@ -70,6 +70,11 @@ class LitLlama(L.LightningModule):
         self.micro_losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        dims = self.trainer.strategy.dims
+        tokens, labels, positions = shard_sequence(*batch, dims.sp_group)
+        self.log("val_loss", logits_loss(self.model(tokens, positions), labels, dims), sync_dist=True)
+
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)
         self.grad_norms.append(self.trainer.strategy.engine.global_grad_norm)
@@ -109,6 +114,11 @@ def straight_and_resumed(run: dict, out: Path) -> dict:
     """4 steps straight; 2 steps with a checkpoint, resumed for 2 more. Saves every rank's final weights of both."""
     straight, module = fit(run, epochs=2)
     final_straight = module.trainer.strategy.engine.full_state_dict()
+    # validate after fit, on the same engine: the first training micro-batches again
+    dims = module.trainer.strategy.dims
+    rows = MicroBatches(train_stream(dims.dp, run.get("micro", MICRO)), dims.dp_rank, ACCUM)
+    straight["val_loss"] = module.trainer.validate(module, torch.utils.data.DataLoader(rows, batch_size=None),
+                                                   verbose=False)[0]["val_loss"]
     first, _ = fit(run, epochs=1, ckpt_dir=out / "ckpt")
     resumed, module = fit(run, epochs=2, resume=str(out / "ckpt" / f"step={STEPS_PER_EPOCH}.ckpt"))
     torch.save({"straight": final_straight, "resumed": module.trainer.strategy.engine.full_state_dict()},

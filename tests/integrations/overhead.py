@@ -20,7 +20,7 @@ from recipes.models.llama import ModelConfig, Transformer
 from tests.integrations.common import EpochSampler, HFRows, MicroBatches, train_stream
 
 STEPS, WARM, MICRO, ACCUM = 12, 2, 4, 2
-CONFIG = ModelConfig(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=512)  # 3.4M
+CONFIG = ModelConfig(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=512)  # 3.0M
 ZERO = {"stage": 3}
 
 

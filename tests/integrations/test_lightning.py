@@ -39,6 +39,7 @@ def _check(out, runs: dict, reference: dict, whole_model: bool = True, atol: flo
     """Losses and gradient norms as the recipe's; the final model as the recipe's (`whole_model`: when every rank
     holds whole parameters); the resumed run bit for bit the straight one."""
     straight, first, resumed = runs["straight"], runs["first"], runs["resumed"]
+    assert straight["val_loss"] < straight["loss"][0] - 0.3  # trainer.validate after fit, on the trained engine
     for key in ("loss", "grad_norm"):
         assert straight[key] == pytest.approx(reference[key], rel=1e-5, abs=0), key
         assert first[key] == straight[key][:2], key  # the checkpointed run trained the same 2 steps
@@ -69,6 +70,8 @@ def test_sequence_and_tensor_parallel_plans(lightning_runs, recipe_zero3, name):
     # layout sums in another order, and AdamW's per-element normalisation magnifies that where a gradient is near
     # zero: a few weights differ by up to 2e-5 after 4 steps of lr 2e-3 (bit for bit at the recipe's own layout).
     _check(out / name, losses[name], recipe_zero3, whole_model=name == "sp2", atol=1e-4)  # (tp: rank slices)
+    # validation through the parallel layout gives the dp=2 run's value
+    assert losses[name]["straight"]["val_loss"] == pytest.approx(losses["zero3"]["straight"]["val_loss"], rel=1e-5)
 
 
 # ---------------------------------------------------------------------------- one process: what is refused

@@ -53,7 +53,7 @@ def test_sequence_parallel_through_the_adapter(hf_runs):
 # ---------------------------------------------------------------------------- one process: what is refused
 
 
-def _trainer(tmp_path, rows: int = 16, **overrides):
+def _trainer(tmp_path, rows: int = 16, stage: int = 1, **overrides):
     import transformers
     from moe_lst.integrations.transformers import ZeroTrainer
 
@@ -64,15 +64,19 @@ def _trainer(tmp_path, rows: int = 16, **overrides):
                 "report_to": "none", "disable_tqdm": True, "use_cpu": True, "save_strategy": "no", **overrides}
     dataset = torch.utils.data.Subset(HFRows(train_stream(1), 2), range(rows))
     return ZeroTrainer(model=hf_model(), args=transformers.TrainingArguments(**settings), train_dataset=dataset,
-                       zero_config=zero.ZeroConfig(stage=1))
+                       zero_config=zero.ZeroConfig(stage=stage))
 
 
-def test_one_process_trains_and_refuses_a_partial_accumulation_cycle(tmp_path):
-    trainer = _trainer(tmp_path, rows=8, max_steps=2)  # 4 batches of 2: two whole cycles
+def test_one_process_trains_evaluates_saves_and_refuses_a_partial_accumulation_cycle(tmp_path):
+    trainer = _trainer(tmp_path, rows=8, stage=3, max_steps=2)  # 4 batches of 2: two whole cycles
     trainer.train()
     assert trainer.engine.global_steps == 2 and trainer.state.global_step == 2
     metrics = trainer.evaluate(torch.utils.data.Subset(trainer.train_dataset, range(4)))  # the trained shards
     assert 0 < metrics["eval_loss"] < 6.0
+    trainer.save_model(str(tmp_path / "final"))  # the whole model from the shards, as save_pretrained writes it
+    saved = type(trainer.model).from_pretrained(str(tmp_path / "final")).state_dict()
+    trained = trainer.engine.full_state_dict()
+    assert_same_state(saved, trained)
     with pytest.raises(NotImplementedError, match="partial accumulation cycle"):
         _trainer(tmp_path, rows=6, num_train_epochs=1).train()  # 3 batches: the last cycle has one
 
