@@ -8,7 +8,7 @@ the run recorded: per-step wall time, tokens/s, loss, peak RSS per rank, and the
     python benchmarks/million_step.py                       # 131k, 262k, 524k, 1M (1 step each) + 1M x 3 steps
     python benchmarks/million_step.py --lengths 65536 131072 --steps 1 --sp 1
     python benchmarks/million_step.py --sp 2 --lengths 1048576 --steps 3
-    python benchmarks/million_step.py --quick   # 512, 1k, 2k tokens (4 MLP tiles) + 2 steps at 2k: a smoke run
+    python benchmarks/million_step.py --quick   # 512, 1k, 2k tokens (4 MLP tiles) + 2 steps at 2k, 1 thread: smoke run
 
 Memory is checked for linearity: a line is fitted through the peaks below the longest length (least
 squares, bytes per token and intercept) and the longest point's distance from that line is printed.
@@ -47,14 +47,15 @@ def _cli(argv: list[str]) -> None:
             raise RuntimeError(f"python -m recipes.pretrain exited with {e.code}") from e
 
 
-def run(seq: int, steps: int, sp: int, crop: bool, out: Path, extra: list[str]) -> dict:
-    """One recipe run; its metrics (the last step's and every step's) and result."""
+def run(seq: int, steps: int, sp: int, crop: bool, out: Path, extra: list[str], quick: bool = False) -> dict:
+    """One recipe run; its metrics (the last step's and every step's) and result. Its processes share the
+    cores (quick: one thread each, as in every quick run; more only contend on a shared machine)."""
     args = ["+experiment=million", f"train.seq_len={seq}", f"train.steps={steps}", f"run_dir={out}",
             "wandb.mode=disabled", "train.progress=false", f"parallel.sp={sp}",
             f"train.crop_check_tokens={1000 if crop else 0}", *extra]
     if not crop:
         args.append("train.eval_batches=0")
-    threads = max(1, (os.cpu_count() or 2) // sp)
+    threads = 1 if quick else max(1, (os.cpu_count() or 2) // sp)
     start = time.time()
     if sp == 1:  # a fresh process (forked from a preloaded server in quick runs)
         common.spawn(_cli, args, threads=threads, env={"WANDB_MODE": "disabled"}, timeout=7200)
@@ -88,7 +89,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="steps of each length run")
     parser.add_argument("--sp", type=int, nargs="*", default=[1])
     parser.add_argument("--full", type=int, default=3, help="then this many steps at the longest length (0: none)")
-    parser.add_argument("--quick", action="store_true", help="512-2k tokens, 4 MLP tiles, 2 full steps (smoke run)")
+    parser.add_argument("--quick", action="store_true", help="512-2k tokens, 4 MLP tiles, 2 full steps, one thread "
+                        "(smoke run)")
     args = parser.parse_args()
     common.quick_mode(args.quick, "hydra", "recipes.pretrain")
     # quick: short lengths, where the preset's 64 MLP tiles (sized for 1M tokens) would be mostly overhead
@@ -99,7 +101,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for sp in args.sp:
             for seq in args.lengths:
-                rows.append(run(seq, args.steps, sp, False, Path(tmp) / f"sp{sp}_{seq}", extra))
+                rows.append(run(seq, args.steps, sp, False, Path(tmp) / f"sp{sp}_{seq}", extra, args.quick))
                 r = rows[-1]
                 print(f"sp={sp} seq={seq:>8}: step {r['records'][-1]['step_time_s']:.1f} s, "
                       f"{r['records'][-1]['tokens_per_s']:.0f} tokens/s, peak RSS {r['peak_gib']:.2f} GiB "
@@ -115,7 +117,7 @@ def main() -> None:
                 common.print_ratio(f"sp={sp} peak RSS at {last[0]} tokens, measured / linear fit", last[1] / predicted)
             if args.full:
                 seq = max(args.lengths)
-                r = run(seq, args.full, sp, True, Path(tmp) / f"sp{sp}_{seq}_full", extra)
+                r = run(seq, args.full, sp, True, Path(tmp) / f"sp{sp}_{seq}_full", extra, args.quick)
                 print(f"sp={sp} seq={seq} x {args.full} steps (wall {r['wall_s']:.0f} s for the whole run):")
                 for rec in r["records"]:
                     print(f"  step {rec['step']}: loss {rec['loss']:.4f}, step time {rec['step_time_s']:.1f} s, "

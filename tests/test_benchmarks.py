@@ -4,17 +4,20 @@ share one helper module (benchmarks/common.py) rather than copies of it.
 
 Every quick run prints at least one `ratio <what>: <number>x` line (`benchmarks.common.print_ratio`: ours
 against the peer, or the figure the script is about); PROMISES lists what else each one must print. Without
-DeepSpeed (it is an optional peer), a script with a DeepSpeed side must say that it skipped it.
+DeepSpeed (it is an optional peer), a script with a DeepSpeed side must say that it skipped it. With cores to
+spare the runs overlap: the next ones start while a test waits for its own (AT_ONCE).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,33 +68,106 @@ DEEPSPEED_SIDE = {"gpu_check.py", "long_sequence.py", "moe_layer.py", "offload.p
                   "zero.py"}
 
 
+@functools.cache
 def _deepspeed_imports() -> bool:
     if importlib.util.find_spec("deepspeed") is None:
         return False
     return subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True).returncode == 0
 
 
+class QuickRun:
+    """`<script> --quick` in a subprocess of its own session (a timeout ends it and every process it started:
+    ranks, their server), its output to files (a run started ahead of its test fills no pipe meanwhile)."""
+
+    def __init__(self, script: Path) -> None:
+        env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.stdout, self.stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.start, self.end = time.monotonic(), None
+        self.proc = subprocess.Popen([sys.executable, str(script), "--quick"], cwd=ROOT, env=env, text=True,
+                                     stdout=self.stdout, stderr=self.stderr, start_new_session=True)
+
+    def running(self) -> bool:
+        """Whether it still runs (its end time is taken the first time it is seen to have ended)."""
+        if self.end is None and self.proc.poll() is not None:
+            self.end = time.monotonic()
+        return self.end is None
+
+    def kill(self) -> None:
+        if self.running():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.running()
+
+    def output(self) -> tuple[str, str]:
+        for f in (self.stdout, self.stderr):
+            f.seek(0)
+        return self.stdout.read(), self.stderr.read()
+
+
+# Quick runs at a time: one per two cores (a run keeps about one core busy, its ranks mostly waiting on each
+# other), at most 4; on a two-core machine one, each test running its own.
+AT_ONCE = max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
+class QuickRuns:
+    """The quick runs of the selected tests, in their order, AT_ONCE at a time: while a test waits for its own
+    run, the next ones start."""
+
+    def __init__(self, order: list[Path]) -> None:
+        self.order = order
+        self.runs: dict[Path, QuickRun] = {}
+
+    def _start_next(self) -> None:
+        for script in self.order:
+            if sum(run.running() for run in self.runs.values()) >= AT_ONCE:
+                return
+            if script not in self.runs:
+                self.runs[script] = QuickRun(script)
+
+    def wait(self, script: Path) -> QuickRun:
+        """Its run, ended (killed when still running TIMEOUT_S after its start)."""
+        if script not in self.runs:
+            self.runs[script] = QuickRun(script)
+        run = self.runs[script]
+        while run.running() and time.monotonic() < run.start + TIMEOUT_S:
+            self._start_next()
+            try:
+                run.proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+        run.kill()
+        return run
+
+    def close(self) -> None:
+        for run in self.runs.values():
+            run.kill()
+
+
+@pytest.fixture(scope="module")
+def quick_runs(request):
+    # Started ahead: this session's selected quick runs (none under pytest-xdist, whose workers share the list).
+    order = [] if os.environ.get("PYTEST_XDIST_WORKER") else [
+        item.callspec.params["script"] for item in request.session.items
+        if getattr(item, "originalname", None) == "test_quick_run" and item.callspec.params["script"].name
+        not in NEEDS_GPU]
+    runs = QuickRuns(order)
+    yield runs
+    runs.close()
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_quick_run(script: Path):
+def test_quick_run(script: Path, quick_runs: QuickRuns):
     if script.name in NEEDS_GPU:
         import torch
 
         if not torch.cuda.is_available():
             pytest.skip(f"{script.name} has no CPU --quick mode: {NEEDS_GPU[script.name]}")
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    start = time.monotonic()
-    # Its own session: on a timeout the script and every process it started (ranks, their server) are ended.
-    proc = subprocess.Popen([sys.executable, str(script), "--quick"], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    took = time.monotonic() - start
+    run = quick_runs.wait(script)
+    out, err = run.output()
+    took = run.end - run.start
     shown = f"--- stdout (end) ---\n{out[-4000:]}\n--- stderr (end) ---\n{err[-4000:]}"
     assert took < TIMEOUT_S, f"{script.name} --quick did not finish in {TIMEOUT_S} s\n{shown}"
-    assert proc.returncode == 0, f"{script.name} --quick exited {proc.returncode} after {took:.0f} s\n{shown}"
+    assert run.proc.returncode == 0, f"{script.name} --quick exited {run.proc.returncode} after {took:.0f} s\n{shown}"
     assert RATIO.search(out), f"{script.name} --quick printed no `ratio <what>: <value>x` line\n{shown}"
     missing = [p for p in PROMISES.get(script.name, []) if not re.search(p, out, re.M)]
     assert not missing, f"{script.name} --quick did not print {missing}\n{shown}"
