@@ -82,7 +82,7 @@ def test_bad_sources_are_one_line(tmp_path):
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 32}))
     with pytest.raises(ConfigError, match=r"model_type='bert' .* is not covered by the Hugging Face adapter; it "
-                                          r"builds model_type llama, mistral, qwen2, qwen3, mixtral, qwen3_moe"):
+                                          r"builds model_type llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, olmoe"):
         _check(tmp_path, f"model.hf.config={tmp_path / 'bert'}")
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"broken.json is not a readable JSON config"):

@@ -24,9 +24,11 @@ EXTRA = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1),
     "qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1],
                       norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.1),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=3, output_router_logits=True, router_aux_loss_coef=0.1,
+                  clip_qkv=4.0),
 }
 DENSE = ("llama", "qwen3", "mistral", "qwen2")
-MOE = ("mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe", "olmoe")
 #: The mark of a test parameter that needs recipes/models/hf/moe.py (MoE model types): skipped until it exists.
 NEEDS_MOE = pytest.mark.skipif(not moe_supported(), reason="recipes/models/hf/moe.py (adopt_moe_blocks) is not there")
 #: Every covered model type as a pytest parameter; the MoE ones run once recipes/models/hf/moe.py exists.

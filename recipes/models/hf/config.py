@@ -16,7 +16,8 @@ from transformers import CONFIG_MAPPING, PreTrainedConfig
 #: model_type -> whether its feed-forward blocks are sparse MoE (recipes/models/hf/moe.py adopts those).
 #: Each has the decoder layout the adapter reads: `model.layers.{i}` holding `self_attn` and `mlp`, then
 #: `model.norm` and `lm_head`, with Hugging Face's own rotary embedding applied inside `self_attn`.
-MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "mixtral": True, "qwen3_moe": True}
+MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "mixtral": True, "qwen3_moe": True,
+               "olmoe": True}
 #: rotary types whose tables depend on the longest position a forward sees: under Ulysses each rank sees another.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -141,15 +142,15 @@ def load_config(source: str | Path, overrides: Mapping[str, Any] | None = None) 
 
 
 def is_moe(config: PreTrainedConfig) -> bool:
-    """Whether the model's feed-forward blocks are sparse MoE (Mixtral, Qwen3-MoE)."""
+    """Whether the model's feed-forward blocks are sparse MoE (Mixtral, Qwen3-MoE, OLMoE)."""
     return MODEL_TYPES[config.model_type]
 
 
 def dense_mlp_layers(config: PreTrainedConfig) -> list[int]:
-    """The layers whose feed-forward is a dense MLP (every layer of a dense model; none of Mixtral's; Qwen3-MoE's
-    mlp_only_layers and those off its decoder_sparse_step)."""
+    """The layers whose feed-forward is a dense MLP (every layer of a dense model; none of Mixtral's or OLMoE's;
+    Qwen3-MoE's mlp_only_layers and those off its decoder_sparse_step)."""
     layers = range(config.num_hidden_layers)
-    if config.model_type == "mixtral":
+    if config.model_type in ("mixtral", "olmoe"):
         return []
     if config.model_type == "qwen3_moe":
         return [i for i in layers if i in config.mlp_only_layers or not config.num_experts
