@@ -25,6 +25,7 @@ from moe_lst.integrations.factories import rebuild_factory
 from torch import nn
 
 import zero
+from zero.dist import comm
 from zero.engine import OptimizerFactory, ParamInit
 
 # What Lightning calls the precision each engine dtype gives: compute in the dtype, fp32 masters.
@@ -215,12 +216,12 @@ class ZeroStrategy(DDPStrategy):
         hyperparameters, the module's on_save_checkpoint additions) rides along as the engine's client state."""
         if storage_options is not None:
             raise TypeError("ZeroStrategy writes the engine's sharded checkpoints itself: storage_options is not used")
-        path = self.broadcast(str(filepath))
+        path = _rank0_path(filepath)
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         self.engine.save_checkpoint(path, client_state=state)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        path = self.broadcast(str(checkpoint_path))
+        path = _rank0_path(checkpoint_path)
         state = self.engine.load_checkpoint(path)  # under any other layout too (resharded)
         if not state:
             raise zero.CheckpointError(f"{path} holds no Lightning state (it was not written by ZeroStrategy); load "
@@ -232,6 +233,12 @@ class ZeroStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # load_checkpoint restored the optimizer state
+
+
+def _rank0_path(path: _PATH) -> str:
+    """Rank 0's path on every rank (a name with a timestamp may differ between them), through zero.dist.comm."""
+    world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+    return comm.all_gather_object(str(path), world)[0]
 
 
 def _check_precision_flag(trainer: pl.Trainer, ours: str) -> None:

@@ -11,6 +11,9 @@ import pytest
 import zero
 from tests.integrations.common import MAX_BYTES, assert_same_state, torchrun
 
+# optional frameworks (pyproject's test extra): without them these tests are skipped
+pytest.importorskip("accelerate")
+
 EXAMPLE = ["-m", "moe_lst.integrations.accelerate_example", "--stage", "3", "--offload", "cpu", "--steps", "4",
            "--max-bytes", str(MAX_BYTES)]
 

@@ -15,6 +15,9 @@ import torch
 import zero
 from tests.integrations.common import REPO, assert_same_state, launch, recipe_run
 
+# optional frameworks (pyproject's test extra): without them these tests are skipped
+pytest.importorskip("lightning")
+
 RUNS = {
     # ZeRO-3 with a meta-device build (the engine fills it through the model contract's init_parameter)
     "zero3": {"stage": 3, "meta": True},

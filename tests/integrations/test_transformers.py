@@ -13,6 +13,10 @@ import torch
 import zero
 from tests.integrations.common import REPO, assert_same_state, torchrun
 
+# optional frameworks (pyproject's test extra): without them these tests are skipped
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
 
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory):
