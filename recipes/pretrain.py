@@ -48,7 +48,7 @@ from recipes.config import (
     vocab_size,
 )
 from recipes.crop_check import crop_check
-from recipes.data import BatchSpec, DataError, build_streams
+from recipes.data import BatchSpec, DataError, build_streams, check_data_identity, stream_tokenizer
 from recipes.losses import IGNORE_INDEX, lm_loss, logits_loss, mean_over_dp
 from recipes.models.llama import Transformer
 from recipes.models.llama.state_dict import ExportError, import_hf, weight_mismatches
@@ -296,14 +296,17 @@ def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims, pipe:
     return mean_over_dp(total / (cfg.train.eval_batches * cfg.train.grad_accum), dims)
 
 
-def sample(engine, cfg: DictConfig, dims: zero.ParallelDims) -> str:
-    """Generate bytes from the prompt. Every rank runs it in lockstep (same generator), so sharded
+def sample(engine, cfg: DictConfig, dims: zero.ParallelDims, tokenizer=None) -> str:
+    """Generate text from the prompt: bytes, or the ids of `tokenizer` (the one that prepared data=tokenized).
+    Every rank runs it in lockstep (same generator), so sharded
     experts and parameters take part; under sp the attention runs locally on the full sequence; under
     tp the context is padded at its end to a multiple of tp (causal attention leaves the earlier logits
     unchanged; a capacity-limited MoE counts the padding in its capacity) and the vocabulary slices of
     the logits are gathered."""
     model = engine.module
-    prompt = torch.tensor([list(cfg.train.sample_prompt.encode())], dtype=torch.long, device=engine.device)
+    text = cfg.train.sample_prompt
+    ids = list(text.encode()) if tokenizer is None else tokenizer.encode_batch([text])[0]
+    prompt = torch.tensor([ids], dtype=torch.long, device=engine.device)
     gen = torch.Generator(device=engine.device).manual_seed(cfg.train.seed)
 
     def forward(context: torch.Tensor) -> torch.Tensor:
@@ -317,7 +320,9 @@ def sample(engine, cfg: DictConfig, dims: zero.ParallelDims) -> str:
             out = model.generate(prompt, cfg.train.sample_tokens, generator=gen, forward=forward)
     finally:
         model.train()
-    return (cfg.train.sample_prompt.encode() + bytes(out[0].clamp(max=255).tolist())).decode("utf-8", "replace")
+    if tokenizer is not None:
+        return text + tokenizer.decode(out[0].tolist())
+    return (text.encode() + bytes(out[0].clamp(max=255).tolist())).decode("utf-8", "replace")
 
 
 def is_due(done: int, every: int, steps: int) -> bool:
@@ -359,6 +364,7 @@ class Run:
         torch.manual_seed(t.seed)
         self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp, t.seq_len)
         self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, vocab_size(cfg))
+        check_data_identity(self.train_stream, self.run_dir, resumes(cfg, self.run_dir), self.is_rank0)
         initial = initial_weights(cfg, self.run_dir, self.is_rank0)
         self.model, self.parallel = build_model(cfg, self.dims, initial)
         self.pipe = self.parallel.pipe
@@ -532,12 +538,12 @@ class Run:
         return result
 
     def write_sample(self) -> None:
-        """train.sample_tokens bytes generated from train.sample_prompt, into sample.txt and the log."""
+        """train.sample_tokens tokens generated from train.sample_prompt, into sample.txt and the log."""
         if self.pipe is not None:
             if self.is_rank0:
                 print("sample skipped: generation through pipeline stages is not implemented", flush=True)
             return
-        text = sample(self.engine, self.cfg, self.dims)
+        text = sample(self.engine, self.cfg, self.dims, stream_tokenizer(self.train_stream))
         if self.is_rank0:
             atomic_write_text(self.run_dir / "sample.txt", text)
             print("---- sample ----\n" + text + "\n----------------", flush=True)

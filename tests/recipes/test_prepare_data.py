@@ -403,21 +403,27 @@ def test_parquet_without_pyarrow_or_column_is_refused(tmp_path, tokenizer_json, 
         _prepare(inputs[2:], tokenizer_json, tmp_path / "out")
 
 
-def _recipe(*args, timeout=300):
+def _recipe(*args, timeout=300, sample_tokens=0):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     return subprocess.run([sys.executable, "-m", "recipes.pretrain", "model=tiny", "data=tokenized",
-                           "train.progress=false", "train.sample_tokens=0", "wandb.mode=disabled", *args],
+                           "train.progress=false", f"train.sample_tokens={sample_tokens}", "wandb.mode=disabled",
+                           *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_recipe_trains_on_a_prepared_corpus(tmp_path, prepared):
     done = _recipe(f"data.path={prepared}", "model.vocab_size=1000", "train.steps=3", "train.seq_len=64",
-                   "train.micro_batch_size=4", "train.eval_batches=1", f"run_dir={tmp_path / 'run'}")
+                   "train.micro_batch_size=4", "train.eval_batches=1", "train.sample_prompt=The",
+                   f"run_dir={tmp_path / 'run'}", sample_tokens=8)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) and 6 < r["loss"] < 7.5 for r in records)  # ln(1000) = 6.9 at the start
     assert 6 < records[-1]["val_loss"] < 7.5
+    # the sample is the data's tokenizer's text (not bytes), and the run recorded that tokenizer for resumes
+    text = (tmp_path / "run" / "sample.txt").read_text()
+    assert text.startswith("The") and len(text) > len("The")
+    assert json.loads((tmp_path / "run" / "data_identity.json").read_text())["tokenizer_sha256"]
 
 
 def test_recipe_refuses_a_vocabulary_larger_than_the_model(tmp_path, prepared):
