@@ -7,9 +7,12 @@ and the few calls of our engine's API.
   `RankTimeout`. Every process starts from a fresh interpreter (spawn), so its memory is its own; a
   --quick run (`quick_mode`) forks them from a server that has imported torch instead (`fast_start`).
 - `peak_rss_mb()` is this process's own high-water mark (VmHWM, `zero.dist.topology.peak_rss_bytes`),
-  not getrusage's, which in a forked child starts at the parent's peak.
+  not getrusage's, which in a forked child starts at the parent's peak; `rss_over_ranks` takes the
+  largest rank's peak (and its training's own share) of a run.
 - `deepspeed_missing()` says why DeepSpeed cannot run here (None when it imports); a benchmark then skips
-  its DeepSpeed side with `skip_note`.
+  its DeepSpeed side with `skip_note`. `deepspeed_moe` is its MoE layer on one rank.
+- `failed`, `finish`, `last_line`: a variant that failed is reported (its error's last line) and the run
+  exits 1 at the end; `print_ratio` prints the headline figures.
 - `initialize`, `parallel_dims`, `fast_adamw`: the engine's API, called from here only, so that a change
   of its signature touches this file.
 
