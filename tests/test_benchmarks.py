@@ -57,6 +57,9 @@ PROMISES = {
     "recipe_throughput.py": [rf"^ratio recipe tokens/s / plain loop tokens/s: {X}",
                              # the same model, batches and optimizer: the losses agree to rounding
                              r"max \|loss difference\| steps 1-5 = \d\.\d\de-(0[5-9]|[1-9]\d)|= 0\.00e\+00"],
+    "prepare_data.py": [rf"^ratio prepare_data workers=2 tokens/s / plain loop tokens/s: {X}",
+                        rf"^ratio prepare_data workers=1 VmHWM at 4x corpus / 1x: {X}",
+                        r"^tokens written: the same in every variant"],
     "sparse_attention.py": [rf"^ratio 1k tokens fwd\+bwd time, dense SDPA / {mode}: {X}"
                             for mode in ("fixed", "bigbird", "longformer", "sliding_window", "variable", "nsa")],
     "ulysses.py": [rf"^ratio MHA h=8 op peak memory per rank, ours sp=2 / sp=1: {X}",
