@@ -576,7 +576,9 @@ HF_CONFIG_FILE = "hf_config.json"
 
 def is_hf(cfg: DictConfig) -> bool:
     """Whether the run's model is a Hugging Face causal LM (model=hf) rather than the project's Llama."""
-    return "hf" in cfg.model
+    # (over keys(): `in` on a structured config answers a missing key through an exception whose traceback OmegaConf
+    # keeps, and with it the caller's frames, e.g. the Run that holds run_dir's lock)
+    return "hf" in cfg.model.keys()
 
 
 def hf_model_config(cfg: DictConfig):
