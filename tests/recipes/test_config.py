@@ -35,6 +35,18 @@ def _compose(*overrides):
 @pytest.mark.parametrize("arg, nearest", [
     ("+train.stepz=5", "train.steps"),
     ("train.stepz=5", "train.steps"),
+])
+def test_cli_unknown_key_is_one_line_naming_the_nearest_key(tmp_path, arg, nearest):
+    proc = _run_cli(*TINY, f"run_dir={tmp_path}", arg, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    key = arg.lstrip("+").split("=")[0]
+    assert proc.stderr.strip() == f"error: unknown config key {key}: did you mean {nearest}?", proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("arg, nearest", [
+    ("+train.stepz=5", "train.steps"),
+    ("train.stepz=5", "train.steps"),
     ("+optim.lrr=1", "optim.lr"),
     ("+parallel.dpp=2", "parallel.dp"),
     ("+data.pathh=x", "data.val_path (with data=bin)"),
@@ -43,12 +55,13 @@ def _compose(*overrides):
     ("model.moe.topk=2", "model.moe.top_k"),
     ("+trian.steps=5", "train.steps"),
 ])
-def test_cli_unknown_key_is_one_line_naming_the_nearest_key(tmp_path, arg, nearest):
-    proc = _run_cli(*TINY, f"run_dir={tmp_path}", arg, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
+def test_unknown_key_names_the_nearest_key_as_the_command_line_does(tmp_path, arg, nearest):
+    """What the command line runs before any work (compose as Hydra would, then check), in this process: the two
+    cases above show the command line turns it into one line on stderr and exit 2."""
     key = arg.lstrip("+").split("=")[0]
-    assert proc.stderr.strip() == f"error: unknown config key {key}: did you mean {nearest}?", proc.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()  # refused before any work
+    with pytest.raises(ConfigError) as info:
+        check_config(compose_command_line([*TINY, f"run_dir={tmp_path}", arg]))
+    assert str(info.value) == f"unknown config key {key}: did you mean {nearest}?"
 
 
 def test_cli_wrong_type_is_one_line_and_exit_2(tmp_path):

@@ -6,6 +6,7 @@ receptive field (recipes.crop_check)."""
 import json
 import math
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from recipes.pretrain import train
@@ -18,6 +19,7 @@ def _million(run_dir, *overrides):
                                             "wandb.mode=disabled", "train.progress=false", *overrides])
 
 
+@pytest.mark.slow
 def test_million_preset_at_64k_tokens_trains_and_matches_a_plain_crop(tmp_path):
     result = train(_million(tmp_path, "train.steps=2"))
     losses = _losses(tmp_path)

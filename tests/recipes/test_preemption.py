@@ -84,7 +84,8 @@ def test_explicit_dp_that_does_not_fill_the_processes_is_one_line(tmp_path):
     assert "Traceback" not in proc.stderr.split("error:")[0]
 
 
-@pytest.mark.parametrize("signame, rank, step", [("SIGTERM", 1, 3), ("SIGUSR1", 0, 5)])
+@pytest.mark.parametrize("signame, rank, step", [("SIGTERM", 1, 3),
+                                              pytest.param("SIGUSR1", 0, 5, marks=pytest.mark.slow)])
 def test_signal_to_one_rank_checkpoints_at_the_next_boundary_and_resumes_bitwise(uninterrupted, tmp_path,
                                                                                   signame, rank, step):
     code = 128 + getattr(signal, signame)

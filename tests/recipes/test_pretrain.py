@@ -113,6 +113,7 @@ def test_cli_bad_layout_is_one_line_and_exit_2(tmp_path, args, message):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.slow
 def test_torchrun_pp_and_tp_layouts_match_single_process(tmp_path):
     # Four layers so interleaved 1F1B has two stages per rank; the pipeline's micro-batches are the
     # grad_accum micro-batches, so every layout trains on the same tokens in the same grouping.

@@ -20,6 +20,7 @@ def _crash_after(run_dir, step: int) -> None:
     (run_dir / "checkpoints" / "latest").write_text(f"step_{step:07d}")
 
 
+@pytest.mark.slow
 def test_dp2_stage3_to_one_process_stage1_to_dp4_stage2(tmp_path):
     base, run = tmp_path / "base", tmp_path / "run"
     assert _run_cli(*COMMON, "train.micro_batch_size=8", f"run_dir={base}").returncode == 0
