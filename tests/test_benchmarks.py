@@ -39,6 +39,10 @@ PROMISES = {
                      rf"^ratio sparse seq 512, dense SDPA / sliding_window time: {X}",
                      rf"^ratio ZeRO-3 step time, offload optimizer \+ params nvme / none: {X}",
                      r"ok\)\n", r"^recipe model=tiny: 4 steps \(exit 0"],
+    "hf_models.py": [rf"^ratio llama ours/plain step time: {X}",
+                     rf"^ratio qwen3_moe plain loop step time, transformers experts / our grouped experts: {X}",
+                     # the same weights, batch and optimizer: every variant's step-1 loss agrees to rounding
+                     r"^(llama|qwen3_moe) step-1 loss: .*max difference (\d\.\d\de-(0[5-9]|[1-9]\d)|0\.00e\+00)"],
     "long_sequence.py": [rf"^ratio longest step under the cap, ALST on / off: {X}",
                          rf"^ratio Ulysses sp=2 longest step / sp=1: {X}",
                          rf"^ratio sp=2 longest step, sparse / dense attention: {X}"],
