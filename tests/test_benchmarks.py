@@ -71,8 +71,8 @@ PROMISES = {
     "zero.py": [rf"^ratio stage 3 step time ours / FSDP2: {X}", r"^\s+1\s+ours\s+\d"],
 }
 # Scripts that compare against DeepSpeed (skipped, with a note, where it does not import).
-DEEPSPEED_SIDE = {"gpu_check.py", "long_sequence.py", "moe_layer.py", "offload.py", "pipeline.py", "ulysses.py",
-                  "zero.py"}
+DEEPSPEED_SIDE = {"gpu_check.py", "hf_models.py", "long_sequence.py", "moe_layer.py", "offload.py", "pipeline.py",
+                  "ulysses.py", "zero.py"}
 
 
 @functools.cache
