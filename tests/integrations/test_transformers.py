@@ -1,7 +1,8 @@
 """ZeroTrainer (transformers.Trainer through the engine) on a plain Hugging Face LlamaForCausalLM, 2 processes under
 torchrun with ZeRO-3 and cpu offload: the same per-step losses and final weights as the engine's own loop over the
-same model and data, a resume from the Trainer's own checkpoint that continues bit for bit, and Ulysses sp=2
-through recipes.models.hf's adapter."""
+same model and data, a resume from the Trainer's own checkpoint that continues bit for bit, Ulysses sp=2
+through recipes.models.hf's adapter, and the same per-step losses and gradient norms as `python -m recipes.pretrain
+model=hf` from the same save_pretrained weights on the recipe's own batches."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import zero
-from tests.integrations.common import REPO, assert_same_state, torchrun
+from tests.integrations.common import REPO, assert_same_state, recipe_run, torchrun
 
 # optional frameworks (pyproject's test extra): without them these tests are skipped
 pytest.importorskip("transformers")
@@ -52,6 +53,28 @@ def test_sequence_parallel_through_the_adapter(hf_runs):
     for final in finals:
         for name, value in final["own"].items():
             torch.testing.assert_close(final["sp2"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_trainer_equals_the_recipe_on_a_hugging_face_model(tmp_path):
+    import transformers
+
+    # a tiny Llama written as save_pretrained does: the recipe's model.hf.config and train.init_from, the
+    # Trainer's from_pretrained
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      initializer_range=0.05)
+    torch.manual_seed(4)
+    pretrained = tmp_path / "pretrained"
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(pretrained)
+    # constant lr, AdamW without weight decay (the Trainer refuses a decay that skips the norms), clip 1.0
+    recipe = recipe_run(tmp_path / "recipe", ["model=hf", f"model.hf.config={pretrained}",
+                                              f"train.init_from={pretrained}", "zero.stage=3", "parallel.dp=2",
+                                              "optim.weight_decay=0.0"])
+    torchrun([str(REPO / "tests/integrations/hf_recipe_run.py"), str(pretrained), str(tmp_path / "trainer")])
+    trainer = json.loads((tmp_path / "trainer" / "losses.json").read_text())
+    for key in ("loss", "grad_norm"):
+        assert trainer[key] == pytest.approx(recipe[key], rel=1e-5, abs=0), key
+    assert recipe["loss"][-1] < recipe["loss"][0] - 0.3  # it trains
 
 
 # ---------------------------------------------------------------------------- one process: what is refused
