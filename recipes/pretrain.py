@@ -53,7 +53,7 @@ from recipes.losses import IGNORE_INDEX, lm_loss, logits_loss, mean_over_dp
 from recipes.models.llama import Transformer
 from recipes.models.llama.state_dict import ExportError, import_hf, weight_mismatches
 from recipes.preempt import Preempted, StopSignals, exit_code
-from recipes.reports import memory_metrics, moe_stats, moe_step_metrics, report_expert_load
+from recipes.reports import expert_load_media, memory_metrics, moe_stats, moe_step_metrics, report_expert_load
 from recipes.run_dir import (
     check_resumed_config,
     lock_run_dir,
@@ -414,6 +414,7 @@ class Run:
                     if t.eval_batches and is_due(done, t.eval_every, t.steps):
                         self.val_loss = record["val_loss"] = evaluate(self.engine, self.val_stream, self.cfg,
                                                                       self.dims, self.pipe)
+                        self.log_load_media(done)
                     self.logger.log(done, record)
                     if is_due(done, t.ckpt_every, t.steps):
                         self.save(done)
@@ -422,6 +423,20 @@ class Run:
         finally:
             progress.close()
         self.stop.phase = "finishing (the last checkpoint is saved)"
+
+    def log_load_media(self, done: int) -> None:
+        """At an evaluation of an MoE run with W&B on: the expert load so far as a heatmap and a table. Every
+        rank takes part in summing the loads over the data-parallel ranks; rank 0 logs them."""
+        if self.expert_loads and self.cfg.wandb.get("mode", "offline") != "disabled":
+            self.logger.log_media(done, expert_load_media(self.expert_loads, self.dims, self.is_rank0))
+
+    def attach_files(self) -> None:
+        """Rank 0: the run's config.yaml, the tokenized data's meta.json and sample.txt, saved with the W&B run."""
+        identity = getattr(self.train_stream, "identity", None) or {}
+        paths = [self.run_dir / "config.yaml", self.run_dir / "sample.txt"]
+        if "path" in identity:
+            paths.append(Path(identity["path"]) / "meta.json")
+        self.logger.attach(paths)
 
     def save(self, done: int) -> None:
         """Checkpoint step `done` (under the keep policy); the deadline of a stop names what it interrupts."""
@@ -534,6 +549,7 @@ class Run:
         if self.is_rank0:
             self.logger.summary({"final_val_loss": self.val_loss})
             write_result(self.run_dir, {"status": "complete", **result})
+            self.attach_files()
         self.logger.finish()
         return result
 

@@ -3,6 +3,7 @@ expert load over the whole run (a table in expert_load.txt and a heatmap in expe
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import matplotlib
@@ -75,15 +76,14 @@ def moe_step_metrics(stats: dict, loads: dict[str, list[float]]) -> dict:
     return out
 
 
-def expert_load_report(loads: dict[str, list[float]], run_dir: Path) -> str:
-    """A per-layer table of expert load fractions over the run, and the same as a heatmap PNG."""
-    rows = [(key.split("/")[1], [v / max(sum(counts), 1) for v in counts]) for key, counts in sorted(loads.items())]
+def load_fractions(loads: dict[str, list[float]]) -> list[tuple[str, list[float]]]:
+    """(layer name, each expert's fraction of the layer's routed tokens) per MoE layer, in layer order."""
+    return [(key.split("/")[1], [v / max(sum(counts), 1) for v in counts]) for key, counts in sorted(loads.items())]
+
+
+def draw_heatmap(rows: list[tuple[str, list[float]]], out) -> None:
+    """The expert-load heatmap of `rows` (load_fractions) as a PNG into `out` (a path or a binary file)."""
     width = len(rows[0][1])
-    lines = ["expert load (fraction of routed tokens over the run; uniform = %.3f)" % (1 / width),
-             "layer    " + " ".join(f"e{e:<5d}" for e in range(width)) + "  max/min"]
-    for name, frac in rows:
-        ratio = max(frac) / max(min(frac), 1e-9)
-        lines.append(f"{name:<8s} " + " ".join(f"{f:.3f} " for f in frac) + f" {ratio:6.2f}")
     fig, ax = plt.subplots(figsize=(max(4, 0.5 * width + 2), 0.5 * len(rows) + 1.5))
     im = ax.imshow([frac for _, frac in rows], aspect="auto", cmap="viridis")
     ax.set_xlabel("expert")
@@ -91,18 +91,61 @@ def expert_load_report(loads: dict[str, list[float]], run_dir: Path) -> str:
     ax.set_title("expert load fraction over the run")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(run_dir / "expert_load.png", dpi=100)
+    fig.savefig(out, dpi=100, format="png")
     plt.close(fig)
+
+
+def expert_load_report(loads: dict[str, list[float]], run_dir: Path) -> str:
+    """A per-layer table of expert load fractions over the run, and the same as a heatmap PNG."""
+    rows = load_fractions(loads)
+    width = len(rows[0][1])
+    lines = ["expert load (fraction of routed tokens over the run; uniform = %.3f)" % (1 / width),
+             "layer    " + " ".join(f"e{e:<5d}" for e in range(width)) + "  max/min"]
+    for name, frac in rows:
+        ratio = max(frac) / max(min(frac), 1e-9)
+        lines.append(f"{name:<8s} " + " ".join(f"{f:.3f} " for f in frac) + f" {ratio:6.2f}")
+    draw_heatmap(rows, run_dir / "expert_load.png")
     return "\n".join(lines)
+
+
+def reduce_expert_loads(expert_loads: dict[str, list[float]], dims: zero.ParallelDims) -> dict[str, list[float]]:
+    """Each layer's expert loads summed over the data-parallel ranks (one all-reduce per layer, in key order;
+    every rank calls it)."""
+    out = {}
+    for key, counts in expert_loads.items():
+        t_counts = torch.tensor(counts, dtype=torch.float64, device=default_device())
+        comm.all_reduce(t_counts, dims.dp_sp_group)
+        out[key] = t_counts.tolist()
+    return out
+
+
+def expert_load_media(expert_loads: dict[str, list[float]], dims: zero.ParallelDims, is_rank0: bool) -> dict:
+    """The expert load so far (summed over the data-parallel ranks, as report_expert_load sums it) as W&B
+    media: `expert_load/heatmap` (an Image) and `expert_load/table` (layer, expert, tokens, fraction).
+    Every rank calls it (the sum is a collective); rank 0 gets the media, the others an empty dict."""
+    loads = reduce_expert_loads(expert_loads, dims)
+    if not is_rank0:
+        return {}
+    import wandb
+    from PIL import Image
+
+    rows = load_fractions(loads)
+    table = wandb.Table(columns=["layer", "expert", "tokens", "fraction"])
+    for (name, frac), (_, counts) in zip(rows, sorted(loads.items())):
+        for expert, (f, n) in enumerate(zip(frac, counts)):
+            table.add_data(name, expert, n, f)
+    buf = io.BytesIO()
+    draw_heatmap(rows, buf)
+    buf.seek(0)
+    with Image.open(buf) as png:
+        image = wandb.Image(png.convert("RGB"), caption="expert load fraction since the start of the run")
+    return {"expert_load/heatmap": image, "expert_load/table": table}
 
 
 def report_expert_load(expert_loads: dict[str, list[float]], dims: zero.ParallelDims, run_dir: Path,
                        is_rank0: bool) -> None:
     """Sum each rank's expert loads over the data-parallel ranks; rank 0 writes the table and heatmap."""
-    for key, counts in expert_loads.items():
-        t_counts = torch.tensor(counts, dtype=torch.float64, device=default_device())
-        comm.all_reduce(t_counts, dims.dp_sp_group)
-        expert_loads[key] = t_counts.tolist()
+    expert_loads.update(reduce_expert_loads(expert_loads, dims))
     if is_rank0:
         report = expert_load_report(expert_loads, run_dir)
         atomic_write_text(run_dir / "expert_load.txt", report + "\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,22 @@ class MetricsLogger:
         if self.run is not None:
             self.run.log({k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))},
                          step=step)
+
+    def log_media(self, step: int, media: dict[str, Any]) -> None:
+        """W&B media (images, tables) at `step`; metrics.jsonl holds scalars only."""
+        if self.run is not None and media:
+            self.run.log(media, step=step)
+
+    def attach(self, paths: list[Path]) -> None:
+        """Copies of `paths` (the existing ones) in the W&B run's files, under `recipe/`, saved with it."""
+        if self.run is None:
+            return
+        folder = Path(self.run.dir) / "recipe"
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in paths:
+            if path.is_file():
+                shutil.copyfile(path, folder / path.name)
+                self.run.save(str(folder / path.name), base_path=self.run.dir, policy="now")
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.run is not None:
