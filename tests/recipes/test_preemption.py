@@ -214,7 +214,8 @@ def test_wandb_resumes_the_same_run(tmp_path):
     train(second)
     run_id = (tmp_path / "run_id").read_text().strip()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    # (W&B names a run's directory offline-run-<time>-<id>, adding -1, -2... when two start in the same second)
+    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", r.name) for r in runs)
 
 
 def test_signal_during_setup_stops_before_the_first_step_and_handlers_are_restored(tmp_path, monkeypatch):
