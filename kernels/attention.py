@@ -1,7 +1,9 @@
 """Attention dispatch on `[batch, seq, heads, head_dim]`: flash-attn on CUDA when installed, else SDPA.
 
 GQA (fewer kv heads than query heads) is handled by every backend. `reference_attention` is the plain
-softmax(QK^T)V implementation the other paths are tested against.
+softmax(QK^T)V implementation the other paths are tested against. Packed documents (`documents=`, see
+`moe_lst.kernels.documents`) attend only within themselves: flash-attn's varlen kernel, else on CUDA a
+FlexAttention document mask, else (CPU) one call per document, which computes only the diagonal blocks.
 """
 
 from __future__ import annotations
@@ -11,10 +13,20 @@ import math
 import torch
 import torch.nn.functional as F
 
+from moe_lst.kernels.documents import Documents, document_ids, per_document
+
 try:  # optional: only on CUDA machines with the `cuda` extra installed
     from flash_attn import flash_attn_func as _flash_attn_func
+    from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
 except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _flash_attn_func = None
+    _flash_attn_func = _flash_attn_varlen_func = None
+
+try:  # FlexAttention (a recent torch): the document mask on CUDA when flash-attn is not installed
+    from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as _flex_attention
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    _create_block_mask = _flex_attention = None
+_compiled_flex = None
 
 BACKENDS = ("auto", "flash", "sdpa", "reference")
 
@@ -102,11 +114,66 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return _flash_attn_func(q, k, v, causal=causal, softmax_scale=scale)
 
 
+def flash_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+                             causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """flash-attn's varlen kernel over the documents of the rows, flattened to one [b * s] sequence."""
+    if not flash_available(q) or _flash_attn_varlen_func is None:
+        raise RuntimeError("flash_document_attention needs flash_attn (with its varlen kernel), a CUDA tensor and "
+                           f"fp16/bf16 inputs; got device={q.device}, dtype={q.dtype}")
+    check_qkv(q, k, v, same_seq=True, what="flash_document_attention")
+    b, s = q.shape[:2]
+    if "cu_seqlens" not in documents.derived:
+        documents.derived["cu_seqlens"] = documents.cu_seqlens()
+    cu, longest = documents.derived["cu_seqlens"]
+    out = _flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, longest, longest,
+                                  causal=causal, softmax_scale=scale)
+    return out.unflatten(0, (b, s))
+
+
+def flex_document_mask(documents: Documents, causal: bool = True):
+    """A FlexAttention BlockMask that keeps each query inside its own document (and causal): blocks that hold
+    no pair of one document are skipped by the kernel."""
+    ids = document_ids(documents.position_ids)
+    b, s = ids.shape
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        same = ids[batch, q_idx] == ids[batch, kv_idx]
+        return same & (kv_idx <= q_idx) if causal else same
+
+    return _create_block_mask(mask_mod, b, None, s, s, device=ids.device)
+
+
+def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+                            causal: bool = True, scale: float | None = None, compiled: bool = True) -> torch.Tensor:
+    """FlexAttention with the document mask (compiled: the fused Triton kernels on CUDA; eager only for tests,
+    as it computes the full scores). The mask is built once per forward and shared by every layer."""
+    global _compiled_flex
+    if _flex_attention is None:
+        raise RuntimeError("flex_document_attention needs torch.nn.attention.flex_attention (a recent torch)")
+    check_qkv(q, k, v, same_seq=True, what="flex_document_attention")
+    key = ("flex_mask", causal)
+    if key not in documents.derived:
+        documents.derived[key] = flex_document_mask(documents, causal)
+    if compiled and _compiled_flex is None:
+        _compiled_flex = torch.compile(_flex_attention, dynamic=False)
+    run = _compiled_flex if compiled else _flex_attention
+    out = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=documents.derived[key],
+              scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              scale: float | None = None, backend: str = "auto") -> torch.Tensor:
-    """Multi-head attention on `[batch, seq, heads, head_dim]`; k/v may have fewer heads (GQA)."""
+              scale: float | None = None, backend: str = "auto", documents: Documents | None = None) -> torch.Tensor:
+    """Multi-head attention on `[batch, seq, heads, head_dim]`; k/v may have fewer heads (GQA). With packed
+    `documents`, no query attends outside its own document (see the module docstring)."""
     if backend == "auto":
         backend = "flash" if flash_available(q) else "sdpa"
+    if documents is not None and not documents.single:
+        if backend == "flash":
+            return flash_document_attention(q, k, v, documents, causal=causal, scale=scale)
+        if backend == "sdpa" and q.is_cuda and _flex_attention is not None:
+            return flex_document_attention(q, k, v, documents, causal=causal, scale=scale)
+        return per_document(attention, q, k, v, documents, causal=causal, scale=scale, backend=backend)
     if backend == "flash":
         return flash_attention(q, k, v, causal=causal, scale=scale)
     if backend == "sdpa":
@@ -114,3 +181,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if backend == "reference":
         return reference_attention(q, k, v, causal=causal, scale=scale)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+
+
+attention.handles_documents = True  # moe_lst.kernels.documents.attend passes it the documents

@@ -133,6 +133,9 @@ class TokenizedDataConfig:
 
     kind: str = "tokenized"  # the corpus reader (recipes.data.build_streams); comes with the data=... choice
     path: str = MISSING  # the directory prepare_data wrote (its --out; required)
+    # document: position ids restart at each document, attention and loss never cross a document boundary;
+    # concat: rows are plain windows of the token stream (documents attend to the ones before them)
+    packing: str = "document"
 
 
 @dataclass
@@ -378,6 +381,9 @@ def check_config(cfg: DictConfig) -> None:
     if is_dataclass(data) and cfg.data.kind != data.kind:
         raise ConfigError(f"data.kind={cfg.data.kind!r} does not go with data={data.kind}: choose the corpus with "
                           f"data={' or data='.join(GROUP_CHOICES['data'])} (that sets data.kind)")
+    if cfg.data.get("packing", "concat") not in ("document", "concat"):
+        raise ConfigError(f"data.packing={cfg.data.packing!r} must be document (attention and loss stay inside each "
+                          "document) or concat")
     for key in ("train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum"):
         _positive_int(cfg, key)
     for key in ("train.eval_every", "train.ckpt_every", "train.eval_batches", "train.sample_tokens",

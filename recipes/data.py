@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from moe_lst.kernels.documents import positions_from_starts
 
 from recipes.config import atomic_write_text
 from recipes.prepare_data import (
@@ -151,29 +152,57 @@ class TokenStream:
             raise DataError(f"token id {int(rows.max())} in the data is >= model.vocab_size={self.vocab_size}")
         return rows[:, :-1], rows[:, 1:]
 
+    def packed_batch(self, step: int, micro: int, dp_rank: int,
+                     ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`batch(...)` with the position ids the model runs at: None (0..seq_len-1 in every row) for a stream
+        that packs by concatenation, as this one does."""
+        return (*self.batch(step, micro, dp_rank), None)
+
+
+PACKINGS = ("document", "concat")
+
 
 class DocumentStream(TokenStream):
     """A TokenStream over a prepared split that also knows where its documents start (the split's index), for
-    document-aware packing: `document_starts` marks them in the same rows `batch` returns."""
+    document-aware packing: `document_starts` marks them in the same rows `batch` returns.
+
+    With `packing="document"`, `packed_batch` gives the position ids that restart at every document (the model
+    then keeps attention inside each document) and ignores the label of each document's last token (the next
+    document's first token is not predicted from it). Rows are the same windows either way: whole documents,
+    and the documents cut at a row's two ends.
+    """
 
     def __init__(self, tokens: np.ndarray, starts: np.ndarray, spec: BatchSpec, seed: int, vocab_size: int,
-                 identity: dict) -> None:
+                 identity: dict, packing: str = "document") -> None:
         super().__init__(tokens, spec, seed, vocab_size)
+        if packing not in PACKINGS:
+            raise DataError(f"data.packing={packing!r} must be one of {', '.join(PACKINGS)}")
         self.starts = starts  # [documents + 1] token offsets of each document's first token, then the end
         self.identity = identity
+        self.packing = packing
 
-    def document_starts(self, step: int, micro: int, dp_rank: int) -> torch.Tensor:
-        """[micro_batch, seq_len] bool: True where the input token of `batch(step, micro, dp_rank)` is the first
-        token of a document (its BOS, or the token after the previous document's EOS). A row's first position is
-        True only when its window begins exactly at a document; either way the tokens before the row's first
-        True belong to one (cut) document."""
+    def document_starts(self, step: int, micro: int, dp_rank: int, length: int | None = None) -> torch.Tensor:
+        """[micro_batch, length] bool (length: seq_len by default; seq_len + 1 covers the last label too): True
+        where the token at that offset of the row of `batch(step, micro, dp_rank)` is the first token of a
+        document (its BOS, or the token after the previous document's EOS). A row's first position is True only
+        when its window begins exactly at a document; either way the tokens before the row's first True belong
+        to one (cut) document."""
         offsets = self._row_offsets(step, micro, dp_rank)
-        seq_len = self.spec.seq_len
-        marks = np.zeros((len(offsets), seq_len), dtype=bool)
+        length = self.spec.seq_len if length is None else length
+        marks = np.zeros((len(offsets), length), dtype=bool)
         for row, first in enumerate(offsets.tolist()):
-            lo, hi = np.searchsorted(self.starts, [first, first + seq_len])
+            lo, hi = np.searchsorted(self.starts, [first, first + length])
             marks[row, np.asarray(self.starts[lo:hi], dtype=np.int64) - first] = True
         return torch.from_numpy(marks)
+
+    def packed_batch(self, step: int, micro: int, dp_rank: int,
+                     ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(inputs, labels, position ids) [micro_batch, seq_len]; see the class docstring."""
+        tokens, labels = self.batch(step, micro, dp_rank)
+        if self.packing == "concat":
+            return tokens, labels, None
+        marks = self.document_starts(step, micro, dp_rank, self.spec.seq_len + 1)
+        return tokens, labels.masked_fill(marks[:, 1:], ignore_index), positions_from_starts(marks[:, :-1])
 
 
 def load_tokenized(path: str) -> tuple[dict, dict[str, tuple[np.ndarray, np.ndarray]]]:
@@ -221,9 +250,12 @@ def _split_files(root: Path, split: dict, dtype: np.dtype) -> tuple[np.ndarray, 
     return tokens, starts
 
 
-def tokenized_streams(path: str, spec: BatchSpec, seed: int, vocab_size: int) -> tuple[DocumentStream, ...]:
+def tokenized_streams(path: str, spec: BatchSpec, seed: int, vocab_size: int,
+                      packing: str = "document") -> tuple[DocumentStream, ...]:
     """(train, val) DocumentStreams over a prepared corpus, refused in one line when its tokenizer's vocabulary
-    does not fit the model."""
+    does not fit the model. `packing`: document (attention and loss stay inside documents) or concat."""
+    if packing not in PACKINGS:
+        raise DataError(f"data.packing={packing!r} must be one of {', '.join(PACKINGS)}")
     meta, splits = load_tokenized(path)
     tokenizer = meta["tokenizer"]
     if meta["vocab_size"] > vocab_size:
@@ -238,8 +270,8 @@ def tokenized_streams(path: str, spec: BatchSpec, seed: int, vocab_size: int) ->
             raise DataError(f"data.path={path!r}: its {split} split has {len(tokens):,} tokens, fewer than one "
                             f"sequence of train.seq_len={spec.seq_len} (+ 2): lower train.seq_len, or prepare more "
                             "documents (or a larger --val-fraction)")
-    return (DocumentStream(*splits["train"], spec, seed, vocab_size, identity),
-            DocumentStream(*splits["val"], spec, seed + VAL_SEED_OFFSET, vocab_size, identity))
+    return (DocumentStream(*splits["train"], spec, seed, vocab_size, identity, packing),
+            DocumentStream(*splits["val"], spec, seed + VAL_SEED_OFFSET, vocab_size, identity, packing))
 
 
 def stream_tokenizer(stream: TokenStream) -> TextTokenizer | None:
@@ -301,7 +333,7 @@ def build_streams(data_cfg, spec: BatchSpec, seed: int, vocab_size: int) -> tupl
         for name, tokens in (("data.train_path", train), ("data.val_path", val)):
             check_token_ids(tokens, vocab_size, f"{name}={data_cfg[name.split('.')[1]]!r}")
     elif kind == "tokenized":
-        return tokenized_streams(data_cfg.path, spec, seed, vocab_size)
+        return tokenized_streams(data_cfg.path, spec, seed, vocab_size, data_cfg.get("packing", "document"))
     else:
         raise DataError(f"data.kind={kind!r} is unknown; use 'stdlib', 'bin' or 'tokenized'")
     return TokenStream(train, spec, seed, vocab_size), TokenStream(val, spec, seed + VAL_SEED_OFFSET, vocab_size)

@@ -17,12 +17,14 @@ IGNORE_INDEX = -100
 
 
 def lm_loss(engine, tokens: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
-            dims: zero.ParallelDims) -> torch.Tensor:
+            dims: zero.ParallelDims, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of this data shard (over the whole sequence when sp > 1).
 
     The model runs through the engine (`engine(...)`), which gathers sharded parameters when needed.
+    `position_ids` (None: 0..seq-1) restart at each packed document (recipes.data.DocumentStream.packed_batch).
     """
-    tokens, labels, position_ids = shard_sequence(tokens, labels, dims.sp_group, ignore_index=IGNORE_INDEX)
+    tokens, labels, position_ids = shard_sequence(tokens, labels, dims.sp_group, position_ids=position_ids,
+                                                  ignore_index=IGNORE_INDEX)
     if cfg.train.tiled_loss:
         hidden = engine(tokens, position_ids, return_hidden=True)
         loss_sum, count = tiled_cross_entropy(hidden.flatten(0, 1), engine.module.output_weight,

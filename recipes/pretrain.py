@@ -249,14 +249,19 @@ def load_initial_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> No
                           f"{', '.join(absent[:5])}{' ...' if len(absent) > 5 else ''})")
 
 
+def on_device(batch: tuple[torch.Tensor | None, ...], device) -> tuple[torch.Tensor | None, ...]:
+    """A (tokens, labels, position ids or None) batch moved to `device`."""
+    return tuple(None if t is None else t.to(device, non_blocking=True) for t in batch)
+
+
 def stacked_micro_batches(stream, index: int, cfg: DictConfig, dims: zero.ParallelDims,
                           device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The train.grad_accum micro-batches of batch `index` stacked along the batch dimension (a pipeline
     splits them back in order), each shard of the sequence under sp, with their position ids."""
     parts = []
     for micro in range(cfg.train.grad_accum):
-        x, y = (t.to(device, non_blocking=True) for t in stream.batch(index, micro, dims.dp_rank))
-        parts.append(shard_sequence(x, y, dims.sp_group, ignore_index=IGNORE_INDEX))
+        x, y, pos = on_device(stream.packed_batch(index, micro, dims.dp_rank, IGNORE_INDEX), device)
+        parts.append(shard_sequence(x, y, dims.sp_group, position_ids=pos, ignore_index=IGNORE_INDEX))
     return tuple(torch.cat(t) for t in zip(*parts))
 
 
@@ -270,8 +275,8 @@ def train_step(engine: zero.Engine, stream, step: int, cfg: DictConfig, dims: ze
         total = pipe.train_step(engine, x, y, position_ids=pos) * cfg.train.grad_accum
     else:
         for micro in range(cfg.train.grad_accum):
-            x, y = (t.to(engine.device, non_blocking=True) for t in stream.batch(step, micro, dims.dp_rank))
-            loss = lm_loss(engine, x, y, cfg, dims)
+            x, y, pos = on_device(stream.packed_batch(step, micro, dims.dp_rank, IGNORE_INDEX), engine.device)
+            loss = lm_loss(engine, x, y, cfg, dims, position_ids=pos)
             engine.backward(loss)
             total += loss.item()
     engine.step()
@@ -290,8 +295,8 @@ def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims, pipe:
             total += pipe.eval_step(engine, x, y, position_ids=pos) * cfg.train.grad_accum
             continue
         for micro in range(cfg.train.grad_accum):
-            x, y = (t.to(engine.device, non_blocking=True) for t in val_stream.batch(i, micro, dims.dp_rank))
-            total += lm_loss(engine, x, y, cfg, dims).item()
+            x, y, pos = on_device(val_stream.packed_batch(i, micro, dims.dp_rank, IGNORE_INDEX), engine.device)
+            total += lm_loss(engine, x, y, cfg, dims, position_ids=pos).item()
     engine.module.train()
     return mean_over_dp(total / (cfg.train.eval_batches * cfg.train.grad_accum), dims)
 

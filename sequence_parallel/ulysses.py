@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from moe_lst.kernels.attention import attention, check_qkv
+from moe_lst.kernels.documents import Documents, attend
 from torch.distributed import ProcessGroup
 
 from zero.contract import AttentionSite, ModelContract, contract_of
@@ -109,7 +110,11 @@ class UlyssesAttention(nn.Module):
     Extra keyword arguments are passed through to `attn_fn`: tensors are per-token, per-query-head inputs
     [b, s/P, h, *] (e.g. native sparse attention's branch gates) and go to the head shards as q does, one
     more all-to-all each; anything else (e.g. `scale`) is passed unchanged.
+    Packed documents (`documents=`, `moe_lst.kernels.documents`) are those of this rank's shard: their
+    boundaries over the whole sequence are gathered once per forward and the inner attention runs with them.
     """
+
+    handles_documents = True
 
     def __init__(self, sp_group: ProcessGroup | None,
                  attn_fn: Callable[..., torch.Tensor] = attention) -> None:
@@ -127,12 +132,14 @@ class UlyssesAttention(nn.Module):
         return f"sp={self.sp}, attn_fn={getattr(self.attn_fn, '__name__', self.attn_fn)}"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                **kwargs) -> torch.Tensor:
+                documents: Documents | None = None, **kwargs) -> torch.Tensor:
         P = self.sp
         check_qkv(q, k, v, same_seq=True, same_dtype=True, what="UlyssesAttention", seq="local sequence")
         layout = head_split(q.shape[2], k.shape[2], P)  # raises for sp > heads, naming the fix
         if P == 1:
-            return self.attn_fn(q, k, v, causal=causal, **kwargs)
+            return attend(self.attn_fn, q, k, v, causal=causal, documents=documents, **kwargs)
+        if documents is not None:
+            documents = whole_sequence_documents(documents, self.sp_group)
         b, sl, h, d = q.shape
         me = group_rank(self.sp_group)
         for name, value in kwargs.items():
@@ -165,7 +172,8 @@ class UlyssesAttention(nn.Module):
         v_full = _to_full_sequence(v_recv, P, b, sl, d)
         del recv, q_recv, k_recv, v_recv
 
-        out = self.attn_fn(q_full, k_full, v_full, causal=causal, **kwargs)  # [b, s, h_me, d]
+        out = attend(self.attn_fn, q_full, k_full, v_full, causal=causal, documents=documents,
+                     **kwargs)  # [b, s, h_me, d]
         del q_full, k_full, v_full
 
         # [b, s, h_me, d] -> [P, h_me, b, s/P, d]: destination rank major, its sequence chunk inside.
@@ -186,6 +194,19 @@ class UlyssesAttention(nn.Module):
         nq = layout.q_counts[me]
         recv = comm.all_to_all(send, self.sp_group, output_splits=[nq] * P, input_splits=list(layout.q_counts))
         return _to_full_sequence(recv.view(P, nq, b, sl, e), P, b, sl, e)
+
+
+def whole_sequence_documents(documents: Documents, sp_group: ProcessGroup | None) -> Documents:
+    """The documents of the whole rows, given those of this rank's contiguous shard of them (shards in rank
+    order, as `shard_sequence` cuts them): one all-gather of the shard's position ids, made once per forward
+    (kept in `documents.derived`) and shared by every layer."""
+    key = ("whole_sequence", id(sp_group))
+    if key not in documents.derived:
+        local = documents.position_ids.t().contiguous()  # [s/P, b]: shards stack along the sequence
+        out = local.new_empty((group_size(sp_group) * local.shape[0], local.shape[1]))
+        comm.all_gather_into_tensor(out, local, sp_group)
+        documents.derived[key] = Documents(out.t().contiguous())
+    return documents.derived[key]
 
 
 def apply_ulysses(model: nn.Module, sp_group: ProcessGroup | None) -> nn.Module:

@@ -328,6 +328,37 @@ def test_document_starts_follow_the_index(prepared):
     assert seen > 10  # (documents of ~400 tokens: about one start in six rows of 64)
 
 
+@pytest.mark.parametrize("packing", ["document", "concat"])
+def test_packed_batch_restarts_positions_and_drops_cross_document_labels(prepared, packing):
+    data = OmegaConf.create({"kind": "tokenized", "path": str(prepared), "packing": packing})
+    train, _ = build_streams(data, BatchSpec(4, 1, 1, 64), seed=3, vocab_size=1000)
+    restarts = 0
+    for step in range(8):
+        x, y, pos = train.packed_batch(step, 0, 0)
+        plain_x, plain_y = train.batch(step, 0, 0)
+        assert torch.equal(x, plain_x)  # the same windows either way
+        if packing == "concat":
+            assert pos is None and torch.equal(y, plain_y)
+            continue
+        marks = train.document_starts(step, 0, 0, length=65)  # also covers the last label
+        assert torch.equal(marks[:, :64], train.document_starts(step, 0, 0))
+        for row in range(4):
+            run = 0
+            for j in range(64):
+                run = 0 if marks[row, j] else run + 1 if j else 0
+                assert pos[row, j] == run
+                # a label that begins the next document is not predicted from this one's last token
+                assert y[row, j] == (-100 if marks[row, j + 1] else plain_y[row, j])
+        restarts += int(marks[:, 1:64].sum())
+    assert restarts > 3 or packing == "concat"
+
+
+def test_packing_is_refused_unless_document_or_concat(prepared):
+    with pytest.raises(DataError, match="data.packing='docs' must be one of document, concat"):
+        build_streams(OmegaConf.create({"kind": "tokenized", "path": str(prepared), "packing": "docs"}),
+                      BatchSpec(4, 1, 1, 64), seed=3, vocab_size=1000)
+
+
 def test_resumed_run_refuses_another_tokenizer(tmp_path, prepared):
     spec = BatchSpec(2, 1, 1, 16)
     train, _ = tokenized_streams(str(prepared), spec, 0, 1000)

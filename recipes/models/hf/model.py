@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from moe_lst.kernels.attention import attention
+from moe_lst.kernels.documents import Documents, attend
 from moe_lst.kernels.positions import position_ids_for
 from torch.distributed import ProcessGroup
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
@@ -33,10 +34,13 @@ ATTENTION = "moe_lst"
 
 def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                 sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                 sliding_window: int | None = None, documents: Documents | None = None,
+                 **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface -> the layer's contract attention: q [b, h, s, d] and k/v [b, h_kv, s, d]
-    -> ([b, s, h, d], no weights). The attention is causal over the whole sequence; a padding or document mask,
-    dropout and a window shorter than the keys are refused (the adapter gives transformers no mask to build)."""
+    -> ([b, s, h, d], no weights). The attention is causal over each packed document (`documents`, which the
+    adapter's forward reads from the position ids and passes down), else over the whole sequence; a padding
+    mask, dropout and a window shorter than the keys are refused (the adapter gives transformers no mask to
+    build)."""
     if attention_mask is not None:
         raise NotImplementedError("the Hugging Face adapter's attention is causal over whole sequences: an attention "
                                   "mask (padding, packed documents) is not supported")
@@ -50,7 +54,8 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         raise RuntimeError(f"{type(module).__name__} runs attn_implementation={ATTENTION!r} but was not adapted: "
                            "build the model with recipes.models.hf.HFCausalLM")
     # [b, heads, s, d] -> [b, s, heads, d] (views: the attention functions take any strides)
-    out = fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True, scale=scaling)
+    out = attend(fn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True, scale=scaling,
+                 documents=documents)
     return out, None
 
 
@@ -209,7 +214,10 @@ class HFCausalLM(nn.Module, ModelContract):
         positions = position_ids_for(tokens, position_ids)
         if self.balance is not None:
             self.balance.begin(self.training and torch.is_grad_enabled())
-        hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
+        # Position ids that restart inside a row mark packed documents: attention stays inside each of them.
+        documents = None if position_ids is None else Documents(positions)
+        hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False,
+                            documents=documents).last_hidden_state
         if self.balance is not None:
             self.balance.finish()
         return hidden if return_hidden else self.lm_head(hidden)

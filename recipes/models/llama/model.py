@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from moe_lst.kernels.attention import attention
+from moe_lst.kernels.documents import Documents, attend
 from moe_lst.kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
 from moe_lst.kernels.positions import position_ids_for
 from moe_lst.kernels.sparse import LAYOUT_FIELDS, SparseAttention, SparseConfig
@@ -231,9 +232,10 @@ class Attention(nn.Module):
         del self.attn_fn
         self.attn_fn = fn
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
-        out = self.attn_fn(q, k, v, causal=True)  # [b, s, h, head_dim]
+        out = attend(self.attn_fn, q, k, v, causal=True, documents=documents)  # [b, s, h, head_dim]
         return self.wo(out.flatten(-2))
 
 
@@ -249,10 +251,11 @@ class NSAAttention(Attention):
         self.compress_v = Compressor(cfg.head_dim, n.compress_block, n.compress_stride, device=device)
         self.attn_fn = NativeSparseAttention(n, self.compress_k, self.compress_v)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
         gates = torch.sigmoid(self.wg(x)).unflatten(-1, (-1, 3))  # [b, s, h, 3]: compressed, selected, window
-        out = self.attn_fn(q, k, v, causal=True, gates=gates)
+        out = attend(self.attn_fn, q, k, v, causal=True, documents=documents, gates=gates)
         return self.wo(out.flatten(-2))
 
 
@@ -294,8 +297,9 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, device=device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -371,11 +375,14 @@ class Transformer(nn.Module, ModelContract):
         return rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
 
     def forward_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [b, s] -> final-normed hidden states [b, s, dim]."""
-        cos, sin = self.rotary(position_ids_for(tokens, position_ids))
+        """tokens [b, s] -> final-normed hidden states [b, s, dim]. Position ids that restart inside a row mark
+        packed documents (moe_lst.kernels.documents): no token attends across their boundaries."""
+        positions = position_ids_for(tokens, position_ids)
+        cos, sin = self.rotary(positions)
+        documents = None if position_ids is None else Documents(positions)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, documents)
         return self.norm(h)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,

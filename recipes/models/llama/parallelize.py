@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from moe_lst.kernels.documents import Documents
 
 from moe import ExpertTensorParallel
 from zero.contract import ModelContract
@@ -101,8 +102,9 @@ class PipelineStageModule(nn.Module, ModelContract):
         if position_ids is None:
             raise ValueError("pipeline stages need position_ids beside their input (pass them to every stage)")
         cos, sin = self._rotary(position_ids)
+        documents = Documents(position_ids)  # packed documents, if the positions restart inside a row
         for layer in self.layers.values():
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, documents)
         if self.last:
             x = self.norm(x)
             weight = self.tok_embeddings.weight if self.tied else self.output.weight
