@@ -2,7 +2,9 @@
 
 Dropless by default; with a capacity, each expert keeps its highest-scoring slots. Dispatchers share
 one interface (`TokenDispatcher`): the local one keeps every expert on this rank, the all-to-all one
-moves the permuted tokens to the ranks that own their experts (expert parallelism).
+moves the permuted tokens to the ranks that own their experts (expert parallelism). Two plans: the host
+plan (`make_plan`, exact-size, the CPU path) and the static plan (`make_static_plan`, every slot kept in a
+fixed-size buffer, no host synchronisation: the device path).
 """
 
 from __future__ import annotations
@@ -33,10 +35,41 @@ class DispatchPlan:
     tokens_per_expert: torch.Tensor  # [E] int64 kept slots per expert
     routed_per_expert: torch.Tensor  # [E] int64 slots routed per expert before any drop
     num_slots: int  # N * k
+    #: A static plan (make_static_plan) lists all N*k slots: the kept ones first, in expert order, then the
+    #: dropped ones (capacity mode), so its sizes never depend on the routing and no host sync made it.
+    static: bool = False
+    drops: bool = False  # static with a capacity: slots past the kept ones carry gate 0
 
     @property
     def num_dropped(self) -> torch.Tensor:
         return self.routed_per_expert.sum() - self.tokens_per_expert.sum()
+
+    def kept_mask(self) -> torch.Tensor:
+        """[num_slots] 1.0 for a kept slot, 0.0 for a dropped one (static plans: kept slots come first)."""
+        slots = torch.arange(self.num_slots, device=self.token_index.device)
+        return (slots < self.tokens_per_expert.sum()).float()
+
+    def gemm_counts(self) -> torch.Tensor:
+        """[E] rows per expert segment of a static plan's buffer: the kept slots, with the dropped tail
+        appended to the last expert's segment (computed, then weighted by 0), so the segments cover every row."""
+        if not self.drops:
+            return self.tokens_per_expert
+        counts = self.tokens_per_expert.clone()
+        counts[-1] += self.num_slots - self.tokens_per_expert.sum()
+        return counts
+
+    def compacted(self, num_kept: int) -> DispatchPlan:
+        """The exact-size plan of a static plan's first `num_kept` (its kept) slots, once that number is known
+        on the host (expert parallelism exchanges the split sizes anyway)."""
+        return DispatchPlan(self.token_index[:num_kept], self.slot_index[:num_kept], self.tokens_per_expert,
+                            self.routed_per_expert, self.num_slots)
+
+
+def count_per_expert(flat_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 occurrences of each expert id in flat_expert [M], without a host sync (torch.bincount
+    reads the largest id on the host on CUDA; this is a fixed-size scatter). The same integers as bincount."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_expert.device)
+    return counts.index_add_(0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int64))
 
 
 def make_plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
@@ -63,6 +96,34 @@ def make_plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
         kept = routed.clamp(max=capacity)
     return DispatchPlan(token_index=order // k, slot_index=order, tokens_per_expert=kept,
                         routed_per_expert=routed, num_slots=n * k)
+
+
+def make_static_plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                     capacity: int | None = None) -> DispatchPlan:
+    """The plan of `make_plan` with no host synchronisation: every tensor has a size known before routing.
+
+    The slot order is make_plan's (the same stable sorts), so the kept slots are the same rows in the same
+    order. Dropless, the two plans are equal. With `capacity`, the dropped slots are not cut out (that
+    would size a tensor by the routing) but moved behind the kept ones by one more stable sort; the
+    dispatchers give them gate weight 0 (`DispatchPlan.kept_mask`).
+    """
+    n, k = indices.shape
+    flat_expert = indices.reshape(-1)  # [N, k] -> [N*k]
+    routed = count_per_expert(flat_expert, num_experts)
+    if capacity is None:
+        order = torch.argsort(flat_expert, stable=True)
+        kept = routed
+    else:
+        by_score = torch.argsort(weights.detach().reshape(-1), descending=True, stable=True)
+        order = by_score[torch.argsort(flat_expert[by_score], stable=True)]
+        # Position of every sorted slot inside its expert's segment (a gather, not repeat_interleave).
+        starts = torch.cumsum(routed, 0) - routed
+        position = torch.arange(order.numel(), device=order.device) - starts.index_select(0, flat_expert[order])
+        dropped = (position >= capacity).to(torch.uint8)
+        order = order[torch.argsort(dropped, stable=True)]  # kept slots first, each group still in expert order
+        kept = routed.clamp(max=capacity)
+    return DispatchPlan(token_index=order // k, slot_index=order, tokens_per_expert=kept, routed_per_expert=routed,
+                        num_slots=n * k, static=True, drops=capacity is not None)
 
 
 def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
@@ -100,6 +161,8 @@ def unpermute(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor, num_to
     Dropped slots add nothing, so a token whose every slot was dropped gets zero (the residual path).
     """
     gate = weights.reshape(-1).index_select(0, plan.slot_index).to(y.dtype)  # [M]
+    if plan.drops:  # a static plan's dropped slots: computed, weighted 0, no gradient to their gate weight
+        gate = gate * plan.kept_mask().to(gate.dtype)
     return _WeightedScatterAdd.apply(y, gate, plan.token_index, num_tokens)
 
 
@@ -150,7 +213,11 @@ class TokenDispatcher:
         shared experts `shared(x [N, dim])` (None: none)."""
         rows, state = self.dispatch(x, plan, weights)
         out = shared(x.reshape(-1, x.shape[-1])) if shared is not None else None
-        y = self.combine(experts(rows, state.tokens_per_local_expert), state, out)
+        if plan.static:  # the device path: grouped GEMMs with device-side offsets, nothing read on the host
+            expert_out = experts(rows, state.tokens_per_local_expert, sync_free=True)
+        else:
+            expert_out = experts(rows, state.tokens_per_local_expert)
+        y = self.combine(expert_out, state, out)
         return y, state.tokens_per_local_expert
 
 
@@ -164,7 +231,8 @@ class LocalDispatcher(TokenDispatcher):
 
     `run` fuses gather -> grouped expert MLP -> weighted scatter into one autograd node
     (`GroupedExperts.forward_tokens`), so no permuted [M, dim] copy of the tokens outlives forward;
-    fused=False runs the three steps apart, as every other dispatcher does (same numbers).
+    fused=False runs the three steps apart, as every other dispatcher does (same numbers). A static plan
+    (the device path) always runs them apart: permutation, grouped GEMMs on device-side offsets, combine.
     """
 
     def __init__(self, num_experts: int, fused: bool = True) -> None:
@@ -172,13 +240,16 @@ class LocalDispatcher(TokenDispatcher):
         self.fused = fused
 
     def dispatch(self, x, plan, weights):
-        state = DispatchState(plan, weights, x.shape, plan.tokens_per_expert)
+        # a static plan's buffer holds every slot: its segments include the dropped tail (gemm_counts)
+        state = DispatchState(plan, weights, x.shape, plan.gemm_counts() if plan.static else plan.tokens_per_expert)
         return permute(x.reshape(-1, x.shape[-1]), plan), state
 
     def combine(self, y, state, shared=None):
         return _with_shared(unpermute(y, state.plan, state.weights, state.num_tokens), shared, state.shape)
 
     def run(self, x, plan, weights, experts, shared=None):
+        if plan.static:  # report the slots kept (as the host path does), not the rows computed
+            return super().run(x, plan, weights, experts, shared)[0], plan.tokens_per_expert
         if not self.fused:
             return super().run(x, plan, weights, experts, shared)
         flat = x.reshape(-1, x.shape[-1])
@@ -205,6 +276,8 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def dispatch(self, x, plan, weights):
         """x [..., dim] (N tokens) -> ([R, dim] sorted by local expert, state)."""
+        if plan.static:
+            return self._dispatch_static(x, plan, weights)
         p, el = self.ep_size, self.num_local
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
         tokens_per_expert = plan.tokens_per_expert
@@ -216,6 +289,23 @@ class AllToAllDispatcher(TokenDispatcher):
         x_recv = comm.all_to_all(permute(x, plan), self.group, output_splits, input_splits)
         # Rows arrive grouped by (source rank, local expert); regroup them by local expert.
         local_expert = torch.arange(el, device=x.device).repeat(p).repeat_interleave(received)
+        regroup = torch.argsort(local_expert, stable=True)
+        state = _A2AState(plan, weights, shape, received.view(p, el).sum(0), input_splits, output_splits, regroup)
+        return x_recv.index_select(0, regroup), state
+
+    def _dispatch_static(self, x, plan, weights):
+        """dispatch for a static plan (the device path): the split sizes, read on the host in one transfer, are
+        its one host synchronisation; the kept slots (the plan's first rows) travel, exactly as make_plan's."""
+        p, el = self.ep_size, self.num_local
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        received = torch.empty_like(plan.tokens_per_expert)
+        comm.all_to_all_single(received, plan.tokens_per_expert.contiguous(), self.group)
+        splits = torch.stack([plan.tokens_per_expert.view(p, el).sum(1), received.view(p, el).sum(1)])
+        input_splits, output_splits = splits.tolist()  # the permitted exchange: all-to-all sizes
+        plan = plan.compacted(sum(input_splits))
+        x_recv = comm.all_to_all(permute(x, plan), self.group, output_splits, input_splits)
+        local_expert = torch.arange(el, device=x.device).repeat(p).repeat_interleave(
+            received, output_size=sum(output_splits))  # the size is known: no second sync
         regroup = torch.argsort(local_expert, stable=True)
         state = _A2AState(plan, weights, shape, received.view(p, el).sum(0), input_splits, output_splits, regroup)
         return x_recv.index_select(0, regroup), state

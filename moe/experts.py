@@ -313,11 +313,29 @@ class GroupedExperts(nn.Module):
                               self.w_out.data[:, start:stop].clone())
         self.ffn_dim = stop - start
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [M, dim] in contiguous per-expert segments of sizes tokens_per_expert [E_local] -> [M, dim]."""
-        fuse, transposed = self.fuse_grad_accumulation, self.transposed
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, *, sync_free: bool = False) -> torch.Tensor:
+        """x [M, dim] in contiguous per-expert segments of sizes tokens_per_expert [E_local] -> [M, dim].
+
+        sync_free=True (the device path): the segment sizes stay on the device as the grouped GEMMs' offsets,
+        forward and backward (no fused gradient accumulation: its per-expert addmm reads the sizes on the
+        host); raises NotImplementedError where torch._grouped_mm cannot serve the device, dtype and shape."""
+        fuse, transposed = self.fuse_grad_accumulation and not sync_free, self.transposed
+        if sync_free:
+            self.check_sync_free(x.device, x.dtype)
         h = grouped_matmul(x, self.w_in, tokens_per_expert, fuse, transposed)  # [M, ffn] or [M, 2 ffn]
         return grouped_matmul(_activate(h, self.activation), self.w_out, tokens_per_expert, fuse, transposed)
+
+    def supports_sync_free(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether torch._grouped_mm runs both expert GEMMs (forward and backward) on `device` in `dtype`."""
+        w_in, w_out = (_as_kn(w, self.transposed) for w in (self.w_in, self.w_out))
+        return all(grouped_mm_supported(device, dtype, w.shape[1], w.shape[2]) for w in (w_in, w_out))
+
+    def check_sync_free(self, device: torch.device, dtype: torch.dtype) -> None:
+        if not self.supports_sync_free(device, dtype):
+            raise NotImplementedError(
+                f"the device MoE path needs torch._grouped_mm for {dtype} on {device.type} at dim={self.dim}, "
+                f"ffn_dim={self.ffn_dim} (torch {torch.__version__} cannot run it there; its rows must be 16-byte "
+                "aligned); without it only the host path (local_path='host') runs these experts")
 
     def forward_tokens(self, x: torch.Tensor, token_index: torch.Tensor, gate: torch.Tensor,
                        tokens_per_expert: torch.Tensor, max_chunks: int = 8) -> torch.Tensor:

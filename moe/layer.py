@@ -23,9 +23,12 @@ from .dispatch import (
     TokenDispatcher,
     expert_capacity,
     make_plan,
+    make_static_plan,
 )
 from .experts import GroupedExperts, SharedExperts
 from .router import TopKRouter, load_balancing_loss, router_z_loss, update_expert_bias
+
+LOCAL_PATHS = ("auto", "host", "device")
 
 
 class MoELayer(nn.Module):
@@ -42,7 +45,16 @@ class MoELayer(nn.Module):
     bias_update_rate (aux-loss-free balancing; 0 disables; apply with `update_router_biases` after
     each optimizer step); seq_aux (aux loss per sequence, needs x [b, s, dim]); stats_group (group
     whose ranks hold other shards of the same sequences, e.g. sequence parallel: the aux/z statistics
-    are summed over it); init_std.
+    are summed over it); init_std; local_path ("auto" | "host" | "device", see below).
+
+    `local_path` chooses how this rank routes, permutes and runs its experts. "host" (the CPU path): an
+    exact-size plan and, on one rank, the fused gather-MLP-scatter in expert chunks, which reads the
+    segment sizes on the host. "device": a static plan (every tensor sized before routing), the permuted
+    rows through `torch._grouped_mm` with device-side offsets, and the gate-weighted combine: no
+    `.item()`, `.tolist()` or `.cpu()` between router and output on one rank, and only the all-to-all
+    split sizes under expert parallelism (NotImplementedError where torch._grouped_mm cannot serve the
+    device and dtype). "auto" (default): "device" on CUDA where torch._grouped_mm serves it, else "host".
+    Both give the same outputs, gradients and statistics.
 
     `last_stats` (detached tensors, no host sync): tokens_per_expert [E] (this rank's token-slots per
     expert before drops; not reduced over any group), tokens_per_local_expert (slots this rank's
@@ -56,8 +68,10 @@ class MoELayer(nn.Module):
                  *, activation: str = "swiglu", renormalize: bool | None = None, jitter_eps: float = 0.0,
                  num_groups: int | None = None, topk_groups: int | None = None, bias_update_rate: float = 0.0,
                  seq_aux: bool = False, stats_group: ProcessGroup | None = None,
-                 init_std: float = 0.02) -> None:
+                 init_std: float = 0.02, local_path: str = "auto") -> None:
         super().__init__()
+        if local_path not in LOCAL_PATHS:
+            raise ValueError(f"local_path={local_path!r} is not one of {LOCAL_PATHS} (auto: device on CUDA)")
         if dim < 1 or ffn_dim < 1:
             raise ValueError(f"dim={dim} and ffn_dim={ffn_dim} must be positive")
         if capacity_factor is not None and not capacity_factor > 0:
@@ -87,6 +101,7 @@ class MoELayer(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.bias_update_rate, self.seq_aux = bias_update_rate, seq_aux
         self.stats_group = stats_group
+        self.local_path = local_path
         self.ep_group: ProcessGroup | None = None
         self.tp_group: ProcessGroup | None = None  # expert tensor parallel (see set_tensor_parallel)
         self.dispatcher: TokenDispatcher = LocalDispatcher(num_experts)
@@ -158,7 +173,8 @@ class MoELayer(nn.Module):
 
         capacity = (None if self.capacity_factor is None
                     else expert_capacity(n, self.top_k, self.num_experts, self.capacity_factor))
-        plan = make_plan(routing.indices, routing.weights, self.num_experts, capacity)
+        plan_fn = make_static_plan if self.uses_device_path(x) else make_plan
+        plan = plan_fn(routing.indices, routing.weights, self.num_experts, capacity)
         # y [..., dim]; with expert tensor parallelism, this rank's sequence shard of the summed output
         y, local_counts = self.dispatcher.run(x, plan, routing.weights, self.experts, self.shared_experts)
 
@@ -183,6 +199,16 @@ class MoELayer(nn.Module):
             "z_loss": z.detach(),
         }
         return y
+
+
+    def uses_device_path(self, x: torch.Tensor) -> bool:
+        """Whether a forward on `x` takes the device path (see `local_path`)."""
+        if self.local_path == "host" or (self.local_path == "auto" and x.device.type != "cuda"):
+            return False
+        if self.local_path == "device":
+            self.experts.check_sync_free(x.device, x.dtype)
+            return True
+        return self.experts.supports_sync_free(x.device, x.dtype)
 
 
 def moe_layers(module: nn.Module) -> list[MoELayer]:

@@ -128,7 +128,10 @@ def expert_counts(indices: torch.Tensor, num_experts: int, num_seqs: int = 1) ->
     seq_idx = torch.arange(num_seqs, device=indices.device).repeat_interleave(
         indices.shape[0] // num_seqs * indices.shape[1])
     flat = seq_idx * num_experts + indices.reshape(-1)
-    return torch.bincount(flat, minlength=num_seqs * num_experts).view(num_seqs, num_experts).float()
+    # a fixed-size scatter, not torch.bincount (which reads the largest id on the host on CUDA): same counts
+    counts = torch.zeros(num_seqs * num_experts, dtype=torch.int64, device=indices.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    return counts.view(num_seqs, num_experts).float()
 
 
 def load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, num_seqs: int = 1,
@@ -160,7 +163,8 @@ def load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, num_seqs: in
 def router_z_loss(logits: torch.Tensor, stats_group: ProcessGroup | None = None) -> torch.Tensor:
     """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2 (over `stats_group`'s tokens if given)."""
     total = torch.logsumexp(logits, dim=-1).square().sum()
-    count = torch.tensor(float(logits.shape[0]), device=logits.device)
+    # a fill, not torch.tensor(..., device=): a host-to-device copy from pageable memory waits for the stream
+    count = torch.full((), float(logits.shape[0]), device=logits.device)
     if group_size(stats_group) > 1:
         total = comm.all_reduce_sum_autograd(total, stats_group)
         comm.all_reduce(count, stats_group)
