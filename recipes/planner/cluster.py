@@ -1,0 +1,61 @@
+"""A cluster as the planner sees it: devices per node, memories, link bandwidths and latencies, FLOP rates.
+
+Presets live in recipes/conf/cluster/<name>.yaml (`cluster=h100` on the planner's command line); any key
+can be overridden (`cluster.inter_gbps=25`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "cluster"
+GB = 1e9
+
+
+@dataclass
+class Cluster:
+    """One kind of device, `devices_per_node` of them per node; bandwidths in GB/s per direction."""
+
+    name: str = "cpu"
+    devices_per_node: int = 4
+    device_memory_gb: float = 16
+    host_memory_gb: float = 16
+    nvme_gbps: float = 1.0
+    intra_gbps: float = 2.0
+    intra_latency_us: float = 60
+    inter_gbps: float = 2.0
+    inter_latency_us: float = 60
+    flops: dict[str, float] = field(default_factory=lambda: {"fp32": 2e10, "bf16": 1e10, "fp16": 1e10})
+    mfu: float = 1.0  # fraction of `flops` that training GEMMs reach
+    host_gbps: float = 5.0
+    memory_gbps: float = 5.0  # device memory bandwidth (the optimizer step is bound by it)
+
+    def link(self, ranks: int) -> tuple[float, float]:
+        """(latency s, bandwidth B/s) of a group of `ranks` consecutive ranks: inside a node or across."""
+        if ranks <= self.devices_per_node:
+            return self.intra_latency_us * 1e-6, self.intra_gbps * GB
+        return self.inter_latency_us * 1e-6, self.inter_gbps * GB
+
+    def flop_rate(self, dtype: str) -> float:
+        return self.flops[dtype] * self.mfu
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_cluster(name: str = "cpu", overrides: dict | None = None) -> Cluster:
+    """The preset `name` with `overrides` (key -> value) applied; ValueError naming a bad key or preset."""
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"cluster={name} is not a preset; choose one of {', '.join(presets())}")
+    values = yaml.safe_load(path.read_text()) or {}
+    values.update(overrides or {})
+    known = {f.name for f in fields(Cluster)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"cluster.{unknown[0]} is not a cluster key; known: {', '.join(sorted(known))}")
+    return Cluster(**values)

@@ -1,0 +1,132 @@
+"""The collectives of one micro-batch's forward and backward, counted by running this rank's model on the meta
+device under the fake process group: tensor-parallel gathers and reduce-scatters, Ulysses all-to-alls, the
+vocabulary-parallel and sequence-parallel losses, recomputation under activation checkpointing.
+
+MoE layers cannot route meta tensors (routing is data): each is replaced during the trace by a stand-in that
+passes its input through and records the layer's collectives from its shapes (balancing statistics over
+sp, the expert all-to-alls at uniform routing, whose rows are returned apart so a measured routing can
+replace them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from recipes.planner.build import RankModel
+from zero.dist import comm
+from zero.dist.comm import group_size
+
+
+@dataclass
+class Trace:
+    """Per micro-batch: bytes and calls per collective kind (as zero.dist.comm counts them), and the MoE
+    all-to-all rows this rank sends (uniform routing), which the caller turns into bytes."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    a2a_rows: float = 0.0  # token rows sent by the expert all-to-alls (dispatch + combine, fwd + bwd)
+    a2a_row_bytes: int = 0
+    a2a_calls: int = 0  # those all-to-alls (the count exchanges are in `bytes`)
+    moe_layer_calls: int = 0  # MoE layer forwards, recomputes included
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _record_allreduce(nbytes: int, n: int) -> None:
+    if n > 1:
+        comm.stats.record("all_reduce", 2 * (n - 1) / n * nbytes)
+
+
+def _moe_standin(trace: Trace, ep: int):
+    """A forward for MoELayer that records its collectives and returns its input (plus a zero of its router
+    so backward reaches it)."""
+
+    def forward(layer, x):
+        n = x.numel() // x.shape[-1]
+        sp = group_size(layer.stats_group)
+        e = layer.num_experts
+        if sp > 1:  # load_balancing_loss and router_z_loss over the sequence-parallel group
+            seqs = x.shape[0] if layer.seq_aux else 1
+            for nbytes in (seqs * (e + 1) * 4, seqs * e * 4, 4, 4):
+                _record_allreduce(nbytes, sp)
+        if ep > 1:
+            comm.stats.record("all_to_all", e * 8 * (ep - 1) / ep)  # the per-expert counts
+            rows = n * layer.top_k * (ep - 1) / ep  # slots for other ranks' experts, and as many back
+            passes = 1 if _in_backward() else 2  # a recompute runs forward only
+            trace.a2a_rows += 2 * rows * passes
+            trace.a2a_calls += 2 * passes
+            trace.a2a_row_bytes = x.shape[-1] * x.element_size()
+        trace.moe_layer_calls += 1
+        return x * 1.0 + 0.0 * layer.router.weight.sum().to(x.dtype)
+
+    return forward
+
+
+@contextlib.contextmanager
+def _moe_replaced(trace: Trace, ep: int):
+    from moe import MoELayer
+
+    original = MoELayer.forward
+    MoELayer.forward = _moe_standin(trace, ep)
+    try:
+        yield
+    finally:
+        MoELayer.forward = original
+
+
+def _loss(rm: RankModel, cfg: DictConfig, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from recipes.losses import IGNORE_INDEX, logits_loss
+    from sequence_parallel import sp_loss, tiled_cross_entropy
+
+    model = rm.model
+    h = model.norm(h)
+    if cfg.train.tiled_loss:
+        loss_sum, count = tiled_cross_entropy(h.flatten(0, 1), model.output_weight, labels.flatten(),
+                                              ignore_index=IGNORE_INDEX)
+        return sp_loss(loss_sum, count, rm.dims.sp_group)
+    return logits_loss(F.linear(h, model.output_weight), labels, rm.dims)
+
+
+def trace_micro_batch(rm: RankModel, cfg: DictConfig, dtype: torch.dtype) -> Trace:
+    """Run one micro-batch of this rank's stages forward and backward on the meta device; count collectives."""
+    dims, model = rm.dims, rm.model
+    model.to(dtype)
+    b = cfg.train.micro_batch_size
+    s_local = -(-cfg.train.seq_len // dims.sp)  # shard_sequence pads to a multiple of sp
+    meta = {"device": "meta"}
+    tokens = torch.zeros(b, s_local, dtype=torch.long, **meta)
+    positions = torch.arange(s_local, **meta).expand(b, s_local)
+    trace = Trace()
+    from torch.fx.experimental import _config as fx_config
+
+    # (boolean masks on meta tensors: the vocabulary-parallel loss's backward indexes with one; no collective
+    # depends on its size)
+    with comm.counting() as stats, _moe_replaced(trace, dims.ep), \
+            fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+        stats.enabled = True
+        if rm.first:
+            h = model.tok_embeddings(tokens)
+        else:
+            h = torch.zeros(b, s_local // dims.tp, cfg.model.dim, dtype=dtype, requires_grad=True, **meta)
+        cos, sin = model.rotary(positions)
+        for i in rm.stage_layers:
+            h = model.layers[i](h, cos.to(dtype), sin.to(dtype), None)
+        loss = _loss(rm, cfg, h, tokens) if rm.last else h.float().sum()
+        loss.backward()
+        trace.bytes, trace.calls = dict(stats.bytes), dict(stats.calls)
+        stats.reset()
+    if dims.sp > 1 and dims.pp == 1 and rm.stage_layers:  # the whole rows' document bounds, once per forward
+        _add(trace, "all_gather", (dims.sp - 1) * b * s_local * 8)
+    return trace
+
+
+def _add(trace: Trace, kind: str, nbytes: float) -> None:
+    trace.bytes[kind] = trace.bytes.get(kind, 0) + int(nbytes)
+    trace.calls[kind] = trace.calls.get(kind, 0) + 1
