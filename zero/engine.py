@@ -22,6 +22,7 @@ from zero.contract import ModelContract
 from zero.dist import comm
 from zero.dist.topology import ParallelDims, default_device, group_size, peak_rss_bytes
 from zero.offload.nvme import check_nvme_path, pin_mmap_threshold
+from zero.optim.onebit import OneBitAdam, StepOverride
 from zero.plan import Placement, Plan, ReduceGroup, RuntimeFacts
 from zero.sharding.buckets import FlatBucket, split_into_buckets
 from zero.sharding.optimizer import FullGradReducer, ZeroOptimizer
@@ -165,6 +166,8 @@ class Engine:
             rank=self._rank,
         )
         self.optimizer = self.zero_optimizer.optimizer
+        # An optimizer that changes what is communicated (1-bit Adam) takes over the steps it compresses.
+        self.step_override: StepOverride | None = optimizer.bind(self) if isinstance(optimizer, OneBitAdam) else None
         self.device = self.zero_optimizer.device
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         # backward calls, optimizer steps taken, steps skipped for a non-finite gradient (fp16 or divergence)
@@ -391,7 +394,8 @@ class Engine:
             return False
         if self.stage3 is not None:
             self.stage3.release_all()
-        stepped = self.zero_optimizer.step()
+        override = self.step_override is not None and self.step_override.takes_step()
+        stepped = self.step_override.step() if override else self.zero_optimizer.step()
         self._micro_since_step = 0
         if stepped:
             self.global_steps += 1
@@ -513,6 +517,7 @@ class Engine:
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.zero_optimizer.scaler.state_dict() if self.zero_optimizer.scaler else None,
             "buffers": {n: b.detach().clone() for n, b in self.module.named_buffers()},
+            "step_override": self.step_override.state_dict() if self.step_override is not None else None,
             "counters": {
                 "micro_steps": self.micro_steps,
                 "global_steps": self.global_steps,
@@ -570,6 +575,8 @@ class Engine:
             buffers[n].copy_(v)
         for k, v in state["counters"].items():
             setattr(self, k, v)
+        if self.step_override is not None:
+            self.step_override.load_state_dict(state.get("step_override"))
         self._micro_since_step = 0
         self.zero_optimizer.gather_shards()
 

@@ -1,0 +1,208 @@
+"""1-bit Adam: AdamW for a warm-up, then frozen variance and a 1-bit compressed momentum all-reduce.
+
+During the first `warmup_steps` optimizer steps the engine steps exactly as with AdamW (the same torch
+optimizer, full-precision gradient reduction). Afterwards gradients are no longer reduced: each rank folds
+its own gradient into its copy of the momentum, the momenta are averaged by the error-compensated 1-bit
+all-reduce (`zero.optim.compression`, worker and server error feedback), and every rank applies the averaged
+momentum over the variance frozen at the end of the warm-up. Works at ZeRO stages 0-1, fp32 and bf16, with
+gradient accumulation and with experts (their momenta are averaged over their expert-data-parallel group).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+from torch.distributed import ReduceOp
+
+from zero.dist import comm
+from zero.dist.topology import group_size
+from zero.optim.compression import ChunkLayout, compressed_all_reduce
+
+
+class StepOverride(Protocol):
+    """What an optimizer bound to an engine offers it: it may take over steps and keeps its own state."""
+
+    def takes_step(self) -> bool: ...
+
+    def step(self) -> bool: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict | None) -> None: ...
+
+
+class OneBitAdam:
+    """Optimizer factory for zero.initialize: AdamW(lr, betas, eps, weight_decay) for `warmup_steps` steps,
+    then 1-bit compressed momentum with one fp32 scale per `block` elements (a multiple of 8).
+
+    Built like any factory (the engine calls it with its master shards); the engine then calls
+    `bind(engine)`, which refuses what cannot work and returns the object that takes over the compressed
+    steps.
+    """
+
+    def __init__(self, *, warmup_steps: int, block: int = 2048, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+        if not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 1: the compressed phase freezes the "
+                             "variance the warm-up's AdamW steps estimated")
+        ChunkLayout(1, 1, block)  # checks the block
+        self.warmup_steps, self.block = warmup_steps, block
+        self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+
+    def __call__(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        from zero.sharding.optimizer import FastAdamW  # (the engine's own AdamW: the warm-up is exactly it)
+
+        return FastAdamW(**self.hyper)(params)
+
+    def bind(self, engine: Any) -> OneBitAdamSteps:
+        refuse_layout(engine.config, engine.dims)
+        return OneBitAdamSteps(engine, self.warmup_steps, self.block)
+
+    def __repr__(self) -> str:
+        return f"OneBitAdam(warmup_steps={self.warmup_steps}, block={self.block}, {self.hyper})"
+
+
+def refuse_layout(config: Any, dims: Any) -> None:
+    """Raise, in one line, for an engine configuration 1-bit Adam cannot train correctly."""
+    if config.stage >= 2:
+        raise ValueError(f"1-bit Adam at zero.stage={config.stage} is not supported: stages 2-3 reduce-scatter every "
+                         "gradient during backward, but the compressed phase needs each rank's own whole gradient to "
+                         "build its local momentum; use zero.stage=0 or 1")
+    if config.offload_optimizer != "none":
+        raise NotImplementedError(f"1-bit Adam with zero.offload_optimizer={config.offload_optimizer} is not "
+                                  "implemented: its compressed step updates masters in device memory")
+    if config.dtype == "fp16":
+        raise ValueError("1-bit Adam with zero.dtype=fp16 is not supported: a loss-scale overflow would have to be "
+                         "detected before the error feedback absorbs the gradient; use bf16 or fp32")
+    if config.clip_grad_norm:
+        raise ValueError(f"1-bit Adam with clip_grad_norm={config.clip_grad_norm} is not supported: the compressed "
+                         "phase never reduces gradients, so their global norm is unknown; turn clipping off")
+    if dims.tp > 1 or dims.pp > 1:
+        raise NotImplementedError(f"1-bit Adam with tp={dims.tp}, pp={dims.pp} is not implemented (tied pipeline "
+                                  "copies and tensor-parallel replicas are not compressed): use tp=1, pp=1")
+
+
+@dataclass
+class _Feedback:
+    """One trainable bucket's compressed-phase state (the same on every rank but the two errors)."""
+
+    layout: ChunkLayout
+    momentum: torch.Tensor  # [padded] fp32, the averaged momentum of the last step (every rank's copy)
+    worker_error: torch.Tensor  # [world, padded_chunk] what this rank's compression has lost so far
+    server_error: torch.Tensor  # [padded_chunk] what this rank's server compression has lost so far
+
+
+def _local_grad(b: Any) -> torch.Tensor:
+    """The bucket's accumulated local gradient ([padded], fp32); gradients that bypassed the flat buffer
+    (a caller replaced .grad) are folded in, None counts as zero."""
+    for p, v in zip(b.params, b.param_views(b.grad_full)):
+        g = p.grad
+        if g is None:
+            v.zero_()
+        elif g.data_ptr() != v.data_ptr():
+            v.copy_(g.reshape(v.shape))
+    return b.grad_full.float()
+
+
+class OneBitAdamSteps:
+    """The compressed steps of one engine (built by OneBitAdam.bind): takes over from `warmup_steps` on."""
+
+    def __init__(self, engine: Any, warmup_steps: int, block: int) -> None:
+        self.engine, self.warmup_steps, self.block = engine, warmup_steps, block
+        self.frozen_at: int | None = None  # the optimizer step whose variance is frozen
+        self.feedback: list[_Feedback] | None = None
+
+    def takes_step(self) -> bool:
+        return self.engine.global_steps >= self.warmup_steps
+
+    # ------------------------------------------------------------------ the compressed phase
+    @torch.no_grad()
+    def _freeze(self) -> None:
+        """Start the compressed phase: every rank's momentum is AdamW's (gathered whole, once)."""
+        zo = self.engine.zero_optimizer
+        self.frozen_at, self.feedback = self.engine.global_steps, []
+        for b, master in zip(zo.trainable, zo.masters.masters):
+            layout = ChunkLayout(b.padded, group_size(b.grad_group), self.block)
+            exp_avg = zo.optimizer.state[master]["exp_avg"]
+            momentum = torch.empty(b.padded, dtype=torch.float32, device=b.device)
+            comm.all_gather_into_tensor(momentum, exp_avg, b.group) if b.world > 1 else momentum.copy_(exp_avg)
+            self.feedback.append(_Feedback(
+                layout, momentum, torch.zeros(layout.world, layout.padded_chunk, device=b.device),
+                torch.zeros(layout.padded_chunk, device=b.device)))
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One compressed step; False (nothing changed) when some rank's gradient is not finite."""
+        zo = self.engine.zero_optimizer
+        if self.feedback is None:
+            self._freeze()
+        grads = [_local_grad(b) for b in zo.trainable]
+        bad = torch.tensor([float(not all(bool(torch.isfinite(g).all()) for g in grads))], device=zo.device)
+        comm.all_reduce(bad, zo.norm_group, op=ReduceOp.MAX)
+        zo.last_grad_norm = None  # (never computed: the gradients are not reduced)
+        if bad.item():
+            zo.clear_grads()
+            return False
+        for i, (b, grad, fb) in enumerate(zip(zo.trainable, grads, self.feedback)):
+            self._step_bucket(i, b, grad, fb)
+        zo.gather_shards()
+        zo.clear_grads()
+        return True
+
+    def _step_bucket(self, i: int, b: Any, grad: torch.Tensor, fb: _Feedback) -> None:
+        zo = self.engine.zero_optimizer
+        master = zo.masters.masters[i]
+        group = next(g for g in zo.optimizer.param_groups if any(p is master for p in g["params"]))
+        beta1, beta2 = group["betas"]
+        # The engine's reduced gradient is sum over the reduction group / dp (experts: over their expert-data-
+        # parallel group); each rank's share of that average is its gradient times group size / dp.
+        share = fb.layout.world / self.engine.dp
+        local = grad.mul_((1 - beta1) * share).add_(fb.momentum, alpha=beta1)
+        average = compressed_all_reduce(fb.layout.to_chunks(local), fb.worker_error, fb.server_error, fb.layout,
+                                        b.grad_group)
+        fb.momentum.copy_(fb.layout.from_chunks(average))
+        mine = b.shard_of(fb.momentum) if b.world > 1 else fb.momentum
+        state = zo.optimizer.state[master]
+        state["step"] += 1
+        bias1 = 1 - beta1 ** float(state["step"])
+        bias2 = 1 - beta2 ** self.frozen_at
+        master.mul_(1 - group["lr"] * group["weight_decay"])
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(group["eps"])
+        master.addcdiv_(mine, denom, value=-group["lr"] / bias1)
+        state["exp_avg"].copy_(mine)
+        if not zo.masters.aliased[i]:
+            b.write_shard(master)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        feedback = None if self.feedback is None else [
+            {"momentum": f.momentum.clone(), "worker_error": f.worker_error.clone(),
+             "server_error": f.server_error.clone()} for f in self.feedback]
+        return {"kind": "onebit_adam", "warmup_steps": self.warmup_steps, "block": self.block,
+                "frozen_at": self.frozen_at, "feedback": feedback}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore the compressed phase's state; None (a checkpoint without it: resharded, or written by
+        AdamW) is fine only before the compressed phase began."""
+        if state is None or state.get("feedback") is None:
+            if self.engine.global_steps > self.warmup_steps:
+                raise NotImplementedError(
+                    f"this checkpoint (step {self.engine.global_steps}) lacks 1-bit Adam's error feedback for its "
+                    f"compressed phase (warm-up {self.warmup_steps} steps): it was resharded or written by another "
+                    "optimizer; resume under the layout and optimizer it was written with")
+            self.frozen_at, self.feedback = None, None
+            return
+        if state["block"] != self.block:
+            raise ValueError(f"checkpoint's 1-bit Adam block={state['block']} differs from block={self.block}: "
+                             "resume with the same chunking")
+        zo = self.engine.zero_optimizer
+        self.frozen_at, self.feedback = state["frozen_at"], []
+        for b, saved in zip(zo.trainable, state["feedback"]):
+            layout = ChunkLayout(b.padded, group_size(b.grad_group), self.block)
+            self.feedback.append(_Feedback(layout, *(saved[k].to(b.device).clone()
+                                                     for k in ("momentum", "worker_error", "server_error"))))
