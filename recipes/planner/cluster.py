@@ -40,7 +40,7 @@ class Cluster:
         return self.inter_latency_us * 1e-6, self.inter_gbps * GB
 
     def flop_rate(self, dtype: str) -> float:
-        return self.flops[dtype] * self.mfu
+        return float(self.flops[dtype]) * self.mfu
 
 
 def presets() -> list[str]:
@@ -58,4 +58,5 @@ def load_cluster(name: str = "cpu", overrides: dict | None = None) -> Cluster:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"cluster.{unknown[0]} is not a cluster key; known: {', '.join(sorted(known))}")
+    values["flops"] = {k: float(v) for k, v in values.get("flops", Cluster().flops).items()}  # (yaml reads 6.7e13 as text)
     return Cluster(**values)

@@ -97,6 +97,9 @@ def _loss(rm: RankModel, cfg: DictConfig, h: torch.Tensor, labels: torch.Tensor)
 def trace_micro_batch(rm: RankModel, cfg: DictConfig, dtype: torch.dtype) -> Trace:
     """Run one micro-batch of this rank's stages forward and backward on the meta device; count collectives."""
     dims, model = rm.dims, rm.model
+    if dims.tp > 1 and cfg.model.moe.num_experts:
+        raise NotImplementedError("the planner's trace of MoE layers under expert tensor parallelism (MoE with "
+                                  "parallel.tp > 1) is not implemented")
     model.to(dtype)
     b = cfg.train.micro_batch_size
     s_local = -(-cfg.train.seq_len // dims.sp)  # shard_sequence pads to a multiple of sp
