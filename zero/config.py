@@ -70,6 +70,14 @@ class ZeroConfig:
     offload_buffer_count: chunks in flight at once (read ahead / being stepped / written behind); the
         resident memory of the nvme step is about buffer_count x chunk_size x (2 + state tensors) x 4 bytes.
     offload_io_threads: background threads doing the file reads and writes.
+    offload_delayed_update: offload_optimizer="cpu" only: after `offload_delayed_warmup_steps` ordinary steps,
+        step t's host update reaches the device parameters at step t+1, so the host step runs beside the next
+        forward and backward (ZeRO-Offload's delayed parameter update). Each gradient is then computed one
+        update late (a stale-by-one gradient, as in asynchronous SGD with delay 1): usually harmless after the
+        first tens of steps, worse with high learning rates; off by default. Checkpoints and full_state_dict
+        hold the newest (pending update applied) values.
+    offload_delayed_warmup_steps: ordinary steps before the delayed update starts (at least 1; the first
+        steps, where the parameters move fastest, are not delayed).
     host_mmap_threshold: with offload_params="nvme" (the mode for models larger than memory), glibc's
         mmap threshold is pinned to this many bytes (0 leaves the allocator alone). glibc raises the
         threshold to the size of each large block it frees, after which the gather/free cycle of stage 3
@@ -98,6 +106,8 @@ class ZeroConfig:
     offload_chunk_size: int = 1 << 20
     offload_buffer_count: int = 4
     offload_io_threads: int = 2
+    offload_delayed_update: bool = False
+    offload_delayed_warmup_steps: int = 20
     host_mmap_threshold: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -160,6 +170,13 @@ class ZeroConfig:
         _int_at_least("offload_chunk_size", self.offload_chunk_size, 1)
         _int_at_least("offload_buffer_count", self.offload_buffer_count, 2)
         _int_at_least("offload_io_threads", self.offload_io_threads, 1)
+        if not isinstance(self.offload_delayed_update, bool):
+            raise ConfigError(f"zero.offload_delayed_update={self.offload_delayed_update!r} is invalid: it must be "
+                              "true or false")
+        if self.offload_delayed_update and self.offload_optimizer != "cpu":
+            raise ConfigError(f"zero.offload_delayed_update=true needs zero.offload_optimizer=cpu (the host step is "
+                              f"what it delays; zero.offload_optimizer={self.offload_optimizer!r})")
+        _int_at_least("offload_delayed_warmup_steps", self.offload_delayed_warmup_steps, 1)
         _int_at_least("host_mmap_threshold", self.host_mmap_threshold, 0)
 
     @property

@@ -19,6 +19,13 @@ import torch.nn as nn
 
 from zero.config import ZeroConfig
 from zero.offload.nvme import TensorFile, check_nvme_path
+from zero.offload.overlap import (
+    InlineExecutor,
+    hyperparameter_snapshot,
+    make_executor,
+    pipelined_step,
+    step_view,
+)
 from zero.sharding.buckets import FlatBucket
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -99,43 +106,132 @@ class DeviceMasters:
 class HostMasters(DeviceMasters):
     """fp32 masters, optimizer state and the step in host memory (pinned on CUDA: overlapped copies).
 
-    Gradients of the last micro-batch are copied to the host bucket by bucket as their reduction
-    finishes (`grad_ready`), the rest at the step; updated values return in the compute dtype. On a
-    CPU-only machine the same path runs with host == device (every copy is then a plain copy).
+    Gradients of the last micro-batch are copied to the host bucket by bucket as their reduction finishes
+    (`grad_ready`; on CUDA on a side stream, beside the rest of backward), the rest at the step; updated
+    values return in the compute dtype, on CUDA bucket by bucket while the host steps the next one
+    (`zero.offload.overlap`). On a CPU-only machine the same path runs with host == device (every copy is
+    then a plain copy, the overlap a no-op).
+
+    With `config.offload_delayed_update` (after `offload_delayed_warmup_steps` ordinary steps) step t's update
+    reaches the device at step t+1: step t publishes the masters as update t-1 left them, then starts update t
+    on the host (on CUDA on a worker thread, beside step t+1's forward and backward, into which step t+1's
+    gradients arrive in a second set of host buffers). The forward of step t+1 therefore runs on the
+    parameters of update t-1: the gradient of step t+1 is one update stale. Reading or writing the masters
+    (checkpoints, full_state_dict) first waits for the pending update, so they hold the newest values.
     """
 
     kind = "cpu"
 
-    def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory) -> None:
+    def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory,
+                 executor: InlineExecutor | None = None) -> None:
         self.buckets = buckets
         self.aliased = [False] * len(buckets)  # the master never aliases the shard: values travel back
         pin = _pin()
         self.masters = []
-        self.host_grads = []
+        # delayed: the pending step reads one set of host gradients while the next backward fills the other
+        grad_sets = 2 if config.offload_delayed_update else 1
+        self.grad_sets: list[list[torch.Tensor]] = [[] for _ in range(grad_sets)]
         for b in buckets:
             shard = b.read_shard()
             self.masters.append(nn.Parameter(torch.empty(shard.numel(), pin_memory=pin).copy_(shard)))
-            self.host_grads.append(torch.empty(shard.numel(), pin_memory=pin))
+            for grads in self.grad_sets:
+                grads.append(torch.empty(shard.numel(), pin_memory=pin))
+        self.host_grads = self.grad_sets[0]
         self.staged = [False] * len(buckets)
         self.optimizer = factory(self.masters)
+        device = buckets[0].device if buckets else torch.device("cpu")
+        self.executor = executor if executor is not None else make_executor(len(buckets), device)
+        # compute-dtype pinned copies of the masters, the source of the asynchronous copies back (CUDA only)
+        self.outbox: list[torch.Tensor | None] = [
+            torch.empty(b.shard_size, dtype=config.torch_dtype, pin_memory=pin)
+            if self.executor.per_bucket and b.shard_in_memory else None for b in buckets]
+        self.delayed, self.warmup = config.offload_delayed_update, config.offload_delayed_warmup_steps
+        self.steps_done = 0
+        self.pending: Future | None = None
 
     def grad_ready(self, index: int, grad: torch.Tensor) -> None:
-        self.host_grads[index].copy_(grad, non_blocking=True)
+        self.executor.to_host(index, grad, self.host_grads[index])
         self.staged[index] = True
 
     def collect_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         for i, g in enumerate(grads):
             if not self.staged[i]:
-                self.host_grads[i].copy_(g, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the host reads them next
+                self.executor.to_host(i, g, self.host_grads[i])
+        for i in range(len(grads)):  # the caller reads them next (norm, clipping)
+            self.executor.wait_host(i)
         self.staged = [False] * len(grads)
         return self.host_grads
 
+    def step(self, grads: list[torch.Tensor] | None, scale: float = 1.0, clip: float = 1.0) -> None:
+        self.finish_pending()
+        if self.delayed and self.steps_done >= self.warmup:
+            self._publish_all()  # update t-1 reaches the device now; update t waits for step t+1
+            view, masters = hyperparameter_snapshot(self.optimizer), self.masters
+            self.pending = self.executor.submit(lambda: step_view(view, masters, grads))
+            spare = self.grad_sets[1] if grads is self.grad_sets[0] else self.grad_sets[0]
+            self.host_grads = spare  # the next backward's gradients go where the pending step does not read
+        elif self.executor.per_bucket:
+            pipelined_step(self.executor, grads, self._step_bucket, self._publish)
+        else:
+            super().step(grads, scale, clip)
+        self.steps_done += 1
+
+    def _step_bucket(self, index: int, grad: torch.Tensor) -> None:
+        """The optimizer step of one bucket's master (a per-element rule: the same as stepping all at once)."""
+        master = self.masters[index]
+        master.grad = grad
+        self.optimizer.step()
+        master.grad = None
+
+    @torch.no_grad()
+    def _publish(self, index: int) -> None:
+        """Bucket `index`'s master into its compute-dtype shard: asynchronously through its pinned outbox."""
+        outbox = self.outbox[index]
+        if outbox is None:
+            self.buckets[index].write_shard(self.masters[index])
+        else:
+            outbox.copy_(self.masters[index])  # the cast on the host; the device copy is queued
+            self.executor.to_device(index, outbox, self.buckets[index].shard_tensor())
+
+    def _publish_all(self) -> None:
+        for i in range(len(self.buckets)):
+            self._publish(i)
+        self.executor.device_ready()
+
+    def _publish_shards(self) -> None:  # DeviceMasters.step's publication, through the executor
+        self._publish_all()
+
+    def finish_pending(self) -> None:
+        """Wait for the delayed host update, if one is running (its errors surface here)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def read_master(self, index: int) -> torch.Tensor:
+        self.finish_pending()
+        return super().read_master(index)
+
+    def write_master(self, index: int, values: torch.Tensor) -> None:
+        self.finish_pending()
+        super().write_master(index, values)
+
+    def state_dict(self, file_backed: bool = False) -> dict:
+        self.finish_pending()
+        return super().state_dict(file_backed)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.finish_pending()
+        super().load_state_dict(state)
+
     def resident_bytes(self) -> dict[str, int]:
+        self.finish_pending()
         out = super().resident_bytes()
         out["master"] = sum(m.numel() * _F32 for m in self.masters)
         return out
+
+    def close(self) -> None:
+        self.finish_pending()
+        self.executor.close()
 
 
 # ---------------------------------------------------------------------------------------------- nvme
