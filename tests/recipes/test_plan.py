@@ -1,0 +1,147 @@
+"""recipes.planner: parameter, optimizer and communication bytes against hand computations (small layouts, a
+Llama-3-70B shape on 64 devices, a DeepSeek-V3-sized MoE on 256), and a 2-rank run's counted bytes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from recipes.config import CONFIG_DIR
+from recipes.planner import estimate, load_cluster
+from recipes.planner.measure import measure
+from tests.multirank import run_multirank
+
+TINY = ["model=tiny", "train.micro_batch_size=2", "train.seq_len=64"]
+# model=tiny: embedding 256 x 64 (tied head), 2 layers of q 64x64, k/v 32x64, o 64x64, w1/w3 128x64, w2 64x128 and
+# two norms of 64, a final norm of 64.
+TINY_PARAMS = 256 * 64 + 2 * (4096 + 2 * 2048 + 4096 + 3 * 8192 + 128) + 64
+
+
+def config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose("config", overrides=overrides)
+
+
+def test_tiny_zero2_two_ranks_by_hand():
+    est = estimate(config(TINY + ["zero.stage=2", "train.grad_accum=2"]), world=2)
+    assert len(est) == 2
+    e = est[0]
+    assert TINY_PARAMS == 90432 and e.params == TINY_PARAMS
+    shard = TINY_PARAMS // 2  # one bucket (25M elements at most), even: no padding
+    assert e.memory["parameters"] == 4 * TINY_PARAMS
+    assert e.memory["optimizer_state"] == 2 * 4 * shard  # AdamW's two moments, fp32
+    assert e.memory["gradients"] == 4 * shard  # the reduced fp32 shard only (stage 2)
+    assert e.comm_bytes_by_kind["reduce_scatter"] == 2 * 4 * TINY_PARAMS // 2  # per micro-batch, half sent
+    assert e.comm_bytes_by_kind["all_gather"] == 4 * shard  # the updated shard, once per step
+    assert e.comm_bytes_by_kind["all_reduce"] == 2 * 4 + 8  # late-gradient flags per backward, gradient norm
+
+
+def test_tiny_zero3_bf16_units_by_hand():
+    e = estimate(config(TINY + ["zero.stage=3", "zero.dtype=bf16"]), world=2)[0]
+    block = 4096 + 2 * 2048 + 4096 + 3 * 8192 + 128
+    root = 256 * 64 + 64
+    # each block gathered in forward and backward, the root once; each rank sends its half of every bucket
+    assert e.comm_bytes_by_kind["all_gather"] == 2 * (2 * block // 2 * 2) + root // 2 * 2
+    assert e.comm_bytes_by_kind["reduce_scatter"] == (2 * block + root) // 2 * 2
+    assert e.memory["master_weights"] == 4 * (2 * block + root) // 2
+    assert e.memory["parameters"] == 2 * (2 * block + root) // 2
+
+
+LLAMA_70B = ["model=llama_1b", "model.dim=8192", "model.n_layers=80", "model.n_heads=64", "model.n_kv_heads=8",
+             "model.ffn_dim=28672", "model.vocab_size=128256", "model.max_seq_len=8192", "model.tie_embeddings=false",
+             "train.seq_len=8192", "train.micro_batch_size=1", "zero.dtype=bf16"]
+
+
+def test_llama_70b_on_64_h100_by_hand():
+    t0 = time.perf_counter()
+    est = estimate(config(LLAMA_70B + ["parallel.tp=8", "zero.stage=1", "train.grad_accum=1",
+                                       "train.activation_checkpointing=true"]), load_cluster("h100"), world=64)
+    assert time.perf_counter() - t0 < 30
+    layer = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672  # q, o, k, v, w1/w2/w3
+    total = 80 * (layer + 2 * 8192) + 2 * 128256 * 8192 + 8192
+    assert total == 70_553_706_496
+    e = est[5]
+    # tp=8 slices every matrix (vocabulary-parallel embedding, column-parallel head); norms are replicated
+    assert e.params == 80 * (layer // 8 + 2 * 8192) + 2 * 128256 * 8192 // 8 + 8192
+    # ZeRO-1 over dp=8: fp32 master and two moments of 1/8 of the rank's parameters (padding per bucket < 8)
+    shard_elements = e.memory["master_weights"] // 4
+    assert 0 <= shard_elements * 8 - e.params < 8 * e.buckets
+    assert e.memory["optimizer_state"] == 2 * e.memory["master_weights"]
+    # bf16 gradients reduce-scattered once (7/8 of them sent), the updated shards gathered (7 x the shard)
+    grads = e.comm_bytes_by_kind["reduce_scatter"] - _model_part(e, "reduce_scatter")
+    assert math.isclose(grads, 7 / 8 * 2 * e.params, rel_tol=1e-6)
+    gathers = e.comm_bytes_by_kind["all_gather"] - _model_part(e, "all_gather")
+    assert gathers == 7 * 2 * shard_elements
+
+
+def _model_part(e, kind: str) -> int:
+    return sum(c.bytes for c in e.collectives if c.kind == kind and c.group.startswith("model"))
+
+
+DEEPSEEK_V3 = ["model=moe_small", "model.dim=7168", "model.n_layers=61", "model.n_heads=128", "model.n_kv_heads=128",
+               "model.ffn_dim=18432", "model.vocab_size=129280", "model.max_seq_len=4096", "model.tie_embeddings=false",
+               "model.moe.num_experts=256", "model.moe.top_k=8", "model.moe.ffn_dim=2048", "model.moe.first_dense=3",
+               "model.moe.num_groups=8", "model.moe.topk_groups=4", "train.seq_len=4096", "train.micro_batch_size=1",
+               "zero.dtype=bf16"]
+
+
+def test_deepseek_v3_sized_moe_on_256_h100_by_hand():
+    t0 = time.perf_counter()
+    est = estimate(config(DEEPSEEK_V3 + ["parallel.pp=8", "parallel.ep=32", "zero.stage=1", "train.grad_accum=8"]),
+                   load_cluster("h100"), world=256)
+    assert time.perf_counter() - t0 < 30
+    attention = 4 * 7168 * 7168 + 2 * 7168
+    dense_layer, shared = attention + 3 * 7168 * 18432, 3 * 7168 * 2048
+    experts = 256 * 3 * 7168 * 2048
+    moe_layer = attention + 256 * 7168 + experts + shared  # + router
+    total = 3 * dense_layer + 58 * moe_layer + 2 * 129280 * 7168 + 7168
+    assert total == 672_149_632_000  # (the "671B" count ties nothing; ours has its own head)
+    held = sum(est[32 * s].params for s in range(8))  # one rank per pipeline stage, 1/32 of the experts each
+    assert held == total - 58 * experts + 58 * experts // 32
+    # ZeRO-1: dense parameters sharded over dp=32; experts over the expert-data-parallel group, which has one
+    # rank (ep=32 of dp=32), so each rank keeps masters of its own 1/32 of the experts whole: total / 32 in all
+    stages = [est[32 * s] for s in range(8)]
+    masters = sum(e.memory["master_weights"] // 4 for e in stages)
+    assert 0 <= masters * 32 - total < 32 * sum(e.buckets for e in stages)
+    for e in stages:
+        assert e.memory["optimizer_state"] == 2 * e.memory["master_weights"]
+        assert e.comm_bytes_by_kind["all_to_all"] > 0  # the expert all-to-alls, at uniform routing
+
+
+def test_two_rank_measured_comm_bytes_equal_the_prediction():
+    overrides = TINY + ["zero.stage=2", "train.grad_accum=2"]
+    measured = run_multirank(measure, 2, overrides, 2, timeout=240)
+    predicted = estimate(config(overrides), world=2)
+    for r in range(2):
+        assert measured[r]["comm"] == predicted[r].comm_bytes_by_kind
+        assert measured[r]["params"] == predicted[r].params
+
+
+@pytest.mark.slow
+def test_two_rank_tensor_and_sequence_parallel_comm_bytes_equal_the_prediction():
+    for layout in (["parallel.tp=2", "zero.stage=1"], ["parallel.sp=2", "zero.stage=3"]):
+        overrides = TINY + layout
+        measured = run_multirank(measure, 2, overrides, 2, timeout=240)
+        predicted = estimate(config(overrides), world=2)
+        assert [m["comm"] for m in measured] == [p.comm_bytes_by_kind for p in predicted], layout
+
+
+def test_command_line_json_is_one_object_per_rank():
+    out = subprocess.run([sys.executable, "-m", "recipes.plan", "--json", "--world", "2", *TINY, "zero.stage=1"],
+                         capture_output=True, text=True, check=True)
+    ranks = json.loads(out.stdout)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["memory"]["optimizer_state"] == 2 * 4 * TINY_PARAMS // 2
+    assert ranks[0]["comm_bytes_per_step"] == sum(ranks[0]["comm_bytes_by_kind"].values())
+
+
+def test_bad_cluster_is_refused_in_one_line():
+    out = subprocess.run([sys.executable, "-m", "recipes.plan", "cluster=nosuch", *TINY], capture_output=True,
+                         text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "cluster=nosuch" in out.stderr
