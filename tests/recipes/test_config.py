@@ -80,6 +80,8 @@ def test_cli_wrong_type_is_one_line_and_exit_2(tmp_path):
     (["data=bin"], "data.train_path is required (it has no default): set data.train_path=..."),
     (["data.kind=bin"], "data.kind='bin' does not go with data=stdlib"),
     (["model.moe=3"], "model.moe=3 must be a block of keys: set them one by one (model.moe.num_experts=...)"),
+    (["data=tokenized", "data.path=x", "data.packing=docs"], "data.packing='docs' must be document (attention and "
+     "loss stay inside each document) or concat"),
 ])
 def test_in_process_unknown_and_missing_keys(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as info:
