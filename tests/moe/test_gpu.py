@@ -60,3 +60,32 @@ def test_moe_layer_bf16_on_gpu_matches_fp32(capacity_factor):
     assert _rel(y16, y32) < 3e-2
     assert _rel(half.router.weight.grad, ref.router.weight.grad) < 5e-2
     assert _rel(half.experts.w_in.grad, ref.experts.w_in.grad) < 5e-2
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_device_path_is_chosen_on_cuda_never_syncs_in_forward_and_equals_the_host_path(capacity_factor):
+    torch.manual_seed(0)
+    kw = dict(top_k=2, capacity_factor=capacity_factor, num_shared_experts=1, init_std=0.1)
+    host = MoELayer(64, 128, 8, local_path="host", **kw).to(DEVICE, torch.bfloat16)
+    auto = MoELayer(64, 128, 8, **kw).to(DEVICE, torch.bfloat16)
+    auto.load_state_dict(host.state_dict())
+    x = torch.randn(4, 64, 64, device=DEVICE, dtype=torch.bfloat16)
+    g = torch.randn_like(x)
+    assert auto.uses_device_path(x) and not host.uses_device_path(x)
+    auto(x)  # first call: the grouped-GEMM probe and the allocator's first blocks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host synchronisation raises
+    try:
+        x_auto = x.clone().requires_grad_()
+        y_auto = auto(x_auto)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    y_auto.backward(g)
+    x_host = x.clone().requires_grad_()
+    y_host = host(x_host)
+    y_host.backward(g)
+    assert _rel(y_auto, y_host) < 1e-2 and _rel(x_auto.grad, x_host.grad) < 1e-2
+    for (name, p), q in zip(auto.named_parameters(), host.parameters()):
+        assert _rel(p.grad, q.grad) < 2e-2, name
+    for key in ("tokens_per_expert", "tokens_per_local_expert", "dropped"):
+        torch.testing.assert_close(auto.last_stats[key].float(), host.last_stats[key].float())

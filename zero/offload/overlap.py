@@ -73,7 +73,8 @@ class StreamExecutor(InlineExecutor):
             event.synchronize()  # this bucket only: the later ones may still be in flight
 
     def to_device(self, index, src, dst):
-        # src is pinned and is not written again before the next step's device_ready has ordered this copy
+        # src is pinned; the host writes it again only after waiting for the next step's gradient copies, which
+        # this stream runs after this one
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
 
