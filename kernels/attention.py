@@ -22,10 +22,10 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
     _flash_attn_func = _flash_attn_varlen_func = None
 
 try:  # FlexAttention (a recent torch): the document mask on CUDA when flash-attn is not installed
-    from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask as _BlockMask
     from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _create_block_mask = _flex_attention = None
+    _BlockMask = _flex_attention = None
 _compiled_flex = None
 
 BACKENDS = ("auto", "flash", "sdpa", "reference")
@@ -130,17 +130,39 @@ def flash_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.unflatten(0, (b, s))
 
 
-def flex_document_mask(documents: Documents, causal: bool = True):
-    """A FlexAttention BlockMask that keeps each query inside its own document (and causal): blocks that hold
-    no pair of one document are skipped by the kernel."""
+def flex_document_mask(documents: Documents, causal: bool = True, block: int = 128):
+    """A FlexAttention BlockMask that keeps each query inside its own document (and causal), built from the
+    documents' spans per block of `block` tokens (never an element-wise [seq, seq] mask): the kernel skips block
+    pairs that share no document, runs the ones wholly inside one document unmasked, and applies the token-level
+    mask function only where a block pair holds a boundary (or the causal diagonal)."""
     ids = document_ids(documents.position_ids)
     b, s = ids.shape
+    n = -(-s // block)
+    padded = torch.nn.functional.pad(ids, (0, n * block - s), value=-1).view(b, n, block)
+    last = padded.amax(-1)  # documents are numbered in order along the row: a block spans [first, last]
+    first = torch.where(padded >= 0, padded, torch.full_like(padded, torch.iinfo(ids.dtype).max)).amin(-1)
+    rows, cols = torch.arange(n, device=ids.device)[:, None], torch.arange(n, device=ids.device)[None, :]
+    lo, hi = torch.maximum(first[:, :, None], first[:, None, :]), torch.minimum(last[:, :, None], last[:, None, :])
+    shared = lo <= hi  # [b, q block, kv block]: some document is in both
+    whole = (first[:, :, None] == last[:, :, None]) & (first[:, None, :] == last[:, None, :]) & \
+        (first[:, :, None] == first[:, None, :])
+    whole = whole & ~((cols == n - 1) & (s % block != 0))  # the ragged tail needs the mask function
+    if causal:
+        shared, whole = shared & (cols <= rows), whole & (cols < rows)
+
+    def ordered(mask):
+        num = mask.sum(-1, dtype=torch.int32)[:, None]
+        idx = torch.sort(mask.to(torch.uint8), dim=-1, descending=True, stable=True).indices.to(torch.int32)
+        return num.contiguous(), idx[:, None].contiguous()
 
     def mask_mod(batch, head, q_idx, kv_idx):
         same = ids[batch, q_idx] == ids[batch, kv_idx]
         return same & (kv_idx <= q_idx) if causal else same
 
-    return _create_block_mask(mask_mod, b, None, s, s, device=ids.device)
+    kv_num, kv_idx = ordered(shared & ~whole)
+    full_num, full_idx = ordered(whole)
+    return _BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                     seq_lengths=(s, s))
 
 
 def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,

@@ -95,4 +95,27 @@ def test_flex_document_mask_equals_documents_alone():
         warnings.filterwarnings("ignore", message=".*without torch.compile")
         out = flex_document_attention(q, k, v, docs, compiled=False)
     torch.testing.assert_close(out, _by_hand(q, k, v, docs.bounds()), atol=2e-6, rtol=1e-5)
-    assert flex_document_mask(docs) is not None
+
+
+def test_flex_document_block_mask_skips_and_keeps_the_right_blocks():
+    """Block level (16-token blocks, a ragged tail): pairs sharing no document are skipped, pairs inside one
+    document run without the mask function, and eager FlexAttention over the mask equals each document alone."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = (t.detach() for t in _qkv(s=100, dtype=torch.float32))
+    docs = Documents(positions_from_starts(_starts([[0, 40, 41, 90], [0, 16, 33]], 100)))
+    mask = flex_document_mask(docs, block=16)
+    partial = mask.kv_num_blocks[0, 0].tolist()
+    full = mask.full_kv_num_blocks[0, 0].tolist()
+    # row 0: documents [0, 40) [40, 41) [41, 90) [90, 100) over blocks of 16: block 3 (48..63) sees blocks 2
+    # (shares the third document at 41..47: partial) and 3 (diagonal: partial), nothing of blocks 0-1
+    assert (partial[3], full[3]) == (2, 0)
+    assert (partial[4], full[4]) == (2, 1)  # 64..79: block 2 partial, block 3 full, itself partial (diagonal)
+    # row 1: documents [0, 16) [16, 33) [33, 100): block 4 (64..79) with block 3 whole (full), block 2 (32..47,
+    # the boundary at 33) partial, blocks 0-1 skipped
+    assert (mask.kv_num_blocks[1, 0, 4].item(), mask.full_kv_num_blocks[1, 0, 4].item()) == (2, 1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*without torch.compile")
+        out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                             enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out, _by_hand(q, k, v, docs.bounds()), atol=2e-6, rtol=1e-5)
