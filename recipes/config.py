@@ -77,9 +77,23 @@ class TrainConfig:
 
 
 @dataclass
-class OptimConfig:
-    """`optim.*`: AdamW (zero.FastAdamW) with linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio`."""
+class OneBitConfig:
+    """`optim.onebit.*` (optim.name=onebit_adam): AdamW for `warmup_steps`, then frozen variance and 1-bit momentum."""
 
+    warmup_steps: int = 100  # full-precision AdamW steps before the variance freezes and the momentum is compressed
+    block: int = 2048  # elements sharing one fp32 scale in the 1-bit momentum (a multiple of 8; smaller: finer)
+
+
+OPTIMIZERS = ("adamw", "onebit_adam")
+
+
+@dataclass
+class OptimConfig:
+    """`optim.*`: AdamW (zero.FastAdamW) with linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio`;
+    name=onebit_adam: the same AdamW for optim.onebit.warmup_steps, then 1-bit Adam (zero.optim.OneBitAdam)."""
+
+    name: str = "adamw"  # adamw | onebit_adam
+    onebit: OneBitConfig = field(default_factory=OneBitConfig)
     lr: float = 2.0e-3  # peak learning rate (small byte-level models tolerate a high one)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
     warmup_steps: int = 20  # linear warmup steps (0 = none)
@@ -408,6 +422,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio!r} must be in [0, 1]")
     if cfg.optim.grad_clip < 0:
         raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip!r} must be >= 0 (0 turns clipping off)")
+    check_optimizer(cfg)
     if cfg.wandb.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} must be one of offline, online, disabled")
     if not is_hf(cfg):  # (model=hf: check_hf_model)
@@ -421,6 +436,34 @@ def check_config(cfg: DictConfig) -> None:
         check_crop(cfg)
     check_stop(cfg)
     check_layout(cfg)
+
+
+def check_optimizer(cfg: DictConfig) -> None:
+    """optim.name and what it cannot be combined with, refused before any process starts work."""
+    o, z, par = cfg.optim, cfg.zero, cfg.parallel
+    if o.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={o.name!r} must be one of {', '.join(OPTIMIZERS)}")
+    if o.name != "onebit_adam":
+        return
+    _positive_int(cfg, "optim.onebit.warmup_steps")
+    if not isinstance(o.onebit.block, int) or o.onebit.block < 8 or o.onebit.block % 8:
+        raise ConfigError(f"optim.onebit.block={o.onebit.block!r} must be a positive multiple of 8 (signs pack 8 "
+                          "to a byte)")
+    refusal = None
+    if z.stage >= 2:
+        refusal = (f"zero.stage={z.stage}: stages 2-3 reduce-scatter gradients during backward, but the compressed "
+                   "phase needs each rank's whole local gradient; use zero.stage=0 or 1")
+    elif z.dtype == "fp16":
+        refusal = "zero.dtype=fp16 (loss-scale overflows and error feedback do not mix); use bf16 or fp32"
+    elif o.grad_clip:
+        refusal = (f"optim.grad_clip={o.grad_clip} (gradients are never reduced, so their global norm is unknown); "
+                   "set optim.grad_clip=0")
+    elif z.offload_optimizer != "none":
+        refusal = f"zero.offload_optimizer={z.offload_optimizer} (not implemented); use zero.offload_optimizer=none"
+    elif par.tp > 1 or par.pp > 1:
+        refusal = f"parallel.tp={par.tp}, parallel.pp={par.pp} (not implemented); use tp=1 and pp=1"
+    if refusal:
+        raise ConfigError(f"optim.name=onebit_adam does not work with {refusal}")
 
 
 def stop_signal(name: str) -> signal.Signals:

@@ -75,6 +75,7 @@ from sequence_parallel import (
 )
 from zero.dist import comm
 from zero.dist.topology import default_device
+from zero.optim import OneBitAdam
 from zero.parallel.pipeline import Pipeline, apply_pipeline
 from zero.parallel.tensor import apply_tensor_parallel, gather_sequence
 
@@ -189,16 +190,24 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
     return model, parallel
 
 
+def optimizer_factory(cfg: DictConfig):
+    """optim.name's optimizer: the fastest AdamW where the step runs (fused on CPU and CUDA), offloaded or not;
+    onebit_adam: that AdamW for optim.onebit.warmup_steps, then 1-bit compressed momentum."""
+    o = cfg.optim
+    hyper = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    if o.name == "onebit_adam":
+        return OneBitAdam(warmup_steps=o.onebit.warmup_steps, block=o.onebit.block, **hyper)
+    return zero.FastAdamW(**hyper)
+
+
 def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims,
                  parallel: Parallelism) -> zero.Engine:
     """The ZeRO engine over this rank's part of `model` (under pp: its stages only), told by the plans
     what parallelism applied from outside needs from it."""
-    o = cfg.optim
     return zero.initialize(
         model if parallel.pipe is None else parallel.pipe.module,
-        # The fastest AdamW where the step runs (fused on CPU and CUDA), offloaded or not.
-        optimizer=zero.FastAdamW(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay),
-        config=zero.ZeroConfig(grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=o.grad_clip,
+        optimizer=optimizer_factory(cfg),
+        config=zero.ZeroConfig(grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.optim.grad_clip,
                                **OmegaConf.to_container(cfg.zero, resolve=True)),
         dims=dims,
         lr_scheduler=functools.partial(ScheduleLR, cfg=cfg),

@@ -168,10 +168,10 @@ def test_compressed_phase_equals_simulation(world: int, stage: int, accum: int) 
     torch.testing.assert_close(moved, want, rtol=1e-5, atol=1e-7)
     mean = torch.tensor([r["losses"] for r in got]).mean(0)  # each rank's loss is of its own rows
     torch.testing.assert_close(mean, torch.tensor(losses, dtype=mean.dtype), rtol=1e-6, atol=0)
-    # bytes sent, exactly: per compressed step the 1-bit payloads twice and a 4-byte finiteness flag; at stage 1
+    # bytes sent, exactly: per compressed step the 1-bit payloads twice and an 8-byte squared norm; at stage 1
     # also the fp32 parameter all-gather, and once (entering the compressed phase) the momentum all-gather
     n, layout = got[0]["padded"], ChunkLayout(got[0]["padded"], world, BLOCK)
-    per_step = 2 * (world - 1) * layout.payload_bytes + int(2 * (world - 1) / world * 4)
+    per_step = 2 * (world - 1) * layout.payload_bytes + int(2 * (world - 1) / world * 8)
     gather = (world - 1) * n // world * 4 if stage else 0
     assert sum(got[0]["sent"].values()) == (steps - warmup) * (per_step + gather) + gather
 

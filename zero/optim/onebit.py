@@ -16,7 +16,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
-from torch.distributed import ReduceOp
 
 from zero.dist import comm
 from zero.dist.topology import group_size
@@ -141,10 +140,13 @@ class OneBitAdamSteps:
         if self.feedback is None:
             self._freeze()
         grads = [_local_grad(b) for b in zo.trainable]
-        bad = torch.tensor([float(not all(bool(torch.isfinite(g).all()) for g in grads))], device=zo.device)
-        comm.all_reduce(bad, zo.norm_group, op=ReduceOp.MAX)
-        zo.last_grad_norm = None  # (never computed: the gradients are not reduced)
-        if bad.item():
+        # The averaged gradient is never formed, so the reported norm is the root mean square over ranks of
+        # each rank's own gradient norm: 8 bytes that also tell every rank whether some gradient is not finite.
+        square = sum((g.double().square().sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        square = square.reshape(1).to(zo.device)
+        comm.all_reduce(square, zo.norm_group)
+        zo.last_grad_norm = math.sqrt(float(square) / comm.group_size(zo.norm_group))
+        if not math.isfinite(zo.last_grad_norm):
             zo.clear_grads()
             return False
         for i, (b, grad, fb) in enumerate(zip(zo.trainable, grads, self.feedback)):
