@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 import zero
 from recipes.config import is_hf, is_moe, model_config
 from zero.sharding.buckets import split_into_buckets
+from zero.sharding import stage3
 from zero.sharding.stage3 import assign_parameters, find_units
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -181,8 +182,16 @@ def bucket_specs(rm: RankModel, config: zero.ZeroConfig) -> Layout:
     per_unit, root, persistent = assign_parameters(module, units, config.param_persistence_threshold)
     unit_buckets = [_make(params, reductions, owner, rm, 3, False, "unit", None, unit=i)
                     for i, params in enumerate(per_unit)]
-    root_buckets = _make(root, reductions, owner, rm, 3, False, "root", None)
     persistent_buckets = _make(persistent[::-1], reductions, owner, rm, 3, True, "persistent",
                                config.reduce_bucket_size)
-    buckets = [b for bl in unit_buckets[::-1] for b in bl] + root_buckets + persistent_buckets
+    split_root = getattr(stage3, "split_root", None)
+    if split_root is None:  # one root bucket per kind, reduced after the blocks
+        root_buckets = _make(root, reductions, owner, rm, 3, False, "root", None)
+        return Layout([b for bl in unit_buckets[::-1] for b in bl] + root_buckets + persistent_buckets, len(units))
+    # the root cut at reduce_bucket_size, a head reduced before the blocks and an embedding after (the engine's
+    # own split_root)
+    late, early = ([b for group in part for b in _make(group, reductions, owner, rm, 3, False, "root",
+                                                         config.reduce_bucket_size)]
+                   for part in split_root(module, root, per_unit, config.reduce_bucket_size))
+    buckets = late + [b for bl in unit_buckets[::-1] for b in bl] + early + persistent_buckets
     return Layout(buckets, len(units))

@@ -13,12 +13,13 @@ import torch
 def _count_a2a_rows(counter: dict) -> None:
     """Count the token rows the expert all-to-alls send (the routing histogram's part of the bytes)."""
     from moe import dispatch
+    from zero.dist.comm import group_rank
 
     original = dispatch.AllToAllDispatcher.dispatch
 
     def counted(self, x, plan, weights):
         out, state = original(self, x, plan, weights)
-        me = dispatch.group_rank(self.group)
+        me = group_rank(self.group)
         sent = sum(state.input_splits) - state.input_splits[me]
         received = sum(state.output_splits) - state.output_splits[me]
         # dispatch and combine forward; their backward sends as many rows the other way (not in a recompute)
