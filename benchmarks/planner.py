@@ -1,0 +1,232 @@
+"""Planner against measurement: a grid of small layouts on this machine (1-4 gloo ranks; dense and MoE with ep;
+ZeRO 0-3; cpu and nvme offload; pp with 1f1b, interleaved and zbv; tp; sp; checkpointing and tiling), each
+trained a few steps by the recipe and predicted by recipes.planner. Per layout: communication bytes per
+collective kind against zero.dist.comm's counters (every rank; the MoE all-to-all given the measured routing),
+parameter and optimizer-state bytes, peak memory (VmHWM less the process's baseline) and step time (after one
+calibration factor fitted over the grid), and which layout the planner ranks first among each model's 2-rank
+layouts. Results are cached per layout (--cache), so a rerun measures only what is missing; --time-only
+remeasures step times late, when the machine is quieter.
+
+    python benchmarks/planner.py [--cache runs/planner_bench.json] [--only NAME] [--steps 4] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import failed, finish, spawn, table  # noqa: E402
+
+BASE = ["train.micro_batch_size=4", "train.seq_len=128", "model.n_layers=4"]
+DENSE, MOE = ["model=tiny"], ["model=moe_tiny"]
+NVME = "zero.nvme_path=runs/planner_nvme"
+
+
+def grid() -> list[tuple[str, int, list[str]]]:
+    """(name, ranks, overrides) of every layout."""
+    out = []
+    for label, model in (("dense", DENSE), ("moe", MOE)):
+        for name, extra in (("z0", ["zero.stage=0"]), ("z1", ["zero.stage=1"]), ("z3", ["zero.stage=3"]),
+                            ("z2-ckpt", ["zero.stage=2", "train.activation_checkpointing=true"]),
+                            ("z3-cpu", ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu"]),
+                            ("z0-tiled", ["zero.stage=0", "train.tiled_mlp=2", "train.tiled_loss=true"])):
+            out.append((f"{label} 1r {name}", 1, model + extra))
+    dense2 = [("dp2 z0", ["zero.stage=0"]), ("dp2 z1", ["zero.stage=1"]), ("dp2 z2", ["zero.stage=2"]),
+              ("dp2 z3", ["zero.stage=3"]), ("dp2 z2 accum2", ["zero.stage=2", "train.grad_accum=2"]),
+              ("dp2 z1 small buckets", ["zero.stage=1", "zero.reduce_bucket_size=20000"]),
+              ("dp2 z2 cpu", ["zero.stage=2", "zero.offload_optimizer=cpu"]),
+              ("dp2 z3 cpu", ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu"]),
+              ("dp2 z2 nvme", ["zero.stage=2", "zero.offload_optimizer=nvme", NVME]),
+              ("dp2 z3 ckpt", ["zero.stage=3", "train.activation_checkpointing=true"]),
+              ("dp2 z1 tiled", ["zero.stage=1", "train.tiled_mlp=2", "train.tiled_loss=true"]),
+              ("dp2 z2 bf16", ["zero.stage=2", "zero.dtype=bf16"]),
+              ("tp2 z0", ["parallel.tp=2", "zero.stage=0"]), ("tp2 z1", ["parallel.tp=2", "zero.stage=1"]),
+              ("tp2 z3", ["parallel.tp=2", "zero.stage=3"]),
+              ("sp2 z0", ["parallel.sp=2", "zero.stage=0"]), ("sp2 z2", ["parallel.sp=2", "zero.stage=2"]),
+              ("sp2 z3 ckpt", ["parallel.sp=2", "zero.stage=3", "train.activation_checkpointing=true"]),
+              ("pp2 1f1b z1", ["parallel.pp=2", "train.grad_accum=2", "zero.stage=1"]),
+              ("pp2 interleaved z1", ["parallel.pp=2", "train.grad_accum=2", "zero.stage=1",
+                                      "parallel.pp_schedule=interleaved_1f1b"]),
+              ("pp2 zbv z1", ["parallel.pp=2", "train.grad_accum=2", "zero.stage=1", "parallel.pp_schedule=zbv"]),
+              ("pp2 1f1b z2", ["parallel.pp=2", "train.grad_accum=2", "zero.stage=2"]),
+              ("pp2 gpipe z0", ["parallel.pp=2", "train.grad_accum=2", "zero.stage=0", "parallel.pp_schedule=gpipe"])]
+    out += [(f"dense 2r {n}", 2, DENSE + o) for n, o in dense2]
+    moe2 = [("ep2 z0", ["parallel.ep=2", "zero.stage=0"]), ("ep2 z1", ["parallel.ep=2", "zero.stage=1"]),
+            ("ep2 z2", ["parallel.ep=2", "zero.stage=2"]), ("ep2 z3", ["parallel.ep=2", "zero.stage=3"]),
+            ("ep2 z3 ckpt", ["parallel.ep=2", "zero.stage=3", "train.activation_checkpointing=true"]),
+            ("ep1 dp2 z1", ["zero.stage=1"]), ("sp2 ep2 z1", ["parallel.sp=2", "parallel.ep=2", "zero.stage=1"]),
+            ("sp2 ep2 z3", ["parallel.sp=2", "parallel.ep=2", "zero.stage=3"]),
+            ("ep2 z2 cpu", ["parallel.ep=2", "zero.stage=2", "zero.offload_optimizer=cpu"]),
+            ("ep2 z1 bf16", ["parallel.ep=2", "zero.stage=1", "zero.dtype=bf16"]),
+            ("pp2 1f1b z1", ["parallel.pp=2", "train.grad_accum=2", "zero.stage=1"])]
+    out += [(f"moe 2r {n}", 2, MOE + o) for n, o in moe2]
+    dense4 = [("dp4 z0", ["zero.stage=0"]), ("dp4 z1", ["zero.stage=1"]), ("dp4 z3", ["zero.stage=3"]),
+              ("tp2 dp2 z1", ["parallel.tp=2", "zero.stage=1"]), ("sp2 dp2 z2", ["parallel.sp=2", "zero.stage=2"]),
+              ("pp2 dp2 z1", ["parallel.pp=2", "train.grad_accum=2", "zero.stage=1"]),
+              ("tp2 pp2 z0", ["parallel.tp=2", "parallel.pp=2", "train.grad_accum=2", "zero.stage=0"]),
+              ("tp2 sp2 z0", ["parallel.tp=2", "parallel.sp=2", "zero.stage=0"]),
+              ("dp4 z2 cpu", ["zero.stage=2", "zero.offload_optimizer=cpu"])]
+    out += [(f"dense 4r {n}", 4, DENSE + o) for n, o in dense4]
+    moe4 = [("ep4 z1", ["parallel.ep=4", "zero.stage=1"]), ("ep2 dp4 z2", ["parallel.ep=2", "zero.stage=2"]),
+            ("sp2 ep4 z1", ["parallel.sp=2", "parallel.ep=4", "zero.stage=1"]),
+            ("ep4 z3 ckpt", ["parallel.ep=4", "zero.stage=3", "train.activation_checkpointing=true"]),
+            ("pp2 ep2 z1", ["parallel.pp=2", "parallel.ep=2", "train.grad_accum=2", "zero.stage=1"])]
+    out += [(f"moe 4r {n}", 4, MOE + o) for n, o in moe4]
+    return [(name, world, BASE + o) for name, world, o in out]
+
+
+def measure_rank(overrides: list[str], steps: int) -> dict:
+    from recipes.planner.measure import measure
+
+    return measure(overrides, steps)
+
+
+def predict(world: int, overrides: list[str], measured: list[dict] | None, flops: float) -> list[dict]:
+    from recipes.plan import compose_command_line
+    from recipes.planner import estimate, load_cluster
+
+    rows = None if measured is None else {r: m["a2a_rows"] for r, m in enumerate(measured)}
+    cluster = load_cluster("cpu", {"flops": {"fp32": flops, "bf16": flops / 2, "fp16": flops / 2}})
+    ests = estimate(compose_command_line(overrides), cluster, world, a2a_rows=rows)
+    return [e.to_json() for e in ests]
+
+
+def gemm_rate() -> float:
+    """fp32 FLOP/s of one thread on a 256 x 256 GEMM, now (the roofline's calibration)."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    for _ in range(5):
+        a @ b
+    t0, n = time.perf_counter(), 50
+    for _ in range(n):
+        a @ b
+    return 2 * 256**3 * n / (time.perf_counter() - t0)
+
+
+def compare(world: int, measured: list[dict], predicted: list[dict]) -> dict:
+    """Exactness of bytes, memory and the raw (uncalibrated) time ratio of one layout."""
+    comm = all(m["comm"] == p["comm_bytes_by_kind"] for m, p in zip(measured, predicted))
+    params = all(m["params"] == p["params"] for m, p in zip(measured, predicted))
+
+    def both(p: dict, key: str) -> int:
+        return p["memory"].get(key, 0) + p["host_memory"].get(key, 0)
+
+    state = all(m["memory"]["optimizer_state"] == both(p, "optimizer_state") for m, p in zip(measured, predicted))
+    nvme = any("nvme" in o for o in predicted[0].get("overrides", []))
+    peak_m = max(m["peak_rss"] - m["base_rss"] for m in measured)
+    peak_p = max(sum(p["memory"].values()) + sum(p["host_memory"].values()) for p in predicted)
+    t_m = statistics.median(measured[0]["step_times"][1:])
+    t_p = max(p["step_time_s"] for p in predicted)
+    return {"comm_exact": comm, "params_exact": params, "state_exact": state or nvme, "peak_measured": peak_m,
+            "peak_predicted": peak_p, "time_measured": t_m, "time_predicted": t_p,
+            "comm_measured": measured[0]["comm"], "comm_predicted": predicted[0]["comm_bytes_by_kind"]}
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    s = sum((1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1) for i, j in pairs if a[i] != a[j] and b[i] != b[j])
+    return s / max(1, len(pairs))
+
+
+def run(args) -> dict:
+    cache = json.load(open(args.cache)) if os.path.exists(args.cache) else {}
+    flops = cache.setdefault("_gemm_flops", gemm_rate())
+    for name, world, overrides in grid():
+        if args.only and args.only not in name:
+            continue
+        entry = cache.get(name)
+        if entry is None or args.time_only:
+            try:
+                t0 = time.perf_counter()
+                measured = spawn(measure_rank, overrides, args.steps, world=world, timeout=600)
+                entry = {"world": world, "overrides": overrides, "measured": measured,
+                         "wall_s": time.perf_counter() - t0, "load": os.getloadavg()[0]}
+            except Exception as e:  # a layout that fails is reported, the grid goes on
+                failed(name, e)
+                continue
+        entry["predicted"] = predict(world, overrides, entry["measured"], flops)
+        entry["compare"] = compare(world, entry["measured"], entry["predicted"])
+        cache[name] = entry
+        c = entry["compare"]
+        print(f"{name:32s} comm {'exact' if c['comm_exact'] else 'DIFFERS'}  params {c['params_exact']}  "
+              f"state {c['state_exact']}  time {c['time_measured'] * 1e3:7.1f} ms measured, "
+              f"{c['time_predicted'] * 1e3:7.1f} ms predicted (load {entry['load']:.1f})", flush=True)
+        os.makedirs(os.path.dirname(args.cache) or ".", exist_ok=True)
+        with open(args.cache, "w") as f:
+            json.dump(cache, f)
+    return cache
+
+
+def summarize(cache: dict) -> str:
+    """The grid's table and the headline figures (markdown)."""
+    names = [n for n, _, _ in grid() if n in cache and "compare" in cache[n]]
+    cs = [cache[n]["compare"] for n in names]
+    scale = statistics.median(c["time_measured"] / c["time_predicted"] for c in cs) if cs else 1.0
+    rows, time_err, mem_err = [], [], []
+    for n, c in zip(names, cs):
+        te = abs(scale * c["time_predicted"] - c["time_measured"]) / c["time_measured"]
+        me = (c["peak_predicted"] - c["peak_measured"]) / max(1, c["peak_measured"])
+        time_err.append(te)
+        mem_err.append(abs(me))
+        rows.append([n, "exact" if c["comm_exact"] else "differs", "yes" if c["params_exact"] else "no",
+                     "yes" if c["state_exact"] else "no", f"{sum(c['comm_measured'].values()):,}",
+                     f"{c['peak_measured'] / 2**20:.1f}", f"{c['peak_predicted'] / 2**20:.1f}", f"{me:+.0%}",
+                     f"{c['time_measured'] * 1e3:.1f}", f"{scale * c['time_predicted'] * 1e3:.1f}", f"{te:.0%}"])
+    tau = kendall_tau([c["time_measured"] for c in cs], [c["time_predicted"] for c in cs])
+    lines = [table(["layout", "comm bytes (every rank, per kind)", "params", "optimizer state",
+                    "rank-0 comm bytes/step", "peak MiB measured", "predicted", "error", "step ms measured",
+                    "predicted (calibrated)", "error"], rows), ""]
+    n_exact = sum(c["comm_exact"] for c in cs)
+    lines.append(f"- layouts: {len(cs)}; communication bytes per kind equal on every rank: {n_exact}/{len(cs)}; "
+                 f"parameters exact: {sum(c['params_exact'] for c in cs)}/{len(cs)}; optimizer state exact: "
+                 f"{sum(c['state_exact'] for c in cs)}/{len(cs)}")
+    if cs:
+        lines.append(f"- peak memory: median |error| {statistics.median(mem_err):.0%}, within 10% for "
+                     f"{sum(e <= 0.10 for e in mem_err)}/{len(cs)} layouts")
+        lines.append(f"- step time: calibration factor {scale:.2f} (measured / roofline at the measured GEMM rate "
+                     f"{cache.get('_gemm_flops', 0) / 1e9:.1f} GFLOP/s); median error {statistics.median(time_err):.0%}, "
+                     f"Kendall tau {tau:.2f}")
+    for label in ("dense 2r", "moe 2r"):
+        group = [(n, c) for n, c in zip(names, cs) if n.startswith(label)]
+        if group:
+            pick = min(group, key=lambda x: x[1]["time_predicted"])
+            best = min(group, key=lambda x: x[1]["time_measured"])
+            lines.append(f"- planner's pick among the {len(group)} `{label}` layouts: {pick[0]} "
+                         f"({pick[1]['time_measured'] * 1e3:.1f} ms measured) against the measured best {best[0]} "
+                         f"({best[1]['time_measured'] * 1e3:.1f} ms): {pick[1]['time_measured'] / best[1]['time_measured']:.2f}x")
+    loads = [cache[n].get("load", 0) for n in names]
+    if loads:
+        lines.append(f"- load average (1 min) while measuring: median {statistics.median(loads):.1f}, "
+                     f"max {max(loads):.1f} on {os.cpu_count()} cores")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cache", default="runs/planner_bench.json")
+    parser.add_argument("--only", default=None, help="layouts whose name contains this")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--time-only", action="store_true", help="remeasure cached layouts (step times)")
+    parser.add_argument("--write", action="store_true", help="write the table into benchmarks/planner.md")
+    args = parser.parse_args(argv)
+    cache = run(args)
+    text = summarize(cache)
+    print(text)
+    if args.write:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "planner.md")
+        head = open(path).read().split("<!-- table -->")[0] if os.path.exists(path) else "# Planner\n\n"
+        with open(path, "w") as f:
+            f.write(head + "<!-- table -->\n" + text + "\n")
+    finish()
+
+
+if __name__ == "__main__":
+    main()
