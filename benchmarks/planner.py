@@ -191,17 +191,18 @@ def summarize(cache: dict) -> str:
     if cs:
         lines.append(f"- peak memory: median |error| {statistics.median(mem_err):.0%}, within 10% for "
                      f"{sum(e <= 0.10 for e in mem_err)}/{len(cs)} layouts")
+        gflops = cache.get("_gemm_flops", 0) / 1e9
         lines.append(f"- step time: calibration factor {scale:.2f} (measured / roofline at the measured GEMM rate "
-                     f"{cache.get('_gemm_flops', 0) / 1e9:.1f} GFLOP/s); median error {statistics.median(time_err):.0%}, "
-                     f"Kendall tau {tau:.2f}")
+                     f"{gflops:.1f} GFLOP/s); median error {statistics.median(time_err):.0%}, Kendall tau {tau:.2f}")
     for label in ("dense 2r", "moe 2r"):
         group = [(n, c) for n, c in zip(names, cs) if n.startswith(label)]
         if group:
             pick = min(group, key=lambda x: x[1]["time_predicted"])
             best = min(group, key=lambda x: x[1]["time_measured"])
+            ratio = pick[1]["time_measured"] / best[1]["time_measured"]
             lines.append(f"- planner's pick among the {len(group)} `{label}` layouts: {pick[0]} "
                          f"({pick[1]['time_measured'] * 1e3:.1f} ms measured) against the measured best {best[0]} "
-                         f"({best[1]['time_measured'] * 1e3:.1f} ms): {pick[1]['time_measured'] / best[1]['time_measured']:.2f}x")
+                         f"({best[1]['time_measured'] * 1e3:.1f} ms): {ratio:.2f}x")
     loads = [cache[n].get("load", 0) for n in names]
     if loads:
         lines.append(f"- load average (1 min) while measuring: median {statistics.median(loads):.1f}, "

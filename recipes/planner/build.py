@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 
 import zero
 from recipes.config import is_hf, is_moe, model_config
-from zero.sharding.buckets import split_into_buckets
 from zero.sharding import stage3
+from zero.sharding.buckets import split_into_buckets
 from zero.sharding.stage3 import assign_parameters, find_units
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -61,14 +61,12 @@ class RankModel:
 
 def rank_model(cfg: DictConfig, rank: int) -> RankModel:
     """Build rank `rank`'s model (call inside `fake_world`)."""
-    from moe import apply_expert_parallel
+    from moe import MoELayer, apply_expert_parallel
+    from recipes.losses import logits_loss
+    from recipes.models.llama import Transformer
     from sequence_parallel import apply_activation_checkpointing, apply_tiled_mlp, apply_ulysses
     from zero.parallel.pipeline import apply_pipeline
     from zero.parallel.tensor import apply_tensor_parallel
-
-    from moe import MoELayer
-    from recipes.losses import logits_loss
-    from recipes.models.llama import Transformer
 
     if is_hf(cfg):
         raise NotImplementedError("the planner covers the project's Llama family (model=hf is not planned yet)")

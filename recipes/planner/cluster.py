@@ -58,5 +58,6 @@ def load_cluster(name: str = "cpu", overrides: dict | None = None) -> Cluster:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"cluster.{unknown[0]} is not a cluster key; known: {', '.join(sorted(known))}")
-    values["flops"] = {k: float(v) for k, v in values.get("flops", Cluster().flops).items()}  # (yaml reads 6.7e13 as text)
+    # (yaml reads 6.7e13, without a dot, as text)
+    values["flops"] = {k: float(v) for k, v in values.get("flops", Cluster().flops).items()}
     return Cluster(**values)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-import torch
 from omegaconf import DictConfig
 
 import zero
@@ -316,7 +315,6 @@ def estimate(cfg: DictConfig, cluster: Cluster | None = None, world: int | None 
     histogram) instead of uniform routing; `imbalance`: the busiest expert's load over the mean, for the
     dispatch buffers."""
     from recipes.config import check_config
-
     from recipes.planner.layouts import resolve_world, world_env
 
     cluster = cluster or Cluster()
