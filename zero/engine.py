@@ -22,11 +22,11 @@ from zero.contract import ModelContract
 from zero.dist import comm
 from zero.dist.topology import ParallelDims, default_device, group_size, peak_rss_bytes
 from zero.offload.nvme import check_nvme_path, pin_mmap_threshold
-from zero.optim.onebit import OneBitAdam, StepOverride
+from zero.optim.bound import BoundOptimizer, StepOverride
 from zero.plan import Placement, Plan, ReduceGroup, RuntimeFacts
 from zero.sharding.buckets import FlatBucket, split_into_buckets
 from zero.sharding.optimizer import FullGradReducer, ZeroOptimizer
-from zero.sharding.stage3 import Stage3Hooks, assign_parameters, find_units
+from zero.sharding.stage3 import Stage3Hooks, assign_parameters, find_units, split_root
 from zero.state.checkpoint import load_checkpoint, save_checkpoint
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -166,8 +166,9 @@ class Engine:
             rank=self._rank,
         )
         self.optimizer = self.zero_optimizer.optimizer
-        # An optimizer that changes what is communicated (1-bit Adam) takes over the steps it compresses.
-        self.step_override: StepOverride | None = optimizer.bind(self) if isinstance(optimizer, OneBitAdam) else None
+        # An optimizer that changes what is communicated (1-bit Adam, DiLoCo) takes over the steps it changes.
+        self.step_override: StepOverride | None = (
+            optimizer.bind(self) if isinstance(optimizer, BoundOptimizer) else None)
         self.device = self.zero_optimizer.device
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         # backward calls, optimizer steps taken, steps skipped for a non-finite gradient (fp16 or divergence)
@@ -306,15 +307,19 @@ class Engine:
         per_unit, root, persistent = assign_parameters(model, units, config.param_persistence_threshold)
         self._check_param_offload_space([x for unit in per_unit for x in unit] + root, reductions, owner)
         unit_buckets = [self._make_buckets(params, reductions, owner, False) for params in per_unit]
-        root_buckets = self._make_buckets(root, reductions, owner, False)
+        # The root cut at reduce_bucket_size, in backward order: a head reduces before the blocks, an embedding after.
+        root_late, root_early = ([b for group in part for b in self._make_buckets(
+            group, reductions, owner, False, config.reduce_bucket_size)]
+            for part in split_root(model, root, per_unit, config.reduce_bucket_size))
         persistent_buckets = self._make_buckets(
             persistent[::-1], reductions, owner, True, config.reduce_bucket_size
         )
         hooks = Stage3Hooks(
-            model, units, unit_buckets, root_buckets, {id(p) for _, p in root}, config.prefetch_depth
+            model, units, unit_buckets, root_late + root_early, {id(p) for _, p in root}, config.prefetch_depth
         )
-        # Reduction order: blocks last-to-first (backward order), then the root, then the small ones.
-        buckets = [b for bl in unit_buckets[::-1] for b in bl] + root_buckets + persistent_buckets
+        # Reduction order (backward's): the root used after the blocks, blocks last-to-first, the rest of the
+        # root, then the small ones.
+        buckets = root_late + [b for bl in unit_buckets[::-1] for b in bl] + root_early + persistent_buckets
         return buckets, hooks
 
     @property

@@ -62,6 +62,13 @@ def _reduce(bucket: FlatBucket, flat: torch.Tensor, async_op: bool):
     return flat, comm.all_reduce(flat, bucket.grad_group, async_op=async_op)
 
 
+def _whole(bucket: FlatBucket, grad: torch.Tensor) -> bool:
+    """Whether `grad` can serve as the bucket's flat staging buffer itself: the bucket holds one parameter,
+    unpadded, and the gradient is a dense contiguous tensor of the bucket's dtype and device."""
+    return (len(bucket.params) == 1 and bucket.padded == grad.numel() and grad.layout == torch.strided
+            and grad.is_contiguous() and grad.dtype == bucket.dtype and grad.device == bucket.device)
+
+
 class FullGradReducer:
     """Stages 0-1: every rank keeps the full gradient in flat buffers; reduced once per optimizer step."""
 
@@ -179,6 +186,12 @@ class HookGradReducer:
                     progress.late = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
                 progress.late[o : o + n].add_(g.reshape(-1))
                 return
+            if progress.staging is None and _whole(b, g):
+                # The bucket's one parameter fills it: its gradient (autograd's own, .grad is dropped)
+                # is the staging buffer, not copied into a second full-size one.
+                progress.staging = g.view(-1)
+                self._arrived(progress, i)
+                return
             if progress.staging is None:
                 progress.staging = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
             view = progress.staging[o : o + n]
@@ -186,9 +199,14 @@ class HookGradReducer:
                 view.add_(g.reshape(-1))
                 return
             view.copy_(g.reshape(-1))
+        self._arrived(progress, i)
+
+    def _arrived(self, progress: _BucketProgress, i: int) -> None:
+        """Parameter i's first gradient of this backward is staged: launch the bucket when it is complete."""
         progress.arrived[i] = True
         progress.missing -= 1
         if progress.missing == 0:
+            b = progress.bucket
             if self.on_complete is not None:
                 self.on_complete(b)
             self._advance(b.reduce_group, flush=False)
