@@ -44,6 +44,7 @@ ATTN_CASES = ((1, 32768, 16, 16, 128), (1, 32768, 16, 4, 128))
 ATTN_SMOKE = ((1, 256, 4, 4, 16), (1, 256, 4, 2, 16))
 
 _results: Path | None = None
+_json: Path | None = None  # the machine-readable figures (--json), one flat object
 
 
 class _TimeLimit(BaseException):
@@ -56,6 +57,15 @@ def emit(line: str = "") -> None:
     if _results is not None:
         with _results.open("a") as f:
             f.write(line + "\n")
+
+
+def record(**values) -> None:
+    """Machine-readable figures: merged into the --json file (a flat object) when one is given."""
+    if _json is None:
+        return
+    data = json.loads(_json.read_text()) if _json.exists() else {}
+    data.update(values)
+    _json.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def peak_flops(device: torch.device) -> tuple[float | None, str]:
@@ -111,6 +121,10 @@ def cmd_env(args) -> None:
              f"dense bf16 peak {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown peak'}")
     for dist in ("flash-attn", "deepspeed", "triton"):
         emit(f"{dist}: {_version(dist) or 'not installed'}")
+    if _json is not None:  # the first part of a check: a fresh file
+        _json.write_text("{}\n")
+        record(gpu=name, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch=torch.__version__,
+               cuda=torch.version.cuda, peak_bf16_flops=peak, smoke=bool(args.smoke))
 
 
 # ---------------------------------------------------------------------------- MoE layer
@@ -162,45 +176,133 @@ def _moe_step(layer, x: torch.Tensor, g: torch.Tensor, deepspeed: bool):
     return step
 
 
-def cmd_moe(args) -> None:
+def _moe_layer(name: str, dim: int, ffn: int, experts: int, device, dtype):
+    """"ours" (local_path auto: the device path on CUDA, the host path on a CPU), "ours (<path> path)" (that
+    path explicitly) or "deepspeed"."""
     from moe import MoELayer
+
+    with torch.device(device):  # weights made and initialised on the device
+        if name == "deepspeed":
+            return _deepspeed_moe(dim, ffn, experts, device, dtype).to(dtype)
+        path = name.split("(")[1].split()[0] if "(" in name else "auto"
+        return MoELayer(dim, ffn, experts, top_k=TOP_K, activation="gelu", local_path=path).to(dtype)
+
+
+def _moe_row(name: str, case: tuple, bound: float, device, dtype, warmup: int, iters: int) -> None:
+    tokens, dim, ffn, experts = case
+    flops = moe_flops(tokens, dim, ffn, experts)
+    peak, _ = peak_flops(device)
+    x = torch.randn(1, tokens, dim, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(1, tokens, dim, device=device, dtype=dtype)
+    layer = None
+    try:
+        layer = _moe_layer(name, dim, ffn, experts, device, dtype)
+        t = median_time(_moe_step(layer, x, g, name == "deepspeed"), device, warmup, iters)
+    except Exception as e:  # noqa: BLE001 - a failing peer is a result, not the end of the check
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        emit(f"| {tokens} | {dim} | {ffn} | {experts} | {name} | failed: {why} | | | |")
+        return
+    finally:
+        del layer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    emit(f"| {tokens} | {dim} | {ffn} | {experts} | {name} | {t * 1e3:.2f} | {flops / t / 1e12:.1f} | "
+         f"{t / bound:.2f} | {mfu_text(flops / t, peak)} |")
+    common.print_ratio(f"MoE {tokens} tokens x {experts} experts, {name} time / GEMM bound", t / bound)
+    key = {"ours": "", "ours (host path)": "_host", "ours (device path)": "_device"}.get(name, "_deepspeed")
+    record(**{f"moe_e{experts}{key}_over_bound": round(t / bound, 4), f"moe_e{experts}{key}_ms": t * 1e3})
+
+
+def cmd_moe(args) -> None:
     from moe.experts import grouped_mm_supported
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     peak, _ = peak_flops(device)
     warmup, iters = (1, 2) if args.smoke else (3, 10)
     have_ds = common.deepspeed_runs("DeepSpeed MoE")
-    emit(f"MoE layer fwd+bwd on {device.type}, {args.dtype}, top-{TOP_K}, GELU experts; ours dropless, "
-         f"DeepSpeed capacity 1.25; median of {iters} passes after {warmup} warm-up")
+    other = "ours (host path)" if device.type == "cuda" else "ours (device path)"
+    emit(f"MoE layer fwd+bwd on {device.type}, {args.dtype}, top-{TOP_K}, GELU experts; ours dropless (its default "
+         f"path here: {'device' if device.type == 'cuda' else 'host'}; then {other}), DeepSpeed capacity 1.25; "
+         f"median of {iters} passes after {warmup} warm-up")
     emit("| tokens | dim | ffn | E | impl | ms | TFLOP/s | time / bound | MFU |")
     emit("|---|---|---|---|---|---|---|---|---|")
-    for tokens, dim, ffn, experts in MOE_SMOKE if args.smoke else MOE_CASES:
-        flops = moe_flops(tokens, dim, ffn, experts)
+    for case in MOE_SMOKE if args.smoke else MOE_CASES:
+        tokens, dim, ffn, experts = case
         rate = gemm_rate(tokens, dim, ffn, experts, device, dtype, warmup, iters)
-        bound = flops / rate
-        x = torch.randn(1, tokens, dim, device=device, dtype=dtype, requires_grad=True)
-        g = torch.randn(1, tokens, dim, device=device, dtype=dtype)
-        for name in ("ours", "deepspeed") if have_ds else ("ours",):
-            try:
-                with torch.device(device):  # weights made and initialised on the device
-                    layer = (MoELayer(dim, ffn, experts, top_k=TOP_K, activation="gelu") if name == "ours"
-                             else _deepspeed_moe(dim, ffn, experts, device, dtype)).to(dtype)
-                t = median_time(_moe_step(layer, x, g, name == "deepspeed"), device, warmup, iters)
-            except Exception as e:  # noqa: BLE001 - a failing peer is a result, not the end of the check
-                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-                emit(f"| {tokens} | {dim} | {ffn} | {experts} | {name} | failed: {why} | | | |")
-                continue
-            finally:
-                layer = None
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            emit(f"| {tokens} | {dim} | {ffn} | {experts} | {name} | {t * 1e3:.2f} | {flops / t / 1e12:.1f} | "
-                 f"{t / bound:.2f} | {mfu_text(flops / t, peak)} |")
-            common.print_ratio(f"MoE {tokens} tokens x {experts} experts, {name} time / GEMM bound", t / bound)
+        bound = moe_flops(tokens, dim, ffn, experts) / rate
+        for name in ("ours", other, *(("deepspeed",) if have_ds else ())):
+            _moe_row(name, case, bound, device, dtype, warmup, iters)
         emit(f"| {tokens} | {dim} | {ffn} | {experts} | GEMM bound (batched bmm) | "
              f"{bound * 1e3:.2f} | {rate / 1e12:.1f} | 1.00 | {mfu_text(rate, peak)} |")
     path = "torch._grouped_mm" if grouped_mm_supported(device, dtype, dim, ffn) else "a per-expert loop"
     emit(f"expert GEMMs ran as: {path}; DeepSpeed: {_version('deepspeed') or 'not installed'}")
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor ops that read values on the host (each a device-to-host synchronisation on a GPU)."""
+
+    NAMES = {"tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__", "bincount",
+             "nonzero", "masked_select", "unique"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        bool_index = name == "__getitem__" and isinstance(args[1], torch.Tensor) and args[1].dtype == torch.bool
+        self.count += name in self.NAMES or bool_index or (
+            name == "repeat_interleave" and "output_size" not in kwargs and len(args) > 1
+            and isinstance(args[1], torch.Tensor))
+        return func(*args, **kwargs)
+
+
+def _profile_moe(layer, x, g, device, passes: int):
+    """(profiler key averages, device-to-host copies, synchronising runtime calls) over `passes` fwd+bwd."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _moe_step(layer, x, g, False)
+    step()
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(passes):
+            step()
+        _sync(device)
+    events = prof.events()
+    d2h = sum(1 for e in events if "DtoH" in e.name or "Device -> Pageable" in e.name or "Device -> Pinned" in e.name)
+    syncs = sum(1 for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                "cudaEventSynchronize"))
+    return prof.key_averages(), d2h, syncs - 1  # the one _sync after the passes is ours
+
+
+def cmd_moe_profile(args) -> None:
+    """The device path of the MoE layer profiled: its top kernels by time and the device-to-host syncs per pass."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    tokens, dim, ffn, experts = MOE_SMOKE[0] if args.smoke else MOE_CASES[1]
+    passes = 2 if args.smoke else 3
+    x = torch.randn(1, tokens, dim, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(1, tokens, dim, device=device, dtype=dtype)
+    for path in ("device", "host"):
+        layer = _moe_layer(f"ours ({path} path)", dim, ffn, experts, device, dtype)
+        with _HostReads() as reads:
+            layer(x)
+        averages, d2h, syncs = _profile_moe(layer, x, g, device, passes)
+        time_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        top = sorted((a for a in averages if getattr(a, time_key, 0) > 0), key=lambda a: -getattr(a, time_key))
+        total = sum(getattr(a, time_key) for a in top) or 1.0
+        emit(f"MoE {path} path, {tokens} tokens x {experts} experts (ffn {ffn}), {args.dtype}, {passes} fwd+bwd: "
+             f"host-reading ops in forward {reads.count}; per pass {d2h / passes:.1f} device-to-host copies, "
+             f"{max(syncs, 0) / passes:.1f} synchronising CUDA calls")
+        emit(f"| top {'kernels' if device.type == 'cuda' else 'ops'} by self time | calls | ms per pass | share |")
+        emit("|---|---|---|---|")
+        for a in top[:10]:
+            emit(f"| {a.key[:90]} | {a.count // passes} | {getattr(a, time_key) / passes / 1e3:.3f} | "
+                 f"{getattr(a, time_key) / total:.1%} |")
+        record(**{f"moe_{path}_forward_host_reads": reads.count, f"moe_{path}_d2h_per_pass": d2h / passes,
+                  f"moe_{path}_syncs_per_pass": max(syncs, 0) / passes})
+        del layer
 
 
 # ---------------------------------------------------------------------------- Ulysses attention
@@ -283,6 +385,7 @@ def cmd_sparse(args) -> None:
         err = max((out.cpu() - ref).abs().max().item(), *((a.cpu() - b).abs().max().item()
                                                            for a, b in zip(grads, ref_grads)))
         emit(f"- {name}: max |difference| of output and q/k/v gradients {err:.2e} ({'ok' if err < 1e-2 else 'FAIL'})")
+        record(**{f"sparse_{name}_max_err_vs_cpu": err})
     # 2. speed at long sequences, causal, bf16 on GPU
     h, hkv, d = (4, 2, 16) if args.smoke else (16, 4, 128)
     emit(f"Forward+backward on {device.type}, {args.dtype}, batch 1, {h} heads / {hkv} kv heads, head_dim {d}, "
@@ -290,12 +393,16 @@ def cmd_sparse(args) -> None:
     emit("| seq | impl | ms | dense / impl |")
     emit("|---|---|---|---|")
     for s in SPARSE_SMOKE if args.smoke else SPARSE_CASES:
-        _sparse_speed(s, h, hkv, d, device, dtype, warmup, iters)
+        times = _sparse_speed(s, h, hkv, d, device, dtype, warmup, iters)
+        size = f"{s // 1024}k" if s >= 1024 else str(s)
+        if "dense SDPA" in times:
+            record(**{f"sparse_{name.replace('_window', '')}_{size}_speedup": round(times["dense SDPA"] / t, 4)
+                      for name, t in times.items() if name != "dense SDPA"})
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
 
-def _sparse_speed(s: int, h: int, hkv: int, d: int, device, dtype, warmup: int, iters: int) -> None:
+def _sparse_speed(s: int, h: int, hkv: int, d: int, device, dtype, warmup: int, iters: int) -> dict[str, float]:
     from moe_lst.kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
     from moe_lst.kernels.sparse import SparseConfig, block_layout, block_sparse_attention
 
@@ -333,6 +440,7 @@ def _sparse_speed(s: int, h: int, hkv: int, d: int, device, dtype, warmup: int, 
         emit(f"| {s} | {name} | {times[name] * 1e3:.2f} | {ratio:.2f} |")
         if name != "dense SDPA":
             common.print_ratio(f"sparse seq {s}, dense SDPA / {name} time", ratio)
+    return times
 
 
 # ---------------------------------------------------------------------------- recipe
@@ -342,7 +450,10 @@ OFFLOAD_MODES = (("none", {}), ("optimizer cpu", {"offload_optimizer": "cpu"}),
                  ("optimizer + params nvme", {"offload_optimizer": "nvme", "offload_params": "nvme"}))
 
 
-def _offload_run(model_cfg, offload: dict, device, batch: int, seq: int, steps: int, nvme: str) -> dict:
+def _offload_run(model_cfg, offload: dict, device, batch: int, seq: int, steps: int, nvme: str,
+                 accum: int = 1) -> dict:
+    """Median step time (steps after the first two: the delayed update starts after one ordinary step) and
+    the losses of ZeRO-3 on a Llama with `offload`, `accum` micro-batches of batch x seq per step."""
     import torch.nn.functional as F
 
     from recipes.models.llama import Transformer
@@ -351,7 +462,7 @@ def _offload_run(model_cfg, offload: dict, device, batch: int, seq: int, steps: 
     with torch.device(device):
         model = Transformer(model_cfg)
     engine = common.initialize(model, common.fast_adamw(lr=1e-4, weight_decay=0.1), stage=3,
-                               dtype="bf16" if device.type == "cuda" else "fp32",
+                               dtype="bf16" if device.type == "cuda" else "fp32", grad_accum_steps=accum,
                                **offload, **({"nvme_path": nvme} if "nvme" in offload.values() else {}))
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -360,58 +471,88 @@ def _offload_run(model_cfg, offload: dict, device, batch: int, seq: int, steps: 
     times, losses = [], []
     try:
         for _ in range(steps):
-            x = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1), generator=gen).to(device)
             _sync(device)
             t0 = time.perf_counter()
-            loss = F.cross_entropy(engine(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
-            engine.backward(loss)
+            total = 0.0
+            for _ in range(accum):
+                x = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1), generator=gen).to(device)
+                loss = F.cross_entropy(engine(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
+                engine.backward(loss)
+                total += loss.detach() / accum
             engine.step()
             _sync(device)
             times.append(time.perf_counter() - t0)
-            losses.append(loss.item())
+            losses.append(total.item())
     finally:
         engine.close()
-    return {"step_s": statistics.median(times[1:]), "losses": losses}
+    return {"step_s": statistics.median(times[2:] or times[1:]), "losses": losses}
+
+
+def _offload_table(cfg, modes, device, batch: int, seq: int, steps: int, accum: int, nvme: str) -> dict:
+    """One row per offload mode (the first is no offload, the base of the ratios); {label: run}."""
+    import psutil
+
+    emit("| offload | step s | / none | peak GPU GiB | host RSS GiB | loss first -> last |")
+    emit("|---|---|---|---|---|---|")
+    base, runs = None, {}
+    for label, offload in modes:
+        try:
+            r = _offload_run(cfg, offload, device, batch, seq, steps, nvme, accum)
+        except Exception as e:  # noqa: BLE001 - one failing mode is a result, not the end of the check
+            emit(f"| {label} | failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]} | | | | |")
+            continue
+        base = base or (r["step_s"] if not offload else None)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+        rss = psutil.Process().memory_info().rss / 2**30
+        ratio = f"{r['step_s'] / base:.2f}" if base else "-"
+        emit(f"| {label} | {r['step_s']:.3f} | {ratio} | {peak:.2f} | {rss:.2f} | "
+             f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")
+        if base and offload:
+            common.print_ratio(f"ZeRO-3 step time{f' at {accum} micro-batches' if accum > 1 else ''}, "
+                               f"offload {label} / none", r["step_s"] / base)
+        r["over_none"] = r["step_s"] / base if base else None
+        runs[label] = r
+    return runs
+
+
+DELAYED_MODES = (("none", {}), ("optimizer cpu", {"offload_optimizer": "cpu"}),
+                 ("optimizer cpu, delayed update", {"offload_optimizer": "cpu", "offload_delayed_update": True,
+                                                    "offload_delayed_warmup_steps": 1}))
 
 
 def cmd_offload(args) -> None:
     import tempfile
 
-    import psutil
-
-    from recipes.models.llama import ModelConfig
+    from recipes.models.llama import ModelConfig, Transformer
 
     device = torch.device(args.device)
     if args.smoke:
-        cfg, batch, seq, steps = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=64), 2, 64, 3
+        cfg, batch, seq, steps = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=64), 2, 64, 4
     else:  # ~0.45B parameters
         cfg = ModelConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, max_seq_len=1024)
-        batch, seq, steps = 4, 1024, 3
-    from recipes.models.llama import Transformer
-
+        batch, seq, steps = 4, 1024, 4
     with torch.device("meta"):
         n_params = sum(p.numel() for p in Transformer(cfg).parameters())
     emit(f"ZeRO-3 offload on one {device.type} rank, {'bf16' if device.type == 'cuda' else 'fp32'}, "
          f"Llama {n_params / 1e6:.1f}M (dim {cfg.dim} x {cfg.n_layers} layers), batch {batch} x seq {seq}, FastAdamW; "
-         f"median step of steps 2..{steps}")
-    emit("| offload | step s | / none | peak GPU GiB | host RSS GiB | loss first -> last |")
-    emit("|---|---|---|---|---|---|")
-    base = None
+         f"median step of steps 3..{steps}")
     with tempfile.TemporaryDirectory(prefix="gpu_check_nvme_") as nvme:
-        for label, offload in OFFLOAD_MODES:
-            try:
-                r = _offload_run(cfg, offload, device, batch, seq, steps, nvme)
-            except Exception as e:  # noqa: BLE001 - one failing mode is a result, not the end of the check
-                emit(f"| {label} | failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]} | | | | |")
-                continue
-            base = base or (r["step_s"] if not offload else None)
-            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-            rss = psutil.Process().memory_info().rss / 2**30
-            ratio = f"{r['step_s'] / base:.2f}" if base else "-"
-            emit(f"| {label} | {r['step_s']:.3f} | {ratio} | {peak:.2f} | {rss:.2f} | "
-                 f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
-            if base and offload:
-                common.print_ratio(f"ZeRO-3 step time, offload {label} / none", r["step_s"] / base)
+        runs = _offload_table(cfg, OFFLOAD_MODES, device, batch, seq, steps, 1, nvme)
+        if "none" not in runs or "optimizer cpu" not in runs:
+            return
+        # A batch at which forward + backward outlast the host step: enough micro-batches per step to cover it
+        # one and a half times (the host step is what optimizer cpu adds to a step of one micro-batch).
+        host_s = max(runs["optimizer cpu"]["step_s"] - runs["none"]["step_s"], 0.0)
+        accum = 2 if args.smoke else int(min(32, max(2, math.ceil(1.5 * host_s / runs["none"]["step_s"]))))
+        emit(f"host step ~{host_s:.3f} s, forward + backward of one micro-batch ~{runs['none']['step_s']:.3f} s: "
+             f"the same at {accum} micro-batches per step ({accum * batch * seq} tokens), with the delayed update")
+        runs = _offload_table(cfg, DELAYED_MODES, device, batch, seq, steps + 1, accum, nvme)
+    if {label for label, _ in DELAYED_MODES} <= set(runs):
+        record(offload_accum=accum, offload_host_step_s=host_s,
+               offload_cpu_over_none=round(runs["optimizer cpu"]["over_none"], 4),
+               offload_delayed_over_none=round(runs["optimizer cpu, delayed update"]["over_none"], 4),
+               offload_cpu_same_losses=runs["optimizer cpu"]["losses"] == runs["none"]["losses"],
+               offload_losses={label: r["losses"] for label, r in runs.items()})
 
 
 def model_flops_per_token(model: dict, seq_len: int) -> tuple[int, int]:
@@ -441,7 +582,8 @@ def model_flops_per_token(model: dict, seq_len: int) -> tuple[int, int]:
     return active, 6 * layers * seq_len * heads * head_dim
 
 
-def report_recipe(run_dir: Path, label: str, exit_code, stopped: bool, on_gpu: bool, wall_s: float) -> None:
+def report_recipe(run_dir: Path, label: str, exit_code, stopped: bool, on_gpu: bool, wall_s: float) -> dict:
+    """Prints the run's figures; returns them (tokens/s, step time, MFU as a fraction of peak or None)."""
     from omegaconf import OmegaConf
 
     metrics = run_dir / "metrics.jsonl"
@@ -451,7 +593,7 @@ def report_recipe(run_dir: Path, label: str, exit_code, stopped: bool, on_gpu: b
     where = "on the GPU" if on_gpu else "on the CPU (no CUDA memory was allocated)"
     if not records:
         emit(f"recipe {label}: no steps recorded ({how}, {wall_s:.0f} s); see the log above")
-        return
+        return {}
     warm = min(5, len(records) // 3)  # first steps: allocator growth, kernel selection
     steady = records[warm:]
     tok_s = statistics.median(r["tokens_per_s"] for r in steady)
@@ -469,6 +611,8 @@ def report_recipe(run_dir: Path, label: str, exit_code, stopped: bool, on_gpu: b
         mfu = mfu_text(flops_per_token * tok_s, peak)
     emit(f"recipe {label}: {active / 1e6:.1f}M active matmul params, {flops_per_token / 1e6:.1f} MFLOP/token "
          f"(6 x params + {attn / 1e6:.1f}M attention), {flops_per_token * tok_s / 1e12:.2f} TFLOP/s, MFU {mfu}")
+    return {"tokens_per_s": tok_s, "step_s": step_s, "steps": len(records), "active_params": active,
+            "mfu": flops_per_token * tok_s / peak if on_gpu and peak else None}
 
 
 def cmd_recipe(args) -> int:
@@ -491,12 +635,18 @@ def cmd_recipe(args) -> int:
     wall = time.perf_counter() - t0
     # The recipe places its tensors itself; a GPU run leaves a CUDA high-water mark, a CPU run none.
     on_gpu = torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 2**20
-    report_recipe(run_dir, args.label, code, stopped, on_gpu, wall)
+    figures = report_recipe(run_dir, args.label, code, stopped, on_gpu, wall)
+    if on_gpu:
+        figures["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        emit(f"recipe {args.label}: peak GPU memory {figures['peak_gib']:.1f} GiB (allocated)")
+    if args.key:
+        record(**{f"{name}_{args.key}": value for name, value in figures.items()})
     (run_dir / "gpu_check.json").write_text(json.dumps({"on_gpu": on_gpu, "exit": code, "stopped": stopped}))
     return 124 if stopped else code
 
 
-PARTS = {"env": cmd_env, "moe": cmd_moe, "ulysses": cmd_ulysses, "sparse": cmd_sparse, "offload": cmd_offload}
+PARTS = {"env": cmd_env, "moe": cmd_moe, "moe_profile": cmd_moe_profile, "ulysses": cmd_ulysses, "sparse": cmd_sparse,
+         "offload": cmd_offload}
 # --quick's recipe: the tiny dense model, a few short steps
 QUICK_RECIPE = ["model=tiny", "train.steps=4", "train.seq_len=64", "train.micro_batch_size=2",
                 "data.max_bytes=2000000", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0",
@@ -504,11 +654,13 @@ QUICK_RECIPE = ["model=tiny", "train.steps=4", "train.seq_len=64", "train.micro_
 
 
 def main() -> int:
-    global _results
+    global _results, _json
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", nargs="?", choices=(*PARTS, "recipe"))
     ap.add_argument("overrides", nargs="*", help="recipe: hydra overrides, e.g. zero.dtype=bf16 model=moe_small")
     ap.add_argument("--results", help="file the figures are appended to (besides stdout)")
+    ap.add_argument("--json", help="file the headline figures are merged into (a flat JSON object; env starts it)")
+    ap.add_argument("--key", help="recipe: the suffix of its figures in --json (e.g. dense: mfu_dense)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to exercise the code on a CPU")
@@ -517,6 +669,7 @@ def main() -> int:
     ap.add_argument("--label", default="run", help="recipe: the name its figures carry")
     args = ap.parse_intermixed_args()  # recipe overrides may follow the options
     _results = Path(args.results) if args.results else None
+    _json = Path(args.json) if args.json else None
     if args.quick:
         if args.part:
             ap.error("--quick runs every part: no subcommand")

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One-shot check on a machine with one CUDA GPU, in under 8 minutes: the GPU-marked tests, the MoE
-# layer against its GEMM bound (and DeepSpeed), Ulysses attention at sp=1 against SDPA, block-sparse
-# attention (FlexAttention) against its PyTorch path and SDPA, and a short bf16 recipe run with tokens/s and MFU. Every figure goes to stdout and to one results file.
+# One-shot check on a machine with one CUDA GPU, in under 10 minutes: the MoE layer against its GEMM
+# bound (device and host paths, DeepSpeed if installed) and its profile (top kernels, device-to-host
+# syncs), block-sparse attention and NSA, ZeRO-3 offload (with the delayed update at a batch whose
+# backward outlasts the host step), the recipe on a ~1B dense Llama and a Qwen3-30B-A3B-shaped MoE
+# scaled to ~2.5B (bf16: tokens/s, MFU, peak memory), the GPU-marked tests and Ulysses at sp=1. Every
+# figure goes to stdout and to one results file; the headline figures also to benchmarks/gpu_results.json.
 #
 #   bash benchmarks/gpu_check.sh [results_file]   # default: runs/gpu_check-<time>/gpu_check_results.txt
 #
@@ -22,7 +25,7 @@ if [[ -z $PY ]]; then  # the first interpreter on PATH that has torch ($PYTHON c
   done
   PY=${PY:-$(command -v python3 || command -v python)}
 fi
-BUDGET_S=${GPU_CHECK_BUDGET_S:-450}  # all parts; 30 s left of the 8 minutes for start-up and clean-up
+BUDGET_S=${GPU_CHECK_BUDGET_S:-540}  # all parts; 60 s left of the 10 minutes for start-up and clean-up
 # GPU_CHECK_SMOKE=1 runs every part on the CPU at tiny sizes: a test of this script, not a measurement.
 SMOKE=${GPU_CHECK_SMOKE:-0}
 
@@ -38,6 +41,8 @@ RESULTS=${1:-$RUN_DIR/gpu_check_results.txt}
 mkdir -p "$RUN_DIR" "$(dirname "$RESULTS")"
 RESULTS=$(cd "$(dirname "$RESULTS")" && pwd)/$(basename "$RESULTS")
 : >"$RESULTS"
+# the machine-readable figures: the repository's file on a GPU, the run folder's in a smoke run
+JSON=${GPU_CHECK_JSON:-$ROOT/benchmarks/gpu_results.json}
 PYDEPS=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_pydeps.XXXXXX")
 trap 'rm -rf "$PYDEPS"' EXIT
 export PYTHONPATH="$ROOT:$PYDEPS${PYTHONPATH:+:$PYTHONPATH}"
@@ -78,8 +83,10 @@ if [[ $SMOKE == 1 ]]; then
   say "SMOKE RUN (GPU_CHECK_SMOKE=1): CPU, tiny sizes; the figures below measure nothing"
   device_args=(--device cpu --dtype float32 --smoke)
   recipe_size=(train.steps=6 train.micro_batch_size=4 train.seq_len=128 data.max_bytes=2000000)
+  JSON=${GPU_CHECK_JSON:-$RUN_DIR/gpu_results.json}
 fi
-run_part env 60 "$PY" benchmarks/gpu_check.py env --results "$RESULTS" "${device_args[@]}"
+device_args+=(--json "$JSON")
+run_part env 40 "$PY" benchmarks/gpu_check.py env --results "$RESULTS" "${device_args[@]}"
 
 # ---- pure-Python packages from benchmarks/wheels, only those that do not import
 say ""
@@ -107,9 +114,44 @@ say "python packages missing: ${missing[*]:-none}"
 # zero/engine.py imports psutil, and moe and sequence_parallel import zero: without it only tests run.
 has psutil || say "psutil is missing (a binary package, not brought): the MoE, Ulysses and recipe parts are skipped"
 
-# ---- 1. GPU-marked tests (collection errors in modules without gpu tests do not stop the rest)
+# ---- 1. MoE layer and its profile, block-sparse attention and NSA, ZeRO-3 offload (torch only)
+if has psutil; then
+  run_part moe_layer 80 "$PY" benchmarks/gpu_check.py moe --results "$RESULTS" "${device_args[@]}"
+  run_part moe_profile 40 "$PY" benchmarks/gpu_check.py moe_profile --results "$RESULTS" "${device_args[@]}"
+fi
+run_part sparse 70 "$PY" benchmarks/gpu_check.py sparse --results "$RESULTS" "${device_args[@]}"
+if has psutil; then
+  run_part offload 150 "$PY" benchmarks/gpu_check.py offload --results "$RESULTS" "${device_args[@]}"
+fi
+
+# ---- 2. recipe: a ~1B dense Llama and a Qwen3-30B-A3B-shaped MoE scaled to ~2.5B (24 layers, dim 1024,
+# 64 experts of ffn 512, top-8), bf16, 2048-token sequences
+recipe_args=(zero.dtype=bf16 train.eval_every=0 train.eval_batches=1 train.sample_tokens=0
+             train.progress=false wandb.mode=disabled "${recipe_size[@]}")
+dense=(model=llama_1b train.seq_len=2048 train.micro_batch_size=8 train.steps=20)
+moe=(model=llama_1b model.dim=1024 model.n_layers=24 model.n_heads=8 model.n_kv_heads=4 model.moe.num_experts=64
+     model.moe.top_k=8 model.moe.ffn_dim=512 model.moe.aux_loss_coef=0.001 train.seq_len=2048
+     train.micro_batch_size=4 train.steps=20)
+if [[ $SMOKE == 1 ]]; then
+  dense=(model=tiny)
+  moe=(model=moe_tiny)
+fi
+if ! has "hydra, omegaconf, yaml, numpy, psutil"; then
+  say "[recipe] skipped: it needs hydra, omegaconf, yaml, numpy and psutil (missing: ${missing[*]})"
+else
+  run_part recipe_dense 100 "$PY" benchmarks/gpu_check.py recipe --results "$RESULTS" --json "$JSON" --key dense \
+    --run-dir "$RUN_DIR/recipe_dense" --label "${dense[0]} dense" "${dense[@]}" "${recipe_args[@]}"
+  if ! has matplotlib; then  # MoE runs end with an expert-load plot
+    say "[recipe_moe] skipped: matplotlib is missing"
+  else
+    run_part recipe_moe 110 "$PY" benchmarks/gpu_check.py recipe --results "$RESULTS" --json "$JSON" --key moe \
+      --run-dir "$RUN_DIR/recipe_moe" --label "${moe[0]} MoE" "${moe[@]}" "${recipe_args[@]}"
+  fi
+fi
+
+# ---- 3. GPU-marked tests (collection errors in modules without gpu tests do not stop the rest)
 if has pytest; then
-  run_part tests 120 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider --continue-on-collection-errors -rfEs
+  run_part tests 90 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider --continue-on-collection-errors -rfEs
   rc=$?
   if ((rc == 5)); then
     say "[tests] no test is marked gpu"
@@ -123,39 +165,11 @@ else
   say "[tests] skipped: pytest is not importable"
 fi
 
-# ---- 2-3. MoE layer, Ulysses attention, block-sparse attention (torch only) and ZeRO-3 offload
-run_part sparse 90 "$PY" benchmarks/gpu_check.py sparse --results "$RESULTS" "${device_args[@]}"
+# ---- 4. Ulysses attention at sp=1 against SDPA
 if has psutil; then
-  run_part moe_layer 90 "$PY" benchmarks/gpu_check.py moe --results "$RESULTS" "${device_args[@]}"
-  run_part ulysses 60 "$PY" benchmarks/gpu_check.py ulysses --results "$RESULTS" "${device_args[@]}"
-  run_part offload 100 "$PY" benchmarks/gpu_check.py offload --results "$RESULTS" "${device_args[@]}"
-fi
-
-# ---- 4. recipe: 30 bf16 steps of the default model, then a larger one if the first used the GPU
-recipe_args=(zero.dtype=bf16 train.eval_every=0 train.eval_batches=1 train.sample_tokens=0
-             train.progress=false wandb.mode=disabled "${recipe_size[@]}")
-if ! has "hydra, omegaconf, yaml, numpy, psutil"; then
-  say "[recipe] skipped: it needs hydra, omegaconf, yaml, numpy and psutil (missing: ${missing[*]})"
-else
-  model=model=default
-  if ! has matplotlib; then
-    # MoE runs end with an expert-load plot; the dense model of the same active size needs no matplotlib.
-    model=model=small
-    say "[recipe] matplotlib is missing: the dense model=small runs instead of the default MoE model"
-  fi
-  run_part recipe_default 90 "$PY" benchmarks/gpu_check.py recipe --results "$RESULTS" \
-    --run-dir "$RUN_DIR/recipe_default" --label "$model" "$model" "${recipe_args[@]}"
-  if ! grep -q '"on_gpu": true' "$RUN_DIR/recipe_default/gpu_check.json" 2>/dev/null; then
-    say "[recipe_large] skipped: the first run did not use the GPU, so a larger model would only time the CPU"
-  elif [[ $model != model=default ]]; then
-    say "[recipe_large] skipped: model=moe_small needs matplotlib"
-  else
-    run_part recipe_large 150 "$PY" benchmarks/gpu_check.py recipe --results "$RESULTS" \
-      --run-dir "$RUN_DIR/recipe_moe_small" --label "model=moe_small seq 1024" model=moe_small train.seq_len=1024 \
-      "${recipe_args[@]}"
-  fi
+  run_part ulysses 40 "$PY" benchmarks/gpu_check.py ulysses --results "$RESULTS" "${device_args[@]}"
 fi
 
 say ""
-say "gpu_check done in ${SECONDS} s; results: $RESULTS"
+say "gpu_check done in ${SECONDS} s; results: $RESULTS; figures: $JSON"
 exit 0
