@@ -121,7 +121,7 @@ def compare(world: int, measured: list[dict], predicted: list[dict]) -> dict:
 
     state = all(m["memory"]["optimizer_state"] == both(p, "optimizer_state") for m, p in zip(measured, predicted))
     nvme = any("nvme" in o for o in predicted[0].get("overrides", []))
-    peak_m = max(m["peak_rss"] - m["base_rss"] for m in measured)
+    peak_m = max(m["peak_rss"] - m.get("runtime_baseline", m["base_rss"]) for m in measured)
     peak_p = max(sum(p["memory"].values()) + sum(p["host_memory"].values()) for p in predicted)
     t_m = statistics.median(measured[0]["step_times"][1:])
     t_p = max(p["step_time_s"] for p in predicted)

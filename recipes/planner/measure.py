@@ -29,6 +29,11 @@ def _count_a2a_rows(counter: dict) -> None:
     dispatch.AllToAllDispatcher.dispatch = counted
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def measure(overrides: list[str], steps: int = 3) -> dict:
     """Train `steps` steps of the recipe with `overrides` on this rank; the last step's comm bytes per kind (the
     engine's count), its expert all-to-all rows, the step times, the engine's memory and the peak RSS."""
@@ -47,6 +52,9 @@ def measure(overrides: list[str], steps: int = 3) -> dict:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose("config", overrides=fixed + list(overrides))
     run = Run(cfg)
+    # The runtime's baseline: what is resident once everything is built, less the engine's own state (imports,
+    # the corpus, module objects); training's peak above it is what the planner's categories predict.
+    built = _rss_bytes() - sum(run.engine.memory_breakdown().values())
     times, rows = [], []
     from recipes.pretrain import train_step
 
@@ -58,6 +66,7 @@ def measure(overrides: list[str], steps: int = 3) -> dict:
         rows.append(counter["rows"])
     out = {"comm": dict(run.engine._last_step_comm), "a2a_rows": rows[-1], "step_times": times,
            "memory": run.engine.memory_breakdown(), "peak_rss": peak_rss_bytes(), "base_rss": base,
+           "runtime_baseline": built,
            "params": sum(p.numel() for p in run.engine.module.parameters())}
     run.logger.finish()
     run.engine.close()
