@@ -82,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         if is_search:
             world = args.world or 1
             best = search(cfg, cluster, world, args.top)
+            launch = (f"torchrun --nproc_per_node {world} -m recipes.pretrain" if world > 1
+                      else "python -m recipes.pretrain")
             for t, o, peak in best:
-                print(f"{t * 1e3:9.1f} ms  {peak / GiB:7.2f} GiB  " + " ".join(f"{k}={v}" for k, v in o.items()))
+                chosen = [x for x in overrides if x.split("=", 1)[0] not in o] + [f"{k}={v}" for k, v in o.items()]
+                print(f"{t * 1e3:9.1f} ms  {peak / GiB:7.2f} GiB  {launch} " + " ".join(chosen))
             if not best:
                 print(f"no layout of {world} devices fits {cluster.device_memory_gb} GB per device", file=sys.stderr)
                 return 1
