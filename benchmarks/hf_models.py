@@ -73,8 +73,33 @@ def plain_model(kind: str, quick: bool):
     return AutoModelForCausalLM.from_config(hf_config(kind, quick), dtype=torch.float32)
 
 
+# ---------------------------------------------------------------------------- memory at phases
+PHASES = ("build", "initialize", "forward", "backward", "step")
+
+
+def rss_hwm_mb() -> tuple[float, float]:
+    """This process's resident memory now and its peak so far (VmRSS, VmHWM), in MiB."""
+    found = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                found[key] = int(value.split()[0]) / 1024
+    return found["VmRSS"], found["VmHWM"]
+
+
+class Phases:
+    """(VmRSS, VmHWM) after build and initialize, and after the forward, backward and step of the last step."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, tuple[float, float]] = {}
+
+    def mark(self, phase: str) -> None:
+        self.marks[phase] = rss_hwm_mb()
+
+
 # ---------------------------------------------------------------------------- one training step per variant
-def plain_step(model):
+def plain_step(model, phases: Phases):
     """Plain loop: forward, backward, one all-reduce of every gradient (flat, averaged), torch AdamW."""
     import torch
     import torch.distributed as dist
@@ -85,6 +110,7 @@ def plain_step(model):
 
     def train_step(x, y):
         loss = F.cross_entropy(model(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
+        phases.mark("forward")
         loss.backward()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.flatten() for g in grads])
@@ -94,14 +120,16 @@ def plain_step(model):
         for p in params:
             p.grad = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+        phases.mark("backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        phases.mark("step")
         return loss
 
     return train_step
 
 
-def ours_step(model, args):
+def ours_step(model, args, phases: Phases):
     """Our engine at ZeRO-3 around the adapter (`HFCausalLM`, sparse blocks swapped for grouped experts); `model`
     is a transformers model, or an adapted one already (e.g. built on the meta device)."""
     import torch
@@ -113,14 +141,30 @@ def ours_step(model, args):
                                common.parallel_dims(dp=WORLD), plans=[adapted.loss_plan()], stage=3,
                                clip_grad_norm=None, reduce_bucket_size=args.bucket,
                                allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1)
-    return common.engine_step(engine)
+    phases.mark("initialize")
+    return _engine_step(engine, lambda x: engine(x), phases)
 
 
-def deepspeed_step(model, args):
+def _engine_step(engine, logits_of, phases: Phases):
+    """One step through an engine with the DeepSpeed-style API (ours and DeepSpeed's), marking its phases."""
+    import torch.nn.functional as F
+
+    def train_step(x, y):
+        loss = F.cross_entropy(logits_of(x).flatten(0, 1), y.flatten())
+        phases.mark("forward")
+        engine.backward(loss)
+        phases.mark("backward")
+        engine.step()
+        phases.mark("step")
+        return loss
+
+    return train_step
+
+
+def deepspeed_step(model, args, phases: Phases):
     """DeepSpeed ZeRO-3 on the plain transformers model, torch AdamW, no clipping."""
     import deepspeed
     import torch
-    import torch.nn.functional as F
 
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
@@ -130,14 +174,8 @@ def deepspeed_step(model, args):
               "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **ADAMW),
                                       config=config, dist_init_required=False)
-
-    def train_step(x, y):
-        loss = F.cross_entropy(engine(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
-        engine.backward(loss)
-        engine.step()
-        return loss
-
-    return train_step
+    phases.mark("initialize")
+    return _engine_step(engine, lambda x: engine(input_ids=x, use_cache=False).logits, phases)
 
 
 def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
@@ -155,23 +193,27 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
         model = build(hf_config(kind, args.quick), meta=True)
     else:
         model = plain_model(kind, args.quick)
+    phases = Phases()
+    phases.mark("build")
     n_params = sum(p.numel() for p in model.parameters())
     experts = getattr(model.config, "_experts_implementation", None)
     if variant == "plain":
-        train_step = plain_step(model)
+        train_step = plain_step(model, phases)
     elif variant == "plain+grouped":
         from recipes.models.hf.moe import adopt_moe_blocks
 
         adopt_moe_blocks(model)
-        train_step = plain_step(model)
+        train_step = plain_step(model, phases)
     elif variant in ("ours", "ours-meta"):
-        train_step = ours_step(model, args)
+        train_step = ours_step(model, args, phases)
     elif variant == "deepspeed":
-        train_step = deepspeed_step(model, args)
+        train_step = deepspeed_step(model, args, phases)
     else:
         raise ValueError(variant)
+    phases.marks.setdefault("initialize", phases.marks["build"])  # the plain loop has nothing to initialise
     figures = zero_bench.timed_steps(train_step, model.config.vocab_size, rank, counts, args)
-    return {"params": n_params, "experts_impl": experts, **figures, "baseline_rss_mb": baseline}
+    return {"params": n_params, "experts_impl": experts, **figures, "baseline_rss_mb": baseline,
+            "phases": phases.marks}
 
 
 # ---------------------------------------------------------------------------- the runs and the report
@@ -188,7 +230,9 @@ def run_model(kind: str, args: argparse.Namespace) -> dict[str, dict]:
         except common.RankFailed as e:
             common.failed(f"{kind} {variant}", e)
             continue
-        rows[variant] = {**zero_bench.summarise_ranks(ranks), "experts_impl": ranks[0]["experts_impl"]}
+        largest = max(ranks, key=lambda r: r["peak_rss_mb"])  # its phases: the rank whose peak is reported
+        rows[variant] = {**zero_bench.summarise_ranks(ranks), "experts_impl": ranks[0]["experts_impl"],
+                         "phases": largest["phases"], "baseline": largest["baseline_rss_mb"]}
         print(f"done {kind} {variant}: {rows[variant]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
     return rows
 
@@ -203,6 +247,13 @@ def report(kind: str, rows: dict[str, dict], args: argparse.Namespace) -> None:
     for name, row in rows.items():
         losses = " ".join(f"{x:.4f}" for x in row["losses"])
         print(f"{name:>14} {row['step_s']:>8.3f} {row['peak_rss_mb']:>11.0f} {row['train_rss_mb']:>12.0f}  {losses}")
+    print(f"{kind} memory at phases, MiB, the rank with the larger peak (RSS after start-up imports, then VmRSS "
+          "after build and initialize and after the last step's forward, backward and step; VmHWM at the end):")
+    print(f"{'variant':>14} {'imports':>8} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'VmHWM':>7}")
+    for name, row in rows.items():
+        marks = row["phases"]
+        print(f"{name:>14} {row['baseline']:>8.0f} " + " ".join(f"{marks[p][0]:>10.0f}" for p in PHASES)
+              + f" {marks['step'][1]:>7.0f}")
     step1 = {name: row["losses"][0] for name, row in rows.items() if name != "ours-meta"}
     spread = max(step1.values()) - min(step1.values())
     print(f"{kind} step-1 loss: " + ", ".join(f"{n} {v:.6f}" for n, v in step1.items())
