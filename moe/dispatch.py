@@ -39,6 +39,9 @@ class DispatchPlan:
     #: dropped ones (capacity mode), so its sizes never depend on the routing and no host sync made it.
     static: bool = False
     drops: bool = False  # static with a capacity: slots past the kept ones carry gate 0
+    #: static plans: [N*k] row of the buffer holding each slot (the inverse of slot_index), so permutation and
+    #: combine are gathers both ways (no scatter-add, no atomics, deterministic)
+    slot_position: torch.Tensor | None = None
 
     @property
     def num_dropped(self) -> torch.Tensor:
@@ -122,13 +125,58 @@ def make_static_plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: 
         dropped = (position >= capacity).to(torch.uint8)
         order = order[torch.argsort(dropped, stable=True)]  # kept slots first, each group still in expert order
         kept = routed.clamp(max=capacity)
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return DispatchPlan(token_index=order // k, slot_index=order, tokens_per_expert=kept, routed_per_expert=routed,
-                        num_slots=n * k, static=True, drops=capacity is not None)
+                        num_slots=n * k, static=True, drops=capacity is not None, slot_position=position)
 
 
 def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """x [N, dim] -> [M, dim] token copies grouped by expert."""
+    if plan.static and x.shape[0]:
+        return _GatherTokens.apply(x, plan.token_index, plan.slot_position)
     return x.index_select(0, plan.token_index)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """rows = x[token_index] for a static plan (every token's k slots in the buffer); backward gathers each
+    token's k row gradients through slot_position and sums them, instead of scatter-adding them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token_index: torch.Tensor, slot_position: torch.Tensor):
+        ctx.save_for_backward(slot_position)
+        ctx.num_tokens = x.shape[0]
+        return x.index_select(0, token_index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (slot_position,) = ctx.saved_tensors
+        n = ctx.num_tokens
+        # [N*k, dim] in slot order (token * k + j) -> [N, k, dim] -> sum over a token's k slots
+        return grad.index_select(0, slot_position).view(n, -1, grad.shape[-1]).sum(1), None, None
+
+
+class _Permutation(torch.autograd.Function):
+    """y[p] = x[perm[p]] for a permutation; backward the same gather by the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def _combine_static(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[N*k, dim] expert outputs of a static plan -> [N, dim]: every token's k slot outputs gathered next to
+    each other (slot order), weighted by their gates and summed; a dropped slot's gate is 0."""
+    gate = weights.reshape(-1).to(y.dtype)  # [N*k] in slot order
+    if plan.drops:
+        gate = gate * plan.kept_mask().index_select(0, plan.slot_position).to(gate.dtype)
+    by_slot = _Permutation.apply(y, plan.slot_position, plan.slot_index)  # [N*k, dim], slot s at row s
+    return (by_slot.view(num_tokens, -1, y.shape[-1]) * gate.view(num_tokens, -1, 1)).sum(1)
 
 
 class _WeightedScatterAdd(torch.autograd.Function):
@@ -160,9 +208,9 @@ def unpermute(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor, num_to
 
     Dropped slots add nothing, so a token whose every slot was dropped gets zero (the residual path).
     """
+    if plan.static and num_tokens:
+        return _combine_static(y, plan, weights, num_tokens)
     gate = weights.reshape(-1).index_select(0, plan.slot_index).to(y.dtype)  # [M]
-    if plan.drops:  # a static plan's dropped slots: computed, weighted 0, no gradient to their gate weight
-        gate = gate * plan.kept_mask().to(gate.dtype)
     return _WeightedScatterAdd.apply(y, gate, plan.token_index, num_tokens)
 
 

@@ -101,6 +101,7 @@ def test_static_plan_keeps_make_plans_slots_in_order_and_the_dropped_ones_last()
         torch.testing.assert_close(static.tokens_per_expert, host.tokens_per_expert, rtol=0, atol=0)
         torch.testing.assert_close(static.routed_per_expert, host.routed_per_expert, rtol=0, atol=0)
         assert sorted(static.slot_index.tolist()) == list(range(80))  # every slot once
+        assert (static.slot_index[static.slot_position] == torch.arange(80)).all()  # its inverse
         assert static.kept_mask().sum() == kept and static.kept_mask()[:kept].all()
         assert static.gemm_counts().sum() == 80 and (static.gemm_counts()[:-1] == host.tokens_per_expert[:-1]).all()
 
