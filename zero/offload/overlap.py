@@ -74,7 +74,9 @@ class StreamExecutor(InlineExecutor):
 
     def to_device(self, index, src, dst):
         # src is pinned; the host writes it again only after waiting for the next step's gradient copies, which
-        # this stream runs after this one
+        # this stream runs after this one. dst is written only after the compute stream's work queued so far,
+        # which may still read its old values.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
 
