@@ -22,7 +22,7 @@ from zero.contract import ModelContract
 from zero.dist import comm
 from zero.dist.topology import ParallelDims, default_device, group_size, peak_rss_bytes
 from zero.offload.nvme import check_nvme_path, pin_mmap_threshold
-from zero.optim.onebit import OneBitAdam, StepOverride
+from zero.optim.bound import BoundOptimizer, StepOverride
 from zero.plan import Placement, Plan, ReduceGroup, RuntimeFacts
 from zero.sharding.buckets import FlatBucket, split_into_buckets
 from zero.sharding.optimizer import FullGradReducer, ZeroOptimizer
@@ -166,8 +166,9 @@ class Engine:
             rank=self._rank,
         )
         self.optimizer = self.zero_optimizer.optimizer
-        # An optimizer that changes what is communicated (1-bit Adam) takes over the steps it compresses.
-        self.step_override: StepOverride | None = optimizer.bind(self) if isinstance(optimizer, OneBitAdam) else None
+        # An optimizer that changes what is communicated (1-bit Adam, DiLoCo) takes over the steps it changes.
+        self.step_override: StepOverride | None = (
+            optimizer.bind(self) if isinstance(optimizer, BoundOptimizer) else None)
         self.device = self.zero_optimizer.device
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         # backward calls, optimizer steps taken, steps skipped for a non-finite gradient (fp16 or divergence)

@@ -57,10 +57,10 @@ class ChunkLayout:
 
     def to_chunks(self, flat: torch.Tensor) -> torch.Tensor:
         """[numel] -> [world, padded_chunk] fp32, zeros in the padding."""
+        whole = torch.zeros(self.world * self.chunk, dtype=torch.float32, device=flat.device)
+        whole[: self.numel].copy_(flat.reshape(-1))
         out = torch.zeros(self.world, self.padded_chunk, dtype=torch.float32, device=flat.device)
-        full = out[:, : self.chunk].reshape(-1)
-        full[: self.numel].copy_(flat.reshape(-1))
-        out[:, : self.chunk].copy_(full.view(self.world, self.chunk))
+        out[:, : self.chunk].copy_(whole.view(self.world, self.chunk))
         return out
 
     def from_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
@@ -129,3 +129,56 @@ def simulate_all_reduce(xs: list[torch.Tensor], worker_errors: list[torch.Tensor
     servers = [_server_average(torch.stack([p[j] for p in payloads]), server_errors[j], layout)
                for j in range(layout.world)]
     return decompress(torch.stack(servers), layout.padded_chunk, layout.block)
+
+
+# ---------------------------------------------------------------------------------------- plain codecs
+def encode(x: torch.Tensor, dtype: str, block: int) -> torch.Tensor:
+    """[..., n] fp32 -> [..., bytes] uint8 in `dtype`: fp32 as is, bf16 rounded, int8 with one fp32 scale (absmax
+    / 127) per `block` elements (n a multiple of `block`)."""
+    if dtype == "fp32":
+        return x.contiguous().view(torch.uint8)
+    if dtype == "bf16":
+        return x.to(torch.bfloat16).contiguous().view(torch.uint8)
+    lead, n = x.shape[:-1], x.shape[-1]
+    blocks = x.view(*lead, n // block, block)
+    scales = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scales > 0, blocks / scales, torch.zeros_like(blocks)).round_().clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q.view(*lead, n).view(torch.uint8), scales.view(*lead, -1).contiguous().view(torch.uint8)], -1)
+
+
+def decode(payload: torch.Tensor, n: int, dtype: str, block: int) -> torch.Tensor:
+    """Inverse of `encode`: [..., bytes] uint8 -> [..., n] fp32."""
+    payload = payload.clone()  # (aligned for the wider types)
+    if dtype == "fp32":
+        return payload.view(torch.float32)
+    if dtype == "bf16":
+        return payload.view(torch.bfloat16).float()
+    lead = payload.shape[:-1]
+    q = payload[..., :n].view(torch.int8).view(*lead, n // block, block).float()
+    scales = payload[..., n:].clone().view(torch.float32).view(*lead, n // block, 1)
+    return (q * scales).view(*lead, n)
+
+
+def _average_encoded(received: torch.Tensor, layout: ChunkLayout, dtype: str) -> torch.Tensor:
+    average = decode(received, layout.padded_chunk, dtype, layout.block).mean(0)
+    return encode(average, dtype, layout.block)
+
+
+def quantized_all_reduce(x: torch.Tensor, layout: ChunkLayout, dtype: str, group: ProcessGroup | None) -> torch.Tensor:
+    """Average `x` ([world, padded_chunk] fp32) over `group`, sent in `dtype` (fp32, bf16 or int8): an all-to-all
+    of the encoded chunks, each server averaging its chunk in fp32 in rank order and encoding it again, an
+    all-gather. Returns the decoded average, the same on every rank."""
+    payload = encode(x, dtype, layout.block)
+    received = torch.empty_like(payload)
+    comm.all_to_all_single(received, payload, group)
+    mine = _average_encoded(received, layout, dtype)
+    gathered = torch.empty(layout.world * mine.numel(), dtype=torch.uint8, device=x.device)
+    comm.all_gather_into_tensor(gathered, mine, group)
+    return decode(gathered.view(layout.world, -1), layout.padded_chunk, dtype, layout.block)
+
+
+def simulate_quantized_all_reduce(xs: list[torch.Tensor], layout: ChunkLayout, dtype: str) -> torch.Tensor:
+    """`quantized_all_reduce` for `layout.world` ranks in one process: the average every rank receives."""
+    payloads = [encode(x, dtype, layout.block) for x in xs]
+    servers = [_average_encoded(torch.stack([p[j] for p in payloads]), layout, dtype) for j in range(layout.world)]
+    return decode(torch.stack(servers), layout.padded_chunk, dtype, layout.block)

@@ -12,29 +12,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from zero.dist import comm
 from zero.dist.topology import group_size
+from zero.optim.bound import BoundOptimizer
 from zero.optim.compression import ChunkLayout, compressed_all_reduce
 
 
-class StepOverride(Protocol):
-    """What an optimizer bound to an engine offers it: it may take over steps and keeps its own state."""
-
-    def takes_step(self) -> bool: ...
-
-    def step(self) -> bool: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict | None) -> None: ...
-
-
-class OneBitAdam:
+class OneBitAdam(BoundOptimizer):
     """Optimizer factory for zero.initialize: AdamW(lr, betas, eps, weight_decay) for `warmup_steps` steps,
     then 1-bit compressed momentum with one fp32 scale per `block` elements (a multiple of 8).
 

@@ -1,0 +1,179 @@
+"""DiLoCo over replicas: R copies of an inner layout train apart for H steps, then average their parameter deltas.
+
+`ReplicaDims(replicas=R, dp=..., ...)` is a ParallelDims whose groups live inside this rank's replica (the
+world's ranks split into R contiguous blocks) and whose `replica_group` joins the ranks holding the same part
+of the model in every replica. `DiLoCo(inner, dims, inner_steps=H, outer_lr, outer_momentum, delta_dtype)` is
+an optimizer factory for zero.initialize: each replica steps its engine with `inner` (e.g. zero.FastAdamW), and
+every H optimizer steps the replicas average their deltas from the last synchronised parameters (sent in fp32,
+bf16 or int8 through `zero.dist.comm`) and an outer SGD with Nesterov momentum applies the average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from zero.dist.topology import LayoutError, ParallelDims
+from zero.optim.bound import BoundOptimizer
+from zero.optim.compression import ChunkLayout, quantized_all_reduce
+
+DELTA_DTYPES = ("fp32", "bf16", "int8")
+
+
+@dataclass
+class ReplicaDims(ParallelDims):
+    """A ParallelDims for one of `replicas` replicas: dp x tp x pp x sp fill world size / replicas, every group
+    lies inside the replica (ranks [r * inner, (r + 1) * inner) for replica r), `replica_group` crosses them."""
+
+    replicas: int = 1
+    _root: object = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 1:
+            raise LayoutError(f"parallel.replicas={self.replicas!r} is invalid: it must be an int >= 1")
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world % self.replicas:
+            raise LayoutError(f"parallel.replicas={self.replicas} must divide the number of processes {world}")
+        self.world_size = world // self.replicas  # the inner layout's processes
+        super().__post_init__()
+
+    @property
+    def replica(self) -> int:
+        """This rank's replica index."""
+        return (dist.get_rank() if dist.is_initialized() else 0) // self.world_size
+
+    def _root_mesh(self):
+        if self._root is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._root = init_device_mesh(self.device_type, (self.replicas, self.pp, self.dp, self.sp, self.tp),
+                                          mesh_dim_names=("replica", "pp", "dp", "sp", "tp"))
+        return self._root
+
+    @property
+    def mesh(self):
+        """This replica's DeviceMesh (pp, dp, sp, tp), cut from the world's (replica, pp, dp, sp, tp)."""
+        if self._mesh is None and self.distributed:
+            mesh = self._root_mesh()["pp", "dp", "sp", "tp"]
+            dp_sp = mesh["dp", "sp"]._flatten("dp_sp")
+            dp_sp._unflatten(0, (self.edp, self.ep), ("edp", "ep"))
+            self._mesh = mesh
+        return self._mesh
+
+    @property
+    def replica_group(self) -> ProcessGroup | None:
+        """The ranks at this rank's place in every replica (None for one replica)."""
+        return None if self.replicas == 1 else self._root_mesh()["replica"].get_group()
+
+    def coordinate(self, rank: int | None = None) -> dict[str, int]:
+        rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
+        return {**super().coordinate(rank % self.world_size), "replica": rank // self.world_size}
+
+    def __str__(self) -> str:
+        return f"{super().__str__()[:-1]}, replicas={self.replicas})"
+
+
+class DiLoCo(BoundOptimizer):
+    """Optimizer factory: `inner` (a factory, e.g. zero.FastAdamW(lr=...)) for the inner steps; every `inner_steps`
+    optimizer steps the deltas are averaged over `replica_group` in `delta_dtype` (int8: one fp32 scale per
+    `block` elements) and applied by SGD(outer_lr, momentum=outer_momentum, nesterov=True)."""
+
+    def __init__(self, inner: Any, replica_group: ProcessGroup | None, *, inner_steps: int, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, delta_dtype: str = "fp32", block: int = 2048) -> None:
+        if isinstance(inner, BoundOptimizer):
+            raise ValueError(f"DiLoCo's inner optimizer {type(inner).__name__} binds to the engine itself; use an "
+                             "ordinary factory such as zero.FastAdamW")
+        if not isinstance(inner_steps, int) or inner_steps < 1:
+            raise ValueError(f"inner_steps={inner_steps!r} must be an int >= 1")
+        if not outer_lr > 0 or not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_lr={outer_lr!r} must be > 0 and outer_momentum={outer_momentum!r} in [0, 1)")
+        if delta_dtype not in DELTA_DTYPES:
+            raise ValueError(f"delta_dtype={delta_dtype!r} must be one of {', '.join(DELTA_DTYPES)}")
+        ChunkLayout(1, 1, block)  # checks the block
+        self.inner, self.replica_group, self.inner_steps = inner, replica_group, inner_steps
+        self.outer_lr, self.outer_momentum, self.delta_dtype, self.block = outer_lr, outer_momentum, delta_dtype, block
+
+    def __call__(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return self.inner(params)
+
+    def bind(self, engine: Any) -> DiLoCoSteps:
+        if engine.dims.pp > 1:
+            raise NotImplementedError("DiLoCo with pp > 1 is not implemented (tied embedding copies across stages)")
+        return DiLoCoSteps(self, engine)
+
+
+class DiLoCoSteps:
+    """One engine's outer loop (built by DiLoCo.bind): every engine step is an inner step; each inner_steps-th
+    also synchronises the replicas."""
+
+    def __init__(self, spec: DiLoCo, engine: Any) -> None:
+        self.spec, self.engine = spec, engine
+        self.inner_done = 0  # inner steps since the last synchronisation
+        self.syncs = 0
+        # The parameters every replica agreed on at the last synchronisation (fp32, this rank's master shards),
+        # taken at the first step (weights loaded after zero.initialize count) and the outer momentum.
+        self.anchor: list[torch.Tensor] | None = None
+        self.momentum: list[torch.Tensor] | None = None
+
+    def takes_step(self) -> bool:
+        return True
+
+    def step(self) -> bool:
+        if self.anchor is None:
+            zo = self.engine.zero_optimizer
+            self.anchor = [zo.read_master(b).detach().clone() for b in zo.trainable]
+            self.momentum = [torch.zeros_like(a) for a in self.anchor]
+        stepped = self.engine.zero_optimizer.step()
+        if stepped:
+            self.inner_done += 1
+            if self.inner_done == self.spec.inner_steps:
+                self.synchronise()
+        return stepped
+
+    @torch.no_grad()
+    def synchronise(self) -> None:
+        """Outer step: average the deltas over the replicas, Nesterov SGD from the anchor, publish."""
+        spec, zo = self.spec, self.engine.zero_optimizer
+        world = dist.get_world_size(spec.replica_group) if spec.replica_group is not None else 1
+        values = []
+        for anchor, momentum, b in zip(self.anchor, self.momentum, zo.trainable):
+            delta = anchor - zo.read_master(b).to(anchor.device)  # the outer "gradient"
+            layout = ChunkLayout(delta.numel(), world, spec.block)
+            average = layout.from_chunks(quantized_all_reduce(layout.to_chunks(delta), layout, spec.delta_dtype,
+                                                              spec.replica_group))
+            momentum.mul_(spec.outer_momentum).add_(average)
+            anchor.sub_(average.add(momentum, alpha=spec.outer_momentum), alpha=spec.outer_lr)
+            values.append(anchor)
+        zo.load_masters(values)
+        zo.gather_shards()
+        self.inner_done = 0
+        self.syncs += 1
+
+    def state_dict(self) -> dict:
+        return {"kind": "diloco", "inner_done": self.inner_done, "syncs": self.syncs,
+                "replicas": dist.get_world_size(self.spec.replica_group) if self.spec.replica_group else 1,
+                "anchor": None if self.anchor is None else [a.clone() for a in self.anchor],
+                "momentum": None if self.momentum is None else [m.clone() for m in self.momentum]}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None or state.get("kind") != "diloco":
+            if self.engine.global_steps:
+                raise NotImplementedError(
+                    f"this checkpoint (step {self.engine.global_steps}) holds no DiLoCo outer state (it was resharded "
+                    "or written without DiLoCo): resume under the layout and optimizer it was written with")
+            return
+        mine = dist.get_world_size(self.spec.replica_group) if self.spec.replica_group else 1
+        if state["replicas"] != mine:
+            raise ValueError(f"checkpoint written with parallel.replicas={state['replicas']} cannot resume with "
+                             f"{mine} replicas (the outer state is per replica layout); resume with the same replicas")
+        self.inner_done, self.syncs = state["inner_done"], state["syncs"]
+        self.anchor, self.momentum = None, None
+        if state["anchor"] is not None:
+            devices = [b.device for b in self.engine.zero_optimizer.trainable]
+            self.anchor = [a.to(d).clone() for a, d in zip(state["anchor"], devices)]
+            self.momentum = [m.to(d).clone() for m, d in zip(state["momentum"], devices)]
