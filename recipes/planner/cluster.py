@@ -32,6 +32,8 @@ class Cluster:
     mfu: float = 1.0  # fraction of `flops` that training GEMMs reach
     host_gbps: float = 5.0
     memory_gbps: float = 5.0  # device memory bandwidth (the optimizer step is bound by it)
+    layer_overhead_us: float = 0.0  # host time per layer pass (forward, backward, recompute): launches, Python
+    unit_overhead_us: float = 0.0  # host time per ZeRO-3 unit gather or free (hooks, copies)
 
     def link(self, ranks: int) -> tuple[float, float]:
         """(latency s, bandwidth B/s) of a group of `ranks` consecutive ranks: inside a node or across."""

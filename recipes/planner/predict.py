@@ -44,6 +44,7 @@ class RankEstimate:
     time_s: dict[str, float]
     params: int  # parameters this rank holds (unsharded by ZeRO)
     buckets: int
+    host_events: dict[str, float] = field(default_factory=dict)  # what the host overheads multiply
 
     @property
     def peak_device_bytes(self) -> int:
@@ -255,10 +256,20 @@ def _bubble(cfg: DictConfig, rm: RankModel) -> float:
     return (p - 1) / (v * m) / (3 if zero_bubble else 1)
 
 
+def host_events(cfg: DictConfig, rm: RankModel, layout: Layout) -> dict[str, float]:
+    """What costs host time apart from FLOPs and bytes, per step: layer passes (forward, backward, recompute)
+    and ZeRO-3 gather / free events of the units."""
+    m = cfg.train.grad_accum
+    passes = 3 if cfg.train.activation_checkpointing else 2
+    units = sum(1 for b in layout.buckets if b.role == "unit")
+    return {"layer_passes": m * passes * len(rm.stage_layers), "unit_events": 2 * m * units if units else 0}
+
+
 def step_time(cfg: DictConfig, rm: RankModel, cluster: Cluster, collectives: list[Collective],
               layout: Layout, isz: int) -> dict[str, float]:
     """Roofline: compute from FLOPs at the cluster's rate, collectives alpha-beta per link, the optimizer
-    step from the bytes it streams; gradient reductions overlap backward where the engine overlaps them."""
+    step from the bytes it streams, host overheads per layer pass and ZeRO-3 event (the cluster's calibrated
+    `layer_overhead_us`, `unit_overhead_us`); gradient reductions overlap backward where the engine does."""
     z = cfg.zero
     m = cfg.train.grad_accum
     recompute = 4 / 3 if cfg.train.activation_checkpointing else 1.0
@@ -279,8 +290,11 @@ def step_time(cfg: DictConfig, rm: RankModel, cluster: Cluster, collectives: lis
     optimizer = streamed / (bandwidth * 1e9)
     if z.offload_optimizer == "cpu":
         optimizer += shard * (4 + isz) / (cluster.host_gbps * 1e9)
-    return {"compute": compute, "communication": exposed, "optimizer": optimizer,
-            "step": compute + exposed + optimizer}
+    events = host_events(cfg, rm, layout)
+    host = events["layer_passes"] * cluster.layer_overhead_us + events["unit_events"] * cluster.unit_overhead_us
+    host *= 1e-6
+    return {"compute": compute, "communication": exposed, "optimizer": optimizer, "host": host,
+            "step": compute + exposed + optimizer + host}
 
 
 def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | None,
@@ -303,7 +317,8 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
         by_kind[c.kind] += c.bytes
     return RankEstimate(rank, dev, host, nvme, collectives, sum(by_kind.values()), dict(by_kind),
                         step_time(cfg, rm, cluster, collectives, layout, isz),
-                        sum(p.numel() for p in rm.module.parameters()), len(layout.buckets))
+                        sum(p.numel() for p in rm.module.parameters()), len(layout.buckets),
+                        host_events(cfg, rm, layout))
 
 
 def estimate(cfg: DictConfig, cluster: Cluster | None = None, world: int | None = None, *,
