@@ -84,7 +84,19 @@ class OneBitConfig:
     block: int = 2048  # elements sharing one fp32 scale in the 1-bit momentum (a multiple of 8; smaller: finer)
 
 
+@dataclass
+class DiLoCoConfig:
+    """`optim.diloco.*`: with inner_steps > 0, each of the parallel.replicas replicas takes inner_steps optimizer steps
+    alone, then their parameter deltas are averaged and an outer SGD with Nesterov momentum applies them."""
+
+    inner_steps: int = 0  # optimizer steps between synchronisations (0: DiLoCo off)
+    outer_lr: float = 0.7  # the outer SGD's learning rate (1.0 with no momentum: the plain average of the replicas)
+    outer_momentum: float = 0.9  # its Nesterov momentum, in [0, 1)
+    delta_dtype: str = "fp32"  # what the deltas travel as: fp32, bf16 or int8 (one fp32 scale per 2048 elements)
+
+
 OPTIMIZERS = ("adamw", "onebit_adam")
+DELTA_DTYPES = ("fp32", "bf16", "int8")
 
 
 @dataclass
@@ -94,6 +106,7 @@ class OptimConfig:
 
     name: str = "adamw"  # adamw | onebit_adam
     onebit: OneBitConfig = field(default_factory=OneBitConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     lr: float = 2.0e-3  # peak learning rate (small byte-level models tolerate a high one)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
     warmup_steps: int = 20  # linear warmup steps (0 = none)
@@ -115,6 +128,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages; its micro-batches are the train.grad_accum micro-batches
     sp: int = 1  # Ulysses sequence parallel (splits the heads left after tp)
     ep: int = 1  # expert parallel (MoE models): experts split over ep of the dp * sp ranks
+    # DiLoCo replicas (optim.diloco.*): the processes split into this many copies of the dp/tp/pp/sp/ep layout,
+    # which synchronise every optim.diloco.inner_steps; the degrees above then fill world size / replicas
+    replicas: int = 1
     # pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, zbv or dualpipev
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int | None = None  # stages per rank (null: what the schedule needs, 2 for interleaved / zb / V)
@@ -443,6 +459,7 @@ def check_optimizer(cfg: DictConfig) -> None:
     o, z, par = cfg.optim, cfg.zero, cfg.parallel
     if o.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={o.name!r} must be one of {', '.join(OPTIMIZERS)}")
+    check_diloco(cfg)
     if o.name != "onebit_adam":
         return
     _positive_int(cfg, "optim.onebit.warmup_steps")
@@ -464,6 +481,29 @@ def check_optimizer(cfg: DictConfig) -> None:
         refusal = f"parallel.tp={par.tp}, parallel.pp={par.pp} (not implemented); use tp=1 and pp=1"
     if refusal:
         raise ConfigError(f"optim.name=onebit_adam does not work with {refusal}")
+
+
+def check_diloco(cfg: DictConfig) -> None:
+    """parallel.replicas and optim.diloco.*, refused in one line where they cannot work."""
+    d, par = cfg.optim.diloco, cfg.parallel
+    _positive_int(cfg, "parallel.replicas")
+    _positive_int(cfg, "optim.diloco.inner_steps", minimum=0)
+    if par.replicas > 1 and not d.inner_steps:
+        raise ConfigError(f"parallel.replicas={par.replicas} needs DiLoCo: set optim.diloco.inner_steps > 0 (the "
+                          "optimizer steps each replica takes between synchronisations)")
+    if not d.inner_steps:
+        return
+    if d.delta_dtype not in DELTA_DTYPES:
+        raise ConfigError(f"optim.diloco.delta_dtype={d.delta_dtype!r} must be one of {', '.join(DELTA_DTYPES)}")
+    if not d.outer_lr > 0 or not 0 <= d.outer_momentum < 1:
+        raise ConfigError(f"optim.diloco.outer_lr={d.outer_lr!r} must be > 0 and optim.diloco.outer_momentum="
+                          f"{d.outer_momentum!r} in [0, 1)")
+    if cfg.optim.name != "adamw":
+        raise ConfigError(f"optim.diloco with optim.name={cfg.optim.name} is not supported: the inner optimizer is "
+                          "AdamW; use optim.name=adamw")
+    if par.pp > 1:
+        raise ConfigError(f"optim.diloco with parallel.pp={par.pp} is not implemented (tied copies across stages); "
+                          "use parallel.pp=1")
 
 
 def stop_signal(name: str) -> signal.Signals:
@@ -498,6 +538,10 @@ def data_parallel_degree(cfg: DictConfig, world: int | None = None) -> int:
     """parallel.dp as a number: auto (or null) is what the `world` processes leave after tp x pp x sp; a number
     is checked against them. ConfigError in one line when they do not fit."""
     par, world = cfg.parallel, world_size() if world is None else world
+    if world % par.replicas:
+        raise ConfigError(f"parallel.replicas={par.replicas} does not divide the {world} process(es): start a "
+                          f"multiple of {par.replicas} processes")
+    world //= par.replicas  # each replica's layout
     others = par.tp * par.pp * par.sp
     if par.dp is None or par.dp == "auto":
         if world % others:

@@ -73,6 +73,7 @@ from sequence_parallel import (
     local_attention,
     shard_sequence,
 )
+from zero.diloco import DiLoCo, ReplicaDims
 from zero.dist import comm
 from zero.dist.topology import default_device
 from zero.optim import OneBitAdam
@@ -190,14 +191,32 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
     return model, parallel
 
 
-def optimizer_factory(cfg: DictConfig):
+def optimizer_factory(cfg: DictConfig, dims: zero.ParallelDims):
     """optim.name's optimizer: the fastest AdamW where the step runs (fused on CPU and CUDA), offloaded or not;
-    onebit_adam: that AdamW for optim.onebit.warmup_steps, then 1-bit compressed momentum."""
+    onebit_adam: that AdamW for optim.onebit.warmup_steps, then 1-bit compressed momentum; with
+    optim.diloco.inner_steps > 0 the AdamW steps are DiLoCo's inner steps."""
     o = cfg.optim
     hyper = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if o.name == "onebit_adam":
         return OneBitAdam(warmup_steps=o.onebit.warmup_steps, block=o.onebit.block, **hyper)
+    d = o.diloco
+    if d.inner_steps:
+        replica_group = dims.replica_group if isinstance(dims, ReplicaDims) else None  # (one replica: none)
+        return DiLoCo(zero.FastAdamW(**hyper), replica_group, inner_steps=d.inner_steps,
+                      outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, delta_dtype=d.delta_dtype)
     return zero.FastAdamW(**hyper)
+
+
+def build_dims(cfg: DictConfig) -> zero.ParallelDims:
+    """The layout of this rank's replica (with parallel.replicas > 1, zero.diloco.ReplicaDims)."""
+    degrees = {k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")}
+    return ReplicaDims(replicas=cfg.parallel.replicas, **degrees) if cfg.parallel.replicas > 1 \
+        else zero.ParallelDims(**degrees)
+
+
+def data_rank(dims: zero.ParallelDims) -> int:
+    """This rank's data shard: its dp rank, after the shards of the replicas before its own."""
+    return dims.coordinate().get("replica", 0) * dims.dp + dims.dp_rank
 
 
 def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims,
@@ -206,7 +225,7 @@ def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims,
     what parallelism applied from outside needs from it."""
     return zero.initialize(
         model if parallel.pipe is None else parallel.pipe.module,
-        optimizer=optimizer_factory(cfg),
+        optimizer=optimizer_factory(cfg, dims),
         config=zero.ZeroConfig(grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.optim.grad_clip,
                                **OmegaConf.to_container(cfg.zero, resolve=True)),
         dims=dims,
@@ -269,7 +288,7 @@ def stacked_micro_batches(stream, index: int, cfg: DictConfig, dims: zero.Parall
     splits them back in order), each shard of the sequence under sp, with their position ids."""
     parts = []
     for micro in range(cfg.train.grad_accum):
-        x, y, pos = on_device(stream.packed_batch(index, micro, dims.dp_rank, IGNORE_INDEX), device)
+        x, y, pos = on_device(stream.packed_batch(index, micro, data_rank(dims), IGNORE_INDEX), device)
         parts.append(shard_sequence(x, y, dims.sp_group, position_ids=pos, ignore_index=IGNORE_INDEX))
     return tuple(torch.cat(t) for t in zip(*parts))
 
@@ -284,7 +303,7 @@ def train_step(engine: zero.Engine, stream, step: int, cfg: DictConfig, dims: ze
         total = pipe.train_step(engine, x, y, position_ids=pos) * cfg.train.grad_accum
     else:
         for micro in range(cfg.train.grad_accum):
-            x, y, pos = on_device(stream.packed_batch(step, micro, dims.dp_rank, IGNORE_INDEX), engine.device)
+            x, y, pos = on_device(stream.packed_batch(step, micro, data_rank(dims), IGNORE_INDEX), engine.device)
             loss = lm_loss(engine, x, y, cfg, dims, position_ids=pos)
             engine.backward(loss)
             total += loss.item()
@@ -365,10 +384,10 @@ class Run:
         self.run_dir: Path | None = None  # known after the first collective
         if dist.is_initialized():  # every collective from here on is watched (zero.dist.comm's watchdog)
             comm.start_watchdog(t.collective_timeout_s, self.record_hang, setting="train.collective_timeout_s")
-        self.dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")})
+        self.dims = build_dims(cfg)
         self.is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
         # Every rank writes to rank 0's run_dir (its timestamp may differ by a second on other ranks).
-        self.world = None if self.dims.world_size == 1 else dist.group.WORLD
+        self.world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
         self.run_dir = check_run_dir(comm.all_gather_object(str(cfg.run_dir), self.world)[0])
         self.lock = lock_run_dir(self.run_dir, self.world)
         self.stop.watch_peers(self.world)
@@ -376,7 +395,7 @@ class Run:
         self.previous_result = read_result(self.run_dir)
         check_resumed_config(cfg, self.run_dir, self.dims, self.is_rank0)
         torch.manual_seed(t.seed)
-        self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp, t.seq_len)
+        self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp * cfg.parallel.replicas, t.seq_len)
         self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, vocab_size(cfg))
         check_data_identity(self.train_stream, self.run_dir, resumes(cfg, self.run_dir), self.is_rank0)
         initial = initial_weights(cfg, self.run_dir, self.is_rank0)

@@ -63,3 +63,40 @@ def test_torchrun_onebit_comm_bytes_per_step(tmp_path):
     warm, compressed = sent[2], sent[5]
     assert sent[4] == sent[5] == sent[6]
     assert warm / compressed > 15, sent  # fp32 gradients vs 1 bit + a scale per 64 elements (~1.5 bits)
+
+
+DILOCO = ["optim.diloco.inner_steps=3", "optim.diloco.delta_dtype=int8"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.replicas=2"], "parallel.replicas=2 needs DiLoCo: set optim.diloco.inner_steps > 0"),
+    ([*DILOCO, "optim.diloco.delta_dtype=fp8"], "optim.diloco.delta_dtype='fp8' must be one of fp32, bf16, int8"),
+    ([*DILOCO, "optim.diloco.outer_momentum=1.0"], "outer_momentum=1.0 in [0, 1)"),
+    ([*DILOCO, *ONEBIT], "optim.diloco with optim.name=onebit_adam is not supported"),
+    ([*DILOCO, "parallel.replicas=3"], "parallel.replicas=3 does not divide the 1 process"),
+])
+def test_diloco_refused_before_training(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        check_config(_cfg(tmp_path, *overrides))
+
+
+def test_diloco_resume_between_syncs_is_bitwise(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    args = [*DILOCO, "train.steps=8", "train.eval_every=4"]
+    train(_cfg(full, *args))
+    train(_cfg(cut, *args, "train.ckpt_every=4"))
+    import shutil
+
+    shutil.rmtree(cut / "checkpoints" / "step_0000008")  # a crash after step 4 (one step after the sync at 3)
+    (cut / "checkpoints" / "latest").write_text("step_0000004")
+    train(_cfg(cut, *args, "train.ckpt_every=4"))
+    assert _losses(cut) == _losses(full)
+
+
+def test_torchrun_diloco_two_replicas_talk_only_at_syncs(tmp_path):
+    args = [*TINY, *DILOCO, "train.steps=6", "train.eval_every=0", "parallel.replicas=2", f"run_dir={tmp_path}"]
+    proc = _run_cli(*args, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    sent = {r["step"]: r["comm_bytes"] for r in records if "comm_bytes" in r}
+    assert [s for k, s in sent.items() if k % 3] == [0, 0, 0, 0] and sent[3] == sent[6] > 0, sent

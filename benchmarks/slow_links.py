@@ -1,0 +1,183 @@
+"""Training over slow links: bytes per step, step time under a rate-limited link, and quality at equal tokens for
+AdamW, 1-bit Adam and DiLoCo (int8 deltas), each a 4-process run of the recipe (the same model and data).
+
+    python benchmarks/slow_links.py bytes [--steps 60] [--model tiny]       exact bytes per step (zero.dist.comm)
+    python benchmarks/slow_links.py quality [--steps 600] [--model tiny]    final validation loss, loss-vs-bytes plot
+    python benchmarks/slow_links.py timing [--model small] [--rates 100mbit,1gbit,none]   (root: ip netns, tc tbf)
+
+Bytes come from metrics.jsonl's per-step `comm_bytes` (what each rank sent, compressed bytes counted as sent), so
+their ratios are exact on any machine. Timing runs the ranks inside a fresh network namespace whose loopback is
+shaped by `tc qdisc add dev lo root tbf rate R` (the ranks talk over 127.0.0.1 there); it reports the median step
+time of each phase and the ratio to AdamW at the same rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 4
+BASE = ["train.seq_len=64", "train.micro_batch_size=4", "train.sample_tokens=0", "train.progress=false",
+        "wandb.mode=disabled", "train.eval_batches=4", "optim.grad_clip=0", "train.keep_checkpoints=1"]
+
+
+def variants(steps: int) -> dict[str, list[str]]:
+    """The runs compared: AdamW's all-reduce, 1-bit Adam (a tenth of the run as warm-up), DiLoCo with R=4 replicas
+    of one process each, int8 deltas, synchronising every 20 and every 50 steps."""
+    warmup = max(1, steps // 10)
+    diloco = ["parallel.replicas=4", "optim.diloco.delta_dtype=int8", "optim.diloco.outer_lr=0.7",
+              "optim.diloco.outer_momentum=0.9"]
+    return {
+        "adamw": [],
+        "onebit_adam": ["optim=onebit_adam", f"optim.onebit.warmup_steps={warmup}"],
+        "diloco_h20": [*diloco, "optim.diloco.inner_steps=20"],
+        "diloco_h50": [*diloco, "optim.diloco.inner_steps=50"],
+    }
+
+
+def run(name: str, overrides: list[str], model: str, steps: int, out: Path, netns: str | None = None,
+        eval_every: int = 0) -> list[dict]:
+    """One 4-process recipe run; its metrics.jsonl records."""
+    run_dir = out / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--standalone",
+           "-m", "recipes.pretrain", f"model={model}", *BASE, f"train.steps={steps}", f"train.eval_every={eval_every}",
+           f"run_dir={run_dir}", *overrides]
+    if netns is not None:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{name} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def per_step_bytes(records: list[dict]) -> list[float]:
+    return [r["comm_bytes"] for r in records if "comm_bytes" in r]
+
+
+def bytes_report(model: str, steps: int, out: Path) -> dict:
+    """Per-step bytes of every variant and their ratios to AdamW's."""
+    found = {name: per_step_bytes(run(name, o, model, steps, out)) for name, o in variants(steps).items()}
+    adamw = statistics.mean(found["adamw"])
+    warmup = max(1, steps // 10)
+    onebit = found["onebit_adam"]
+    compressed = statistics.mean(onebit[warmup + 1 :])  # (the first compressed step also gathers the momentum)
+    rows = {
+        "adamw": (adamw, 1.0),
+        "onebit_adam after warm-up": (compressed, adamw / compressed),
+        f"onebit_adam whole run ({warmup} of {steps} steps warm-up)": (statistics.mean(onebit),
+                                                                       adamw / statistics.mean(onebit)),
+    }
+    for name in ("diloco_h20", "diloco_h50"):
+        h = int(name.split("h")[-1])
+        whole = found[name][: steps // h * h]  # whole periods only
+        rows[f"{name} (per step over its periods)"] = (statistics.mean(whole), adamw / statistics.mean(whole))
+    print(f"bytes sent per step and rank, model={model}, {WORLD} ranks, {steps} steps:")
+    for label, (value, ratio) in rows.items():
+        print(f"  {label:<55} {value / 1e3:>12.1f} kB   {ratio:>8.1f}x fewer than AdamW")
+    return {"per_step": found, "rows": rows}
+
+
+def quality_report(model: str, steps: int, out: Path) -> dict:
+    """Final validation loss of every variant at equal tokens, and validation loss against bytes sent (plot)."""
+    results = {}
+    for name, overrides in variants(steps).items():
+        records = run(name, overrides, model, steps, out, eval_every=max(1, steps // 10))
+        sent, curve = 0.0, []
+        for r in records:
+            sent += r.get("comm_bytes", 0.0)
+            if "val_loss" in r:
+                curve.append((sent, r["val_loss"]))
+        results[name] = curve
+    base = results["adamw"][-1][1]
+    print(f"final validation loss, model={model}, {WORLD} ranks, {steps} steps (equal tokens):")
+    for name, curve in results.items():
+        print(f"  {name:<12} {curve[-1][1]:.4f}   {100 * (curve[-1][1] / base - 1):+.2f}% vs AdamW   "
+              f"{curve[-1][0] / 1e6:.2f} MB sent per rank")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in results.items():
+        ax.plot([max(b, 1.0) / 1e6 for b, _ in curve], [v for _, v in curve], marker="o", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("MB sent per rank (cumulative)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"{WORLD} ranks, model={model}, {steps} steps")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(ROOT / "benchmarks" / "slow_links.png", dpi=120)
+    return results
+
+
+@contextmanager
+def shaped_namespace(rate: str | None):
+    """A fresh network namespace whose loopback sends at most `rate` (tc tbf; None: unlimited)."""
+    name = f"slowlinks{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        if rate is not None:
+            bits = float(rate.lower().replace("gbit", "e9").replace("mbit", "e6"))
+            burst = max(int(bits / 8 / 100), 256 * 1024)  # 10 ms of traffic, and well above lo's 64 KiB packets
+            subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
+                            rate, "burst", str(burst), "latency", "100ms"], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+def timing_report(model: str, rates: list[str | None], out: Path) -> dict:
+    """Median step time per variant and phase under each link rate, and the ratio to AdamW's."""
+    h, steps = 50, 60
+    table = {}
+    for rate in rates:
+        with shaped_namespace(rate) as ns:
+            adamw = run("t_adamw", [], model, 12, out / str(rate), ns)
+            onebit = run("t_onebit", ["optim=onebit_adam", "optim.onebit.warmup_steps=2"], model, 12, out / str(rate),
+                         ns)
+            diloco = run("t_diloco", ["parallel.replicas=4", "optim.diloco.delta_dtype=int8",
+                                      f"optim.diloco.inner_steps={h}"], model, steps, out / str(rate), ns)
+        a = statistics.median(r["step_time_s"] for r in adamw[2:])
+        o = statistics.median(r["step_time_s"] for r in onebit[3:])
+        d = sum(r["step_time_s"] for r in diloco[:h]) / h  # one whole period: h - 1 local steps and one sync
+        table[rate or "unlimited"] = {"adamw_s": a, "onebit_s": o, "diloco_s": d}
+        print(f"  {rate or 'unlimited':>10}: AdamW {a:.3f} s/step, 1-bit Adam {o:.3f} s ({a / o:.2f}x), "
+              f"DiLoCo H={h} int8 {d:.3f} s ({a / d:.2f}x)", flush=True)
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("bytes", "quality", "timing"))
+    p.add_argument("--model", default=None, help="recipe model (default: tiny; timing: small)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (bytes: 60, quality: 600)")
+    p.add_argument("--rates", default="100mbit,1gbit,none", help="timing: link rates, 'none' = unlimited")
+    p.add_argument("--out", default=None, help="where the runs write (default: a temporary directory)")
+    args = p.parse_args(argv)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="slow_links_"))
+    if args.what == "bytes":
+        bytes_report(args.model or "tiny", args.steps or 60, out)
+    elif args.what == "quality":
+        quality_report(args.model or "tiny", args.steps or 600, out)
+    else:
+        if os.geteuid() != 0:
+            raise SystemExit("timing needs root (ip netns, tc)")
+        rates = [None if r == "none" else r for r in args.rates.split(",")]
+        print(f"step time, model={args.model or 'small'}, {WORLD} ranks in a network namespace, loopback shaped by "
+              "tc tbf:", flush=True)
+        timing_report(args.model or "small", rates, out)
+
+
+if __name__ == "__main__":
+    main()
