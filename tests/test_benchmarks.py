@@ -61,6 +61,8 @@ PROMISES = {
     "recipe_throughput.py": [rf"^ratio recipe tokens/s / plain loop tokens/s: {X}",
                              # the same model, batches and optimizer: the losses agree to rounding
                              r"max \|loss difference\| steps 1-5 = \d\.\d\de-(0[5-9]|[1-9]\d)|= 0\.00e\+00"],
+    "packing.py": [rf"^ratio {attention} {what}, packed / one document: {X}"
+                   for attention in ("dense", "sparse") for what in ("peak memory", "step time")],
     "prepare_data.py": [rf"^ratio prepare_data workers=2 tokens/s / plain loop tokens/s: {X}",
                         rf"^ratio prepare_data workers=1 VmHWM at 4x corpus / 1x: {X}",
                         r"^tokens written: the same in every variant"],
