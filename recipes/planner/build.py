@@ -57,6 +57,7 @@ class RankModel:
     first: bool
     last: bool
     stages: int = 1  # pipeline stages per rank
+    pipe: object = None  # this rank's zero.parallel.pipeline.Pipeline under pp
 
 
 def rank_model(cfg: DictConfig, rank: int) -> RankModel:
@@ -93,6 +94,7 @@ def rank_model(cfg: DictConfig, rank: int) -> RankModel:
         out.first = any(plan.first for plan in pipe.plans)
         out.last = any(plan.last for plan in pipe.plans)
         out.stages = len(pipe.plans)
+        out.pipe = pipe
     out.plan = zero.Plan.merge(plans)
     return out
 
@@ -193,3 +195,22 @@ def bucket_specs(rm: RankModel, config: zero.ZeroConfig) -> Layout:
                    for part in split_root(module, root, per_unit, config.reduce_bucket_size))
     buckets = late + [b for bl in unit_buckets[::-1] for b in bl] + early + persistent_buckets
     return Layout(buckets, len(units))
+
+
+def gradient_passes(rm: RankModel, cfg: DictConfig) -> list[int] | None:
+    """The stage of each gradient-producing pass (full or weight backward) this rank runs per step, in the
+    order of the schedule's own action list (torch's pipeline_order, built by the Pipeline on meta tensors);
+    None for single-stage schedules, whose passes are one per micro-batch."""
+    import types
+
+    if rm.pipe is None or rm.stages == 1:
+        return None
+    m = cfg.train.grad_accum
+    dims = rm.dims
+    engine = types.SimpleNamespace(config=types.SimpleNamespace(grad_accum_steps=m, torch_dtype=torch.float32),
+                                   device=torch.device("meta"))
+    b = cfg.train.micro_batch_size
+    rm.pipe._build(engine, torch.zeros(m * b, -(-cfg.train.seq_len // dims.sp), dtype=torch.long, device="meta"))
+    actions = rm.pipe._schedule.pipeline_order[dims.coordinate()["pp"]]
+    kinds = {"FULL_BACKWARD", "BACKWARD_WEIGHT"}
+    return [a.stage_index for a in actions if a is not None and a.computation_type.name in kinds]

@@ -14,7 +14,16 @@ from omegaconf import DictConfig
 
 import zero
 from recipes.config import is_moe
-from recipes.planner.build import ITEMSIZE, BucketSpec, Layout, RankModel, bucket_specs, fake_world, rank_model
+from recipes.planner.build import (
+    ITEMSIZE,
+    BucketSpec,
+    Layout,
+    RankModel,
+    bucket_specs,
+    fake_world,
+    gradient_passes,
+    rank_model,
+)
 from recipes.planner.cluster import Cluster
 from recipes.planner.trace import Trace, trace_micro_batch
 
@@ -78,10 +87,18 @@ class _Counter:
 
 
 def backward_passes(cfg: DictConfig, rm: RankModel) -> int:
-    """How often the engine's after_backward runs per step: once per micro-batch (a pipeline rank with
-    several stages: every `stages` passes, and after each stage's last one)."""
+    """How often the engine's after_backward runs per step: once per micro-batch; a pipeline rank with several
+    stages reduces every `stages` gradient passes and after each stage's last one (zero.parallel.pipeline),
+    counted along the schedule's own action list."""
     m = cfg.train.grad_accum
-    return m + (rm.stages - 1) if rm.stages > 1 else m
+    order = gradient_passes(rm, cfg)
+    if order is None:
+        return m
+    calls, done = 0, defaultdict(int)
+    for k, stage in enumerate(order, start=1):
+        done[stage] += 1
+        calls += k % rm.stages == 0 or done[stage] == m
+    return calls
 
 
 def engine_collectives(out: _Counter, layout: Layout, cfg: DictConfig, rm: RankModel, isz: int) -> None:
