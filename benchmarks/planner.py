@@ -159,17 +159,28 @@ def run(args) -> dict:
             except Exception as e:  # a layout that fails is reported, the grid goes on
                 failed(name, e)
                 continue
-        entry["predicted"] = predict(world, overrides, entry["measured"], flops)
-        entry["compare"] = compare(world, entry["measured"], entry["predicted"])
-        cache[name] = entry
+        cache[name] = entry  # the measurement is kept even if the prediction fails
+        try:
+            entry["predicted"] = predict(world, overrides, entry["measured"], flops)
+            entry["compare"] = compare(world, entry["measured"], entry["predicted"])
+        except Exception as e:
+            failed(f"{name} (prediction)", e)
+            entry.pop("compare", None)
+            _save(cache, args.cache)
+            continue
         c = entry["compare"]
         print(f"{name:32s} comm {'exact' if c['comm_exact'] else 'DIFFERS'}  params {c['params_exact']}  "
               f"state {c['state_exact']}  time {c['time_measured'] * 1e3:7.1f} ms measured, "
               f"{c['time_predicted'] * 1e3:7.1f} ms predicted (load {entry['load']:.1f})", flush=True)
-        os.makedirs(os.path.dirname(args.cache) or ".", exist_ok=True)
-        with open(args.cache, "w") as f:
-            json.dump(cache, f)
+        _save(cache, args.cache)
     return cache
+
+
+def _save(cache: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(cache, f)
+    os.replace(path + ".tmp", path)
 
 
 def calibrate(cs: list[dict]) -> tuple[float, float, float]:
