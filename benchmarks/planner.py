@@ -199,6 +199,30 @@ def calibrated(c: dict, fit: tuple[float, float, float]) -> float:
     return fit[0] * c["time_predicted"] + fit[1] * c["layer_passes"] + fit[2] * c["unit_events"]
 
 
+def search_check(cache: dict, fit: tuple[float, float, float], steps: int) -> None:
+    """For each model, `recipes.plan search` on 2 devices with the calibrated cpu cluster; its first layout is
+    trained and compared with the fastest measured 2-rank layout of that model in the grid."""
+    from recipes.plan import compose_command_line, search
+    from recipes.planner import load_cluster
+
+    flops = cache["_gemm_flops"] / max(fit[0], 1e-9)  # the roofline scaled by the fitted factor
+    cluster = load_cluster("cpu", {"flops": {"fp32": flops, "bf16": flops / 2, "fp16": flops / 2},
+                                   "layer_overhead_us": fit[1] * 1e6, "unit_overhead_us": fit[2] * 1e6})
+    for label, model in (("dense", DENSE), ("moe", MOE)):
+        base = BASE + model
+        best = search(compose_command_line(base), cluster, 2, 1)
+        if not best:
+            failed(f"search {label}", "no layout fits")
+            continue
+        predicted, chosen, _ = best[0]
+        overrides = base + [f"{k}={v}" for k, v in chosen.items()]
+        key = "_search " + label
+        if cache.get(key, {}).get("overrides") != overrides:
+            measured = spawn(measure_rank, overrides, steps, world=2, timeout=600)
+            cache[key] = {"overrides": overrides, "measured": measured, "predicted_s": predicted,
+                          "load": os.getloadavg()[0]}
+
+
 def summarize(cache: dict) -> str:
     """The grid's table and the headline figures (markdown)."""
     names = [n for n, _, _ in grid() if n in cache and "compare" in cache[n]]
@@ -232,6 +256,15 @@ def summarize(cache: dict) -> str:
                      f"event; median error {statistics.median(time_err):.0%}, Kendall tau {tau:.2f}")
     for label in ("dense 2r", "moe 2r"):
         group = [(n, c) for n, c in zip(names, cs) if n.startswith(label)]
+        picked = cache.get("_search " + label.split()[0])
+        if group and picked:
+            best = min(group, key=lambda x: x[1]["time_measured"])
+            t = statistics.median(picked["measured"][0]["step_times"][1:])
+            chosen = " ".join(o for o in picked["overrides"] if o.split("=")[0] not in ("model", *(
+                x.split("=")[0] for x in BASE)))
+            lines.append(f"- `recipes.plan search --world 2` for `{label.split()[0]}` (calibrated cpu cluster) picks "
+                         f"`{chosen}`: {t * 1e3:.1f} ms measured against the grid's fastest {best[0]} "
+                         f"({best[1]['time_measured'] * 1e3:.1f} ms): {t / best[1]['time_measured']:.2f}x")
         if group:
             pick = min(group, key=lambda x: x[1]["time_calibrated"])
             best = min(group, key=lambda x: x[1]["time_measured"])
@@ -253,8 +286,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--time-only", action="store_true", help="remeasure cached layouts (step times)")
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/planner.md")
+    parser.add_argument("--search", action="store_true", help="also run and measure recipes.plan search's picks")
     args = parser.parse_args(argv)
     cache = run(args)
+    if args.search:
+        names = [n for n, _, _ in grid() if n in cache and "compare" in cache[n]]
+        search_check(cache, calibrate([cache[n]["compare"] for n in names]), args.steps)
+        _save(cache, args.cache)
     text = summarize(cache)
     print(text)
     if args.write:
