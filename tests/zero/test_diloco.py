@@ -184,3 +184,36 @@ def test_refusals() -> None:
         DiLoCo(INNER_SGD, None, inner_steps=0)
     with pytest.raises(ValueError, match="binds to the engine itself"):
         DiLoCo(DiLoCo(INNER_SGD, None, inner_steps=1), None, inner_steps=2)
+
+
+def _moe_run(ep: int, steps: int) -> dict:
+    from moe import apply_expert_parallel
+    from tests.zero.models import build_moe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = ReplicaDims(replicas=2, dp=2, ep=ep)
+    model = build_moe(seed=0)
+    plans = [apply_expert_parallel(model, dims)]
+    optimizer = DiLoCo(INNER_SGD, dims.replica_group, inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    engine = zero.initialize(model, optimizer, zero.ZeroConfig(stage=1), dims, plans=plans)
+    losses = []
+    for step in range(steps):
+        loss = lm_loss(engine, _rows(step, rank, world))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state = engine.full_state_dict()
+    dense = {k: v for k, v in state.items() if "experts" not in k}
+    return {"losses": losses, "dense": dense, "experts": {k: v for k, v in state.items() if "experts" in k}}
+
+
+def test_replicas_with_expert_parallelism_match_ep1() -> None:
+    """R=2 replicas, each dp=2 with its experts split over ep=2, train as the same replicas with ep=1."""
+    ep1, ep2 = run_multirank(_moe_run, 4, 1, 4), run_multirank(_moe_run, 4, 2, 4)
+    for rank, r in enumerate(ep2):  # the run ends on a sync: both replicas hold the same experts
+        peer = ep2[(rank + 2) % 4]
+        assert r["experts"] and all(torch.equal(v, peer["experts"][k]) for k, v in r["experts"].items())
+    for a, b in zip(ep1, ep2):
+        assert b["losses"] == pytest.approx(a["losses"], rel=1e-5)
+        for name, value in a["dense"].items():
+            torch.testing.assert_close(b["dense"][name], value, rtol=1e-5, atol=1e-6)
