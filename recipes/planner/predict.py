@@ -222,11 +222,12 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
     head_dim = mc.dim // mc.n_heads
     kv = mc.n_kv_heads * head_dim
     ffn = mc.ffn_dim // d.tp
-    per_layer = tokens * (6 * mc.dim // d.tp + 4 * mc.dim + 2 * kv // max(1, d.tp) + 4 * ffn) * isz
+    # saved per token: the norms' outputs and q (6 x dim), k and v, the MLP's two inputs, SiLU and product (4 x ffn)
+    per_layer = tokens * (6 * mc.dim // d.tp + 2 * kv // max(1, d.tp) + 4 * ffn) * isz
     layers = len(rm.stage_layers)
     held = in_flight_micro_batches(cfg, rm)
-    if t.activation_checkpointing:
-        acts = tokens * mc.dim // d.tp * isz * layers * held + per_layer
+    if t.activation_checkpointing:  # the blocks' inputs, and in backward one block recomputed with its gradients
+        acts = tokens * mc.dim // d.tp * isz * layers * held + 2 * per_layer
     else:
         acts = per_layer * layers * held
     out = {"activations": int(acts)}
