@@ -145,6 +145,7 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 def run(args) -> dict:
     cache = json.load(open(args.cache)) if os.path.exists(args.cache) else {}
+    os.makedirs(NVME.split("=", 1)[1], exist_ok=True)  # (nvme offload's files go there)
     flops = cache.setdefault("_gemm_flops", gemm_rate())
     for name, world, overrides in grid():
         if args.only and args.only not in name:
