@@ -12,6 +12,7 @@ unpacked peak (no [seq, seq] mask is ever built).
 
     python benchmarks/packing.py            # 65,536 tokens
     python benchmarks/packing.py --quick    # 4,096 tokens: a smoke run
+    python benchmarks/packing.py --attention sparse   # one attention only
 """
 
 from __future__ import annotations
@@ -105,13 +106,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=65536, help="tokens in the row (default 65,536)")
     parser.add_argument("--quick", action="store_true", help="4,096 tokens: a smoke run")
+    parser.add_argument("--attention", choices=[*ATTENTIONS, "all"], default="all", help="which attention to run")
     args = parser.parse_args(argv)
+    chosen = list(ATTENTIONS) if args.attention == "all" else [args.attention]
     seq = 4096 if args.quick else args.seq
     common.quick_mode(args.quick, "recipes.models.llama", "sequence_parallel")
     print(f"packing: one {seq:,}-token row, {len(document_lengths(seq))} documents when packed; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     rows, out = [], {}
-    for attention in ATTENTIONS:
+    for attention in chosen:
         for packed in (False, True):
             name = f"{attention} {'packed' if packed else 'one document'}"
             try:
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append([attention, "packed" if packed else "one document", str(r["documents"]),
                          common.fmt(r["seconds"]), common.fmt(r["peak_mb"], ".0f"), common.fmt(r["loss"], ".4f")])
     print(common.table(["attention", "row", "documents", "step s", "peak MB above start", "loss"], rows))
-    for attention in ATTENTIONS:
+    for attention in chosen:
         one, packed = out.get(f"{attention} one document"), out.get(f"{attention} packed")
         if one and packed:
             common.print_ratio(f"{attention} peak memory, packed / one document", packed["peak_mb"] / one["peak_mb"],
