@@ -24,16 +24,17 @@ if not __package__:  # run as a file: the repository root leads sys.path, not th
 from benchmarks import common  # noqa: E402
 
 DIM, FFN, TOP_K = 512, 1024, 2
-IMPLS = ("ours", "ours_cap", "deepspeed", "naive")
+IMPLS = ("ours", "ours_cap", "ours_device", "deepspeed", "naive")
 GRAD_MODES = ("fresh", "kept")
 
 
 def _build(impl: str, num_experts: int):
-    if impl in ("ours", "ours_cap"):
+    if impl in ("ours", "ours_cap", "ours_device"):
         from moe import MoELayer
 
         return MoELayer(DIM, FFN, num_experts, top_k=TOP_K, activation="gelu",
-                        capacity_factor=1.25 if impl == "ours_cap" else None)
+                        capacity_factor=1.25 if impl == "ours_cap" else None,
+                        local_path="device" if impl == "ours_device" else "auto")
     if impl == "deepspeed":
         return common.deepspeed_moe(DIM, FFN, num_experts, TOP_K)  # on one gloo rank
     return _naive_module(num_experts)
@@ -104,7 +105,7 @@ def _stepper(impl: str, layer, x, g, grads: str = "fresh"):
 
     def step() -> float:
         x.grad = None
-        if impl in ("ours", "ours_cap"):
+        if impl in ("ours", "ours_cap", "ours_device"):
             layer.experts.fuse_grad_accumulation = grads == "kept"
         for p in layer.parameters():
             if grads == "fresh":
