@@ -177,3 +177,29 @@ def test_delayed_update_config_is_checked():
         zero.ZeroConfig(stage=1, offload_delayed_update=True)
     with pytest.raises(zero.ConfigError, match="offload_delayed_warmup_steps=0"):
         zero.ZeroConfig(stage=1, offload_optimizer="cpu", offload_delayed_update=True, offload_delayed_warmup_steps=0)
+
+
+@pytest.mark.parametrize("held_back", [False, True])
+def test_checkpoint_of_a_delayed_run_holds_the_newest_masters_and_resumes_from_them(tmp_path, monkeypatch,
+                                                                                   held_back):
+    if held_back:  # the pending update has not run when the checkpoint is asked for
+        monkeypatch.setattr(masters_mod, "make_executor", lambda n, device: HeldBackExecutor())
+    config = zero.ZeroConfig(stage=1, offload_optimizer="cpu", clip_grad_norm=CLIP, reduce_bucket_size=300,
+                             offload_delayed_update=True, offload_delayed_warmup_steps=1)
+    engine = zero.initialize(build(seed=0), ADAMW, config, lr_scheduler=_schedule)
+    for t in range(3):
+        engine.backward(lm_loss(engine, global_batch(t, 0, ROWS)))
+        assert engine.step()
+    lagging = compute_values(engine)  # the device: update 1 (update 2 pending)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    newest = engine.full_state_dict()  # update 2
+    assert any(not torch.equal(lagging[n], newest[n]) for n in newest)
+    want = _reference(3, warmup=1)["master"]
+    for name, value in want.items():
+        torch.testing.assert_close(newest[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    engine.close()
+    resumed = zero.initialize(build(seed=1), ADAMW, config)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    for name, value in compute_values(resumed).items():  # the pending update applied at the load
+        torch.testing.assert_close(value, newest[name], rtol=0, atol=0, msg=name)
+    resumed.close()
