@@ -32,6 +32,7 @@ class Cluster:
     mfu: float = 1.0  # fraction of `flops` that training GEMMs reach
     host_gbps: float = 5.0
     memory_gbps: float = 5.0  # device memory bandwidth (the optimizer step is bound by it)
+    compute_units: int | None = None  # what a node's ranks share (a CPU's cores); None: one per device
     layer_overhead_us: float = 0.0  # host time per layer pass (forward, backward, recompute): launches, Python
     unit_overhead_us: float = 0.0  # host time per ZeRO-3 unit gather or free (hooks, copies)
 
@@ -41,8 +42,11 @@ class Cluster:
             return self.intra_latency_us * 1e-6, self.intra_gbps * GB
         return self.inter_latency_us * 1e-6, self.inter_gbps * GB
 
-    def flop_rate(self, dtype: str) -> float:
-        return float(self.flops[dtype]) * self.mfu
+    def flop_rate(self, dtype: str, world: int = 1) -> float:
+        """FLOP/s one rank reaches when `world` ranks run (those of a node share its compute units)."""
+        per_node = min(world, self.devices_per_node)
+        share = 1.0 if self.compute_units is None else min(1.0, self.compute_units / per_node)
+        return float(self.flops[dtype]) * self.mfu * share
 
 
 def presets() -> list[str]:

@@ -291,7 +291,7 @@ def step_time(cfg: DictConfig, rm: RankModel, cluster: Cluster, collectives: lis
     z = cfg.zero
     m = cfg.train.grad_accum
     recompute = 4 / 3 if cfg.train.activation_checkpointing else 1.0
-    compute = flops_per_micro_batch(cfg, rm) * m * recompute / cluster.flop_rate(z.dtype)
+    compute = flops_per_micro_batch(cfg, rm) * m * recompute / cluster.flop_rate(z.dtype, rm.dims.world_size)
     compute *= 1 + _bubble(cfg, rm)
     exposed = hidden = 0.0
     for c in collectives:
