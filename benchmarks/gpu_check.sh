@@ -141,11 +141,15 @@ if ! has "hydra, omegaconf, yaml, numpy, psutil"; then
 else
   run_part recipe_dense 100 "$PY" benchmarks/gpu_check.py recipe --results "$RESULTS" --json "$JSON" --key dense \
     --run-dir "$RUN_DIR/recipe_dense" --label "${dense[0]} dense" "${dense[@]}" "${recipe_args[@]}"
+  # The recipe ends with a checkpoint (fp32 masters and Adam state: ~12 GB here, ~30 GB for the MoE); the
+  # figures are in metrics.jsonl, so the checkpoints go at once to keep the disk free.
+  rm -rf "$RUN_DIR"/recipe_dense/checkpoints
   if ! has matplotlib; then  # MoE runs end with an expert-load plot
     say "[recipe_moe] skipped: matplotlib is missing"
   else
     run_part recipe_moe 110 "$PY" benchmarks/gpu_check.py recipe --results "$RESULTS" --json "$JSON" --key moe \
       --run-dir "$RUN_DIR/recipe_moe" --label "${moe[0]} MoE" "${moe[@]}" "${recipe_args[@]}"
+    rm -rf "$RUN_DIR"/recipe_moe/checkpoints
   fi
 fi
 
