@@ -222,8 +222,12 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
     head_dim = mc.dim // mc.n_heads
     kv = mc.n_kv_heads * head_dim
     ffn = mc.ffn_dim // d.tp
-    # saved per token: the norms' outputs and q (6 x dim), k and v, the MLP's two inputs, SiLU and product (4 x ffn)
-    per_layer = tokens * (6 * mc.dim // d.tp + 2 * kv // max(1, d.tp) + 4 * ffn) * isz
+    # saved per token: the two norms' outputs (gathered to the whole sequence under tp), q, attention output and
+    # its projection (3 x dim / tp), k and v, the MLP's two inputs, SiLU and product (4 x ffn / tp); under
+    # Ulysses also q, k, v and the output on the other side of the all-to-alls
+    per_layer = tokens * (2 * mc.dim + (4 * mc.dim + 2 * kv) // d.tp + 4 * ffn) * isz
+    if d.sp > 1:
+        per_layer += tokens * (2 * mc.dim + 2 * kv) // d.tp * isz
     layers = len(rm.stage_layers)
     held = in_flight_micro_batches(cfg, rm)
     if t.activation_checkpointing:  # the blocks' inputs, and in backward one block recomputed with its gradients
