@@ -166,6 +166,7 @@ class HookGradReducer:
         self.next = dict.fromkeys(self.chains, 0)
         self.pending: list = []
         self.max_in_flight = 1
+        self._spare: torch.Tensor | None = None  # the last released staging buffer, reused within this backward
         self.handles = []
         for chain in self.chains.values():
             for progress in chain:
@@ -193,7 +194,7 @@ class HookGradReducer:
                 self._arrived(progress, i)
                 return
             if progress.staging is None:
-                progress.staging = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+                progress.staging = self._zeros(b)
             view = progress.staging[o : o + n]
             if progress.arrived[i]:
                 view.add_(g.reshape(-1))
@@ -219,10 +220,20 @@ class HookGradReducer:
                 return
             b = progress.bucket
             if progress.staging is None:
-                progress.staging = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+                progress.staging = self._zeros(b)
             self._launch(progress, progress.staging)
             progress.launched = True
             self.next[key] += 1
+
+    def _zeros(self, b: FlatBucket) -> torch.Tensor:
+        """A zeroed staging buffer for `b`: the last released one when it has the same size, else a new one (the
+        released one is dropped). Within a backward, buckets of one size (the units of stage 3) then share two or
+        three buffers instead of taking a fresh full-size block from the allocator each (on the host: fresh
+        pages, or heap fragments)."""
+        t, self._spare = self._spare, None
+        if t is not None and t.numel() == b.padded and t.dtype == b.dtype and t.device == b.device:
+            return t.zero_()
+        return torch.zeros(b.padded, dtype=b.dtype, device=b.device)
 
     def _launch(self, progress: _BucketProgress, flat: torch.Tensor) -> None:
         out, handle = _reduce(progress.bucket, flat, self.overlap)
@@ -234,9 +245,12 @@ class HookGradReducer:
     def _finish(self, progress: _BucketProgress, flat: torch.Tensor, out: torch.Tensor, handle) -> None:
         if handle is not None:
             handle.wait()
-        # Release the full-size staging buffer now, not at the end of backward.
+        # Release the full-size staging buffer now, not at the end of backward: for the next bucket of its size
+        # to reuse in this backward (it holds no gradient of its own and did not become the reduced one).
         if flat is progress.staging:
             progress.staging = None
+            if flat._base is None and out is not flat:
+                self._spare = flat
         elif flat is progress.late:
             progress.late = None
         out = out.float()
@@ -272,6 +286,7 @@ class HookGradReducer:
         for item in self.pending:
             self._finish(*item)
         self.pending.clear()
+        self._spare = None  # no full-size gradient buffer outlives backward
         for key, chain in self.chains.items():
             self.next[key] = 0
             for progress in chain:
