@@ -2,6 +2,7 @@
 AdamW, 1-bit Adam and DiLoCo (int8 deltas), each a 4-process run of the recipe (the same model and data).
 
     python benchmarks/slow_links.py bytes [--steps 60] [--model tiny]       exact bytes per step (zero.dist.comm)
+    python benchmarks/slow_links.py --quick                                 bytes over 6 steps (a smoke run)
     python benchmarks/slow_links.py quality [--steps 600] [--model tiny]    final validation loss, loss-vs-bytes plot
     python benchmarks/slow_links.py timing [--model small] [--rates 100mbit,1gbit,none]   (root: ip netns, tc tbf)
 
@@ -23,23 +24,30 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+if not __package__:  # run as a file: the repository root leads sys.path, not this folder (its zero.py)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from benchmarks import common  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
 BASE = ["train.seq_len=64", "train.micro_batch_size=4", "train.sample_tokens=0", "train.progress=false",
         "wandb.mode=disabled", "train.eval_batches=4", "optim.grad_clip=0", "train.keep_checkpoints=1"]
 
 
-def variants(steps: int) -> dict[str, list[str]]:
-    """The runs compared: AdamW's all-reduce, 1-bit Adam (a tenth of the run as warm-up), DiLoCo with R=4 replicas
+WARMUP = 0.1  # 1-bit Adam's warm-up, a fraction of the run (--warmup)
+
+
+def variants(steps: int, periods: tuple[int, ...] = (20, 50)) -> dict[str, list[str]]:
+    """The runs compared: AdamW's all-reduce, 1-bit Adam (WARMUP of the run as warm-up), DiLoCo with R=4 replicas
     of one process each, int8 deltas, synchronising every 20 and every 50 steps."""
-    warmup = max(1, steps // 10)
+    warmup = max(1, round(steps * WARMUP))
     diloco = ["parallel.replicas=4", "optim.diloco.delta_dtype=int8", "optim.diloco.outer_lr=0.7",
               "optim.diloco.outer_momentum=0.9"]
     return {
         "adamw": [],
         "onebit_adam": ["optim=onebit_adam", f"optim.onebit.warmup_steps={warmup}"],
-        "diloco_h20": [*diloco, "optim.diloco.inner_steps=20"],
-        "diloco_h50": [*diloco, "optim.diloco.inner_steps=50"],
+        **{f"diloco_h{h}": [*diloco, f"optim.diloco.inner_steps={h}"] for h in periods},
     }
 
 
@@ -63,11 +71,11 @@ def per_step_bytes(records: list[dict]) -> list[float]:
     return [r["comm_bytes"] for r in records if "comm_bytes" in r]
 
 
-def bytes_report(model: str, steps: int, out: Path) -> dict:
+def bytes_report(model: str, steps: int, out: Path, periods: tuple[int, ...] = (20, 50)) -> dict:
     """Per-step bytes of every variant and their ratios to AdamW's."""
-    found = {name: per_step_bytes(run(name, o, model, steps, out)) for name, o in variants(steps).items()}
+    found = {name: per_step_bytes(run(name, o, model, steps, out)) for name, o in variants(steps, periods).items()}
     adamw = statistics.mean(found["adamw"])
-    warmup = max(1, steps // 10)
+    warmup = max(1, round(steps * WARMUP))
     onebit = found["onebit_adam"]
     compressed = statistics.mean(onebit[warmup + 1 :])  # (the first compressed step also gathers the momentum)
     rows = {
@@ -76,21 +84,30 @@ def bytes_report(model: str, steps: int, out: Path) -> dict:
         f"onebit_adam whole run ({warmup} of {steps} steps warm-up)": (statistics.mean(onebit),
                                                                        adamw / statistics.mean(onebit)),
     }
-    for name in ("diloco_h20", "diloco_h50"):
-        h = int(name.split("h")[-1])
-        whole = found[name][: steps // h * h]  # whole periods only
-        rows[f"{name} (per step over its periods)"] = (statistics.mean(whole), adamw / statistics.mean(whole))
+    for h in periods:
+        whole = found[f"diloco_h{h}"][: steps // h * h]  # whole periods only
+        rows[f"diloco_h{h} (per step over its periods)"] = (statistics.mean(whole), adamw / statistics.mean(whole))
     print(f"bytes sent per step and rank, model={model}, {WORLD} ranks, {steps} steps:")
     for label, (value, ratio) in rows.items():
         print(f"  {label:<55} {value / 1e3:>12.1f} kB   {ratio:>8.1f}x fewer than AdamW")
+    common.print_ratio("bytes per step, AdamW / 1-bit Adam after warm-up", rows["onebit_adam after warm-up"][1])
+    for h in periods:
+        common.print_ratio(f"bytes per step, AdamW / DiLoCo H={h} int8", rows[f"diloco_h{h} (per step over its "
+                                                                            "periods)"][1])
     return {"per_step": found, "rows": rows}
 
 
-def quality_report(model: str, steps: int, out: Path) -> dict:
-    """Final validation loss of every variant at equal tokens, and validation loss against bytes sent (plot)."""
+def quality_report(model: str, steps: int, out: Path, only: str | None = None) -> dict:
+    """Final validation loss of every variant at equal tokens, and validation loss against bytes sent (plot).
+    Runs already in `out` (a previous call's) are read, not repeated; `only` limits the new ones."""
     results = {}
     for name, overrides in variants(steps).items():
-        records = run(name, overrides, model, steps, out, eval_every=max(1, steps // 10))
+        if (out / name / "result.json").exists():
+            records = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
+        elif only is None or name in only.split(",") or name == "adamw":
+            records = run(name, overrides, model, steps, out, eval_every=max(1, steps // 10))
+        else:
+            continue
         sent, curve = 0.0, []
         for r in records:
             sent += r.get("comm_bytes", 0.0)
@@ -159,17 +176,24 @@ def timing_report(model: str, rates: list[str | None], out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("bytes", "quality", "timing"))
+    p.add_argument("what", nargs="?", default="bytes", choices=("bytes", "quality", "timing"))
+    p.add_argument("--quick", action="store_true", help="bytes over 6 steps, DiLoCo every 3 (a smoke run)")
     p.add_argument("--model", default=None, help="recipe model (default: tiny; timing: small)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (bytes: 60, quality: 600)")
     p.add_argument("--rates", default="100mbit,1gbit,none", help="timing: link rates, 'none' = unlimited")
     p.add_argument("--out", default=None, help="where the runs write (default: a temporary directory)")
+    p.add_argument("--warmup", type=float, default=WARMUP, help="1-bit Adam's warm-up, a fraction of the steps")
+    p.add_argument("--only", default=None, help="quality: comma-separated variants to run (default: all)")
     args = p.parse_args(argv)
+    globals()["WARMUP"] = args.warmup
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="slow_links_"))
-    if args.what == "bytes":
+    if args.quick:
+        globals()["WARMUP"] = 1 / 3
+        bytes_report("tiny", 6, out, periods=(3,))
+    elif args.what == "bytes":
         bytes_report(args.model or "tiny", args.steps or 60, out)
     elif args.what == "quality":
-        quality_report(args.model or "tiny", args.steps or 600, out)
+        quality_report(args.model or "tiny", args.steps or 600, out, args.only)
     else:
         if os.geteuid() != 0:
             raise SystemExit("timing needs root (ip netns, tc)")
