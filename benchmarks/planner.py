@@ -7,7 +7,8 @@ calibration factor fitted over the grid), and which layout the planner ranks fir
 layouts. Results are cached per layout (--cache), so a rerun measures only what is missing; --time-only
 remeasures step times late, when the machine is quieter.
 
-    python benchmarks/planner.py [--cache runs/planner_bench.json] [--only NAME] [--steps 4] [--write]
+    python benchmarks/planner.py [--cache runs/planner_bench.json] [--only NAME] [--steps 4] [--search] [--write]
+    python benchmarks/planner.py --quick     # two layouts, a smoke run
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import failed, finish, spawn, table  # noqa: E402
+from benchmarks.common import failed, finish, print_ratio, quick_mode, spawn, table  # noqa: E402
 
 BASE = ["train.micro_batch_size=4", "train.seq_len=128", "model.n_layers=4"]
 DENSE, MOE = ["model=tiny"], ["model=moe_tiny"]
@@ -288,7 +289,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-only", action="store_true", help="remeasure cached layouts (step times)")
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/planner.md")
     parser.add_argument("--search", action="store_true", help="also run and measure recipes.plan search's picks")
+    parser.add_argument("--quick", action="store_true", help="two layouts, two steps, nothing cached (a smoke run)")
     args = parser.parse_args(argv)
+    if args.quick:
+        return quick(args)
     cache = run(args)
     if args.search:
         names = [n for n, _, _ in grid() if n in cache and "compare" in cache[n]]
@@ -301,6 +305,28 @@ def main(argv: list[str] | None = None) -> None:
         head = open(path).read().split("<!-- table -->")[0] if os.path.exists(path) else "# Planner\n\n"
         with open(path, "w") as f:
             f.write(head + "<!-- table -->\n" + text + "\n")
+    finish()
+
+
+QUICK = ("dense 2r dp2 z2 accum2", "moe 2r ep2 z1")
+
+
+def quick(args) -> None:
+    """Two layouts trained two steps and predicted: every rank's bytes per kind, measured / predicted."""
+    import tempfile
+
+    quick_mode(True, "recipes.pretrain", "recipes.planner")
+    args.cache, args.steps, args.time_only = os.path.join(tempfile.mkdtemp(), "quick.json"), 2, False
+    for name in QUICK:
+        args.only = name
+        cache = run(args)
+        c = cache.get(name, {}).get("compare")
+        if c is not None:
+            print_ratio(f"{name}: rank-0 comm bytes per step, measured / predicted",
+                        sum(c["comm_measured"].values()) / max(1, sum(c["comm_predicted"].values())),
+                        "every rank and kind equal" if c["comm_exact"] else "DIFFERENT")
+            if not c["comm_exact"]:
+                failed(name, "communication bytes differ from the prediction")
     finish()
 
 
