@@ -74,10 +74,10 @@ def _batch(seq: int, packed: bool):
     return tokens[:, :-1], labels, positions_from_starts(starts[:, :-1])
 
 
-def _step(model, optimizer, tokens, labels, positions) -> float:
+def _step(model, optimizer, tokens, labels, positions, packed: bool) -> float:
     from sequence_parallel import tiled_cross_entropy
 
-    hidden = model.forward_hidden(tokens, positions)
+    hidden = model.forward_hidden(tokens, positions, packed=packed)
     loss_sum, count = tiled_cross_entropy(hidden.flatten(0, 1), model.output_weight, labels.flatten(),
                                           tile_size=4096)
     loss = loss_sum / count
@@ -93,11 +93,11 @@ def probe(attention: str, packed: bool, seq: int) -> dict:
 
     model = _model(attention, seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    _step(model, optimizer, *_batch(512, packed=False))  # warm-up: AdamW state, kernels, allocator
+    _step(model, optimizer, *_batch(512, packed=False), packed=False)  # warm-up: AdamW state, kernels, allocator
     batch = _batch(seq, packed)
     before = common.reset_peak_rss()
     t0 = time.perf_counter()
-    loss = _step(model, optimizer, *batch)
+    loss = _step(model, optimizer, *batch, packed=packed)
     return {"seconds": time.perf_counter() - t0, "peak_mb": common.peak_rss_mb() - before, "loss": loss,
             "documents": len(set(batch[2][0].eq(0).nonzero().flatten().tolist()))}
 

@@ -21,16 +21,18 @@ def lm_loss(engine, tokens: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
     """Mean next-token cross-entropy of this data shard (over the whole sequence when sp > 1).
 
     The model runs through the engine (`engine(...)`), which gathers sharded parameters when needed.
-    `position_ids` (None: 0..seq-1) restart at each packed document (recipes.data.DocumentStream.packed_batch).
+    `position_ids` (None: 0..seq-1, one document per row) restart at each packed document
+    (recipes.data.DocumentStream.packed_batch): the model then keeps attention inside each document.
     """
+    packed = {"packed": True} if position_ids is not None else {}  # (unpacked: the model's call is unchanged)
     tokens, labels, position_ids = shard_sequence(tokens, labels, dims.sp_group, position_ids=position_ids,
                                                   ignore_index=IGNORE_INDEX)
     if cfg.train.tiled_loss:
-        hidden = engine(tokens, position_ids, return_hidden=True)
+        hidden = engine(tokens, position_ids, return_hidden=True, **packed)
         loss_sum, count = tiled_cross_entropy(hidden.flatten(0, 1), engine.module.output_weight,
                                               labels.flatten(), ignore_index=IGNORE_INDEX)
         return sp_loss(loss_sum, count, dims.sp_group)
-    return logits_loss(engine(tokens, position_ids), labels, dims)
+    return logits_loss(engine(tokens, position_ids, **packed), labels, dims)
 
 
 def logits_loss(logits: torch.Tensor, labels: torch.Tensor, dims: zero.ParallelDims) -> torch.Tensor:

@@ -283,14 +283,17 @@ def on_device(batch: tuple[torch.Tensor | None, ...], device) -> tuple[torch.Ten
 
 
 def stacked_micro_batches(stream, index: int, cfg: DictConfig, dims: zero.ParallelDims,
-                          device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          device) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The train.grad_accum micro-batches of batch `index` stacked along the batch dimension (a pipeline
-    splits them back in order), each shard of the sequence under sp, with their position ids."""
-    parts = []
+    splits them back in order), each shard of the sequence under sp, and the stages' keyword arguments: their
+    position ids (and packed=True when the rows hold packed documents)."""
+    parts, packed = [], False
     for micro in range(cfg.train.grad_accum):
         x, y, pos = on_device(stream.packed_batch(index, micro, data_rank(dims), IGNORE_INDEX), device)
+        packed = pos is not None
         parts.append(shard_sequence(x, y, dims.sp_group, position_ids=pos, ignore_index=IGNORE_INDEX))
-    return tuple(torch.cat(t) for t in zip(*parts))
+    x, y, pos = (torch.cat(t) for t in zip(*parts))
+    return x, y, {"position_ids": pos, **({"packed": True} if packed else {})}
 
 
 def train_step(engine: zero.Engine, stream, step: int, cfg: DictConfig, dims: zero.ParallelDims,
@@ -299,8 +302,8 @@ def train_step(engine: zero.Engine, stream, step: int, cfg: DictConfig, dims: ze
     then the MoE routers' bias update; returns the global-batch mean loss."""
     total = 0.0
     if pipe is not None:
-        x, y, pos = stacked_micro_batches(stream, step, cfg, dims, engine.device)
-        total = pipe.train_step(engine, x, y, position_ids=pos) * cfg.train.grad_accum
+        x, y, stage_kwargs = stacked_micro_batches(stream, step, cfg, dims, engine.device)
+        total = pipe.train_step(engine, x, y, **stage_kwargs) * cfg.train.grad_accum
     else:
         for micro in range(cfg.train.grad_accum):
             x, y, pos = on_device(stream.packed_batch(step, micro, data_rank(dims), IGNORE_INDEX), engine.device)
@@ -319,8 +322,8 @@ def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims, pipe:
     total = 0.0
     for i in range(cfg.train.eval_batches):
         if pipe is not None:
-            x, y, pos = stacked_micro_batches(val_stream, i, cfg, dims, engine.device)
-            total += pipe.eval_step(engine, x, y, position_ids=pos) * cfg.train.grad_accum
+            x, y, stage_kwargs = stacked_micro_batches(val_stream, i, cfg, dims, engine.device)
+            total += pipe.eval_step(engine, x, y, **stage_kwargs) * cfg.train.grad_accum
             continue
         for micro in range(cfg.train.grad_accum):
             x, y, pos = on_device(val_stream.packed_batch(i, micro, dims.dp_rank, IGNORE_INDEX), engine.device)

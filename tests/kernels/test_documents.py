@@ -119,3 +119,37 @@ def test_flex_document_block_mask_skips_and_keeps_the_right_blocks():
         out = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
                              enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, _by_hand(q, k, v, docs.bounds()), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_document_block_classes_hold_for_random_documents(causal):
+    """Over random rows, block sizes and ragged tails: no block pair run without the mask function (full) holds a
+    pair the mask forbids, no skipped pair holds one it allows, and no pair is visited for nothing (eager
+    FlexAttention cannot show this: it applies the mask function everywhere)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        b, s, block = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 121, (1,), generator=gen)), \
+            (8, 16, 32)[int(torch.randint(0, 3, (1,), generator=gen))]
+        starts = torch.rand(b, s, generator=gen) < 0.08
+        docs = Documents(positions_from_starts(starts))
+        mask = flex_document_mask(docs, causal, block=block)
+        ids = document_ids(docs.position_ids)
+        allowed = ids[:, :, None] == ids[:, None, :]
+        if causal:
+            allowed &= torch.ones(s, s, dtype=torch.bool).tril()
+        n = -(-s // block)
+        pad = torch.nn.functional.pad(allowed, (0, n * block - s, 0, n * block - s))
+        blocks = pad.view(b, n, block, n, block)
+        for row in range(b):
+            for qb in range(n):
+                partial = set(mask.kv_indices[row, 0, qb, :mask.kv_num_blocks[row, 0, qb]].tolist())
+                full = set(mask.full_kv_indices[row, 0, qb, :mask.full_kv_num_blocks[row, 0, qb]].tolist())
+                assert not partial & full
+                q_rows = slice(0, min(block, s - qb * block))
+                for kb in range(n):
+                    k_cols = slice(0, min(block, s - kb * block))
+                    pair = blocks[row, qb, q_rows, kb, k_cols]
+                    if kb in full:
+                        assert pair.all(), (row, qb, kb)
+                    else:  # a visited pair holds an allowed one (no block is visited for nothing)
+                        assert pair.any() == (kb in partial), (row, qb, kb)

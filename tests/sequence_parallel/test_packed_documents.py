@@ -59,9 +59,8 @@ def _alone(model, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.T
     return torch.cat(losses), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _packed_per_token(model, tokens, labels, positions) -> torch.Tensor:
-    hidden = model.forward_hidden(tokens, positions)
-    logits = F.linear(hidden, model.output_weight)
+def _per_token(model, tokens, labels, positions, packed: bool) -> torch.Tensor:
+    logits = F.linear(model.forward_hidden(tokens, positions, packed=packed), model.output_weight)
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-100)
     return loss.masked_fill(labels.flatten() == -100, float("nan"))
 
@@ -69,7 +68,7 @@ def _packed_per_token(model, tokens, labels, positions) -> torch.Tensor:
 def _tiled_loss_sum(model, tokens, labels, positions) -> torch.Tensor:
     from sequence_parallel import tiled_cross_entropy
 
-    hidden = model.forward_hidden(tokens, positions)
+    hidden = model.forward_hidden(tokens, positions, packed=True)
     loss_sum, _ = tiled_cross_entropy(hidden.flatten(0, 1), model.output_weight, labels.flatten(), tile_size=16)
     return loss_sum
 
@@ -86,20 +85,23 @@ def test_packed_documents_equal_documents_alone(attention):
     tokens, labels, positions = _packed_batch()
     reference, ref_grads = _alone(model, tokens)
     model.zero_grad()
-    losses = _packed_per_token(model, tokens, labels, positions)
+    losses = _per_token(model, tokens, labels, positions, packed=True)
     assert losses.isnan().sum() == len(LENGTHS)  # one ignored label per document
     _tiled_loss_sum(model, tokens, labels, positions).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     _check(losses.detach(), reference, grads, ref_grads)
 
 
-def test_unpacked_positions_attend_across_documents():
-    """The check above can fail: the same row with plain positions (one document) gives other losses."""
+@pytest.mark.parametrize("positions", ["plain", "restarting"])
+def test_unpacked_rows_attend_across_documents(positions):
+    """The check above can fail: the same row as one document (plain positions, or restarting ones without
+    packed=True) gives other losses: attention crosses the documents' boundaries."""
     model = _model("dense")
-    tokens, labels, _ = _packed_batch()
+    tokens, labels, restarting = _packed_batch()
     reference, _ = _alone(model, tokens)
     with torch.no_grad():
-        losses = _packed_per_token(model, tokens, labels, torch.arange(tokens.shape[1])[None])
+        pos = torch.arange(tokens.shape[1])[None] if positions == "plain" else restarting
+        losses = _per_token(model, tokens, labels, pos, packed=False)
     first = LENGTHS[0]  # the first document has nothing before it: equal; the later ones differ
     torch.testing.assert_close(losses[:first], reference[:first], equal_nan=True)
     assert (losses[first:] - reference[first:]).nan_to_num().abs().max() > 1e-3
@@ -119,7 +121,7 @@ def _sp2_worker(attention: str) -> dict:
     apply_ulysses(model, dims.sp_group)
     tok, lab, pos = shard_sequence(tokens, labels, dims.sp_group, position_ids=positions)
     with torch.no_grad():
-        local = _packed_per_token(model, tok, lab, pos)
+        local = _per_token(model, tok, lab, pos, packed=True)
     losses = gather_sequence(local[None], dims.sp_group, length=tokens.shape[1])[0]
     _tiled_loss_sum(model, tok, lab, pos).backward()  # this rank's share of the summed loss
     grads = {}

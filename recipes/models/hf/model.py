@@ -88,7 +88,7 @@ class HFCausalLM(nn.Module, ModelContract):
     its gradient joins the main loss's in training, scaled like it through `loss_plan()`'s hook, its statistics
     summed over `sp_group` (the ranks holding shards of the same sequences).
 
-    forward(tokens [b, s], position_ids=None, return_hidden=False) -> logits [b, s, vocab] (or the final-normed
+    forward(tokens [b, s], position_ids=None, return_hidden=False, packed=False) -> logits [b, s, vocab] (or the final-normed
     hidden states [b, s, dim], for losses that apply `output_weight` themselves, e.g. tiled)."""
 
     def __init__(self, causal_lm: PreTrainedModel, attention_fn: Callable[..., torch.Tensor] = attention,
@@ -210,12 +210,12 @@ class HFCausalLM(nn.Module, ModelContract):
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                return_hidden: bool = False) -> torch.Tensor:
+                return_hidden: bool = False, packed: bool = False) -> torch.Tensor:
         positions = position_ids_for(tokens, position_ids)
         if self.balance is not None:
             self.balance.begin(self.training and torch.is_grad_enabled())
-        # Position ids that restart inside a row mark packed documents: attention stays inside each of them.
-        documents = None if position_ids is None else Documents(positions)
+        # packed: the position ids restart at each packed document, and attention stays inside each of them.
+        documents = Documents(positions) if packed else None
         hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False,
                             documents=documents).last_hidden_state
         if self.balance is not None:

@@ -374,22 +374,24 @@ class Transformer(nn.Module, ModelContract):
         """RoPE (cos, sin) for position ids [b, s]."""
         return rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
 
-    def forward_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [b, s] -> final-normed hidden states [b, s, dim]. Position ids that restart inside a row mark
-        packed documents (moe_lst.kernels.documents): no token attends across their boundaries."""
+    def forward_hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                       packed: bool = False) -> torch.Tensor:
+        """tokens [b, s] -> final-normed hidden states [b, s, dim]. `packed`: the rows hold packed documents whose
+        position ids restart at each one (moe_lst.kernels.documents), and no token attends across their boundaries."""
         positions = position_ids_for(tokens, position_ids)
         cos, sin = self.rotary(positions)
-        documents = None if position_ids is None else Documents(positions)
+        documents = Documents(positions) if packed else None
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, documents)
         return self.norm(h)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                return_hidden: bool = False) -> torch.Tensor:
+                return_hidden: bool = False, packed: bool = False) -> torch.Tensor:
         """tokens [b, s] -> logits [b, s, vocab] (or the final-normed hidden [b, s, dim] with
-        return_hidden, for losses that apply the output projection themselves, e.g. tiled)."""
-        hidden = self.forward_hidden(tokens, position_ids)
+        return_hidden, for losses that apply the output projection themselves, e.g. tiled). `packed`: see
+        forward_hidden."""
+        hidden = self.forward_hidden(tokens, position_ids, packed)
         return hidden if return_hidden else F.linear(hidden, self.output_weight)
 
     @torch.no_grad()

@@ -95,14 +95,14 @@ class PipelineStageModule(nn.Module, ModelContract):
     def blocks(self) -> list[tuple[str, nn.Module]]:
         return [(f"layers.{i}", layer) for i, layer in self.layers.items()]
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
         if self.first:
             tokens = x
             x = self.tok_embeddings(tokens)
         if position_ids is None:
             raise ValueError("pipeline stages need position_ids beside their input (pass them to every stage)")
         cos, sin = self._rotary(position_ids)
-        documents = Documents(position_ids)  # packed documents, if the positions restart inside a row
+        documents = Documents(position_ids) if packed else None  # packed documents: attention stays inside each
         for layer in self.layers.values():
             x = layer(x, cos, sin, documents)
         if self.last:
