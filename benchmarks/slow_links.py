@@ -2,7 +2,7 @@
 AdamW, 1-bit Adam and DiLoCo (int8 deltas), each a 4-process run of the recipe (the same model and data).
 
     python benchmarks/slow_links.py bytes [--steps 60] [--model tiny]       exact bytes per step (zero.dist.comm)
-    python benchmarks/slow_links.py --quick                                 bytes over 6 steps (a smoke run)
+    python benchmarks/slow_links.py --quick                                 AdamW and 1-bit Adam bytes, 6 steps
     python benchmarks/slow_links.py quality [--steps 600] [--model tiny]    final validation loss, loss-vs-bytes plot
     python benchmarks/slow_links.py timing [--model small] [--rates 100mbit,1gbit,none]   (root: ip netns, tc tbf)
 
@@ -177,7 +177,7 @@ def timing_report(model: str, rates: list[str | None], out: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="bytes", choices=("bytes", "quality", "timing"))
-    p.add_argument("--quick", action="store_true", help="bytes over 6 steps, DiLoCo every 3 (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="AdamW and 1-bit Adam bytes over 6 steps (a smoke run)")
     p.add_argument("--model", default=None, help="recipe model (default: tiny; timing: small)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (bytes: 60, quality: 600)")
     p.add_argument("--rates", default="100mbit,1gbit,none", help="timing: link rates, 'none' = unlimited")
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="slow_links_"))
     if args.quick:
         globals()["WARMUP"] = 1 / 3
-        bytes_report("tiny", 6, out, periods=(3,))
+        bytes_report("tiny", 6, out, periods=())  # (two runs: DiLoCo's recipe runs are tests/recipes' business)
     elif args.what == "bytes":
         bytes_report(args.model or "tiny", args.steps or 60, out)
     elif args.what == "quality":
