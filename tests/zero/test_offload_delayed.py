@@ -203,3 +203,25 @@ def test_checkpoint_of_a_delayed_run_holds_the_newest_masters_and_resumes_from_t
     for name, value in compute_values(resumed).items():  # the pending update applied at the load
         torch.testing.assert_close(value, newest[name], rtol=0, atol=0, msg=name)
     resumed.close()
+
+
+def test_metrics_do_not_wait_for_the_pending_update(monkeypatch):
+    """metrics() (logged every step) reads sizes only: the update submitted by step() is still pending after it,
+    so the host step overlaps the next forward and backward."""
+    executors = []
+    monkeypatch.setattr(masters_mod, "make_executor", lambda n, device: executors.append(HeldBackExecutor())
+                        or executors[-1])
+    config = zero.ZeroConfig(stage=1, offload_optimizer="cpu", clip_grad_norm=CLIP, reduce_bucket_size=300,
+                             offload_delayed_update=True, offload_delayed_warmup_steps=1)
+    engine = zero.initialize(build(seed=0), ADAMW, config)
+    sizes = []
+    for t in range(3):
+        engine.backward(lm_loss(engine, global_batch(t, 0, ROWS)))
+        assert engine.step()
+        metrics = engine.metrics()
+        sizes.append((metrics["master_bytes"], metrics["optimizer_state_bytes"]))
+        if t >= 1:  # past the warm-up: the update of this step was submitted and must not have run yet
+            assert engine.zero_optimizer.masters.pending is not None
+            assert executors[0].log.count("run") == executors[0].log.count("submit") - 1
+    assert sizes[0] == sizes[1] == sizes[2] and sizes[0][0] > 0 and sizes[0][1] == 2 * sizes[0][0]
+    engine.close()

@@ -224,7 +224,8 @@ class HostMasters(DeviceMasters):
         super().load_state_dict(state)
 
     def resident_bytes(self) -> dict[str, int]:
-        self.finish_pending()
+        # Metrics, read every step: sizes only, never values, so the pending update is not waited for (its
+        # buffers keep their sizes: the optimizer state exists from the first, never delayed, step on).
         out = super().resident_bytes()
         out["master"] = sum(m.numel() * _F32 for m in self.masters)
         return out
