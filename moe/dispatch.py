@@ -54,7 +54,8 @@ class DispatchPlan:
 
     def gemm_counts(self) -> torch.Tensor:
         """[E] rows per expert segment of a static plan's buffer: the kept slots, with the dropped tail
-        appended to the last expert's segment (computed, then weighted by 0), so the segments cover every row."""
+        appended to the last expert's segment (rows of zeros: `permute` zeroes them, so the last expert computes
+        finite values whatever its weights, which the combine weights by 0), so the segments cover every row."""
         if not self.drops:
             return self.tokens_per_expert
         counts = self.tokens_per_expert.clone()
@@ -133,26 +134,35 @@ def make_static_plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: 
 def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """x [N, dim] -> [M, dim] token copies grouped by expert."""
     if plan.static and x.shape[0]:
-        return _GatherTokens.apply(x, plan.token_index, plan.slot_position)
+        keep = None
+        if plan.drops:  # the dropped tail enters the GEMM as zeros: a non-finite row times gate 0 would be NaN
+            slots = torch.arange(plan.num_slots, device=x.device)
+            keep = (slots < plan.tokens_per_expert.sum()).unsqueeze(1)  # [N*k, 1], on the device: no sync
+        return _GatherTokens.apply(x, plan.token_index, plan.slot_position, keep)
     return x.index_select(0, plan.token_index)
 
 
 class _GatherTokens(torch.autograd.Function):
     """rows = x[token_index] for a static plan (every token's k slots in the buffer); backward gathers each
-    token's k row gradients through slot_position and sums them, instead of scatter-adding them."""
+    token's k row gradients through slot_position and sums them, instead of scatter-adding them. `keep` [rows, 1]
+    (capacity mode, else None): rows where it is False (dropped slots) are zeros, and pass no gradient back."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, token_index: torch.Tensor, slot_position: torch.Tensor):
-        ctx.save_for_backward(slot_position)
+    def forward(ctx, x: torch.Tensor, token_index: torch.Tensor, slot_position: torch.Tensor,
+                keep: torch.Tensor | None = None):
+        ctx.save_for_backward(slot_position, keep)
         ctx.num_tokens = x.shape[0]
-        return x.index_select(0, token_index)
+        rows = x.index_select(0, token_index)
+        return rows if keep is None else rows.masked_fill_(~keep, 0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (slot_position,) = ctx.saved_tensors
+        slot_position, keep = ctx.saved_tensors
         n = ctx.num_tokens
+        if keep is not None:
+            grad = grad.masked_fill(~keep, 0)
         # [N*k, dim] in slot order (token * k + j) -> [N, k, dim] -> sum over a token's k slots
-        return grad.index_select(0, slot_position).view(n, -1, grad.shape[-1]).sum(1), None, None
+        return grad.index_select(0, slot_position).view(n, -1, grad.shape[-1]).sum(1), None, None, None
 
 
 class _Permutation(torch.autograd.Function):

@@ -89,6 +89,27 @@ def test_device_path_equals_host_path(name):
         assert want["stats"]["dropped"] > 0  # the case really drops slots
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_dropped_slots_cannot_poison_the_device_path(activation):
+    """The dropped slots are computed by the last expert (gemm_counts) and weighted by 0: they enter it as zero
+    rows, so an expert whose outputs overflow for real tokens gives no inf * 0 = NaN. The last expert here is
+    never chosen (its selection bias) and has huge weights: the host path never runs it, the device path runs
+    it on the dropped rows only; both stay finite and equal, gradients included."""
+    host, device = _pair(dict(top_k=2, capacity_factor=0.5, activation=activation))
+    with torch.no_grad():
+        for layer in (host, device):
+            layer.router.expert_bias[-1] = -1e4  # selection only: expert E-1 gets no slot
+            layer.experts.w_in[-1].fill_(1e30)  # any real token overflows to inf through it
+            layer.experts.w_out[-1].fill_(1e30)
+    torch.manual_seed(1)
+    x, g = torch.randn(3, 10, DIM), torch.randn(3, 10, DIM)
+    want, got = _run(host, x, g), _run(device, x, g)
+    assert want["stats"]["dropped"] > 0 and want["load"][-1] == 0
+    assert torch.isfinite(got["y"]).all() and torch.isfinite(got["x_grad"]).all()
+    assert all(torch.isfinite(grad).all() for grad in got["grads"].values())
+    _assert_same(got, want)
+
+
 def test_static_plan_keeps_make_plans_slots_in_order_and_the_dropped_ones_last():
     torch.manual_seed(0)
     indices = torch.randint(0, E, (40, 2))
