@@ -200,9 +200,52 @@ def test_checkpoint_of_a_delayed_run_holds_the_newest_masters_and_resumes_from_t
     engine.close()
     resumed = zero.initialize(build(seed=1), ADAMW, config)
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
-    for name, value in compute_values(resumed).items():  # the pending update applied at the load
+    for name, value in resumed.full_state_dict().items():  # the masters: the pending update applied
         torch.testing.assert_close(value, newest[name], rtol=0, atol=0, msg=name)
+    for name, value in compute_values(resumed).items():  # the device: still one update behind, as it was
+        torch.testing.assert_close(value, lagging[name], rtol=0, atol=0, msg=name)
     resumed.close()
+
+
+@pytest.mark.parametrize("stop", [1, 2, 4])  # in the warm-up, at its last step, in the delayed regime
+def test_a_resumed_delayed_run_is_the_uninterrupted_run(tmp_path, monkeypatch, stop):
+    """Saved after `stop` steps and resumed by a fresh engine, a delayed run neither repeats the warm-up nor starts
+    the device from the newest masters: its losses, device values, masters and host steps are the uninterrupted
+    run's."""
+    executors = []
+    monkeypatch.setattr(masters_mod, "make_executor", lambda n, device: executors.append(HeldBackExecutor())
+                        or executors[-1])
+    config = zero.ZeroConfig(stage=2, offload_optimizer="cpu", clip_grad_norm=CLIP, reduce_bucket_size=300,
+                             offload_delayed_update=True, offload_delayed_warmup_steps=WARMUP)
+
+    def run(engine, steps):
+        losses, compute = [], []
+        for t in steps:
+            loss = lm_loss(engine, global_batch(t, 0, ROWS))
+            engine.backward(loss)
+            assert engine.step()
+            losses.append(loss.item())
+            compute.append(compute_values(engine))
+        return losses, compute
+
+    whole = zero.initialize(build(seed=0), ADAMW, config, lr_scheduler=_schedule)
+    want_losses, want_compute = run(whole, range(STEPS))
+    want = {"losses": want_losses, "compute": want_compute, "master": whole.full_state_dict()}
+    whole.close()
+    first = zero.initialize(build(seed=0), ADAMW, config, lr_scheduler=_schedule)
+    losses, compute = run(first, range(stop))
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    first.close()
+    resumed = zero.initialize(build(seed=1), ADAMW, config, lr_scheduler=_schedule)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.zero_optimizer.masters.steps_done == stop
+    more_losses, more_compute = run(resumed, range(stop, STEPS))
+    got = {"losses": losses + more_losses, "compute": compute + more_compute, "master": resumed.full_state_dict()}
+    resumed.close()
+    _assert_trajectory(got, want, rtol=0, atol=0)
+    # the warm-up ran once over both halves: every step after it went to the worker
+    assert executors[0].log.count("submit") == STEPS - WARMUP
+    assert executors[1].log.count("submit") + executors[2].log.count("submit") == STEPS - WARMUP
 
 
 def test_metrics_do_not_wait_for_the_pending_update(monkeypatch):
@@ -225,3 +268,14 @@ def test_metrics_do_not_wait_for_the_pending_update(monkeypatch):
             assert executors[0].log.count("run") == executors[0].log.count("submit") - 1
     assert sizes[0] == sizes[1] == sizes[2] and sizes[0][0] > 0 and sizes[0][1] == 2 * sizes[0][0]
     engine.close()
+
+
+def test_steps_done_of_a_state_dict_without_the_record():
+    """A checkpoint resharded to another layout carries the torch optimizer state only: the steps come from the
+    optimizer's own count, and a state without one is taken as past the warm-up (an empty one as no step)."""
+    from zero.offload.masters import _steps_done
+
+    assert _steps_done({"state": {0: {"step": torch.tensor(5.0)}}, "param_groups": []}, 2) == 5
+    assert _steps_done({"state": {0: {"momentum_buffer": torch.zeros(2)}}, "param_groups": []}, 2) == 2
+    assert _steps_done({"state": {}, "param_groups": []}, 2) == 0
+    assert _steps_done({"state": {0: {"step": torch.tensor(5.0)}}, "offload_steps_done": 7}, 2) == 7

@@ -117,7 +117,10 @@ class HostMasters(DeviceMasters):
     on the host (on CUDA on a worker thread, beside step t+1's forward and backward, into which step t+1's
     gradients arrive in a second set of host buffers). The forward of step t+1 therefore runs on the
     parameters of update t-1: the gradient of step t+1 is one update stale. Reading or writing the masters
-    (checkpoints, full_state_dict) first waits for the pending update, so they hold the newest values.
+    (checkpoints, full_state_dict) first waits for the pending update, so they hold the newest values; the
+    optimizer state dict also records the steps done (a resumed run does not repeat the warm-up) and, once the
+    device lags, the device's (compute-dtype) shards of update t-1, which a load puts back on the device: a
+    resumed run continues exactly as the uninterrupted one. (Metrics read sizes only and never wait.)
     """
 
     kind = "cpu"
@@ -215,13 +218,32 @@ class HostMasters(DeviceMasters):
         self.finish_pending()
         super().write_master(index, values)
 
+    #: Keys this store adds to the torch optimizer state dict (ignored by the other stores and by torch).
+    STEPS_KEY, LAGGED_KEY = "offload_steps_done", "offload_lagged_shards"
+
+    def lagging(self) -> bool:
+        """True when the device holds the values of the update before the masters' (the delayed regime)."""
+        return self.delayed and self.steps_done > self.warmup
+
     def state_dict(self, file_backed: bool = False) -> dict:
         self.finish_pending()
-        return super().state_dict(file_backed)
+        state = dict(super().state_dict(file_backed))
+        state[self.STEPS_KEY] = self.steps_done
+        if self.lagging():  # what the next forward runs on: update t-1 (the masters hold update t)
+            state[self.LAGGED_KEY] = [b.read_shard().detach().clone() for b in self.buckets]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.finish_pending()
         super().load_state_dict(state)
+        self.steps_done = _steps_done(state, self.warmup)
+        lagged = state.get(self.LAGGED_KEY)
+        if self.delayed and lagged is not None:  # called after the masters (and shards) were loaded
+            if len(lagged) != len(self.buckets):
+                raise ValueError(f"{len(lagged)} lagged shards for {len(self.buckets)} offloaded buckets")
+            with torch.no_grad():
+                for b, values in zip(self.buckets, lagged):
+                    b.write_shard(values)
 
     def resident_bytes(self) -> dict[str, int]:
         # Metrics, read every step: sizes only, never values, so the pending update is not waited for (its
@@ -233,6 +255,18 @@ class HostMasters(DeviceMasters):
     def close(self) -> None:
         self.finish_pending()
         self.executor.close()
+
+
+def _steps_done(state: dict, warmup: int) -> int:
+    """Optimizer steps a state dict has seen: as recorded by HostMasters, else the optimizer's own `step` count
+    (Adam's; a resharded checkpoint), else none if it has no state, else at least the warm-up."""
+    if HostMasters.STEPS_KEY in state:
+        return int(state[HostMasters.STEPS_KEY])
+    entries = state.get("state") or {}
+    for entry in entries.values():
+        if "step" in entry:
+            return int(entry["step"])
+    return warmup if entries else 0
 
 
 # ---------------------------------------------------------------------------------------------- nvme
