@@ -279,3 +279,21 @@ def test_steps_done_of_a_state_dict_without_the_record():
     assert _steps_done({"state": {0: {"momentum_buffer": torch.zeros(2)}}, "param_groups": []}, 2) == 2
     assert _steps_done({"state": {}, "param_groups": []}, 2) == 0
     assert _steps_done({"state": {0: {"step": torch.tensor(5.0)}}, "offload_steps_done": 7}, 2) == 7
+
+
+def test_hyperparameter_snapshot_clones_tensor_values():
+    """A tensor lr set in place (as a scheduler may) after the snapshot does not reach the snapshot's step."""
+    from zero.offload.overlap import hyperparameter_snapshot, step_view
+
+    def run(change_lr):
+        master = torch.nn.Parameter(torch.ones(4))
+        optimizer = torch.optim.AdamW([master], lr=torch.tensor(0.1), betas=(torch.tensor(0.9), torch.tensor(0.95)))
+        view = hyperparameter_snapshot(optimizer)
+        assert view.param_groups[0]["params"][0] is master
+        if change_lr:
+            optimizer.param_groups[0]["lr"].fill_(0.5)  # the next step's value, written in place
+            optimizer.param_groups[0]["betas"][0].fill_(0.1)
+        step_view(view, [master], [torch.full((4,), 2.0)])
+        return master.detach().clone()
+
+    torch.testing.assert_close(run(True), run(False), rtol=0, atol=0)

@@ -111,10 +111,21 @@ def pipelined_step(executor: InlineExecutor, grads: list[torch.Tensor],
 
 def hyperparameter_snapshot(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A view of `optimizer` that steps the same parameters and state with the hyperparameters of now (lr,
-    betas, ...), so a step on a worker thread is not changed by an lr scheduler stepping meanwhile."""
+    betas, ...), so a step on a worker thread is not changed by an lr scheduler stepping meanwhile. Tensor values
+    (a tensor lr, which a scheduler may set in place) are cloned; the parameter lists are shared."""
     view = copy.copy(optimizer)  # same state dict, same parameter lists
-    view.param_groups = [dict(group) for group in optimizer.param_groups]
+    view.param_groups = [{k: _frozen(v) if k != "params" else v for k, v in group.items()}
+                         for group in optimizer.param_groups]
     return view
+
+
+def _frozen(value):
+    """A hyperparameter as it is now: tensors (also inside a tuple, e.g. betas) cloned, other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 def step_view(view: torch.optim.Optimizer, masters: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
