@@ -125,8 +125,10 @@ def trace_micro_batch(rm: RankModel, cfg: DictConfig, dtype: torch.dtype) -> Tra
         loss.backward()
         trace.bytes, trace.calls = dict(stats.bytes), dict(stats.calls)
         stats.reset()
-    if dims.sp > 1 and dims.pp == 1 and rm.stage_layers:  # the whole rows' document bounds, once per forward
-        _add(trace, "all_gather", (dims.sp - 1) * b * s_local * 8)
+    if dims.sp > 1 and rm.stage_layers and cfg.data.get("packing", "concat") == "document":
+        # packed documents: Ulysses gathers the whole rows' position ids once per forward of each stage
+        for _ in range(rm.stages):
+            _add(trace, "all_gather", (dims.sp - 1) * b * s_local * 8)
     return trace
 
 
