@@ -10,8 +10,6 @@ random init (nothing downloaded), train a few steps on 2 gloo ranks with the sam
 - ours: `HFCausalLM` (MoE blocks swapped) under our engine at stage 3;
 - ours-meta (Llama only): the same, the model built by `recipes.models.hf.build(config, meta=True)`, so no rank
   ever holds the whole model (its weights come from the adapter's init by name: other losses than the rest);
-- ours-nopin (Llama only): `ours` with glibc's allocator left alone (`host_mmap_threshold=0`; by default the
-  engine fixes glibc's mmap threshold at its units' buffer size at stage 3 on the host): what that costs and saves;
 - deepspeed: `deepspeed.initialize` at stage 3 on the plain transformers model (built whole on every rank, as
   the plain and ours variants are; `deepspeed.zero.Init` is not used).
 
@@ -132,10 +130,9 @@ def plain_step(model, phases: Phases):
     return train_step
 
 
-def ours_step(model, args, phases: Phases, allocator: bool = True):
+def ours_step(model, args, phases: Phases):
     """Our engine at ZeRO-3 around the adapter (`HFCausalLM`, sparse blocks swapped for grouped experts); `model`
-    is a transformers model, or an adapted one already (e.g. built on the meta device). `allocator=False` leaves
-    glibc's allocator alone (`host_mmap_threshold=0`: no mmap threshold fixed at the units' buffer size)."""
+    is a transformers model, or an adapted one already (e.g. built on the meta device)."""
     import torch
 
     from recipes.models.hf import HFCausalLM
@@ -144,8 +141,7 @@ def ours_step(model, args, phases: Phases, allocator: bool = True):
     engine = common.initialize(adapted, functools.partial(torch.optim.AdamW, **ADAMW),
                                common.parallel_dims(dp=WORLD), plans=[adapted.loss_plan()], stage=3,
                                clip_grad_norm=None, reduce_bucket_size=args.bucket,
-                               allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1,
-                               **({} if allocator else {"host_mmap_threshold": 0}))
+                               allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1)
     phases.mark("initialize")
     return _engine_step(engine, lambda x: engine(x), phases)
 
@@ -209,8 +205,8 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
 
         adopt_moe_blocks(model)
         train_step = plain_step(model, phases)
-    elif variant in ("ours", "ours-meta", "ours-nopin"):
-        train_step = ours_step(model, args, phases, allocator=variant != "ours-nopin")
+    elif variant in ("ours", "ours-meta"):
+        train_step = ours_step(model, args, phases)
     elif variant == "deepspeed":
         train_step = deepspeed_step(model, args, phases)
     else:
@@ -225,7 +221,7 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
 def run_model(kind: str, args: argparse.Namespace) -> dict[str, dict]:
     """Every variant of `kind`, each on its own 2 fresh ranks; a failed one is reported and left out."""
     variants = ["plain", *(["plain+grouped"] if kind != "llama" else []), "ours",
-                *(["ours-meta", "ours-nopin"] if kind == "llama" else []), "deepspeed"]
+                *(["ours-meta"] if kind == "llama" else []), "deepspeed"]
     if not args.with_deepspeed:
         variants.remove("deepspeed")
     rows = {}
@@ -272,10 +268,6 @@ def report(kind: str, rows: dict[str, dict], args: argparse.Namespace) -> None:
         common.print_ratio(f"{kind} ours (meta-device build)/deepspeed peak memory",
                            rows["ours-meta"]["peak_rss_mb"] / ds["peak_rss_mb"],
                            f"step time {rows['ours-meta']['step_s'] / ds['step_s']:.2f}x")
-    if "ours-nopin" in rows and ds:
-        nopin = rows["ours-nopin"]
-        common.print_ratio(f"{kind} ours (allocator left alone)/deepspeed peak memory",
-                           nopin["peak_rss_mb"] / ds["peak_rss_mb"], f"step time {nopin['step_s'] / ds['step_s']:.2f}x")
     if ours and plain:
         common.print_ratio(f"{kind} ours/plain step time", ours["step_s"] / plain["step_s"],
                            f"peak RSS {ours['peak_rss_mb'] / plain['peak_rss_mb']:.2f}x")

@@ -26,7 +26,7 @@ from zero.optim.bound import BoundOptimizer, StepOverride
 from zero.plan import Placement, Plan, ReduceGroup, RuntimeFacts
 from zero.sharding.buckets import FlatBucket, split_into_buckets
 from zero.sharding.optimizer import FullGradReducer, ZeroOptimizer
-from zero.sharding.stage3 import Stage3Hooks, assign_parameters, find_units, split_root, unit_mmap_threshold
+from zero.sharding.stage3 import Stage3Hooks, assign_parameters, find_units, split_root
 from zero.state.checkpoint import load_checkpoint, save_checkpoint
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -307,9 +307,6 @@ class Engine:
         per_unit, root, persistent = assign_parameters(model, units, config.param_persistence_threshold)
         self._check_param_offload_space([x for unit in per_unit for x in unit] + root, reductions, owner)
         unit_buckets = [self._make_buckets(params, reductions, owner, False) for params in per_unit]
-        threshold = unit_mmap_threshold(unit_buckets, config.host_mmap_threshold)
-        if config.host_mmap_threshold and config.offload_params != "nvme" and threshold:
-            pin_mmap_threshold(threshold)  # host units: their buffers mapped and returned, not kept by a heap
         # The root cut at reduce_bucket_size, in backward order: a head reduces before the blocks, an embedding after.
         root_late, root_early = ([b for group in part for b in self._make_buckets(
             group, reductions, owner, False, config.reduce_bucket_size)]

@@ -3,19 +3,15 @@
 from its own gradient (no full-size staging copy), at most one reduction's staging buffer waits beside the
 one being launched, none survives backward, and no gradient survives the optimizer step. The values these
 buffers carry are checked against the single-process trajectory in tests/zero/test_stages.py (the same
-bucket size: the head and the embedding stand alone there too). On the host, stage 3 fixes glibc's mmap threshold
-at its units' buffer size (so freed unit-sized blocks go back to the system instead of heaps that keep them),
-unless host_mmap_threshold=0 or the process set its own."""
+bucket size: the head and the embedding stand alone there too)."""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 import zero
 from tests.multirank import run_multirank
 from tests.zero.models import SGD, build, global_batch, lm_loss
-from zero.sharding.stage3 import unit_mmap_threshold
 
 BUCKET = 1000  # the head and the embedding (37 x 12 = 444 elements) hold over a quarter of it: alone
 
@@ -78,40 +74,3 @@ def test_stage3_gradient_buffers_follow_backward_and_leave_memory() -> None:
             assert step["grads_after_backward"] == r["shard_bytes"]  # only this rank's reduced shard
             assert step["grads_after_step"] == 0
 
-
-class _Stub:
-    """What unit_mmap_threshold reads of a bucket."""
-
-    def __init__(self, numel: int, device: str = "cpu") -> None:
-        self.padded, self.device = numel, torch.device(device)
-        self.full = torch.empty(0)  # fp32: 4 bytes an element
-
-
-def test_unit_mmap_threshold_is_the_smallest_unit_buffer_within_glibcs_dynamic_range(monkeypatch) -> None:
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    mib = 2**20
-    units = [[_Stub(3 * mib)], [_Stub(mib), _Stub(2 * mib)]]
-    assert unit_mmap_threshold(units, 1 << 20) == 4 * mib  # 1M fp32 elements
-    assert unit_mmap_threshold(units, 8 * mib) is None  # small units: left alone
-    assert unit_mmap_threshold([[_Stub(16 * mib)]], 1 << 20) is None  # 64 MiB buffers: glibc maps them anyway
-    assert unit_mmap_threshold([[_Stub(4 * mib, "meta")]], 1 << 20) is None  # not host memory
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-    assert unit_mmap_threshold(units, 1 << 20) is None  # the process's own setting wins
-
-
-def _pins(threshold: int) -> list[int]:
-    """The mmap thresholds a 1-rank stage-3 engine fixes for two 512 x 512 units (1 MiB buffers each)."""
-    import zero.engine
-
-    pinned: list[int] = []
-    zero.engine.pin_mmap_threshold = pinned.append
-    for stage in (3, 2):
-        model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(512, 512, bias=False) for _ in range(2)]))
-        zero.initialize(model, SGD, zero.ZeroConfig(stage=stage, host_mmap_threshold=threshold))
-    return pinned
-
-
-def test_stage3_fixes_the_mmap_threshold_at_its_unit_buffers_unless_told_not_to(monkeypatch) -> None:
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    assert run_multirank(_pins, 1, 1 << 20) == [[2**20]]  # stage 3 only, at the units' 1 MiB
-    assert run_multirank(_pins, 1, 0) == [[]]  # host_mmap_threshold=0 leaves the allocator alone

@@ -8,7 +8,6 @@ gradient reaching its outputs until its parameters' gradients have been reduce-s
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn as nn
@@ -105,27 +104,6 @@ def split_root(module: nn.Module, root: list[tuple[str, nn.Parameter]],
 
     return (groups([(n, p) for n, p in root if position[id(p)] > last_unit]),
             groups([(n, p) for n, p in root if position[id(p)] <= last_unit]))
-
-
-#: glibc's dynamic mmap threshold never exceeds this (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit): larger blocks are
-#: always mapped, and returned to the system when freed.
-GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
-
-
-def unit_mmap_threshold(unit_buckets: list[list[FlatBucket]], floor: int) -> int | None:
-    """The glibc mmap threshold that keeps stage 3's gather/free cycle on the host off the allocator's heaps: the
-    bytes of the smallest unit's full buffer, or None when that is below `floor` (small models: nothing to gain)
-    or above what glibc maps anyway. glibc raises its threshold to the size of each mapped block it frees, so
-    after the first unit buffer is freed every later one (and its gradient staging and reduce-scatter copy,
-    the same size) comes from heaps that keep freed pages: resident memory then grows step after step
-    (~450 MiB more peak on a 56M Llama over 2 ranks, benchmarks/hf_models.md). A fixed threshold at the unit
-    size maps exactly these blocks and larger ones, returning each when freed; smaller ones stay on the heap.
-    None too when the process was started with its own threshold (MALLOC_MMAP_THRESHOLD_)."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return None
-    sizes = [b.padded * b.full.element_size() for bl in unit_buckets for b in bl if b.device.type == "cpu"]
-    smallest = min(sizes, default=0)
-    return smallest if floor <= smallest <= GLIBC_MMAP_THRESHOLD_MAX else None
 
 
 class Stage3Hooks:
