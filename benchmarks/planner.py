@@ -135,6 +135,7 @@ def compare(overrides: list[str], measured: list[dict], predicted: list[dict]) -
     return {"comm_exact": comm, "params_exact": params, "state_exact": state or nvme, "peak_measured": peak_m,
             "peak_predicted": peak_p, "time_measured": t_m, "time_predicted": t_p,
             "layer_passes": events.get("layer_passes", 0), "unit_events": events.get("unit_events", 0),
+            "collective_calls": sum(c["calls"] for c in slowest["collectives"]),
             "comm_measured": measured[0]["comm"], "comm_predicted": predicted[0]["comm_bytes_by_kind"]}
 
 
@@ -185,23 +186,26 @@ def _save(cache: dict, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def calibrate(cs: list[dict]) -> tuple[float, float, float]:
-    """(roofline scale, seconds per layer pass, seconds per ZeRO-3 unit event) fitted to the measured step times
-    by least squares on relative error (non-negative; the cluster's layer_overhead_us and unit_overhead_us)."""
+def calibrate(cs: list[dict]) -> tuple[float, float, float, float]:
+    """(roofline scale, seconds per layer pass, per ZeRO-3 unit event, per collective call) fitted to the
+    measured step times by least squares on relative error (non-negative; the cluster's layer_overhead_us,
+    unit_overhead_us and, added to its link latencies, the collectives' latency)."""
     import numpy as np
 
-    x = np.array([[c["time_predicted"], c["layer_passes"], c["unit_events"]] for c in cs], dtype=float)
+    x = np.array([[c["time_predicted"], c["layer_passes"], c["unit_events"], c.get("collective_calls", 0)]
+                  for c in cs], dtype=float)
     y = np.array([c["time_measured"] for c in cs])
     w = 1 / y[:, None]
     coef = np.linalg.lstsq(x * w, y * w[:, 0], rcond=None)[0]
     return tuple(float(max(v, 0.0)) for v in coef)
 
 
-def calibrated(c: dict, fit: tuple[float, float, float]) -> float:
-    return fit[0] * c["time_predicted"] + fit[1] * c["layer_passes"] + fit[2] * c["unit_events"]
+def calibrated(c: dict, fit: tuple[float, ...]) -> float:
+    return (fit[0] * c["time_predicted"] + fit[1] * c["layer_passes"] + fit[2] * c["unit_events"]
+            + fit[3] * c.get("collective_calls", 0))
 
 
-def search_check(cache: dict, fit: tuple[float, float, float], steps: int) -> None:
+def search_check(cache: dict, fit: tuple[float, ...], steps: int) -> None:
     """For each model, `recipes.plan search` on 2 devices with the calibrated cpu cluster; its first layout is
     trained and compared with the fastest measured 2-rank layout of that model in the grid."""
     from recipes.plan import compose_command_line, search
@@ -209,7 +213,8 @@ def search_check(cache: dict, fit: tuple[float, float, float], steps: int) -> No
 
     flops = cache["_gemm_flops"] / max(fit[0], 1e-9)  # the roofline scaled by the fitted factor
     cluster = load_cluster("cpu", {"flops": {"fp32": flops, "bf16": flops / 2, "fp16": flops / 2},
-                                   "layer_overhead_us": fit[1] * 1e6, "unit_overhead_us": fit[2] * 1e6})
+                                   "layer_overhead_us": fit[1] * 1e6, "unit_overhead_us": fit[2] * 1e6,
+                                   "intra_latency_us": 60 + fit[3] * 1e6})
     for label, model in (("dense", DENSE), ("moe", MOE)):
         base = BASE + model
         best = search(compose_command_line(base), cluster, 2, 1)
@@ -229,7 +234,7 @@ def summarize(cache: dict) -> str:
     """The grid's table and the headline figures (markdown)."""
     names = [n for n, _, _ in grid() if n in cache and "compare" in cache[n]]
     cs = [cache[n]["compare"] for n in names]
-    fit = calibrate(cs) if len(cs) >= 3 else (1.0, 0.0, 0.0)
+    fit = calibrate(cs) if len(cs) >= 4 else (1.0, 0.0, 0.0, 0.0)
     rows, time_err, mem_err = [], [], []
     for n, c in zip(names, cs):
         c["time_calibrated"] = calibrated(c, fit)
@@ -255,7 +260,8 @@ def summarize(cache: dict) -> str:
         gflops = cache.get("_gemm_flops", 0) / 1e9
         lines.append(f"- step time: calibrated as {fit[0]:.2f} x the roofline (at the measured GEMM rate {gflops:.1f} "
                      f"GFLOP/s) + {fit[1] * 1e6:.0f} us per layer pass + {fit[2] * 1e6:.0f} us per ZeRO-3 unit "
-                     f"event; median error {statistics.median(time_err):.0%}, Kendall tau {tau:.2f}")
+                     f"event + {fit[3] * 1e6:.0f} us per collective call; median error "
+                     f"{statistics.median(time_err):.0%}, Kendall tau {tau:.2f}")
     for label in ("dense 2r", "moe 2r"):
         group = [(n, c) for n, c in zip(names, cs) if n.startswith(label)]
         picked = cache.get("_search " + label.split()[0])
