@@ -130,9 +130,10 @@ def plain_step(model, phases: Phases):
     return train_step
 
 
-def ours_step(model, args, phases: Phases):
+def ours_step(model, args, phases: Phases, release: bool = False):
     """Our engine at ZeRO-3 around the adapter (`HFCausalLM`, sparse blocks swapped for grouped experts); `model`
-    is a transformers model, or an adapted one already (e.g. built on the meta device)."""
+    is a transformers model, or an adapted one already (e.g. built on the meta device). `release`: the engine's
+    `release_host_memory` (free host memory handed back to the OS after each backward and step)."""
     import torch
 
     from recipes.models.hf import HFCausalLM
@@ -141,7 +142,8 @@ def ours_step(model, args, phases: Phases):
     engine = common.initialize(adapted, functools.partial(torch.optim.AdamW, **ADAMW),
                                common.parallel_dims(dp=WORLD), plans=[adapted.loss_plan()], stage=3,
                                clip_grad_norm=None, reduce_bucket_size=args.bucket,
-                               allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1)
+                               allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1,
+                               release_host_memory=release)
     phases.mark("initialize")
     return _engine_step(engine, lambda x: engine(x), phases)
 
@@ -205,8 +207,8 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
 
         adopt_moe_blocks(model)
         train_step = plain_step(model, phases)
-    elif variant in ("ours", "ours-meta"):
-        train_step = ours_step(model, args, phases)
+    elif variant in ("ours", "ours-meta", "ours+release"):
+        train_step = ours_step(model, args, phases, release=variant == "ours+release")
     elif variant == "deepspeed":
         train_step = deepspeed_step(model, args, phases)
     else:
@@ -220,7 +222,7 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------------- the runs and the report
 def run_model(kind: str, args: argparse.Namespace) -> dict[str, dict]:
     """Every variant of `kind`, each on its own 2 fresh ranks; a failed one is reported and left out."""
-    variants = ["plain", *(["plain+grouped"] if kind != "llama" else []), "ours",
+    variants = ["plain", *(["plain+grouped"] if kind != "llama" else []), "ours", "ours+release",
                 *(["ours-meta"] if kind == "llama" else []), "deepspeed"]
     if not args.with_deepspeed:
         variants.remove("deepspeed")
@@ -264,6 +266,10 @@ def report(kind: str, rows: dict[str, dict], args: argparse.Namespace) -> None:
         common.print_ratio(f"{kind} ours/deepspeed step time", ours["step_s"] / ds["step_s"])
         common.print_ratio(f"{kind} ours/deepspeed peak memory", ours["peak_rss_mb"] / ds["peak_rss_mb"],
                            f"train RSS {ours['train_rss_mb'] / ds['train_rss_mb']:.2f}x")
+    if "ours+release" in rows and ds:
+        release = rows["ours+release"]
+        common.print_ratio(f"{kind} ours with release_host_memory/deepspeed peak memory",
+                           release["peak_rss_mb"] / ds["peak_rss_mb"], f"step time {release['step_s'] / ds['step_s']:.2f}x")
     if "ours-meta" in rows and ds:
         common.print_ratio(f"{kind} ours (meta-device build)/deepspeed peak memory",
                            rows["ours-meta"]["peak_rss_mb"] / ds["peak_rss_mb"],

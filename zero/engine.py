@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 from zero.config import ZeroConfig
 from zero.contract import ModelContract
 from zero.dist import comm
-from zero.dist.topology import ParallelDims, default_device, group_size, peak_rss_bytes
+from zero.dist.topology import ParallelDims, default_device, group_size, peak_rss_bytes, release_free_host_memory
 from zero.offload.nvme import check_nvme_path, pin_mmap_threshold
 from zero.optim.bound import BoundOptimizer, StepOverride
 from zero.plan import Placement, Plan, ReduceGroup, RuntimeFacts
@@ -387,6 +387,8 @@ class Engine:
             self.stage3.after_backward(keep_gathered=more_backwards)
         self.micro_steps += micro_batches
         self._micro_since_step += micro_batches
+        if self.config.release_host_memory:
+            release_free_host_memory()
 
     @property
     def is_accumulation_boundary(self) -> bool:
@@ -414,6 +416,8 @@ class Engine:
             mark = {}  # the counters were reset after our mark (e.g. by the training loop)
         self._last_step_comm = {k: v - mark.get(k, 0) for k, v in now.items() if v - mark.get(k, 0)}
         self._comm_mark = None
+        if self.config.release_host_memory:
+            release_free_host_memory()
         return stepped
 
     def zero_grad(self) -> None:

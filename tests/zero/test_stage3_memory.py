@@ -74,3 +74,30 @@ def test_stage3_gradient_buffers_follow_backward_and_leave_memory() -> None:
             assert step["grads_after_backward"] == r["shard_bytes"]  # only this rank's reduced shard
             assert step["grads_after_step"] == 0
 
+
+
+def test_release_host_memory_trims_after_each_backward_and_step(monkeypatch) -> None:
+    """zero.release_host_memory hands freed host memory back after every backward and every optimizer step (and is
+    off by default); values are untouched, so the trajectory is the one without it."""
+    import zero.engine as engine_module
+    from zero.dist.topology import release_free_host_memory
+
+    assert zero.ZeroConfig().release_host_memory is False
+    calls: list[str] = []
+    monkeypatch.setattr(engine_module, "release_free_host_memory", lambda: calls.append("trim") or True)
+    losses = {}
+    for release in (False, True):
+        calls.clear()
+        engine = zero.initialize(build(seed=0), SGD, zero.ZeroConfig(stage=2, release_host_memory=release,
+                                                                      grad_accum_steps=2))
+        out = []
+        for step in range(2):
+            for micro in range(2):
+                loss = lm_loss(engine, global_batch(step, micro, 2))
+                engine.backward(loss)
+                out.append(loss.item())
+            engine.step()
+        losses[release] = out
+        assert len(calls) == (6 if release else 0)  # 2 backwards + 1 step, twice
+    assert losses[False] == losses[True]
+    assert isinstance(release_free_host_memory(), bool)  # the real call runs here (glibc or not)

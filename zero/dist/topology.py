@@ -227,6 +227,19 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def release_free_host_memory() -> bool:
+    """Return the memory the C allocator holds free to the operating system (glibc's malloc_trim(0)); False where
+    the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def peak_rss_bytes() -> int:
     """This process's own peak resident memory: VmHWM where /proc exists. (getrusage's ru_maxrss also counts
     the high-water mark of the process this one was forked from, e.g. a large test runner or launcher.)"""
