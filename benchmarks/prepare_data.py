@@ -173,8 +173,9 @@ def throughput(args, tokenizer: str, tmp: Path) -> dict:
              f"{rate[v]:,.0f}", f"{rate[v] / rate['plain']:.2f}",
              f"{statistics.median(r['cpu_s'] for r in runs[v]):.2f}"] for v in variants]
     print(common.table(["variant", "tokens", "median s", "tokens/s", "vs plain", "CPU s (with workers)"], rows))
-    print(f"load average after: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (more than the cores: the "
-          "figures are skewed by other work)")
+    load = os.getloadavg()[0]
+    skewed = " (more than the cores: the figures are skewed by other work)" if load > (os.cpu_count() or 1) else ""
+    print(f"load average after: {load:.1f} on {os.cpu_count()} cores{skewed}")
     print(f"tokens written: {'the same in every variant' if same else 'DIFFER: ' + str(tokens)}")
     if not same:
         common.failed("token counts", f"the variants wrote different numbers of tokens: {tokens}")
