@@ -11,7 +11,7 @@ peak memory is that process's VmHWM less its RSS before the measured step. The g
 unpacked peak (no [seq, seq] mask is ever built).
 
     python benchmarks/packing.py            # 65,536 tokens
-    python benchmarks/packing.py --quick    # 4,096 tokens: a smoke run
+    python benchmarks/packing.py --quick    # 1,024 tokens: a smoke run
     python benchmarks/packing.py --attention sparse   # one attention only
 """
 
@@ -105,11 +105,11 @@ def probe(attention: str, packed: bool, seq: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=65536, help="tokens in the row (default 65,536)")
-    parser.add_argument("--quick", action="store_true", help="4,096 tokens: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="1,024 tokens: a smoke run")
     parser.add_argument("--attention", choices=[*ATTENTIONS, "all"], default="all", help="which attention to run")
     args = parser.parse_args(argv)
     chosen = list(ATTENTIONS) if args.attention == "all" else [args.attention]
-    seq = 4096 if args.quick else args.seq
+    seq = 1024 if args.quick else args.seq
     common.quick_mode(args.quick, "recipes.models.llama", "sequence_parallel")
     print(f"packing: one {seq:,}-token row, {len(document_lengths(seq))} documents when packed; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)

@@ -26,7 +26,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 HELPERS = {"common.py"}  # modules of benchmarks/ that are not benchmarks
-SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name not in HELPERS and not p.name.startswith("_"))
+# The quick runs that take longest (20-25 s each on 2 cores) run with `-m slow`, keeping the default suite short.
+SLOW_QUICK_RUNS = {"offload.py", "slow_links.py", "long_sequence.py"}
+SCRIPTS = [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_QUICK_RUNS else p
+           for p in sorted(BENCH.glob("*.py")) if p.name not in HELPERS and not p.name.startswith("_")]
 # Scripts without a CPU --quick mode, skipped (with this reason) where no CUDA device is visible.
 NEEDS_GPU: dict[str, str] = {}
 TIMEOUT_S = 240  # a quick run takes seconds; this only turns a hang into a failure

@@ -128,7 +128,7 @@ def _reference(replicas: int, world: int, inner, h: int, steps: int, outer_lr: f
 
 
 @pytest.mark.parametrize("world,replicas,dp,stage,inner", [
-    (2, 2, 1, 0, "sgd"), (4, 4, 1, 1, "adamw"),
+    (2, 2, 1, 0, "sgd"), pytest.param(4, 4, 1, 1, "adamw", marks=pytest.mark.slow),
     (4, 2, 2, 2, "sgd"),  # each replica is itself dp=2 ZeRO-2
 ])
 def test_diloco_equals_reference_of_simulated_replicas(world, replicas, dp, stage, inner) -> None:
@@ -207,6 +207,7 @@ def _moe_run(ep: int, steps: int) -> dict:
     return {"losses": losses, "dense": dense, "experts": {k: v for k, v in state.items() if "experts" in k}}
 
 
+@pytest.mark.slow
 def test_replicas_with_expert_parallelism_match_ep1() -> None:
     """R=2 replicas, each dp=2 with its experts split over ep=2, train as the same replicas with ep=1."""
     ep1, ep2 = run_multirank(_moe_run, 4, 1, 4), run_multirank(_moe_run, 4, 2, 4)

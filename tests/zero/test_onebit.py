@@ -234,6 +234,7 @@ def _experts(stage: int) -> dict:
     return {"worlds": worlds, "losses": losses, "moms": moms, "ep_rank": dims.coordinate()["ep"], "rank": rank}
 
 
+@pytest.mark.slow
 def test_expert_momenta_compress_over_expert_data_parallel_group() -> None:
     got = run_multirank(_experts, 4, 1)
     dense = [k for k in got[0]["worlds"] if k == "dense"][0]
