@@ -21,6 +21,7 @@ from zero.dist import comm
 from zero.dist.topology import group_size
 from zero.optim.bound import BoundOptimizer
 from zero.optim.compression import ChunkLayout, compressed_all_reduce
+from zero.sharding.optimizer import collect_grads
 
 
 class OneBitAdam(BoundOptimizer):
@@ -85,14 +86,9 @@ class _Feedback:
 
 
 def _local_grad(b: Any) -> torch.Tensor:
-    """The bucket's accumulated local gradient ([padded], fp32); gradients that bypassed the flat buffer
-    (a caller replaced .grad) are folded in, None counts as zero."""
-    for p, v in zip(b.params, b.param_views(b.grad_full)):
-        g = p.grad
-        if g is None:
-            v.zero_()
-        elif g.data_ptr() != v.data_ptr():
-            v.copy_(g.reshape(v.shape))
+    """The bucket's accumulated local gradient ([padded], fp32), with the gradients that bypassed the flat
+    buffer folded in (zero.sharding.optimizer.collect_grads)."""
+    collect_grads(b)
     return b.grad_full.float()
 
 

@@ -54,6 +54,18 @@ class DynamicLossScaler:
         self._overflows_left = state["overflows_left"]
 
 
+
+def collect_grads(b: FlatBucket) -> None:
+    """Fold gradients that bypassed the bucket's flat buffer (a caller reset .grad) back into it, None counting
+    as zero, and point every .grad at its view of the buffer again."""
+    for p, v in zip(b.params, b.param_views(b.grad_full)):
+        g = p.grad
+        if g is None:
+            v.zero_()
+        elif g.data_ptr() != v.data_ptr():
+            v.copy_(g.reshape(v.shape))
+        p.grad = v
+
 def _reduce(bucket: FlatBucket, flat: torch.Tensor, async_op: bool):
     """Sum `flat` ([padded]) over the bucket's group: into this rank's shard, or whole when unsharded."""
     if bucket.sharded and bucket.world > 1:
@@ -85,23 +97,13 @@ class FullGradReducer:
         for p, v in zip(b.params, b.param_views(b.grad_full)):
             p.grad = v
 
-    def _collect(self, b: FlatBucket) -> None:
-        """Fold gradients that bypassed the buffer (a caller reset .grad) back in; None counts as zero."""
-        for p, v in zip(b.params, b.param_views(b.grad_full)):
-            g = p.grad
-            if g is None:
-                v.zero_()
-            elif g.data_ptr() != v.data_ptr():
-                v.copy_(g.reshape(v.shape))
-            p.grad = v
-
     def after_backward(self) -> None:
         pass
 
     def reduce(self, async_op: bool) -> None:
         pending = []
         for b in self.buckets:
-            self._collect(b)
+            collect_grads(b)
             pending.append((b, *_reduce(b, b.grad_full, async_op)))
         for b, out, handle in pending:
             if handle is not None:
