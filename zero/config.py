@@ -12,6 +12,8 @@ import torch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OFFLOAD_TARGETS = ("none", "cpu", "nvme")
+WEIGHT_CODECS = ("none", "int8")
+GRADIENT_CODECS = ("none", "int8", "int4")
 
 
 class ConfigError(ValueError):
@@ -90,6 +92,22 @@ class ZeroConfig:
         activations, gathered stage-3 units and gradient buffers of a step are freed into glibc's heaps,
         which keep the pages: resident memory then grows to the sum of what different steps needed. Off by
         default; on a 56M Llama at stage 3 it lowers peak RSS (benchmarks/hf_models.md).
+    quantize_weights: stage 3, the codec of the parameter all-gathers ("none" or "int8": ZeRO++'s qwZ): each rank
+        sends its shard as int8 with one fp32 scale per `quantize_block` elements (absmax / 127), about 1/4 of fp32's
+        bytes and 1/2 of bf16's, and every rank, the shard's owner too, computes forward and backward with the same
+        decoded weights. The fp32 masters, the optimizer step, checkpoints and full_state_dict stay exact; only
+        the weights a step computes with carry the rounding. Small parameters kept replicated
+        (param_persistence_threshold) are gathered exactly.
+    quantize_gradients: stages 1-3, the codec of the gradient reduce-scatter ("none", "int8" or "int4": ZeRO++'s
+        qgZ, in one hop): each rank encodes its whole gradient, chunk j for rank j, one all-to-all hands rank j
+        every rank's chunk j, which it decodes and sums in fp32. int8 sends about 1/4 of fp32's bytes, int4 about
+        1/8. Nearest rounding, no error feedback; stage 0 (an all-reduce) is refused.
+    quantize_block: elements per quantization block (one fp32 scale each), a multiple of 8.
+    hpz_partition_size: stage 3, ZeRO++'s hpZ: after a unit's forward all-gather each rank keeps a secondary copy
+        of 1 / hpz_partition_size of the unit's (decoded) parameters, and backward gathers the unit from these
+        copies within groups of hpz_partition_size consecutive ranks (one node) instead of from the shards over the
+        whole data-parallel group. Costs that copy per unit from forward to the end of backward; backward computes
+        with exactly the forward's values. 1 (default) is off; it must divide every stage-3 gather group.
     """
 
     stage: int = 0
@@ -116,6 +134,10 @@ class ZeroConfig:
     offload_delayed_warmup_steps: int = 100
     host_mmap_threshold: int = 1 << 20
     release_host_memory: bool = False
+    quantize_weights: str = "none"
+    quantize_gradients: str = "none"
+    quantize_block: int = 256
+    hpz_partition_size: int = 1
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -151,6 +173,7 @@ class ZeroConfig:
             )
         _int_at_least("loss_scale_hysteresis", self.loss_scale_hysteresis, 1)
         self._check_offload()
+        self._check_quantization()
 
     def _check_offload(self) -> None:
         for name in ("offload_optimizer", "offload_params"):
@@ -185,6 +208,27 @@ class ZeroConfig:
                               f"what it delays; zero.offload_optimizer={self.offload_optimizer!r})")
         _int_at_least("offload_delayed_warmup_steps", self.offload_delayed_warmup_steps, 1)
         _int_at_least("host_mmap_threshold", self.host_mmap_threshold, 0)
+
+    def _check_quantization(self) -> None:
+        if self.quantize_weights not in WEIGHT_CODECS:
+            raise ConfigError(f"zero.quantize_weights={self.quantize_weights!r} is invalid: use one of "
+                              f"{list(WEIGHT_CODECS)}")
+        if self.quantize_gradients not in GRADIENT_CODECS:
+            raise ConfigError(f"zero.quantize_gradients={self.quantize_gradients!r} is invalid: use one of "
+                              f"{list(GRADIENT_CODECS)}")
+        if self.quantize_weights != "none" and self.stage != 3:
+            raise ConfigError(f"zero.quantize_weights={self.quantize_weights} needs zero.stage=3 (only stage 3 gathers "
+                              f"parameters during forward and backward; zero.stage={self.stage})")
+        if self.quantize_gradients != "none" and self.stage == 0:
+            raise ConfigError(f"zero.quantize_gradients={self.quantize_gradients} needs zero.stage >= 1 (it replaces the "
+                              "reduce-scatter of the sharded stages; stage 0 all-reduces)")
+        _int_at_least("quantize_block", self.quantize_block, 8)
+        if self.quantize_block % 8:
+            raise ConfigError(f"zero.quantize_block={self.quantize_block} is invalid: it must be a multiple of 8")
+        _int_at_least("hpz_partition_size", self.hpz_partition_size, 1)
+        if self.hpz_partition_size > 1 and self.stage != 3:
+            raise ConfigError(f"zero.hpz_partition_size={self.hpz_partition_size} needs zero.stage=3 (the secondary "
+                              f"partition holds stage-3 parameters; zero.stage={self.stage})")
 
     @property
     def torch_dtype(self) -> torch.dtype:

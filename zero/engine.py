@@ -275,6 +275,7 @@ class Engine:
                         fill=self._fill_initial_values,
                     )
                     b.replicas *= tp_replicas  # ranks holding each element, for the global gradient norm
+                    self._set_codecs(b)
                     if tied:
                         b.tie_group = self._tied[id(chunk[0][1])]
                         b.replicas *= group_size(b.tie_group)
@@ -285,6 +286,16 @@ class Engine:
                     b.attach(home, self.config.nvme_path, f"rank{self._rank}-params{len(out)}-{id(b):x}")
                     out.append(b)
         return out
+
+    def _set_codecs(self, b: FlatBucket) -> None:
+        """The quantized collectives (zero.quantize_*) of a bucket: gathers of stage-3 parameters, reductions of
+        trainable ones."""
+        config = self.config
+        b.quant_block = config.quantize_block
+        if config.quantize_weights != "none" and not b.resident:
+            b.weight_codec = config.quantize_weights
+        if config.quantize_gradients != "none" and b.trainable:
+            b.grad_codec = config.quantize_gradients
 
     def _check_param_offload_space(self, params: list[tuple[str, nn.Parameter]], reductions: list[_Reduction],
                                    owner: dict[int, int]) -> None:
@@ -314,6 +325,10 @@ class Engine:
         persistent_buckets = self._make_buckets(
             persistent[::-1], reductions, owner, True, config.reduce_bucket_size
         )
+        if config.hpz_partition_size > 1:  # backward re-gathers units within groups of consecutive ranks (hpZ)
+            secondary = self.dims.secondary_groups({r.name: r.group for r in reductions}, config.hpz_partition_size)
+            for b in (b for bl in unit_buckets for b in bl):
+                b.secondary_group = secondary[b.reduce_group]
         hooks = Stage3Hooks(
             model, units, unit_buckets, root_late + root_early, {id(p) for _, p in root}, config.prefetch_depth
         )

@@ -194,6 +194,26 @@ class ParallelDims:
             out[name] = None if group is None else twin
         return out
 
+    def secondary_groups(self, groups: dict[str, ProcessGroup | None], size: int) -> dict[str, ProcessGroup | None]:
+        """For each named group, the group of `size` consecutive ranks of it (in its rank order) holding this
+        rank: the hpZ secondary partition's group, one node when `size` is the devices per node. None stays
+        None. Collective: every rank calls it with the same names in the same order."""
+        if not self.distributed or size == 1:
+            return {name: None for name in groups}
+        mine = {name: None if g is None else dist.get_process_group_ranks(g) for name, g in groups.items()}
+        everyone = comm.all_gather_object(mine, dist.group.WORLD)
+        out: dict[str, ProcessGroup | None] = {}
+        for name, group in groups.items():
+            whole = sorted({tuple(ranks[name]) for ranks in everyone if ranks[name] is not None})
+            for ranks in whole:
+                if len(ranks) % size:
+                    raise LayoutError(f"zero.hpz_partition_size={size} does not divide the {len(ranks)}-rank "
+                                      f"{name!r} parameter group: use a divisor of {len(ranks)}")
+            partition = [list(ranks[k : k + size]) for ranks in whole for k in range(0, len(ranks), size)]
+            created = self.group_of(partition, tag=f"hpz:{name}")
+            out[name] = None if group is None else created
+        return out
+
     # ---------------------------------------------------------------- coordinates
     def coordinate(self, rank: int | None = None) -> dict[str, int]:
         """This rank's index along each axis (pp, dp, sp, tp, ep, edp)."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from zero.dist import comm
+from zero.dist.quantized import decode, encode
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
@@ -144,31 +145,7 @@ def simulate_all_reduce(xs: list[torch.Tensor], worker_errors: list[torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------- plain codecs
-def encode(x: torch.Tensor, dtype: str, block: int) -> torch.Tensor:
-    """[..., n] fp32 -> [..., bytes] uint8 in `dtype`: fp32 as is, bf16 rounded, int8 with one fp32 scale (absmax
-    / 127) per `block` elements (n a multiple of `block`)."""
-    if dtype == "fp32":
-        return x.contiguous().view(torch.uint8)
-    if dtype == "bf16":
-        return x.to(torch.bfloat16).contiguous().view(torch.uint8)
-    lead, n = x.shape[:-1], x.shape[-1]
-    blocks = x.view(*lead, n // block, block)
-    scales = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(scales > 0, blocks / scales, torch.zeros_like(blocks)).round_().clamp_(-127, 127).to(torch.int8)
-    return torch.cat([q.view(*lead, n).view(torch.uint8), scales.view(*lead, -1).contiguous().view(torch.uint8)], -1)
-
-
-def decode(payload: torch.Tensor, n: int, dtype: str, block: int) -> torch.Tensor:
-    """Inverse of `encode`: [..., bytes] uint8 -> [..., n] fp32."""
-    payload = payload.clone()  # (aligned for the wider types)
-    if dtype == "fp32":
-        return payload.view(torch.float32)
-    if dtype == "bf16":
-        return payload.view(torch.bfloat16).float()
-    lead = payload.shape[:-1]
-    q = payload[..., :n].view(torch.int8).view(*lead, n // block, block).float()
-    scales = payload[..., n:].clone().view(torch.float32).view(*lead, n // block, 1)
-    return (q * scales).view(*lead, n)
+# encode / decode (fp32, bf16, int8 or int4 with one fp32 scale per block) are zero.dist.quantized's.
 
 
 def _average_encoded(received: torch.Tensor, layout: ChunkLayout, dtype: str) -> torch.Tensor:

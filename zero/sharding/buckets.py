@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from zero.dist import comm
+from zero.dist import comm, quantized
 from zero.dist.topology import group_rank, group_size
 from zero.offload.nvme import TensorFile
 
@@ -39,6 +39,14 @@ class FlatBucket:
     #: The group of ranks holding a copy of these parameters elsewhere in the model (e.g. an embedding
     #: tied to a head on another pipeline stage): reduced gradients are summed over it before the step.
     tie_group: ProcessGroup | None = None
+    #: Stage 3: the codec of this bucket's parameter all-gathers (None: the compute dtype, exact) and of its gradient
+    #: reduce-scatter (None: exact), with `quant_block` elements per fp32 scale (zero.ZeroConfig.quantize_*).
+    weight_codec: str | None = None
+    grad_codec: str | None = None
+    quant_block: int = 256
+    #: hpZ (zero.ZeroConfig.hpz_partition_size): the group of consecutive ranks among which backward re-gathers
+    #: this bucket from `secondary`, this rank's 1 / group-size part of the full buffer, kept from the forward gather.
+    secondary_group: ProcessGroup | None = None
 
     def __init__(
         self,
@@ -93,6 +101,7 @@ class FlatBucket:
         self._gather_source: torch.Tensor | None = None
         self._shard_view: torch.Tensor | None = None  # this rank's slice of `full` (gather_resident)
         self.gathered = True
+        self.secondary: torch.Tensor | None = None
         # Gradient state, managed by the reducer: the full-size flat gradient (stages 0-1 keep it for the
         # whole step) and this rank's reduced fp32 shard accumulated over micro-batches.
         self.grad_full: torch.Tensor | None = None
@@ -156,15 +165,42 @@ class FlatBucket:
             return self.file.read_all("shard").to(self.device, non_blocking=True)
         return self.local.to(self.device, non_blocking=True)  # the same tensor unless it waits on the host
 
-    def gather(self, async_op: bool = False):
-        """All-gather the full buffer from the shards; returns the work handle when async."""
+    def gather(self, async_op: bool = False, backward: bool = False):
+        """All-gather the full buffer from the shards; returns the work handle when async (wait() before use).
+
+        `backward`: the gather is for backward (a unit's re-gather), which may come from the secondary partition
+        (hpZ) the forward's gather left; any other gather comes from the shards and refreshes that partition.
+        """
         if self.resident or self.gathered:
             return None
         _resize_storage(self.full, self.padded * self.full.element_size())
         self.gathered = True
+        if backward and self.secondary is not None:
+            self._gather_source = self.secondary
+            return comm.all_gather_into_tensor(self.full, self.secondary, self.secondary_group, async_op=async_op)
         # Kept until `free`: an asynchronous gather still reads it.
         self._gather_source = self._shard_for_gather()
-        return comm.all_gather_into_tensor(self.full, self._gather_source, self.group, async_op=async_op)
+        if self.weight_codec is not None and self.world > 1:
+            handle = quantized.all_gather(self.full, self._gather_source, self.group, self.weight_codec,
+                                          self.quant_block, async_op=async_op)
+        else:
+            handle = comm.all_gather_into_tensor(self.full, self._gather_source, self.group, async_op=async_op)
+        if self.secondary_group is None:
+            return handle
+        if handle is None:
+            self._keep_secondary()
+            return None
+        return _ThenKeep(handle, self)
+
+    def _keep_secondary(self) -> None:
+        """Copy this rank's part of the just-gathered buffer aside for backward's re-gather (hpZ)."""
+        size = self.padded // comm.group_size(self.secondary_group)
+        start = comm.group_rank(self.secondary_group) * size
+        self.secondary = self.full[start : start + size].clone()
+
+    def drop_secondary(self) -> None:
+        """Forget the secondary partition (end of backward: the next step's shards will differ)."""
+        self.secondary = None
 
     def free(self) -> None:
         if self.resident or not self.gathered:
@@ -213,8 +249,26 @@ class FlatBucket:
         params = self.full.untyped_storage().nbytes()
         if self.local is not None:
             params += self.local.untyped_storage().nbytes()
+        if self.secondary is not None:
+            params += self.secondary.untyped_storage().nbytes()
         grads = sum(t.untyped_storage().nbytes() for t in (self.grad_full, self.grad_acc) if t is not None)
         return {"params": params, "grads": grads}
+
+
+class _ThenKeep:
+    """An asynchronous gather's handle whose wait() also keeps the bucket's secondary partition (once)."""
+
+    __slots__ = ("work", "bucket")
+
+    def __init__(self, work, bucket: FlatBucket) -> None:
+        self.work, self.bucket = work, bucket
+
+    def wait(self, *args) -> bool:
+        if self.bucket is not None:
+            self.work.wait(*args)
+            bucket, self.bucket = self.bucket, None
+            bucket._keep_secondary()
+        return True
 
 
 def split_into_buckets(

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed import ReduceOp
 
 from zero.config import ZeroConfig
-from zero.dist import comm
+from zero.dist import comm, quantized
 from zero.offload.masters import build_masters
 from zero.sharding.buckets import FlatBucket
 
@@ -68,6 +68,10 @@ def collect_grads(b: FlatBucket) -> None:
 
 def _reduce(bucket: FlatBucket, flat: torch.Tensor, async_op: bool):
     """Sum `flat` ([padded]) over the bucket's group: into this rank's shard, or whole when unsharded."""
+    if bucket.sharded and bucket.world > 1 and bucket.grad_codec is not None:
+        out = torch.empty(bucket.shard_size, dtype=torch.float32, device=flat.device)
+        return out, quantized.reduce_scatter(out, flat, bucket.grad_group, bucket.grad_codec, bucket.quant_block,
+                                             async_op=async_op)
     if bucket.sharded and bucket.world > 1:
         out = torch.empty(bucket.shard_size, dtype=flat.dtype, device=flat.device)
         return out, comm.reduce_scatter_tensor(out, flat, bucket.grad_group, async_op=async_op)

@@ -149,8 +149,9 @@ class Stage3Hooks:
             self.root_gathered = True
 
     def _gather(self, i: int, async_op: bool) -> None:
+        backward = _in_backward()  # (a re-gather: from the secondary partition, when hpZ keeps one)
         for b in self.unit_buckets[i]:
-            handle = b.gather(async_op=async_op)
+            handle = b.gather(async_op=async_op, backward=backward)
             if handle is not None:
                 self.pending.setdefault(i, []).append(handle)
 
@@ -180,6 +181,9 @@ class Stage3Hooks:
         for b in self.root_buckets:
             b.free()
         self.root_gathered = False
+        for bl in self.unit_buckets:
+            for b in bl:
+                b.drop_secondary()
 
     def on_bucket_reduced(self, b: FlatBucket) -> None:
         """All gradients of a unit bucket have arrived: its parameters are no longer needed this backward."""
@@ -211,7 +215,10 @@ class Stage3Hooks:
         if _in_backward():
             return  # a recompute: backward is about to use these parameters
         self._free(i)
-        if torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # no backward follows: its secondary partition (hpZ) is not needed
+            for b in self.unit_buckets[i]:
+                b.drop_secondary()
+        else:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
