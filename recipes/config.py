@@ -477,6 +477,9 @@ def check_optimizer(cfg: DictConfig) -> None:
                    "set optim.grad_clip=0")
     elif z.offload_optimizer != "none":
         refusal = f"zero.offload_optimizer={z.offload_optimizer} (not implemented); use zero.offload_optimizer=none"
+    elif z.quantize_gradients != "none":
+        refusal = (f"zero.quantize_gradients={z.quantize_gradients} (1-bit Adam compresses the momentum itself); use "
+                   "zero.quantize_gradients=none")
     elif par.tp > 1 or par.pp > 1:
         refusal = f"parallel.tp={par.tp}, parallel.pp={par.pp} (not implemented); use tp=1 and pp=1"
     if refusal:
@@ -647,7 +650,16 @@ def check_layout(cfg: DictConfig) -> None:
         check_pipeline_layout(par.pp_schedule, pp, par.pp_virtual_stages, model.n_layers, cfg.train.grad_accum, split)
     elif par.pp_split is not None:
         raise ConfigError("parallel.pp_split is set but parallel.pp=1; set pp to the number of stages")
-    data_parallel_degree(cfg)  # (after the rules against the model: they name what to change first)
+    dp = data_parallel_degree(cfg)  # (after the rules against the model: they name what to change first)
+    hpz = cfg.zero.hpz_partition_size
+    if hpz > 1:  # the stage-3 gather groups: dp x sp ranks, dp x sp / ep for the experts
+        groups = {"data x sequence parallel": dp * sp}
+        if par.ep > 1:
+            groups["expert data-parallel"] = dp * sp // par.ep
+        for name, size in groups.items():
+            if size % hpz:
+                raise ConfigError(f"zero.hpz_partition_size={hpz} does not divide the {size}-rank {name} group of "
+                                  "this layout: use a divisor of it (e.g. the devices per node)")
 
 
 def _tp_that_works(cfg: DictConfig, tp: int) -> int:
