@@ -416,6 +416,10 @@ def check_config(cfg: DictConfig) -> None:
                           "document) or concat")
     for key in ("train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum"):
         _positive_int(cfg, key)
+    try:  # zero.* is zero.ZeroConfig: its own rules (e.g. zero.quantize_weights needs stage 3), before any process
+        ZeroConfig(**OmegaConf.to_container(cfg.zero, resolve=True))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for key in ("train.eval_every", "train.ckpt_every", "train.eval_batches", "train.sample_tokens",
                 "train.tiled_mlp", "optim.warmup_steps", "train.keep_checkpoints"):
         _positive_int(cfg, key, minimum=0)
