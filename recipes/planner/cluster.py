@@ -35,6 +35,9 @@ class Cluster:
     compute_units: int | None = None  # what a node's ranks share (a CPU's cores); None: one per device
     layer_overhead_us: float = 0.0  # host time per layer pass (forward, backward, recompute): launches, Python
     unit_overhead_us: float = 0.0  # host time per ZeRO-3 unit gather or free (hooks, copies)
+    # memory a rank's runtime holds beyond its tensors from its first step on (the allocator's heaps of small
+    # blocks, libraries' buffers, the autograd graph's objects), counted in every moment of the step
+    runtime_memory_mb: float = 0.0
 
     def link(self, ranks: int) -> tuple[float, float]:
         """(latency s, bandwidth B/s) of a group of `ranks` consecutive ranks: inside a node or across."""

@@ -54,6 +54,8 @@ class RankEstimate:
     params: int  # parameters this rank holds (unsharded by ZeRO)
     buckets: int
     host_events: dict[str, float] = field(default_factory=dict)  # what the host overheads multiply
+    peak_phase: str = ""  # the moment of the step where `memory` is counted (its device peak)
+    peak_total_bytes: int = 0  # the largest device + host total of any moment (where they are one memory)
 
     @property
     def peak_device_bytes(self) -> int:
@@ -156,8 +158,21 @@ def model_collectives(out: _Counter, trace: Trace, cfg: DictConfig, rm: RankMode
         c.calls += trace.a2a_calls * m
 
 
+def _grad_shard_bytes(b: BucketSpec, stage: int, isz: int) -> int:
+    """The reduced fp32 gradient a trainable bucket holds for the step (`grad_acc`) beyond its flat gradient:
+    stages 2-3 their shard (reduced in backward); stage 1 the reduce-scatter's output, or an fp32 copy of the
+    whole flat buffer where it is not sharded; stage 0 an fp32 copy only when the flat buffer is not fp32."""
+    if stage >= 2:
+        return b.shard * 4
+    if stage == 1 and b.world > 1:
+        return b.shard * 4
+    return b.padded * 4 if isz != 4 else 0
+
+
 def state_memory(layout: Layout, cfg: DictConfig, isz: int) -> tuple[dict[str, int], dict[str, int], int]:
-    """(device, host, nvme) bytes of parameters, gradients, masters, optimizer state and flat padding."""
+    """(device, host, nvme) bytes of what a rank keeps from step to step: parameters, flat padding, the full
+    flat gradients of stages 0-1, masters, optimizer state, the host gradient copies of cpu offload and the
+    chunk buffers of nvme offload."""
     z = cfg.zero
     dev, host = defaultdict(int), defaultdict(int)
     nvme = 0
@@ -173,10 +188,8 @@ def state_memory(layout: Layout, cfg: DictConfig, isz: int) -> tuple[dict[str, i
             dev["parameters"] += b.shard * isz
         if not b.trainable:
             continue
-        if z.stage <= 1:
-            dev["gradients"] += b.padded * isz + (b.shard * 4 if (z.stage == 1 or isz != 4) else 0)
-        elif z.offload_optimizer != "nvme":
-            dev["gradients"] += b.shard * 4
+        if z.stage <= 1:  # backward accumulates into the full flat gradient (kept between steps)
+            dev["gradients"] += b.padded * isz
         master = b.shard * 4 if (isz != 4 or z.offload_optimizer != "none") else 0
         states = ADAM_STATES * b.shard * 4
         if z.offload_optimizer == "none":
@@ -185,20 +198,41 @@ def state_memory(layout: Layout, cfg: DictConfig, isz: int) -> tuple[dict[str, i
         elif z.offload_optimizer == "cpu":
             host["master_weights"] += master
             host["optimizer_state"] += states
+            host["gradients"] += b.shard * 4  # the step's fp32 gradient copies on the host
         else:
             nvme += master + states
-    if z.stage >= 2:  # a bucket's full-size staging buffer while its reduction is in flight (two at most)
-        sizes = sorted((b.padded * isz for b in layout.buckets if b.trainable), reverse=True)[:2]
-        dev["gradient_staging"] += sum(sizes)
+    if z.offload_optimizer == "nvme":
+        # a ring of chunk buffers (master, the states, the gradient) the step streams the files through: slot k
+        # serves chunks k, k + count, ..., and becomes resident as far as the largest of them reaches
+        shards = [b.shard for b in layout.buckets if b.trainable]
+        chunk = min(z.offload_chunk_size, max(shards, default=1))
+        jobs = [min(chunk, n - s) for n in shards for s in range(0, n, chunk)]
+        slots = [max(jobs[k::z.offload_buffer_count]) for k in range(min(z.offload_buffer_count, len(jobs)))]
+        host["offload_buffers"] = sum(slots) * 4 * (2 + ADAM_STATES)
+    return dict(dev), dict(host), nvme
+
+
+def step_buffers(layout: Layout, cfg: DictConfig, isz: int) -> dict[str, int]:
+    """What a step allocates and frees on the device, each at its largest: the reduced gradients held from
+    backward to the step, the staging buffers of stages 2-3 during backward, the gathered ZeRO-3 units."""
+    z = cfg.zero
+    trainable = [b for b in layout.buckets if b.trainable]
+    out = {"reduced_gradients": 0 if (z.offload_optimizer == "nvme" and z.stage >= 2) else
+           sum(_grad_shard_bytes(b, z.stage, isz) for b in trainable)}
+    if z.stage >= 2:
+        # a bucket's full-size buffer while it is filled and one while its reduction is in flight; unsharded
+        # (one rank) the staging buffer becomes the reduced gradient itself unless it has to be cast to fp32
+        sizes = sorted((b.padded * isz for b in trainable if b.world > 1 or isz != 4), reverse=True)
+        out["gradient_staging"] = sum(sizes[:2]) if any(b.world > 1 for b in trainable) else sum(sizes[:1])
     if z.stage == 3:
         units = defaultdict(int)
         for b in layout.buckets:
             if b.role == "unit":
                 units[b.unit] += b.padded * isz
         largest = max(units.values(), default=0)
-        dev["zero3_gathered"] = largest * (1 + z.prefetch_depth) + sum(
+        out["zero3_gathered"] = largest * (1 + z.prefetch_depth) + sum(
             b.padded * isz for b in layout.buckets if b.role == "root")
-    return dict(dev), dict(host), nvme
+    return out
 
 
 def in_flight_micro_batches(cfg: DictConfig, rm: RankModel) -> float:
@@ -214,35 +248,118 @@ def in_flight_micro_batches(cfg: DictConfig, rm: RankModel) -> float:
     return min(m, p - pp_rank) * rm.stages if rm.stages == 1 else min(m * rm.stages, (p - pp_rank) + p)
 
 
+def _moe_layers(rm: RankModel) -> set[int]:
+    from moe import MoELayer
+
+    return {i for i in rm.stage_layers if any(isinstance(m, MoELayer) for m in rm.model.layers[i].modules())}
+
+
 def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float) -> dict[str, int]:
-    """Saved activations of the micro-batches in flight (per layer: norms, q/k/v, attention output, MLP
-    hidden; only the block inputs under checkpointing), logits and the MoE dispatch buffers."""
+    """Per micro-batch in flight, what backward needs: `activations` (saved per layer: norms, q/k/v, attention
+    output, MLP hidden, or the MoE layer's router and expert hidden; only the block inputs under
+    checkpointing), `recompute` (one block recomputed with its gradients, under checkpointing), `logits` (the
+    logits, their fp32 log-softmax and its gradient, at the loss) and `moe_dispatch` (the all-to-all
+    dispatcher's rows of one MoE layer, at `imbalance`)."""
     mc, t, d = cfg.model, cfg.train, rm.dims
     tokens = t.micro_batch_size * -(-t.seq_len // d.sp)
     head_dim = mc.dim // mc.n_heads
     kv = mc.n_kv_heads * head_dim
     ffn = mc.ffn_dim // d.tp
     # saved per token: the two norms' outputs (gathered to the whole sequence under tp), q, attention output and
-    # its projection (3 x dim / tp), k and v, the MLP's two inputs, SiLU and product (4 x ffn / tp); under
+    # its projection (3 x dim / tp), k and v; a dense MLP's two inputs, SiLU and product (4 x ffn / tp); under
     # Ulysses also q, k, v and the output on the other side of the all-to-alls
-    per_layer = tokens * (2 * mc.dim + (4 * mc.dim + 2 * kv) // d.tp + 4 * ffn) * isz
+    attention = tokens * (2 * mc.dim + (4 * mc.dim + 2 * kv) // d.tp) * isz
     if d.sp > 1:
-        per_layer += tokens * (2 * mc.dim + 2 * kv) // d.tp * isz
-    layers = len(rm.stage_layers)
+        attention += tokens * (2 * mc.dim + 2 * kv) // d.tp * isz
+    # a tiled MLP (train.tiled_mlp) keeps only its input and recomputes tile by tile in backward
+    tiles = t.tiled_mlp or 0
+    dense_layer = attention + (0 if tiles else tokens * 4 * ffn * isz)
+    moe = _moe_layers(rm)
+    width = (mc.moe.ffn_dim or mc.ffn_dim) if moe else 0
+    slots = tokens * mc.moe.top_k * imbalance if moe else 0
+    gated = 2 if mc.moe.activation == "swiglu" else 1
+    a2a = d.ep > 1
+    # an MoE layer saves the router's fp32 logits and probabilities and its experts' pre-activation per slot;
+    # through the all-to-all (ep > 1) the experts run unfused and also keep their input rows, activation and
+    # output rows; shared experts are a dense MLP
+    moe_layer = attention + tokens * mc.moe.num_experts * 8 + slots * gated * width * isz
+    if a2a:
+        moe_layer += slots * (2 * mc.dim + width) * isz
+    moe_layer += tokens * 4 * width * mc.moe.num_shared_experts * isz
+    per_layer = [moe_layer if i in moe else dense_layer for i in rm.stage_layers]
     held = in_flight_micro_batches(cfg, rm)
-    if t.activation_checkpointing:  # the blocks' inputs, and in backward one block recomputed with its gradients
-        acts = tokens * mc.dim // d.tp * isz * layers * held + 2 * per_layer
+    out = {}
+    out = {"recompute": 0}
+    if t.activation_checkpointing:  # the blocks' inputs; in backward one block recomputed with its gradients
+        out["activations"] = int(tokens * mc.dim // d.tp * isz * len(per_layer) * held)
+        out["recompute"] = int(2 * max(per_layer, default=0))
     else:
-        acts = per_layer * layers * held
-    out = {"activations": int(acts)}
+        out["activations"] = int(sum(per_layer) * held)
+    if tiles and len(moe) < len(per_layer):
+        # backward of a tiled MLP: one tile's hidden recomputed with its gradients, and the MLP's weight
+        # gradients summed over tiles in buffers of their own
+        out["recompute"] += int(2 * -(-tokens // tiles) * 4 * ffn * isz + 3 * mc.dim * ffn * isz)
+    rows = tokens * d.sp if d.sp == 1 else tokens
+    vocab = mc.vocab_size // d.tp
+    if rm.last:  # the final norm's input and output, for the head
+        out["activations"] += int(2 * tokens * mc.dim // d.tp * isz * held)
     if rm.last and not t.tiled_loss:
-        out["logits"] = int(tokens * d.sp * mc.vocab_size // d.tp * (isz + 8) if d.sp == 1 else
-                            tokens * mc.vocab_size // d.tp * (isz + 8))
-    if is_moe(cfg):
-        slots = tokens * mc.moe.top_k
-        width = mc.moe.ffn_dim or mc.ffn_dim
-        out["moe_dispatch"] = int(slots * imbalance * (2 * mc.dim + 3 * width) * isz)
+        # the logits (compute dtype), their fp32 copy below fp32, the fp32 log-softmax kept for backward and
+        # its fp32 gradient
+        out["logits"] = int(rows * vocab * (isz + 8 + (4 if isz != 4 else 0)))
+    elif rm.last:
+        # tiled: one tile's logits in fp32 (a cast copy below fp32) and logsumexp's temporary of its size, the
+        # head's fp32 weight gradient and the hidden states' gradient, computed in forward
+        tile = min(rows, max(1, 16 * 2**20 // mc.vocab_size))
+        out["logits"] = int(tile * vocab * (8 + (isz if isz != 4 else 0)) + vocab * mc.dim * 4 + rows * mc.dim * isz)
+    if moe and a2a:  # the dispatch's permuted and received rows, alive around each exchange
+        out["moe_dispatch"] = int(2 * slots * mc.dim * isz)
     return out
+
+
+def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imbalance: float,
+                  runtime: int = 0) -> tuple[dict[str, tuple[dict[str, int], dict[str, int]]], int]:
+    """(device, host) bytes by category at each moment of a step where the peak can fall, and the nvme bytes.
+
+    - "loss": the end of a forward, all its saved activations and the logits' working set alive; the reduced
+      gradients of earlier micro-batches too (stages 2-3, or any stage within a pipeline's schedule);
+    - "backward": backward under way: the activations still mostly alive, the first buckets' staging, the
+      recomputed block (checkpointing), the gathered units of stage 3;
+    - "end of backward": every reduced gradient, the staging of the last buckets;
+    - "step": the optimizer step over the reduced gradients.
+    What persists (parameters, masters, optimizer state, flat gradients, and `runtime` bytes: the cluster's
+    memory of the runtime beyond tensors) is in every moment."""
+    z = cfg.zero
+    dev, host, nvme = state_memory(layout, cfg, isz)
+    if runtime:
+        dev["runtime"] = runtime
+    buf = step_buffers(layout, cfg, isz)
+    acts = activation_memory(cfg, rm, isz, imbalance)
+    earlier = cfg.train.grad_accum > 1 and (z.stage >= 2 or rm.dims.pp > 1)
+    reduced = buf["reduced_gradients"]
+    gathered = {"zero3_gathered": buf.get("zero3_gathered", 0)}
+    saved = {"activations": acts["activations"], "moe_dispatch": acts.get("moe_dispatch", 0)}
+    staging = buf.get("gradient_staging", 0)
+    first = max((b.padded * isz for b in layout.buckets[:1] if b.trainable and (b.world > 1 or isz != 4)),
+                default=0) if z.stage >= 2 else 0
+    phases = {
+        "loss": {**saved, "logits": acts.get("logits", 0), **gathered,
+                 "gradients": reduced if earlier and z.stage >= 2 else 0},
+        "backward": {**saved, "recompute": acts.get("recompute", 0), **gathered,
+                     "gradient_staging": first if staging else 0,
+                     "gradients": reduced if earlier and z.stage >= 2 else 0},
+        "end of backward": {"gradients": reduced if z.stage >= 2 else 0, "gradient_staging": staging,
+                            **gathered},
+        "step": {"gradients": reduced},
+    }
+    out = {}
+    for name, extra in phases.items():
+        d = dict(dev)
+        for k, v in extra.items():
+            if v:
+                d[k] = d.get(k, 0) + v
+        out[name] = (d, dict(host))
+    return out, nvme
 
 
 def flops_per_micro_batch(cfg: DictConfig, rm: RankModel) -> float:
@@ -332,15 +449,17 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
     engine_collectives(counter, layout, cfg, rm, isz)
     model_collectives(counter, trace, cfg, rm, a2a_rows)
     collectives = list(counter.entries.values())
-    dev, host, nvme = state_memory(layout, cfg, isz)
-    dev.update(activation_memory(cfg, rm, isz, imbalance))
+    phases, nvme = memory_phases(layout, cfg, rm, isz, imbalance, int(cluster.runtime_memory_mb * 2**20))
+    peak = max(phases, key=lambda k: sum(phases[k][0].values()))
+    dev, host = phases[peak]
+    together = max(sum(d.values()) + sum(h.values()) for d, h in phases.values())  # host and device one memory
     by_kind: dict[str, int] = defaultdict(int)
     for c in collectives:
         by_kind[c.kind] += c.bytes
     return RankEstimate(rank, dev, host, nvme, collectives, sum(by_kind.values()), dict(by_kind),
                         step_time(cfg, rm, cluster, collectives, layout, isz),
                         sum(p.numel() for p in rm.module.parameters()), len(layout.buckets),
-                        host_events(cfg, rm, layout))
+                        host_events(cfg, rm, layout), peak, together)
 
 
 def estimate(cfg: DictConfig, cluster: Cluster | None = None, world: int | None = None, *,
