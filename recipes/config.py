@@ -93,6 +93,9 @@ class DiLoCoConfig:
     outer_lr: float = 0.7  # the outer SGD's learning rate (1.0 with no momentum: the plain average of the replicas)
     outer_momentum: float = 0.9  # its Nesterov momentum, in [0, 1)
     delta_dtype: str = "fp32"  # what the deltas travel as: fp32, bf16 or int8 (one fp32 scale per 2048 elements)
+    # optimizer steps of ordinary data parallelism over all replicas (fp32 gradient all-reduce) before the first
+    # local period: a synchronous warm start (0: the replicas train apart from the first step)
+    warmup_steps: int = 0
 
 
 OPTIMIZERS = ("adamw", "onebit_adam")
@@ -500,6 +503,11 @@ def check_diloco(cfg: DictConfig) -> None:
                           "optimizer steps each replica takes between synchronisations)")
     if not d.inner_steps:
         return
+    _positive_int(cfg, "optim.diloco.warmup_steps", minimum=0)
+    if d.warmup_steps and cfg.zero.offload_optimizer != "none":
+        raise ConfigError(f"optim.diloco.warmup_steps={d.warmup_steps} with zero.offload_optimizer="
+                          f"{cfg.zero.offload_optimizer} is not implemented; use optim.diloco.warmup_steps=0 or "
+                          "zero.offload_optimizer=none")
     if d.delta_dtype not in DELTA_DTYPES:
         raise ConfigError(f"optim.diloco.delta_dtype={d.delta_dtype!r} must be one of {', '.join(DELTA_DTYPES)}")
     if not d.outer_lr > 0 or not 0 <= d.outer_momentum < 1:

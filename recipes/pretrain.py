@@ -203,7 +203,8 @@ def optimizer_factory(cfg: DictConfig, dims: zero.ParallelDims):
     if d.inner_steps:
         replica_group = dims.replica_group if isinstance(dims, ReplicaDims) else None  # (one replica: none)
         return DiLoCo(zero.FastAdamW(**hyper), replica_group, inner_steps=d.inner_steps,
-                      outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, delta_dtype=d.delta_dtype)
+                      outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, delta_dtype=d.delta_dtype,
+                      warmup_steps=d.warmup_steps)
     return zero.FastAdamW(**hyper)
 
 
@@ -326,10 +327,21 @@ def evaluate(engine, val_stream, cfg: DictConfig, dims: zero.ParallelDims, pipe:
             total += pipe.eval_step(engine, x, y, **stage_kwargs) * cfg.train.grad_accum
             continue
         for micro in range(cfg.train.grad_accum):
-            x, y, pos = on_device(val_stream.packed_batch(i, micro, dims.dp_rank, IGNORE_INDEX), engine.device)
+            x, y, pos = on_device(val_stream.packed_batch(i, micro, data_rank(dims), IGNORE_INDEX), engine.device)
             total += lm_loss(engine, x, y, cfg, dims, position_ids=pos).item()
     engine.module.train()
-    return mean_over_dp(total / (cfg.train.eval_batches * cfg.train.grad_accum), dims)
+    return mean_over_replicas(mean_over_dp(total / (cfg.train.eval_batches * cfg.train.grad_accum), dims), dims)
+
+
+def mean_over_replicas(value: float, dims: zero.ParallelDims) -> float:
+    """Average a per-replica scalar over DiLoCo's replicas (one replica: `value`). Each replica evaluates its own
+    shards of the validation batches, so right after a sync (every replica holds the same model) the mean is that
+    model's loss on the same global batches an ordinary data-parallel run evaluates."""
+    if not isinstance(dims, ReplicaDims) or dims.replicas == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=default_device())
+    comm.all_reduce(t, dims.replica_group)
+    return t.item() / dims.replicas
 
 
 def sample(engine, cfg: DictConfig, dims: zero.ParallelDims, tokenizer=None) -> str:

@@ -5,7 +5,8 @@ world's ranks split into R contiguous blocks) and whose `replica_group` joins th
 of the model in every replica. `DiLoCo(inner, dims, inner_steps=H, outer_lr, outer_momentum, delta_dtype)` is
 an optimizer factory for zero.initialize: each replica steps its engine with `inner` (e.g. zero.FastAdamW), and
 every H optimizer steps the replicas average their deltas from the last synchronised parameters (sent in fp32,
-bf16 or int8 through `zero.dist.comm`) and an outer SGD with Nesterov momentum applies the average.
+bf16 or int8 through `zero.dist.comm`) and an outer SGD with Nesterov momentum applies the average. The first
+`warmup_steps` optimizer steps may be ordinary data-parallel steps over all replicas (a synchronous warm start).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from torch.distributed import ProcessGroup
 
 from zero.dist.topology import LayoutError, ParallelDims
 from zero.optim.bound import BoundOptimizer
+from zero.dist import comm
 from zero.optim.compression import ChunkLayout, quantized_all_reduce
+from zero.sharding.optimizer import collect_grads
 
 DELTA_DTYPES = ("fp32", "bf16", "int8")
 
@@ -81,10 +84,13 @@ class ReplicaDims(ParallelDims):
 class DiLoCo(BoundOptimizer):
     """Optimizer factory: `inner` (a factory, e.g. zero.FastAdamW(lr=...)) for the inner steps; every `inner_steps`
     optimizer steps the deltas are averaged over `replica_group` in `delta_dtype` (int8: one fp32 scale per
-    `block` elements) and applied by SGD(outer_lr, momentum=outer_momentum, nesterov=True)."""
+    `block` elements) and applied by SGD(outer_lr, momentum=outer_momentum, nesterov=True). The first
+    `warmup_steps` optimizer steps average the gradients over `replica_group` before every inner step (fp32, an
+    all-reduce: ordinary data parallelism over all replicas); the local periods start after them."""
 
     def __init__(self, inner: Any, replica_group: ProcessGroup | None, *, inner_steps: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, delta_dtype: str = "fp32", block: int = 2048) -> None:
+                 outer_momentum: float = 0.9, delta_dtype: str = "fp32", block: int = 2048,
+                 warmup_steps: int = 0) -> None:
         if isinstance(inner, BoundOptimizer):
             raise ValueError(f"DiLoCo's inner optimizer {type(inner).__name__} binds to the engine itself; use an "
                              "ordinary factory such as zero.FastAdamW")
@@ -94,7 +100,10 @@ class DiLoCo(BoundOptimizer):
             raise ValueError(f"outer_lr={outer_lr!r} must be > 0 and outer_momentum={outer_momentum!r} in [0, 1)")
         if delta_dtype not in DELTA_DTYPES:
             raise ValueError(f"delta_dtype={delta_dtype!r} must be one of {', '.join(DELTA_DTYPES)}")
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 0")
         ChunkLayout(1, 1, block)  # checks the block
+        self.warmup_steps = warmup_steps
         self.inner, self.replica_group, self.inner_steps = inner, replica_group, inner_steps
         self.outer_lr, self.outer_momentum, self.delta_dtype, self.block = outer_lr, outer_momentum, delta_dtype, block
 
@@ -104,6 +113,10 @@ class DiLoCo(BoundOptimizer):
     def bind(self, engine: Any) -> DiLoCoSteps:
         if engine.dims.pp > 1:
             raise NotImplementedError("DiLoCo with pp > 1 is not implemented (tied embedding copies across stages)")
+        if self.warmup_steps and engine.config.offload_optimizer != "none":
+            raise NotImplementedError(f"DiLoCo's warmup_steps={self.warmup_steps} with offload_optimizer="
+                                      f"{engine.config.offload_optimizer!r} is not implemented (the store takes the "
+                                      "gradients before the replicas average them); use warmup_steps=0")
         return DiLoCoSteps(self, engine)
 
 
@@ -124,16 +137,39 @@ class DiLoCoSteps:
         return True
 
     def step(self) -> bool:
+        zo = self.engine.zero_optimizer
+        # The engine's count of applied steps (restored with its checkpoints) says whether this is a warm-up step.
+        if self.engine.global_steps < self.spec.warmup_steps:
+            self.average_gradients()
+            return zo.step()  # every replica applies the same averaged gradient: they stay identical
         if self.anchor is None:
-            zo = self.engine.zero_optimizer
             self.anchor = [zo.read_master(b).detach().clone() for b in zo.trainable]
             self.momentum = [torch.zeros_like(a) for a in self.anchor]
-        stepped = self.engine.zero_optimizer.step()
+        stepped = zo.step()
         if stepped:
             self.inner_done += 1
             if self.inner_done == self.spec.inner_steps:
                 self.synchronise()
         return stepped
+
+    @torch.no_grad()
+    def average_gradients(self) -> None:
+        """Warm-up: average this step's gradients over the replicas (fp32 all-reduce), before the inner step
+        reduces them inside the replica: the sum over every rank of the world, as plain data parallelism."""
+        group = self.spec.replica_group
+        if group is None:
+            return
+        replicas = dist.get_world_size(group)
+        for b in self.engine.zero_optimizer.trainable:
+            if self.engine.config.stage <= 1:  # the full local gradient, reduced inside the replica at the step
+                collect_grads(b)
+                grad = b.grad_full
+            else:  # already reduced inside the replica during backward: this rank's shard of it
+                if b.grad_acc is None:
+                    b.grad_acc = torch.zeros(b.shard_size, dtype=torch.float32, device=b.device)
+                grad = b.grad_acc
+            comm.all_reduce(grad, group)
+            grad.div_(replicas)
 
     @torch.no_grad()
     def synchronise(self) -> None:

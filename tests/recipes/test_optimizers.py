@@ -74,6 +74,9 @@ DILOCO = ["optim.diloco.inner_steps=3", "optim.diloco.delta_dtype=int8"]
     ([*DILOCO, "optim.diloco.outer_momentum=1.0"], "outer_momentum=1.0 in [0, 1)"),
     ([*DILOCO, *ONEBIT], "optim.diloco with optim.name=onebit_adam is not supported"),
     ([*DILOCO, "parallel.replicas=3"], "parallel.replicas=3 does not divide the 1 process"),
+    ([*DILOCO, "optim.diloco.warmup_steps=-1"], "optim.diloco.warmup_steps=-1 must be an integer >= 0"),
+    ([*DILOCO, "optim.diloco.warmup_steps=2", "zero.stage=1", "zero.offload_optimizer=cpu"],
+     "optim.diloco.warmup_steps=2 with zero.offload_optimizer=cpu is not implemented"),
 ])
 def test_diloco_refused_before_training(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -100,3 +103,17 @@ def test_torchrun_diloco_two_replicas_talk_only_at_syncs(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     sent = {r["step"]: r["comm_bytes"] for r in records if "comm_bytes" in r}
     assert [s for k, s in sent.items() if k % 3] == [0, 0, 0, 0] and sent[3] == sent[6] > 0, sent
+
+
+def test_torchrun_diloco_warm_start_is_data_parallel(tmp_path):
+    """Two replicas warmed up for the whole run (4 steps) validate as AdamW over dp=2: the same gradients, and each
+    replica evaluates its own shard of the validation batches; the warm-up steps send the gradient all-reduce."""
+    common = [*TINY, "train.steps=4", "train.eval_every=2", "optim.grad_clip=0"]
+    plain = _run_cli(*common, f"run_dir={tmp_path / 'plain'}", nproc=2)
+    warm = _run_cli(*common, *DILOCO, "parallel.replicas=2", "optim.diloco.warmup_steps=4",
+                    f"run_dir={tmp_path / 'warm'}", nproc=2)
+    assert plain.returncode == 0 and warm.returncode == 0, (plain.stderr + warm.stderr)[-3000:]
+    want, got = _losses(tmp_path / "plain", "val_loss"), _losses(tmp_path / "warm", "val_loss")
+    assert sorted(got) == [2, 4] and got == pytest.approx(want, rel=1e-6, abs=0)
+    sent = _losses(tmp_path / "warm", "comm_bytes")
+    assert all(s >= 0.99 * _losses(tmp_path / "plain", "comm_bytes")[k] for k, s in sent.items()), sent

@@ -1,6 +1,7 @@
 """DiLoCo over replicas: the replica layout's groups, the fp32/bf16/int8 delta all-reduce against its one-process
 simulation, training against a one-process reference of R simulated replicas (inner dp=1 and a dp=2 ZeRO-2
-replica), R=1 with outer lr 1 and no momentum against ordinary training, and resume between two syncs."""
+replica, with and without a synchronous warm start), R=1 with outer lr 1 and no momentum against ordinary training, a
+warm start as long as the run against ordinary data parallelism, and resume between two syncs."""
 
 from __future__ import annotations
 
@@ -69,11 +70,11 @@ def _rows(step: int, rank: int, world: int) -> torch.Tensor:
 
 
 def _diloco_run(replicas: int, dp: int, stage: int, inner, h: int, steps: int, outer_lr: float, momentum: float,
-                delta_dtype: str = "fp32", save: tuple[int, str] | None = None) -> dict:
+                delta_dtype: str = "fp32", save: tuple[int, str] | None = None, warmup: int = 0) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = ReplicaDims(replicas=replicas, dp=dp)
     optimizer = DiLoCo(inner, dims.replica_group, inner_steps=h, outer_lr=outer_lr, outer_momentum=momentum,
-                       delta_dtype=delta_dtype, block=64)
+                       delta_dtype=delta_dtype, block=64, warmup_steps=warmup)
 
     def make():
         return zero.initialize(build(seed=0), optimizer, zero.ZeroConfig(stage=stage, reduce_bucket_size=500), dims)
@@ -102,20 +103,30 @@ def _diloco_run(replicas: int, dp: int, stage: int, inner, h: int, steps: int, o
     return out
 
 
-def _reference(replicas: int, world: int, inner, h: int, steps: int, outer_lr: float, momentum: float) -> dict:
-    """R simulated replicas in one process, each training on its ranks' rows, synchronised every h steps."""
+def _reference(replicas: int, world: int, inner, h: int, steps: int, outer_lr: float, momentum: float,
+               warmup: int = 0) -> dict:
+    """R simulated replicas in one process, each training on its ranks' rows: for `warmup` steps on the mean of
+    the replicas' gradients, then apart, synchronised every h steps from the parameters the warm-up ended at."""
     per = world // replicas
     models = [build(seed=0) for _ in range(replicas)]
     opts = [inner(m.parameters()) for m in models]
-    anchor = [p.detach().clone() for p in models[0].parameters()]
-    buf = [torch.zeros_like(a) for a in anchor]
     for step in range(steps):
-        for r, (m, opt) in enumerate(zip(models, opts)):
+        if step == warmup:
+            anchor = [p.detach().clone() for p in models[0].parameters()]
+            buf = [torch.zeros_like(a) for a in anchor]
+        for r, m in enumerate(models):
             rows = torch.cat([_rows(step, g, world) for g in range(r * per, (r + 1) * per)])
             lm_loss(m, rows).backward()
+        if step < warmup:
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in models)):
+                    mean = torch.stack([p.grad for p in ps]).mean(0)
+                    for p in ps:
+                        p.grad.copy_(mean)
+        for opt in opts:
             opt.step()
             opt.zero_grad()
-        if (step + 1) % h == 0:
+        if step >= warmup and (step + 1 - warmup) % h == 0:
             with torch.no_grad():
                 for i, a in enumerate(anchor):
                     average = torch.stack([a - list(m.parameters())[i] for m in models]).mean(0)
@@ -127,22 +138,26 @@ def _reference(replicas: int, world: int, inner, h: int, steps: int, outer_lr: f
     return {n: p.detach().clone() for n, p in zip(names, models[0].parameters())}
 
 
-@pytest.mark.parametrize("world,replicas,dp,stage,inner", [
-    (2, 2, 1, 0, "sgd"), pytest.param(4, 4, 1, 1, "adamw", marks=pytest.mark.slow),
-    (4, 2, 2, 2, "sgd"),  # each replica is itself dp=2 ZeRO-2
+@pytest.mark.parametrize("world,replicas,dp,stage,inner,warmup", [
+    (2, 2, 1, 0, "sgd", 0), pytest.param(4, 4, 1, 1, "adamw", 0, marks=pytest.mark.slow),
+    (4, 2, 2, 2, "sgd", 0),  # each replica is itself dp=2 ZeRO-2
+    (2, 2, 1, 0, "adamw", 2), (4, 2, 2, 2, "sgd", 2),  # a synchronous warm start of 2 steps (stage 0 and 2)
 ])
-def test_diloco_equals_reference_of_simulated_replicas(world, replicas, dp, stage, inner) -> None:
-    h, steps, outer_lr, momentum = 3, 6, 0.7, 0.9
+def test_diloco_equals_reference_of_simulated_replicas(world, replicas, dp, stage, inner, warmup) -> None:
+    h, outer_lr, momentum = 3, 0.7, 0.9
+    steps = warmup + 6
     opt = {"sgd": INNER_SGD, "adamw": INNER_ADAMW}[inner]
-    got = run_multirank(_diloco_run, world, replicas, dp, stage, opt, h, steps, outer_lr, momentum)
-    want = _reference(replicas, world, opt, h, steps, outer_lr, momentum)
+    got = run_multirank(_diloco_run, world, replicas, dp, stage, opt, h, steps, outer_lr, momentum, warmup=warmup)
+    want = _reference(replicas, world, opt, h, steps, outer_lr, momentum, warmup)
     for r in got:  # after the last sync every rank of every replica holds the same model, the reference's
         for name, value in want.items():
             torch.testing.assert_close(r["params"][name], value, rtol=0, atol=1e-6)
-    # only sync steps talk across replicas (fp32 deltas: an all-reduce's volume of this rank's shard)
-    inner_only = got[0]["sent"][0]
-    assert all(s == inner_only for k, s in enumerate(got[0]["sent"]) if (k + 1) % h)
-    assert all(s > inner_only for k, s in enumerate(got[0]["sent"]) if (k + 1) % h == 0)
+    # only warm-up and sync steps talk across replicas (an all-reduce's volume of this rank's gradient or shard)
+    sent = got[0]["sent"]
+    inner_only = sent[warmup]
+    assert all(s > inner_only for s in sent[:warmup])
+    assert all(s == inner_only for k, s in enumerate(sent[warmup:]) if (k + 1) % h)
+    assert all(s > inner_only for k, s in enumerate(sent[warmup:]) if (k + 1) % h == 0)
 
 
 def _plain(steps: int) -> dict:
@@ -169,9 +184,24 @@ def test_one_replica_outer_lr_one_no_momentum_is_ordinary_training() -> None:
             torch.testing.assert_close(b["params"][name], a["params"][name], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("delta_dtype", ["fp32", "int8"])
-def test_resume_between_syncs_is_bitwise(tmp_path, delta_dtype: str) -> None:
-    got = run_multirank(_diloco_run, 2, 2, 1, 1, INNER_ADAMW, 3, 8, 0.7, 0.9, delta_dtype, (4, str(tmp_path / "c")))
+def _warm_only(steps: int) -> dict:
+    return _diloco_run(2, 1, 1, INNER_ADAMW, 3, steps, 0.7, 0.9, warmup=steps)
+
+
+def test_warm_start_is_ordinary_data_parallelism() -> None:
+    """Two replicas of one rank each, warm-up as long as the run: AdamW over the ranks' averaged gradients."""
+    plain, diloco = run_multirank(_plain, 2, 5), run_multirank(_warm_only, 2, 5)
+    for a, b in zip(plain, diloco):
+        assert b["losses"] == pytest.approx(a["losses"], rel=1e-6, abs=0)
+        for name in a["params"]:
+            torch.testing.assert_close(b["params"][name], a["params"][name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("delta_dtype,warmup", [("fp32", 0), ("int8", 0), ("fp32", 2), ("fp32", 6)])
+def test_resume_between_syncs_is_bitwise(tmp_path, delta_dtype: str, warmup: int) -> None:
+    """Saved after step 4 of 8: between two syncs, after a warm-up of 2 steps, or inside one of 6."""
+    got = run_multirank(_diloco_run, 2, 2, 1, 1, INNER_ADAMW, 3, 8, 0.7, 0.9, delta_dtype, (4, str(tmp_path / "c")),
+                        warmup)
     for r in got:
         assert r["again"] == r["losses"][4:]
         assert all(torch.equal(r["params"][k], r["resumed_params"][k]) for k in r["params"])
@@ -182,6 +212,8 @@ def test_refusals() -> None:
         DiLoCo(INNER_SGD, None, inner_steps=2, delta_dtype="fp16")
     with pytest.raises(ValueError, match="inner_steps=0 must be"):
         DiLoCo(INNER_SGD, None, inner_steps=0)
+    with pytest.raises(ValueError, match="warmup_steps=-1 must be an int >= 0"):
+        DiLoCo(INNER_SGD, None, inner_steps=2, warmup_steps=-1)
     with pytest.raises(ValueError, match="binds to the engine itself"):
         DiLoCo(DiLoCo(INNER_SGD, None, inner_steps=1), None, inner_steps=2)
 
