@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from omegaconf import DictConfig
 
 import zero
-from recipes.config import is_moe
 from recipes.planner.build import (
     ITEMSIZE,
     BucketSpec,
@@ -236,16 +235,20 @@ def step_buffers(layout: Layout, cfg: DictConfig, isz: int) -> dict[str, int]:
 
 
 def in_flight_micro_batches(cfg: DictConfig, rm: RankModel) -> float:
-    """Micro-batches whose activations a rank holds at its peak, per the pipeline schedule."""
-    p, m, pp_rank = rm.dims.pp, cfg.train.grad_accum, rm.dims.coordinate()["pp"]
+    """Micro-batches whose activations a rank holds at its peak, per the pipeline schedule, in units of one
+    micro-batch through all of this rank's stages."""
+    p, m, v, pp_rank = rm.dims.pp, cfg.train.grad_accum, rm.stages, rm.dims.coordinate()["pp"]
     if p == 1:
         return 1
     schedule = cfg.parallel.pp_schedule
-    if schedule in ("gpipe", "looped_bfs"):
-        return m * rm.stages
+    if schedule in ("gpipe", "looped_bfs"):  # every forward before any backward
+        return m
     if schedule in ("zbv", "dualpipev"):
         return min(m, 2 * p) * 1.0
-    return min(m, p - pp_rank) * rm.stages if rm.stages == 1 else min(m * rm.stages, (p - pp_rank) + p)
+    if v == 1:  # 1F1B: the warm-up forwards of the stages after this one, and the one of the steady state
+        return min(m, p - pp_rank)
+    # interleaved 1F1B: torch's warm-up of (v - 1) p + 2 (p - 1 - rank) chunks, and one more, of one stage each
+    return min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1) / v
 
 
 def _moe_layers(rm: RankModel) -> set[int]:
@@ -288,7 +291,6 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
     moe_layer += tokens * 4 * width * mc.moe.num_shared_experts * isz
     per_layer = [moe_layer if i in moe else dense_layer for i in rm.stage_layers]
     held = in_flight_micro_batches(cfg, rm)
-    out = {}
     out = {"recompute": 0}
     if t.activation_checkpointing:  # the blocks' inputs; in backward one block recomputed with its gradients
         out["activations"] = int(tokens * mc.dim // d.tp * isz * len(per_layer) * held)
@@ -307,7 +309,11 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
         # the logits (compute dtype), their fp32 copy below fp32, the fp32 log-softmax kept for backward and
         # its fp32 gradient
         out["logits"] = int(rows * vocab * (isz + 8 + (4 if isz != 4 else 0)))
-    elif rm.last:
+    if rm.last and d.pp > 1:
+        # the schedule keeps each micro-batch's output (the logits) for the step's merged output, until the
+        # next step starts (torch's PipelineStage.output_chunks)
+        out["pipeline_outputs"] = int(t.grad_accum * rows * vocab * isz)
+    if rm.last and t.tiled_loss:
         # tiled: one tile's logits in fp32 (a cast copy below fp32) and logsumexp's temporary of its size, the
         # head's fp32 weight gradient and the hidden states' gradient, computed in forward
         tile = min(rows, max(1, 16 * 2**20 // mc.vocab_size))
@@ -327,8 +333,8 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
       recomputed block (checkpointing), the gathered units of stage 3;
     - "end of backward": every reduced gradient, the staging of the last buckets;
     - "step": the optimizer step over the reduced gradients.
-    What persists (parameters, masters, optimizer state, flat gradients, and `runtime` bytes: the cluster's
-    memory of the runtime beyond tensors) is in every moment."""
+    What persists (parameters, masters, optimizer state, flat gradients, a pipeline's kept outputs, and
+    `runtime` bytes: the cluster's memory of the runtime beyond tensors) is in every moment."""
     z = cfg.zero
     dev, host, nvme = state_memory(layout, cfg, isz)
     if runtime:
@@ -342,6 +348,8 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
     staging = buf.get("gradient_staging", 0)
     first = max((b.padded * isz for b in layout.buckets[:1] if b.trainable and (b.world > 1 or isz != 4)),
                 default=0) if z.stage >= 2 else 0
+    if acts.get("pipeline_outputs"):
+        dev["pipeline_outputs"] = acts["pipeline_outputs"]
     phases = {
         "loss": {**saved, "logits": acts.get("logits", 0), **gathered,
                  "gradients": reduced if earlier and z.stage >= 2 else 0},
