@@ -81,7 +81,7 @@ def _collectives(m: int, codec: str, async_op: bool) -> dict:
 
 
 @pytest.mark.parametrize("world,codec,async_op", [(2, "int8", False), (2, "int4", True), (4, "int4", False),
-                                                  (4, "int8", True)])
+                                                  pytest.param(4, "int8", True, marks=pytest.mark.slow)])
 def test_collectives_equal_reference_bitwise(world: int, codec: str, async_op: bool) -> None:
     m = 37  # not a multiple of the block: every chunk padded
     got = run_multirank(_collectives, world, m, codec, async_op)
@@ -205,7 +205,7 @@ def _expected_sent(layout, weights: str, grads: str, hpz: int) -> dict:
 @pytest.mark.parametrize("world,moe,weights,grads,hpz", [
     (2, False, "int8", "int4", 1),
     (4, False, "int8", "int8", 2),
-    (4, True, "int8", "int4", 1),
+    pytest.param(4, True, "int8", "int4", 1, marks=pytest.mark.slow),  # ep=2 (suite time: run with -m slow)
 ])
 def test_engine_equals_plain_engine_on_decoded_weights(world: int, moe: bool, weights: str, grads: str,
                                                        hpz: int) -> None:
