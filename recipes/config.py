@@ -662,16 +662,21 @@ def check_layout(cfg: DictConfig) -> None:
         check_pipeline_layout(par.pp_schedule, pp, par.pp_virtual_stages, model.n_layers, cfg.train.grad_accum, split)
     elif par.pp_split is not None:
         raise ConfigError("parallel.pp_split is set but parallel.pp=1; set pp to the number of stages")
-    dp = data_parallel_degree(cfg)  # (after the rules against the model: they name what to change first)
-    hpz = cfg.zero.hpz_partition_size
-    if hpz > 1:  # the stage-3 gather groups: dp x sp ranks, dp x sp / ep for the experts
-        groups = {"data x sequence parallel": dp * sp}
-        if par.ep > 1:
-            groups["expert data-parallel"] = dp * sp // par.ep
-        for name, size in groups.items():
-            if size % hpz:
-                raise ConfigError(f"zero.hpz_partition_size={hpz} does not divide the {size}-rank {name} group of "
-                                  "this layout: use a divisor of it (e.g. the devices per node)")
+    check_hpz(cfg, data_parallel_degree(cfg))  # (after the rules against the model: they name what to change first)
+
+
+def check_hpz(cfg: DictConfig, dp: int) -> None:
+    """zero.hpz_partition_size divides the stage-3 gather groups: dp x sp ranks, dp x sp / ep for the experts."""
+    hpz, par = cfg.zero.hpz_partition_size, cfg.parallel
+    if hpz == 1:
+        return
+    groups = {"data x sequence parallel": dp * par.sp}
+    if par.ep > 1:
+        groups["expert data-parallel"] = dp * par.sp // par.ep
+    for name, size in groups.items():
+        if size % hpz:
+            raise ConfigError(f"zero.hpz_partition_size={hpz} does not divide the {size}-rank {name} group of "
+                              "this layout: use a divisor of it (e.g. the devices per node)")
 
 
 def _tp_that_works(cfg: DictConfig, tp: int) -> int:
