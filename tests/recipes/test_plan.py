@@ -53,6 +53,53 @@ def test_tiny_zero3_bf16_units_by_hand():
     assert e.memory["parameters"] == 2 * (2 * block + root) // 2
 
 
+def test_peak_is_the_largest_moment_of_the_step_not_the_sum():
+    # stage 2, one micro-batch: at the loss the activations and logits are alive but no gradient yet; the
+    # reduced gradients and the staging buffer exist only from backward on, when the logits are gone
+    e = estimate(config(TINY + ["zero.stage=2"]), world=2)[0]
+    shard = TINY_PARAMS // 2
+    state = 4 * TINY_PARAMS + 2 * 4 * shard  # fp32 parameters, AdamW's moments of the shard
+    tokens = 2 * 64
+    per_layer = tokens * (2 * 64 + 4 * 64 + 2 * 32 + 4 * 128) * 4  # norms, q/o/attention, k/v, the MLP's four
+    activations = 2 * per_layer + 2 * tokens * 64 * 4  # + the final norm's input and output
+    logits = tokens * 256 * (4 + 8)  # fp32 logits, log-softmax and its gradient
+    assert e.peak_phase == "loss"
+    assert {k: v for k, v in e.memory.items() if v} == {"parameters": 4 * TINY_PARAMS, "optimizer_state": 2 * 4 * shard,
+                                                         "activations": activations, "logits": logits}
+    assert e.peak_device_bytes == state + activations + logits
+    assert e.peak_total_bytes == e.peak_device_bytes  # nothing on the host
+
+
+def test_pipeline_last_stage_keeps_every_micro_batch_output():
+    est = estimate(config(TINY + ["parallel.pp=2", "train.grad_accum=2", "zero.stage=1"]), world=2)
+    assert "pipeline_outputs" not in est[0].memory
+    assert est[1].memory["pipeline_outputs"] == 2 * (2 * 64) * 256 * 4  # m x [b x s, vocab] fp32 logits
+
+
+def test_tiled_loss_working_set():
+    e = estimate(config(TINY + ["train.tiled_loss=true"]), world=1)[0]
+    tokens = 2 * 64
+    # one tile (16M logits / 256 rows at most: the whole batch) in fp32 and logsumexp's temporary, the head's
+    # fp32 weight gradient and the hidden states' gradient
+    assert e.memory["logits"] == tokens * 256 * 8 + 256 * 64 * 4 + tokens * 64 * 4
+
+
+def test_nvme_offload_chunk_buffers(tmp_path):
+    e = estimate(config(TINY + ["zero.stage=2", "zero.offload_optimizer=nvme", f"zero.nvme_path={tmp_path}",
+                                "zero.offload_chunk_size=20000", "zero.offload_buffer_count=2"]), world=2)[0]
+    # the shard (45216 elements) streams as chunks of 20000, 20000, 5216 through two slots: slot 0 serves the
+    # first and third, slot 1 the second; each slot holds master, two moments and gradient in fp32
+    assert e.host_memory["offload_buffers"] == (20000 + 20000) * 4 * 4
+
+
+def test_cluster_runtime_memory_is_in_every_moment():
+    cfg = config(TINY + ["zero.stage=2"])
+    plain = estimate(cfg, load_cluster("cpu", {"runtime_memory_mb": 0}), world=2)[0]
+    e = estimate(cfg, load_cluster("cpu", {"runtime_memory_mb": 10}), world=2)[0]
+    assert e.memory["runtime"] == 10 * 2**20
+    assert e.peak_device_bytes == plain.peak_device_bytes + 10 * 2**20
+
+
 LLAMA_70B = ["model=llama_1b", "model.dim=8192", "model.n_layers=80", "model.n_heads=64", "model.n_kv_heads=8",
              "model.ffn_dim=28672", "model.vocab_size=128256", "model.max_seq_len=8192", "model.tie_embeddings=false",
              "train.seq_len=8192", "train.micro_batch_size=1", "zero.dtype=bf16"]
@@ -78,6 +125,9 @@ def test_llama_70b_on_64_h100_by_hand():
     assert math.isclose(grads, 7 / 8 * 2 * e.params, rel_tol=1e-6)
     gathers = e.comm_bytes_by_kind["all_gather"] - _model_part(e, "all_gather")
     assert gathers == 7 * 2 * shard_elements
+    # the peak is the optimizer step: the bf16 flat gradients and the reduced fp32 shards, no activation
+    assert e.peak_phase == "step" and "activations" not in e.memory
+    assert e.memory["gradients"] == e.memory["parameters"] + e.memory["flat_padding"] + e.memory["master_weights"]
 
 
 def _model_part(e, kind: str) -> int:
