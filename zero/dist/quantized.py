@@ -135,26 +135,33 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | No
     gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=shard.device)
     work = comm.all_gather_into_tensor(gathered, payload, group, async_op=async_op)
 
-    def finish() -> None:
-        full.view(world, m).copy_(decode(gathered.view(world, -1), length, codec, block)[:, :m])
+    def finish() -> None:  # one shard at a time: the fp32 temporaries stay shard-sized
+        rows = full.view(world, m)
+        for r, payload_r in enumerate(gathered.view(world, -1)):
+            rows[r].copy_(decode(payload_r, length, codec, block)[:m])
 
     return _complete(work, finish, async_op)
 
 
 def _encode_chunks(flat: torch.Tensor, world: int, codec: str, block: int) -> torch.Tensor:
-    """[world * m] -> [world, payload] uint8: chunk j encoded for rank j."""
+    """[world * m] -> [world, payload] uint8: chunk j encoded for rank j (one chunk at a time: the fp32
+    temporaries stay chunk-sized)."""
     m = flat.numel() // world
-    x = torch.zeros(world, padded_length(m, block), dtype=torch.float32, device=flat.device)
-    x[:, :m].copy_(flat.view(world, m))
-    return encode(x, codec, block)
+    length = padded_length(m, block)
+    out = torch.empty(world, payload_bytes(length, codec, block), dtype=torch.uint8, device=flat.device)
+    x = torch.zeros(length, dtype=torch.float32, device=flat.device)
+    for j, chunk in enumerate(flat.view(world, m)):
+        x[:m].copy_(chunk)
+        out[j].copy_(encode(x, codec, block))
+    return out
 
 
 def sum_chunks(received: torch.Tensor, m: int, codec: str, block: int) -> torch.Tensor:
     """[world, payload] uint8, row r from rank r -> their decoded sum, [m] fp32, added in rank order."""
-    decoded = decode(received, padded_length(m, block), codec, block)[:, :m]
-    out = decoded[0].clone()
-    for row in decoded[1:]:
-        out.add_(row)
+    length = padded_length(m, block)
+    out = decode(received[0], length, codec, block)[:m].clone()
+    for row in received[1:]:
+        out.add_(decode(row, length, codec, block)[:m])
     return out
 
 
