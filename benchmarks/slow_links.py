@@ -3,7 +3,7 @@ AdamW, 1-bit Adam and DiLoCo (int8 deltas), each a 4-process run of the recipe (
 
     python benchmarks/slow_links.py bytes [--steps 60] [--model tiny]       exact bytes per step (zero.dist.comm)
     python benchmarks/slow_links.py --quick                                 AdamW and 1-bit Adam bytes, 6 steps
-    python benchmarks/slow_links.py quality [--steps 600] [--model tiny]    final validation loss, loss-vs-bytes plot
+    python benchmarks/slow_links.py quality [--steps 2000] [--model small]  final validation loss, loss-vs-bytes plot
     python benchmarks/slow_links.py timing [--model small] [--rates 100mbit,1gbit,none]   (root: ip netns, tc tbf)
 
 Bytes come from metrics.jsonl's per-step `comm_bytes` (what each rank sent, compressed bytes counted as sent), so
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -36,19 +37,41 @@ BASE = ["train.seq_len=64", "train.micro_batch_size=4", "train.sample_tokens=0",
 
 
 WARMUP = 0.1  # 1-bit Adam's warm-up, a fraction of the run (--warmup)
+DILOCO_WARMUP = 0.1  # DiLoCo's synchronous warm start, a fraction of the run (--diloco-warmup)
+DILOCO = ["parallel.replicas=4", "optim.diloco.delta_dtype=int8", "optim.diloco.outer_lr=0.7",
+          "optim.diloco.outer_momentum=0.5"]
+# Further quality variants: name -> recipe overrides, each run like the others (the same model, data and steps).
+ZERO_VARIANTS = {
+    "zero3": ["zero.stage=3"],
+    "zero3_q": ["zero.stage=3", "zero.quantize_weights=int8", "zero.quantize_gradients=int4"],
+}
+
+
+def diloco_warmup(steps: int, periods: tuple[int, ...] = (20, 50)) -> int:
+    """DILOCO_WARMUP of the run, rounded to a multiple of the periods' least common multiple (so every DiLoCo
+    variant synchronises at the same steps, those eval_every validates at)."""
+    lcm = math.lcm(*periods) if periods else 1
+    return lcm * round(steps * DILOCO_WARMUP / lcm)
 
 
 def variants(steps: int, periods: tuple[int, ...] = (20, 50)) -> dict[str, list[str]]:
     """The runs compared: AdamW's all-reduce, 1-bit Adam (WARMUP of the run as warm-up), DiLoCo with R=4 replicas
-    of one process each, int8 deltas, synchronising every 20 and every 50 steps."""
+    of one process each, int8 deltas, after a synchronous warm start of DILOCO_WARMUP of the run, synchronising
+    every 20 and every 50 steps."""
     warmup = max(1, round(steps * WARMUP))
-    diloco = ["parallel.replicas=4", "optim.diloco.delta_dtype=int8", "optim.diloco.outer_lr=0.7",
-              "optim.diloco.outer_momentum=0.9"]
+    diloco = [*DILOCO, f"optim.diloco.warmup_steps={diloco_warmup(steps, periods)}"]
     return {
         "adamw": [],
         "onebit_adam": ["optim=onebit_adam", f"optim.onebit.warmup_steps={warmup}"],
         **{f"diloco_h{h}": [*diloco, f"optim.diloco.inner_steps={h}"] for h in periods},
     }
+
+
+def eval_every(steps: int, periods: tuple[int, ...] = (20, 50)) -> int:
+    """About ten validations per run, each at a step where every DiLoCo variant has just synchronised (a multiple
+    of the periods' least common multiple), so all variants are compared on one model, not on a replica's."""
+    lcm = math.lcm(*periods)
+    return lcm * max(1, steps // 10 // lcm)
 
 
 def run(name: str, overrides: list[str], model: str, steps: int, out: Path, netns: str | None = None,
@@ -62,9 +85,15 @@ def run(name: str, overrides: list[str], model: str, steps: int, out: Path, netn
         cmd = ["ip", "netns", "exec", netns, *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
+    if proc.returncode and status(run_dir) != "diverged":  # (a diverged run is a result: quality reports it)
         raise RuntimeError(f"{name} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def status(run_dir: Path) -> str | None:
+    """result.json's status of a recipe run (complete, diverged, ...); None before it is written."""
+    path = run_dir / "result.json"
+    return json.loads(path.read_text())["status"] if path.exists() else None
 
 
 def per_step_bytes(records: list[dict]) -> list[float]:
@@ -84,8 +113,9 @@ def bytes_report(model: str, steps: int, out: Path, periods: tuple[int, ...] = (
         f"onebit_adam whole run ({warmup} of {steps} steps warm-up)": (statistics.mean(onebit),
                                                                        adamw / statistics.mean(onebit)),
     }
+    start = diloco_warmup(steps, periods)  # (the warm start's steps send AdamW's all-reduce)
     for h in periods:
-        whole = found[f"diloco_h{h}"][: steps // h * h]  # whole periods only
+        whole = found[f"diloco_h{h}"][start : start + (steps - start) // h * h]  # whole periods only
         rows[f"diloco_h{h} (per step over its periods)"] = (statistics.mean(whole), adamw / statistics.mean(whole))
     print(f"bytes sent per step and rank, model={model}, {WORLD} ranks, {steps} steps:")
     for label, (value, ratio) in rows.items():
@@ -101,11 +131,11 @@ def quality_report(model: str, steps: int, out: Path, only: str | None = None) -
     """Final validation loss of every variant at equal tokens, and validation loss against bytes sent (plot).
     Runs already in `out` (a previous call's) are read, not repeated; `only` limits the new ones."""
     results = {}
-    for name, overrides in variants(steps).items():
+    for name, overrides in {**variants(steps), **ZERO_VARIANTS}.items():
         if (out / name / "result.json").exists():
             records = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
         elif only is None or name in only.split(",") or name == "adamw":
-            records = run(name, overrides, model, steps, out, eval_every=max(1, steps // 10))
+            records = run(name, overrides, model, steps, out, eval_every=eval_every(steps))
         else:
             continue
         sent, curve = 0.0, []
@@ -117,6 +147,10 @@ def quality_report(model: str, steps: int, out: Path, only: str | None = None) -
     base = results["adamw"][-1][1]
     print(f"final validation loss, model={model}, {WORLD} ranks, {steps} steps (equal tokens):")
     for name, curve in results.items():
+        if status(out / name) != "complete":
+            result = json.loads((out / name / "result.json").read_text())
+            print(f"  {name:<12} {result['status']} at step {result['step']} (last validation {curve[-1][1]:.4f})")
+            continue
         print(f"  {name:<12} {curve[-1][1]:.4f}   {100 * (curve[-1][1] / base - 1):+.2f}% vs AdamW   "
               f"{curve[-1][0] / 1e6:.2f} MB sent per rank")
     import matplotlib
@@ -178,14 +212,17 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="bytes", choices=("bytes", "quality", "timing"))
     p.add_argument("--quick", action="store_true", help="AdamW and 1-bit Adam bytes over 6 steps (a smoke run)")
-    p.add_argument("--model", default=None, help="recipe model (default: tiny; timing: small)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (bytes: 60, quality: 600)")
+    p.add_argument("--model", default=None, help="recipe model (default: tiny; quality and timing: small)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (bytes: 60, quality: 2000)")
     p.add_argument("--rates", default="100mbit,1gbit,none", help="timing: link rates, 'none' = unlimited")
     p.add_argument("--out", default=None, help="where the runs write (default: a temporary directory)")
     p.add_argument("--warmup", type=float, default=WARMUP, help="1-bit Adam's warm-up, a fraction of the steps")
+    p.add_argument("--diloco-warmup", type=float, default=DILOCO_WARMUP,
+                   help="DiLoCo's synchronous warm start, a fraction of the steps")
     p.add_argument("--only", default=None, help="quality: comma-separated variants to run (default: all)")
     args = p.parse_args(argv)
     globals()["WARMUP"] = args.warmup
+    globals()["DILOCO_WARMUP"] = args.diloco_warmup
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="slow_links_"))
     if args.quick:
         globals()["WARMUP"] = 1 / 3
@@ -193,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.what == "bytes":
         bytes_report(args.model or "tiny", args.steps or 60, out)
     elif args.what == "quality":
-        quality_report(args.model or "tiny", args.steps or 600, out, args.only)
+        quality_report(args.model or "small", args.steps or 2000, out, args.only)
     else:
         if os.geteuid() != 0:
             raise SystemExit("timing needs root (ip netns, tc)")

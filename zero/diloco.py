@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
+from zero.dist import comm
 from zero.dist.topology import LayoutError, ParallelDims
 from zero.optim.bound import BoundOptimizer
-from zero.dist import comm
 from zero.optim.compression import ChunkLayout, quantized_all_reduce
 from zero.sharding.optimizer import collect_grads
 
