@@ -2,7 +2,8 @@
 ZeRO 0-3; cpu and nvme offload; pp with 1f1b, interleaved and zbv; tp; sp; checkpointing and tiling), each
 trained a few steps by the recipe and predicted by recipes.planner. Per layout: communication bytes per
 collective kind against zero.dist.comm's counters (every rank; the MoE all-to-all given the measured routing),
-parameter and optimizer-state bytes, peak memory (VmHWM less the process's baseline) and step time (after one
+parameter and optimizer-state bytes, peak memory (VmHWM of the steps less the runtime's baseline, glibc's mmap
+threshold pinned so that freed tensors leave resident memory) and step time (after one
 calibration factor fitted over the grid), and which layout the planner ranks first among each model's 2-rank
 layouts. Results are cached per layout (--cache), so a rerun measures only what is missing; --time-only
 remeasures step times late, when the machine is quieter.
@@ -261,8 +262,17 @@ def summarize(cache: dict) -> str:
                  f"parameters exact: {sum(c['params_exact'] for c in cs)}/{len(cs)}; optimizer state exact: "
                  f"{sum(c['state_exact'] for c in cs)}/{len(cs)}")
     if cs:
-        lines.append(f"- peak memory: median |error| {statistics.median(mem_err):.0%}, within 10% for "
+        lines.append(f"- peak memory: median |error| {statistics.median(mem_err):.1%}, within 10% for "
                      f"{sum(e <= 0.10 for e in mem_err)}/{len(cs)} layouts")
+        retained = [m["retained"] / 2**20 for n in names for m in cache[n]["measured"] if "retained" in m
+                    and "zero.offload_optimizer=nvme" not in cache[n]["overrides"]]
+        if retained:
+            from recipes.planner import load_cluster
+
+            lines.append(f"- resident beyond the engine's state after the steps (no activation alive), every rank "
+                         f"of the grid but nvme offload's: median {statistics.median(retained):.1f} MiB, quartiles "
+                         f"{statistics.quantiles(retained, n=4)[0]:.1f}-{statistics.quantiles(retained, n=4)[2]:.1f}"
+                         f" MiB (the cpu preset's runtime_memory_mb: {load_cluster('cpu').runtime_memory_mb:g})")
         gflops = cache.get("_gemm_flops", 0) / 1e9
         lines.append(f"- step time: calibrated as {fit[0]:.2f} x the roofline (at the measured GEMM rate {gflops:.1f} "
                      f"GFLOP/s) + {fit[1] * 1e6:.0f} us per layer pass + {fit[2] * 1e6:.0f} us per ZeRO-3 unit "

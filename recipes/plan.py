@@ -35,7 +35,8 @@ def split_cluster(overrides: list[str]) -> tuple[str, dict, list[str]]:
 
 def describe(est, world: int) -> str:
     lines = [f"rank {est.rank} of {world}: {est.params / 1e9:.3f}B parameters held, {est.buckets} flat buckets"]
-    lines.append("  device memory: " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in est.memory.items() if v)
+    lines.append(f"  device memory at its peak ({est.peak_phase}): "
+                 + ", ".join(f"{k} {v / GiB:.3f}" for k, v in est.memory.items() if v)
                  + f" GiB (total {est.peak_device_bytes / GiB:.3f} GiB)")
     if est.host_memory or est.nvme_bytes:
         lines.append("  host memory: " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in est.host_memory.items())
