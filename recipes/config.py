@@ -459,6 +459,7 @@ def check_config(cfg: DictConfig) -> None:
         check_crop(cfg)
     check_stop(cfg)
     check_layout(cfg)
+    check_hpz(cfg)
 
 
 def check_optimizer(cfg: DictConfig) -> None:
@@ -662,21 +663,15 @@ def check_layout(cfg: DictConfig) -> None:
         check_pipeline_layout(par.pp_schedule, pp, par.pp_virtual_stages, model.n_layers, cfg.train.grad_accum, split)
     elif par.pp_split is not None:
         raise ConfigError("parallel.pp_split is set but parallel.pp=1; set pp to the number of stages")
-    check_hpz(cfg, data_parallel_degree(cfg))  # (after the rules against the model: they name what to change first)
+    data_parallel_degree(cfg)  # (after the rules against the model: they name what to change first)
 
 
-def check_hpz(cfg: DictConfig, dp: int) -> None:
-    """zero.hpz_partition_size divides the stage-3 gather groups: dp x sp ranks, dp x sp / ep for the experts."""
-    hpz, par = cfg.zero.hpz_partition_size, cfg.parallel
-    if hpz == 1:
-        return
-    groups = {"data x sequence parallel": dp * par.sp}
-    if par.ep > 1:
-        groups["expert data-parallel"] = dp * par.sp // par.ep
-    for name, size in groups.items():
-        if size % hpz:
-            raise ConfigError(f"zero.hpz_partition_size={hpz} does not divide the {size}-rank {name} group of "
-                              "this layout: use a divisor of it (e.g. the devices per node)")
+def check_hpz(cfg: DictConfig) -> None:
+    """zero.hpz_partition_size is the devices per node: nodes are blocks of that many consecutive ranks."""
+    hpz, world = cfg.zero.hpz_partition_size, world_size()
+    if hpz > 1 and world % hpz:
+        raise ConfigError(f"zero.hpz_partition_size={hpz} does not divide the {world} process(es): set it to the "
+                          "devices per node")
 
 
 def _tp_that_works(cfg: DictConfig, tp: int) -> int:

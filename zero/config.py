@@ -103,11 +103,13 @@ class ZeroConfig:
         every rank's chunk j, which it decodes and sums in fp32. int8 sends about 1/4 of fp32's bytes, int4 about
         1/8. Nearest rounding, no error feedback; stage 0 (an all-reduce) is refused.
     quantize_block: elements per quantization block (one fp32 scale each), a multiple of 8.
-    hpz_partition_size: stage 3, ZeRO++'s hpZ: after a unit's forward all-gather each rank keeps a secondary copy
-        of 1 / hpz_partition_size of the unit's (decoded) parameters, and backward gathers the unit from these
-        copies within groups of hpz_partition_size consecutive ranks (one node) instead of from the shards over the
-        whole data-parallel group. Costs that copy per unit from forward to the end of backward; backward computes
-        with exactly the forward's values. 1 (default) is off; it must divide every stage-3 gather group.
+    hpz_partition_size: stage 3, ZeRO++'s hpZ, set to the devices per node (nodes are blocks of that many
+        consecutive global ranks; it must divide the world size): after a unit's forward all-gather each rank keeps a
+        secondary copy of its share of the unit's (decoded) parameters among the ranks of its gather group on its
+        node, and backward gathers the unit from these copies inside the node instead of from the shards over the
+        whole group. Costs that copy per unit from forward to the end of backward; backward computes with exactly
+        the forward's values. A group all on one node, or with one rank per node (e.g. expert-data-parallel groups
+        when ep ranks fill a node), keeps no copy and gathers as before. 1 (default) is off.
     """
 
     stage: int = 0

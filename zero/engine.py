@@ -325,7 +325,7 @@ class Engine:
         persistent_buckets = self._make_buckets(
             persistent[::-1], reductions, owner, True, config.reduce_bucket_size
         )
-        if config.hpz_partition_size > 1:  # backward re-gathers units within groups of consecutive ranks (hpZ)
+        if config.hpz_partition_size > 1:  # backward re-gathers units inside each node (hpZ)
             secondary = self.dims.secondary_groups({r.name: r.group for r in reductions}, config.hpz_partition_size)
             for b in (b for bl in unit_buckets for b in bl):
                 b.secondary_group = secondary[b.reduce_group]

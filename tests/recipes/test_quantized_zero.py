@@ -19,7 +19,7 @@ QUANTIZED = ["zero.stage=3", "zero.quantize_weights=int8", "zero.quantize_gradie
     ([*ONEBIT, "zero.stage=1", "zero.quantize_gradients=int8"],
      "onebit_adam does not work with zero.quantize_gradients=int8"),
     (["zero.stage=3", "zero.hpz_partition_size=2"],
-     "zero.hpz_partition_size=2 does not divide the 1-rank data x sequence parallel group"),
+     "zero.hpz_partition_size=2 does not divide the 1 process(es): set it to the devices per node"),
 ])
 def test_refused_before_training(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -252,6 +252,7 @@ def test_expert_momenta_compress_over_expert_data_parallel_group() -> None:
     ({"stage": 3}, "zero.stage=3 is not supported"),
     ({"dtype": "fp16"}, "fp16 is not supported"),
     ({"clip_grad_norm": 1.0}, "clip_grad_norm=1.0 is not supported"),
+    ({"stage": 1, "quantize_gradients": "int8"}, "zero.quantize_gradients=int8 is not supported"),
 ])
 def test_refusals(kw: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):

@@ -223,29 +223,59 @@ def test_engine_equals_plain_engine_on_decoded_weights(world: int, moe: bool, we
             assert all(torch.equal(v, r["final"][k]) for r in got), k
 
 
-def _hpz_runs(steps: int) -> list:
+def _hpz_runs(steps: int, ckpt: bool | str) -> list:
     out = []
     for hpz in (1, 2):
         config = zero.ZeroConfig(stage=3, quantize_weights="int8", quantize_block=BLOCK, hpz_partition_size=hpz)
-        engine = zero.initialize(build(seed=0, ckpt=True), SGD, config, zero.ParallelDims(dp=dist.get_world_size()))
+        engine = zero.initialize(build(seed=0, ckpt=ckpt), SGD, config, zero.ParallelDims(dp=dist.get_world_size()))
         losses = []
         for step in range(steps):
-            loss = lm_loss(engine, _rows(step, dist.get_rank(), dist.get_world_size()))
-            engine.backward(loss)
+            with comm.counting() as stats:
+                loss = lm_loss(engine, _rows(step, dist.get_rank(), dist.get_world_size()))
+                engine.backward(loss)
+                sent = dict(stats.bytes)
             engine.step()
             losses.append(loss.item())
         kept = [b.secondary for b in engine.buckets]
-        out.append((losses, engine.full_state_dict(), kept))
+        layout = [(b.padded, b.world, b.resident, b.trainable, b in engine.stage3.unit_of,
+                   b.secondary_group is not None) for b in engine.buckets]
+        out.append((losses, engine.full_state_dict(), kept, sent, layout))
     return out
 
 
-def test_hpz_changes_no_value_and_keeps_nothing_after_the_step() -> None:
-    """hpZ with activation checkpointing (re-gathers in the recompute and the backward) over 3 steps: bitwise the
-    run without it, so backward never computed with a stale or differently rounded secondary copy."""
-    for (plain, hpz) in run_multirank(_hpz_runs, 4, 3):
+@pytest.mark.parametrize("ckpt", [True, "reentrant"])
+def test_hpz_changes_no_value_and_keeps_nothing_after_the_step(ckpt) -> None:
+    """hpZ (2 nodes of 2 ranks) with activation checkpointing (non-reentrant, and torch's reentrant one, whose
+    forward runs without gradients) over 3 steps: bitwise the run without it, so backward never computed with a
+    stale or differently rounded secondary copy; every unit's backward re-gather came from the copies inside the
+    node (the bytes say so), and no copy is left after the step."""
+    for (plain, hpz) in run_multirank(_hpz_runs, 4, 3, ckpt):
         assert plain[0] == hpz[0]
         assert all(torch.equal(plain[1][k], hpz[1][k]) for k in plain[1])
         assert all(s is None for s in hpz[2])
+        assert sum(secondary for *_, secondary in hpz[4]) == 3  # the three blocks
+        assert hpz[3]["all_gather"] == _expected_sent(hpz[4], "int8", "none", 2)["all_gather"]
+
+
+def _secondary_ranks(ep: int, node: int) -> dict:
+    from moe import apply_expert_parallel
+
+    dims = zero.ParallelDims(dp=dist.get_world_size(), ep=ep)
+    model = build_moe(seed=0)
+    config = zero.ZeroConfig(stage=3, quantize_weights="int8", quantize_block=BLOCK, hpz_partition_size=node)
+    engine = zero.initialize(model, SGD, config, dims, plans=[apply_expert_parallel(model, dims)])
+    return {b.reduce_group: None if b.secondary_group is None else dist.get_process_group_ranks(b.secondary_group)
+            for b in engine.buckets if b in engine.stage3.unit_of}
+
+
+def test_hpz_groups_are_the_gather_groups_ranks_on_each_node() -> None:
+    """4 ranks, ep=2, nodes of 2: the dense group keeps copies inside each node; the expert-data-parallel groups
+    ([0, 2], [1, 3]) have one rank per node and keep none; nodes of 4 hold whole groups: no copy anywhere."""
+    got = run_multirank(_secondary_ranks, 4, 2, 2)
+    for rank, groups in enumerate(got):
+        dense, experts = (groups[k] for k in sorted(groups))  # "dense" sorts before the expert group's name
+        assert dense == ([0, 1] if rank < 2 else [2, 3]) and experts is None, groups
+    assert all(v is None for groups in run_multirank(_secondary_ranks, 4, 2, 4) for v in groups.values())
 
 
 # ---------------------------------------------------------------------------------------- refusals
@@ -263,7 +293,7 @@ def test_bad_quantization_settings_are_refused(kw: dict, words: str) -> None:
 
 
 def _hpz_not_dividing() -> str:
-    config = zero.ZeroConfig(stage=3, hpz_partition_size=4)
+    config = zero.ZeroConfig(stage=3, hpz_partition_size=4)  # nodes of 4 on 2 processes
     try:
         zero.initialize(build(seed=0), SGD, config, zero.ParallelDims(dp=2))
     except zero.LayoutError as e:
@@ -272,4 +302,4 @@ def _hpz_not_dividing() -> str:
 
 
 def test_hpz_that_does_not_divide_the_group_is_refused() -> None:
-    assert "hpz_partition_size=4 does not divide the 2-rank" in run_multirank(_hpz_not_dividing, 2)[0]
+    assert "hpz_partition_size=4 does not divide the world size 2" in run_multirank(_hpz_not_dividing, 2)[0]

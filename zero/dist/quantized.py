@@ -33,13 +33,6 @@ CODECS = ("fp32", "bf16", "int8", "int4")
 _LEVELS = {"int8": 127, "int4": 7}
 
 
-def check_codec(codec: str, block: int) -> None:
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}: use one of {', '.join(CODECS)}")
-    if not isinstance(block, int) or block < 8 or block % 8:
-        raise ValueError(f"quantization block={block!r} must be a positive multiple of 8")
-
-
 def padded_length(n: int, block: int) -> int:
     """`n` rounded up to whole blocks (the length a codec encodes)."""
     return math.ceil(n / block) * block
@@ -65,7 +58,7 @@ def encode(x: torch.Tensor, codec: str, block: int) -> torch.Tensor:
     lead, n = x.shape[:-1], x.shape[-1]
     blocks = x.float().reshape(*lead, n // block, block)
     scales = blocks.abs().amax(-1, keepdim=True) / levels
-    q = torch.where(scales > 0, blocks / scales, torch.zeros_like(blocks)).round_().clamp_(-levels, levels)
+    q = torch.where(scales > 0, blocks / scales, 0.0).round_().clamp_(-levels, levels)
     if codec == "int8":
         values = q.to(torch.int8).view(*lead, n).view(torch.uint8)
     else:  # two values per byte, each stored as value + 8 in [1, 15]

@@ -194,23 +194,35 @@ class ParallelDims:
             out[name] = None if group is None else twin
         return out
 
-    def secondary_groups(self, groups: dict[str, ProcessGroup | None], size: int) -> dict[str, ProcessGroup | None]:
-        """For each named group, the group of `size` consecutive ranks of it (in its rank order) holding this
-        rank: the hpZ secondary partition's group, one node when `size` is the devices per node. None stays
-        None. Collective: every rank calls it with the same names in the same order."""
-        if not self.distributed or size == 1:
+    def secondary_groups(self, groups: dict[str, ProcessGroup | None],
+                         node_size: int) -> dict[str, ProcessGroup | None]:
+        """For each named group, its ranks on this rank's node, a node being `node_size` consecutive global ranks:
+        the group of the hpZ secondary partition. None where a secondary partition would not help: a None group,
+        a group whose ranks are all on one node (its secondary group would be itself), or one with a single rank
+        per node (it would keep whole copies). Collective: every rank calls it with the same names in the same
+        order."""
+        if not self.distributed or node_size == 1:
             return {name: None for name in groups}
+        if self.world_size % node_size:
+            raise LayoutError(f"zero.hpz_partition_size={node_size} does not divide the world size {self.world_size}: "
+                              "set it to the devices per node")
         mine = {name: None if g is None else dist.get_process_group_ranks(g) for name, g in groups.items()}
         everyone = comm.all_gather_object(mine, dist.group.WORLD)
         out: dict[str, ProcessGroup | None] = {}
         for name, group in groups.items():
-            whole = sorted({tuple(ranks[name]) for ranks in everyone if ranks[name] is not None})
-            for ranks in whole:
-                if len(ranks) % size:
-                    raise LayoutError(f"zero.hpz_partition_size={size} does not divide the {len(ranks)}-rank "
-                                      f"{name!r} parameter group: use a divisor of {len(ranks)}")
-            partition = [list(ranks[k : k + size]) for ranks in whole for k in range(0, len(ranks), size)]
-            created = self.group_of(partition, tag=f"hpz:{name}")
+            partition = []
+            for ranks in sorted({tuple(ranks[name]) for ranks in everyone if ranks[name] is not None}):
+                nodes: dict[int, list[int]] = {}
+                for r in ranks:
+                    nodes.setdefault(r // node_size, []).append(r)
+                sizes = sorted({len(on_node) for on_node in nodes.values()})
+                if len(sizes) > 1:
+                    raise LayoutError(f"zero.hpz_partition_size={node_size}: the {len(ranks)}-rank {name!r} parameter "
+                                      f"group has {' or '.join(map(str, sizes))} ranks on different nodes; hpZ needs "
+                                      "the same number on each")
+                if len(nodes) > 1 and sizes != [1]:
+                    partition += list(nodes.values())
+            created = self.group_of(partition, tag=f"hpz:{name}") if partition else None
             out[name] = None if group is None else created
         return out
 

@@ -67,6 +67,9 @@ def refuse_layout(config: Any, dims: Any) -> None:
     if config.dtype == "fp16":
         raise ValueError("1-bit Adam with zero.dtype=fp16 is not supported: a loss-scale overflow would have to be "
                          "detected before the error feedback absorbs the gradient; use bf16 or fp32")
+    if config.quantize_gradients != "none":
+        raise ValueError(f"1-bit Adam with zero.quantize_gradients={config.quantize_gradients} is not supported: it "
+                         "compresses the momentum itself; use zero.quantize_gradients=none")
     if config.clip_grad_norm:
         raise ValueError(f"1-bit Adam with clip_grad_norm={config.clip_grad_norm} is not supported: the compressed "
                          "phase never reduces gradients, so their global norm is unknown; turn clipping off")

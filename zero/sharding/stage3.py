@@ -215,15 +215,17 @@ class Stage3Hooks:
         if _in_backward():
             return  # a recompute: backward is about to use these parameters
         self._free(i)
-        if not torch.is_grad_enabled():  # no backward follows: its secondary partition (hpZ) is not needed
-            for b in self.unit_buckets[i]:
-                b.drop_secondary()
-        else:
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._pre_backward, i), mode="any"
-                )
+        if not torch.is_grad_enabled():
+            # Evaluation: no backward follows, so the unit's secondary partition (hpZ) is not needed. (In training mode
+            # a reentrant checkpoint runs the forward without gradients and its recompute in backward re-gathers from
+            # the copy; release_all drops it.)
+            if not module.training:
+                for b in self.unit_buckets[i]:
+                    b.drop_secondary()
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, functools.partial(self._pre_backward, i), mode="any")
 
     def _pre_backward(self, i: int, grad) -> None:
         self._gather(i, async_op=False)
