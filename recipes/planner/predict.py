@@ -285,9 +285,12 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
     # an MoE layer saves the router's fp32 logits and probabilities and its experts' pre-activation per slot;
     # through the all-to-all (ep > 1) the experts run unfused and also keep their input rows, activation and
     # output rows; shared experts are a dense MLP
-    moe_layer = attention + tokens * mc.moe.num_experts * 8 + slots * gated * width * isz
-    if a2a:
-        moe_layer += slots * (2 * mc.dim + width) * isz
+    moe_layer = attention + tokens * mc.moe.num_experts * 8
+    if a2a:  # the rows this rank's experts received (input, pre-activation, both halves' activations), and
+        # the combine's rows of this rank's own tokens
+        moe_layer += slots * (mc.dim + 2 * gated * width) * isz + tokens * mc.moe.top_k * mc.dim * isz
+    else:
+        moe_layer += slots * gated * width * isz
     moe_layer += tokens * 4 * width * mc.moe.num_shared_experts * isz
     per_layer = [moe_layer if i in moe else dense_layer for i in rm.stage_layers]
     held = in_flight_micro_batches(cfg, rm)
@@ -457,6 +460,10 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
     engine_collectives(counter, layout, cfg, rm, isz)
     model_collectives(counter, trace, cfg, rm, a2a_rows)
     collectives = list(counter.entries.values())
+    if a2a_rows is not None and trace.a2a_rows:
+        # the measured routing: rows sent and received against uniform routing's (sent equal to received there);
+        # what this rank's experts received over uniform is its imbalance for the expert activations
+        imbalance = max(0.0, 2 * a2a_rows / (trace.a2a_rows * cfg.train.grad_accum) - 1)
     phases, nvme = memory_phases(layout, cfg, rm, isz, imbalance, int(cluster.runtime_memory_mb * 2**20))
     peak = max(phases, key=lambda k: sum(phases[k][0].values()))
     dev, host = phases[peak]

@@ -70,6 +70,20 @@ def test_peak_is_the_largest_moment_of_the_step_not_the_sum():
     assert e.peak_total_bytes == e.peak_device_bytes  # nothing on the host
 
 
+def test_measured_routing_sizes_the_expert_activations():
+    cfg = config(["model=moe_tiny", "train.micro_batch_size=2", "train.seq_len=64", "parallel.ep=2", "zero.stage=1"])
+    # uniform routing: 128 tokens x top-2 = 256 slots per layer, half sent and half received, each counted again
+    # for backward: (128 + 128) x 2 rows per layer, 2 layers
+    uniform = estimate(cfg, world=2)[0]
+    same = estimate(cfg, world=2, a2a_rows={0: 1024, 1: 1024})[0]
+    busy = estimate(cfg, world=2, a2a_rows={0: 2048, 1: 1024})[0]
+    assert same.memory["activations"] == uniform.memory["activations"]
+    # twice uniform's rows on rank 0: (128 sent + 384 received) x 2 per layer, 3 x uniform's received rows; each
+    # received row keeps its input (dim 64) and the SwiGLU expert's pre-activation and activations (4 x 64), fp32,
+    # in 2 layers
+    assert busy.memory["activations"] - same.memory["activations"] == 2 * 256 * 2 * (64 + 4 * 64) * 4
+
+
 def test_pipeline_last_stage_keeps_every_micro_batch_output():
     est = estimate(config(TINY + ["parallel.pp=2", "train.grad_accum=2", "zero.stage=1"]), world=2)
     assert "pipeline_outputs" not in est[0].memory
