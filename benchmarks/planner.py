@@ -29,12 +29,14 @@ from benchmarks.common import failed, finish, print_ratio, quick_mode, spawn, ta
 # against the allocator's floor of a few MB, small enough that the 63 layouts run in minutes on 2 cores.
 BASE = ["train.micro_batch_size=4", "train.seq_len=256", "model.n_layers=4", "model.dim=256", "model.ffn_dim=768",
         "model.vocab_size=4096", "model.max_seq_len=256"]
+# The quick run's smoke check (bytes per kind only) on the small models, seconds per layout.
+QUICK_BASE = ["train.micro_batch_size=4", "train.seq_len=128", "model.n_layers=4"]
 DENSE, MOE = ["model=tiny"], ["model=moe_tiny", "model.moe.ffn_dim=256"]
 NVME = "zero.nvme_path=runs/planner_nvme"
 
 
-def grid() -> list[tuple[str, int, list[str]]]:
-    """(name, ranks, overrides) of every layout."""
+def grid(base: list[str] | None = None) -> list[tuple[str, int, list[str]]]:
+    """(name, ranks, overrides) of every layout (on `base`, default BASE)."""
     out = []
     for label, model in (("dense", DENSE), ("moe", MOE)):
         for name, extra in (("z0", ["zero.stage=0"]), ("z1", ["zero.stage=1"]), ("z3", ["zero.stage=3"]),
@@ -87,7 +89,7 @@ def grid() -> list[tuple[str, int, list[str]]]:
             ("ep4 z3 ckpt", ["parallel.ep=4", "zero.stage=3", "train.activation_checkpointing=true"]),
             ("pp2 ep2 z1", ["parallel.pp=2", "parallel.ep=2", "train.grad_accum=2", "zero.stage=1"])]
     out += [(f"moe 4r {n}", 4, MOE + o) for n, o in moe4]
-    return [(name, world, BASE + o) for name, world, o in out]
+    return [(name, world, (BASE if base is None else base) + o) for name, world, o in out]
 
 
 def measure_rank(overrides: list[str], steps: int) -> dict:
@@ -154,7 +156,7 @@ def run(args) -> dict:
     cache = json.load(open(args.cache)) if os.path.exists(args.cache) else {}
     os.makedirs(NVME.split("=", 1)[1], exist_ok=True)  # (nvme offload's files go there)
     flops = cache.setdefault("_gemm_flops", gemm_rate())
-    for name, world, overrides in grid():
+    for name, world, overrides in grid(getattr(args, "base", None)):
         if args.only and args.only not in name:
             continue
         entry = cache.get(name)
@@ -264,13 +266,16 @@ def summarize(cache: dict) -> str:
     if cs:
         lines.append(f"- peak memory: median |error| {statistics.median(mem_err):.1%}, within 10% for "
                      f"{sum(e <= 0.10 for e in mem_err)}/{len(cs)} layouts")
-        retained = [m["retained"] / 2**20 for n in names for m in cache[n]["measured"] if "retained" in m
-                    and "zero.offload_optimizer=nvme" not in cache[n]["overrides"]]
+        # where nothing but the engine's state should outlive a step: no offload buffers, no pipeline outputs
+        plain = [n for n in names if not any(k in " ".join(cache[n]["overrides"]) for k in (
+            "offload_optimizer=", "offload_params=", "parallel.pp=", "dtype=bf16"))]
+        retained = [m["retained"] / 2**20 for n in plain for m in cache[n]["measured"] if "retained" in m]
         if retained:
             from recipes.planner import load_cluster
 
             lines.append(f"- resident beyond the engine's state after the steps (no activation alive), every rank "
-                         f"of the grid but nvme offload's: median {statistics.median(retained):.1f} MiB, quartiles "
+                         f"of the {len(plain)} fp32 layouts without offload or pipeline: median "
+                         f"{statistics.median(retained):.1f} MiB, quartiles "
                          f"{statistics.quantiles(retained, n=4)[0]:.1f}-{statistics.quantiles(retained, n=4)[2]:.1f}"
                          f" MiB (the cpu preset's runtime_memory_mb: {load_cluster('cpu').runtime_memory_mb:g})")
         gflops = cache.get("_gemm_flops", 0) / 1e9
@@ -339,6 +344,7 @@ def quick(args) -> None:
 
     quick_mode(True, "recipes.pretrain", "recipes.planner")
     args.cache, args.steps, args.time_only = os.path.join(tempfile.mkdtemp(), "quick.json"), 2, False
+    args.base = QUICK_BASE
     for name in QUICK:
         args.only = name
         cache = run(args)
