@@ -37,7 +37,7 @@ BASE = ["train.seq_len=64", "train.micro_batch_size=4", "train.sample_tokens=0",
 
 
 WARMUP = 0.1  # 1-bit Adam's warm-up, a fraction of the run (--warmup)
-DILOCO_WARMUP = 0.1  # DiLoCo's synchronous warm start, a fraction of the run (--diloco-warmup)
+DILOCO_WARMUP = 0.2  # DiLoCo's synchronous warm start, a fraction of the run (--diloco-warmup; slow_links.md)
 DILOCO = ["parallel.replicas=4", "optim.diloco.delta_dtype=int8", "optim.diloco.outer_lr=0.7",
           "optim.diloco.outer_momentum=0.5"]
 # Further quality variants: name -> recipe overrides, each run like the others (the same model, data and steps).
@@ -160,7 +160,8 @@ def quality_report(model: str, steps: int, out: Path, only: str | None = None) -
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, curve in results.items():
-        ax.plot([max(b, 1.0) / 1e6 for b, _ in curve], [v for _, v in curve], marker="o", label=name)
+        label = name if status(out / name) == "complete" else f"{name} ({status(out / name)})"
+        ax.plot([max(b, 1.0) / 1e6 for b, _ in curve], [v for _, v in curve], marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("MB sent per rank (cumulative)")
     ax.set_ylabel("validation loss")
