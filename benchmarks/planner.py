@@ -239,6 +239,30 @@ def search_check(cache: dict, fit: tuple[float, ...], steps: int) -> None:
                           "load": os.getloadavg()[0]}
 
 
+def _search_lines(names: list[str], cs: list[dict], cache: dict) -> list[str]:
+    """For each model's 2-rank layouts: what the search and the calibrated plan pick, against the measured best."""
+    lines = []
+    for label in ("dense 2r", "moe 2r"):
+        group = [(n, c) for n, c in zip(names, cs) if n.startswith(label)]
+        picked = cache.get("_search " + label.split()[0])
+        if group and picked:
+            best = min(group, key=lambda x: x[1]["time_measured"])
+            t = statistics.median(picked["measured"][0]["step_times"][1:])
+            chosen = " ".join(o for o in picked["overrides"] if o.split("=")[0] not in ("model", *(
+                x.split("=")[0] for x in BASE)))
+            lines.append(f"- `recipes.plan search --world 2` for `{label.split()[0]}` (calibrated cpu cluster) picks "
+                         f"`{chosen}`: {t * 1e3:.1f} ms measured against the grid's fastest {best[0]} "
+                         f"({best[1]['time_measured'] * 1e3:.1f} ms): {t / best[1]['time_measured']:.2f}x")
+        if group:
+            pick = min(group, key=lambda x: x[1]["time_calibrated"])
+            best = min(group, key=lambda x: x[1]["time_measured"])
+            ratio = pick[1]["time_measured"] / best[1]["time_measured"]
+            lines.append(f"- planner's pick among the {len(group)} `{label}` layouts: {pick[0]} "
+                         f"({pick[1]['time_measured'] * 1e3:.1f} ms measured) against the measured best {best[0]} "
+                         f"({best[1]['time_measured'] * 1e3:.1f} ms): {ratio:.2f}x")
+    return lines
+
+
 def summarize(cache: dict) -> str:
     """The grid's table and the headline figures (markdown)."""
     names = [n for n, _, _ in grid() if n in cache and "compare" in cache[n]]
@@ -283,24 +307,7 @@ def summarize(cache: dict) -> str:
                      f"GFLOP/s) + {fit[1] * 1e6:.0f} us per layer pass + {fit[2] * 1e6:.0f} us per ZeRO-3 unit "
                      f"event + {fit[3] * 1e6:.0f} us per collective call; median error "
                      f"{statistics.median(time_err):.0%}, Kendall tau {tau:.2f}")
-    for label in ("dense 2r", "moe 2r"):
-        group = [(n, c) for n, c in zip(names, cs) if n.startswith(label)]
-        picked = cache.get("_search " + label.split()[0])
-        if group and picked:
-            best = min(group, key=lambda x: x[1]["time_measured"])
-            t = statistics.median(picked["measured"][0]["step_times"][1:])
-            chosen = " ".join(o for o in picked["overrides"] if o.split("=")[0] not in ("model", *(
-                x.split("=")[0] for x in BASE)))
-            lines.append(f"- `recipes.plan search --world 2` for `{label.split()[0]}` (calibrated cpu cluster) picks "
-                         f"`{chosen}`: {t * 1e3:.1f} ms measured against the grid's fastest {best[0]} "
-                         f"({best[1]['time_measured'] * 1e3:.1f} ms): {t / best[1]['time_measured']:.2f}x")
-        if group:
-            pick = min(group, key=lambda x: x[1]["time_calibrated"])
-            best = min(group, key=lambda x: x[1]["time_measured"])
-            ratio = pick[1]["time_measured"] / best[1]["time_measured"]
-            lines.append(f"- planner's pick among the {len(group)} `{label}` layouts: {pick[0]} "
-                         f"({pick[1]['time_measured'] * 1e3:.1f} ms measured) against the measured best {best[0]} "
-                         f"({best[1]['time_measured'] * 1e3:.1f} ms): {ratio:.2f}x")
+    lines += _search_lines(names, cs, cache)
     loads = [cache[n].get("load", 0) for n in names]
     if loads:
         lines.append(f"- load average (1 min) while measuring: median {statistics.median(loads):.1f}, "

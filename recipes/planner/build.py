@@ -114,6 +114,7 @@ class BucketSpec:
     unit: int | None = None
     tie_group: int = 1  # ranks holding a copy (a pipeline's tied embedding and head)
     replicas: int = 1
+    secondary: int = 0  # hpZ: ranks of its gather group on this rank's node keeping a secondary copy (0: none)
 
     @property
     def padded(self) -> int:
@@ -171,6 +172,22 @@ def _make(named, reductions, owner, rm: RankModel, stage: int, resident: bool, r
     return out
 
 
+def _secondary(rm: RankModel, buckets: list[BucketSpec], node_size: int) -> None:
+    """hpZ: the ranks of each unit bucket's gather group on this rank's node, as the engine's
+    ParallelDims.secondary_groups forms them (zero.dist.topology.node_partition)."""
+    from zero.dist.topology import node_partition
+
+    dims, rank = rm.dims, dist.get_rank()
+    if dims.world_size % node_size:
+        raise ValueError(f"zero.hpz_partition_size={node_size} does not divide the world size {dims.world_size}")
+    axes = {"dense": ("pp", "tp"), "expert": ("pp", "tp", "ep")}
+    for b in buckets:
+        if b.reduce_group not in axes:
+            raise NotImplementedError(f"planning hpZ for the {b.reduce_group!r} reduce group is not implemented")
+        parts = node_partition(dims.group_members(rank, axes[b.reduce_group]), node_size, b.reduce_group)
+        b.secondary = next((len(p) for p in parts if rank in p), 0)
+
+
 def bucket_specs(rm: RankModel, config: zero.ZeroConfig) -> Layout:
     """The engine's buckets for this rank (same order, sizes, groups), nothing allocated."""
     reductions, owner = _reductions(rm)
@@ -182,6 +199,8 @@ def bucket_specs(rm: RankModel, config: zero.ZeroConfig) -> Layout:
     per_unit, root, persistent = assign_parameters(module, units, config.param_persistence_threshold)
     unit_buckets = [_make(params, reductions, owner, rm, 3, False, "unit", None, unit=i)
                     for i, params in enumerate(per_unit)]
+    if config.hpz_partition_size > 1:
+        _secondary(rm, [b for bl in unit_buckets for b in bl], config.hpz_partition_size)
     persistent_buckets = _make(persistent[::-1], reductions, owner, rm, 3, True, "persistent",
                                config.reduce_bucket_size)
     split_root = getattr(stage3, "split_root", None)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from omegaconf import DictConfig
 
 import zero
+from zero.dist import quantized
 from recipes.planner.build import (
     ITEMSIZE,
     BucketSpec,
@@ -102,14 +103,40 @@ def backward_passes(cfg: DictConfig, rm: RankModel) -> int:
     return calls
 
 
+def _encoded(b: BucketSpec, codec: str, block: int) -> int:
+    """One rank's chunk of `b` as zero.dist.quantized sends it."""
+    return quantized.payload_bytes(quantized.padded_length(b.shard, block), codec, block)
+
+
+def _stage3_gathers(out: _Counter, layout: Layout, cfg: DictConfig, rm: RankModel, isz: int) -> None:
+    """ZeRO-3's parameter all-gathers: each unit in forward and again in backward (inside the node from hpZ's
+    copies when it keeps them), the root once per step (per micro-batch without a pipeline)."""
+    z, m = cfg.zero, cfg.train.grad_accum
+    for b in layout.buckets:
+        one = (b.group - 1) * (_encoded(b, z.quantize_weights, z.quantize_block) if z.quantize_weights != "none"
+                               else b.shard * isz)
+        if b.role == "unit" and b.secondary:
+            out.add("all_gather", f"{b.reduce_group} parameters", b.group, one, m)
+            s = b.secondary
+            out.add("all_gather", f"{b.reduce_group} parameters (node)", s, (s - 1) * (b.padded // s) * isz, m)
+        elif b.role == "unit":
+            out.add("all_gather", f"{b.reduce_group} parameters", b.group, one, 2 * m)
+        elif b.role == "root":
+            out.add("all_gather", f"{b.reduce_group} parameters", b.group, one, 1 if rm.dims.pp > 1 else m)
+
+
 def engine_collectives(out: _Counter, layout: Layout, cfg: DictConfig, rm: RankModel, isz: int) -> None:
     """The engine's own collectives in one step: gradient reductions, ZeRO-3 gathers, the step's gathers."""
     stage, m, passes = cfg.zero.stage, cfg.train.grad_accum, backward_passes(cfg, rm)
+    z = cfg.zero
     trainable = [b for b in layout.buckets if b.trainable]
     for b in trainable:
         group = f"{b.reduce_group} reduction"
         if stage == 0:
             out.ring_all_reduce(group, b.group, b.padded * isz)
+        elif b.world > 1 and z.quantize_gradients != "none":  # one all-to-all of the encoded chunks
+            out.add("all_to_all", group, b.group, (b.group - 1) * _encoded(b, z.quantize_gradients, z.quantize_block),
+                    1 if stage == 1 else passes)
         elif b.world > 1:
             out.add("reduce_scatter", group, b.group, (b.group - 1) / b.group * b.padded * isz,
                     1 if stage == 1 else passes)
@@ -124,12 +151,7 @@ def engine_collectives(out: _Counter, layout: Layout, cfg: DictConfig, rm: RankM
         for name, chain in chains.items():
             out.ring_all_reduce(f"{name} reduction", chain[0].group, 4 * len(chain), passes)
     if stage == 3:
-        for b in layout.buckets:
-            if b.role == "unit":
-                out.add("all_gather", f"{b.reduce_group} parameters", b.group, (b.group - 1) * b.shard * isz, 2 * m)
-            elif b.role == "root":
-                out.add("all_gather", f"{b.reduce_group} parameters", b.group, (b.group - 1) * b.shard * isz,
-                        1 if rm.dims.pp > 1 else m)
+        _stage3_gathers(out, layout, cfg, rm, isz)
     dims = rm.dims
     norm = dims.dp_sp if dims.tp == 1 and dims.pp == 1 else dims.world_size
     out.ring_all_reduce("gradient norm", norm, 8)
@@ -223,6 +245,8 @@ def step_buffers(layout: Layout, cfg: DictConfig, isz: int) -> dict[str, int]:
         # (one rank) the staging buffer becomes the reduced gradient itself unless it has to be cast to fp32
         sizes = sorted((b.padded * isz for b in trainable if b.world > 1 or isz != 4), reverse=True)
         out["gradient_staging"] = sum(sizes[:2]) if any(b.world > 1 for b in trainable) else sum(sizes[:1])
+    if z.stage == 3 and any(b.secondary for b in layout.buckets):  # every unit's copy, forward to end of backward
+        out["hpz_secondary"] = sum(b.padded // b.secondary * isz for b in layout.buckets if b.secondary)
     if z.stage == 3:
         units = defaultdict(int)
         for b in layout.buckets:
@@ -257,6 +281,21 @@ def _moe_layers(rm: RankModel) -> set[int]:
     return {i for i in rm.stage_layers if any(isinstance(m, MoELayer) for m in rm.model.layers[i].modules())}
 
 
+def _moe_saved(mc, tokens: int, slots: float, a2a: bool, isz: int) -> float:
+    """What an MoE layer saves for backward beyond attention: the router's fp32 logits and probabilities and its
+    experts' pre-activation per routed slot; through the all-to-all (ep > 1) the experts run unfused and also keep
+    the rows they received (input, pre-activation, both halves' activations) and the combine's rows of this rank's
+    own tokens; shared experts are a dense MLP."""
+    width = mc.moe.ffn_dim or mc.ffn_dim
+    gated = 2 if mc.moe.activation == "swiglu" else 1
+    out = tokens * mc.moe.num_experts * 8
+    if a2a:
+        out += slots * (mc.dim + 2 * gated * width) * isz + tokens * mc.moe.top_k * mc.dim * isz
+    else:
+        out += slots * gated * width * isz
+    return out + tokens * 4 * width * mc.moe.num_shared_experts * isz
+
+
 def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float) -> dict[str, int]:
     """Per micro-batch in flight, what backward needs: `activations` (saved per layer: norms, q/k/v, attention
     output, MLP hidden, or the MoE layer's router and expert hidden; only the block inputs under
@@ -278,20 +317,9 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
     tiles = t.tiled_mlp or 0
     dense_layer = attention + (0 if tiles else tokens * 4 * ffn * isz)
     moe = _moe_layers(rm)
-    width = (mc.moe.ffn_dim or mc.ffn_dim) if moe else 0
     slots = tokens * mc.moe.top_k * imbalance if moe else 0
-    gated = 2 if mc.moe.activation == "swiglu" else 1
     a2a = d.ep > 1
-    # an MoE layer saves the router's fp32 logits and probabilities and its experts' pre-activation per slot;
-    # through the all-to-all (ep > 1) the experts run unfused and also keep their input rows, activation and
-    # output rows; shared experts are a dense MLP
-    moe_layer = attention + tokens * mc.moe.num_experts * 8
-    if a2a:  # the rows this rank's experts received (input, pre-activation, both halves' activations), and
-        # the combine's rows of this rank's own tokens
-        moe_layer += slots * (mc.dim + 2 * gated * width) * isz + tokens * mc.moe.top_k * mc.dim * isz
-    else:
-        moe_layer += slots * gated * width * isz
-    moe_layer += tokens * 4 * width * mc.moe.num_shared_experts * isz
+    moe_layer = attention + (_moe_saved(mc, tokens, slots, a2a, isz) if moe else 0)
     per_layer = [moe_layer if i in moe else dense_layer for i in rm.stage_layers]
     held = in_flight_micro_batches(cfg, rm)
     out = {"recompute": 0}
@@ -346,7 +374,7 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
     acts = activation_memory(cfg, rm, isz, imbalance)
     earlier = cfg.train.grad_accum > 1 and (z.stage >= 2 or rm.dims.pp > 1)
     reduced = buf["reduced_gradients"]
-    gathered = {"zero3_gathered": buf.get("zero3_gathered", 0)}
+    gathered = {"zero3_gathered": buf.get("zero3_gathered", 0), "hpz_secondary": buf.get("hpz_secondary", 0)}
     saved = {"activations": acts["activations"], "moe_dispatch": acts.get("moe_dispatch", 0)}
     staging = buf.get("gradient_staging", 0)
     first = max((b.padded * isz for b in layout.buckets[:1] if b.trainable and (b.world > 1 or isz != 4)),
@@ -360,7 +388,7 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
                      "gradient_staging": first if staging else 0,
                      "gradients": reduced if earlier and z.stage >= 2 else 0},
         "end of backward": {"gradients": reduced if z.stage >= 2 else 0, "gradient_staging": staging,
-                            **gathered},
+                            **gathered},  # (hpZ's copies are dropped after the last reduction: an upper bound)
         "step": {"gradients": reduced},
     }
     out = {}
@@ -453,7 +481,8 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
     isz = ITEMSIZE[z.dtype]
     rm = rank_model(cfg, rank)
     config = zero.ZeroConfig(**{k: v for k, v in z.items() if k in ("stage", "dtype", "reduce_bucket_size",
-                                                                     "param_persistence_threshold", "prefetch_depth")})
+                                                                     "param_persistence_threshold", "prefetch_depth",
+                                                                     "hpz_partition_size")})
     layout = bucket_specs(rm, config)
     trace = trace_micro_batch(rm, cfg, config.torch_dtype)
     counter = _Counter()

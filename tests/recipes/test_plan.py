@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from recipes.config import CONFIG_DIR
 from recipes.planner import estimate, load_cluster
+import zero
 from recipes.planner.measure import measure
 from tests.multirank import run_multirank
 
@@ -185,6 +186,31 @@ def test_two_rank_measured_comm_bytes_equal_the_prediction():
     for r in range(2):
         assert measured[r]["comm"] == predicted[r].comm_bytes_by_kind
         assert measured[r]["params"] == predicted[r].params
+
+
+def bucket_specs_of(overrides: list[str], world: int):
+    """Rank 0's bucket layout as the planner mirrors it."""
+    from recipes.planner.build import bucket_specs, fake_world, rank_model
+
+    cfg = config([*overrides, f"parallel.dp={world}"])
+    with fake_world(world, 0):
+        return bucket_specs(rank_model(cfg, 0), zero.ZeroConfig(stage=3)).buckets
+
+
+@pytest.mark.parametrize("world,layout", [
+    (2, ["zero.quantize_weights=int8", "zero.quantize_gradients=int4"]),
+    pytest.param(4, ["zero.quantize_weights=int8", "zero.hpz_partition_size=2"], marks=pytest.mark.slow),
+])
+def test_quantized_stage3_comm_bytes_equal_the_prediction(world, layout):
+    """zero.quantize_* send encoded chunks (all-gathers of int8 payloads, the gradients as one all-to-all) and hpZ
+    re-gathers inside each node: the plan counts what zero.dist.comm counts."""
+    overrides = TINY + ["zero.stage=3", "train.grad_accum=2", "zero.quantize_block=64", *layout]
+    measured = run_multirank(measure, world, overrides, 2, timeout=240)
+    predicted = estimate(config(overrides), world=world)
+    assert [m["comm"] for m in measured] == [p.comm_bytes_by_kind for p in predicted]
+    if world == 4:  # every unit's node copy: half (2 ranks on each node) of the unit parameters, fp32
+        units = sum(b.padded for b in bucket_specs_of(overrides, world) if b.role == "unit")
+        assert all(p.memory["hpz_secondary"] == units // 2 * 4 for p in predicted)
 
 
 @pytest.mark.slow

@@ -210,23 +210,20 @@ class ParallelDims:
         everyone = comm.all_gather_object(mine, dist.group.WORLD)
         out: dict[str, ProcessGroup | None] = {}
         for name, group in groups.items():
-            partition = []
-            for ranks in sorted({tuple(ranks[name]) for ranks in everyone if ranks[name] is not None}):
-                nodes: dict[int, list[int]] = {}
-                for r in ranks:
-                    nodes.setdefault(r // node_size, []).append(r)
-                sizes = sorted({len(on_node) for on_node in nodes.values()})
-                if len(sizes) > 1:
-                    raise LayoutError(f"zero.hpz_partition_size={node_size}: the {len(ranks)}-rank {name!r} parameter "
-                                      f"group has {' or '.join(map(str, sizes))} ranks on different nodes; hpZ needs "
-                                      "the same number on each")
-                if len(nodes) > 1 and sizes != [1]:
-                    partition += list(nodes.values())
+            partition = [part for ranks in sorted({tuple(ranks[name]) for ranks in everyone if ranks[name] is not None})
+                         for part in node_partition(list(ranks), node_size, name)]
             created = self.group_of(partition, tag=f"hpz:{name}") if partition else None
             out[name] = None if group is None else created
         return out
 
     # ---------------------------------------------------------------- coordinates
+    def group_members(self, rank: int, axes: tuple[str, ...]) -> list[int]:
+        """The global ranks that share `rank`'s coordinates along `axes` (e.g. ("pp", "tp"): its data x sequence
+        parallel group), in rank order."""
+        me = self.coordinate(rank)
+        return [r for r in range(self.world_size)
+                if all(self.coordinate(r)[a] == me[a] for a in axes)]
+
     def coordinate(self, rank: int | None = None) -> dict[str, int]:
         """This rank's index along each axis (pp, dp, sp, tp, ep, edp)."""
         if rank is None:
@@ -253,6 +250,20 @@ class ParallelDims:
     def __str__(self) -> str:
         return (f"ParallelDims(dp={self.dp}, tp={self.tp}, pp={self.pp}, sp={self.sp}, ep={self.ep}, "
                 f"world={self.world_size})")
+
+
+def node_partition(ranks: list[int], node_size: int, name: str = "parameter") -> list[list[int]]:
+    """A group's ranks split by node (blocks of `node_size` consecutive global ranks): the hpZ secondary groups, or
+    [] where a secondary partition would not help (all on one node, or one rank per node). LayoutError when the
+    nodes hold different numbers of the group's ranks."""
+    nodes: dict[int, list[int]] = {}
+    for r in ranks:
+        nodes.setdefault(r // node_size, []).append(r)
+    sizes = sorted({len(on_node) for on_node in nodes.values()})
+    if len(sizes) > 1:
+        raise LayoutError(f"zero.hpz_partition_size={node_size}: the {len(ranks)}-rank {name!r} parameter group has "
+                          f"{' or '.join(map(str, sizes))} ranks on different nodes; hpZ needs the same number on each")
+    return list(nodes.values()) if len(nodes) > 1 and sizes != [1] else []
 
 
 def default_device() -> torch.device:
