@@ -340,10 +340,6 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
         # the logits (compute dtype), their fp32 copy below fp32, the fp32 log-softmax kept for backward and
         # its fp32 gradient
         out["logits"] = int(rows * vocab * (isz + 8 + (4 if isz != 4 else 0)))
-    if rm.last and d.pp > 1:
-        # the schedule keeps each micro-batch's output (the logits) for the step's merged output, until the
-        # next step starts (torch's PipelineStage.output_chunks)
-        out["pipeline_outputs"] = int(t.grad_accum * rows * vocab * isz)
     if rm.last and t.tiled_loss:
         # tiled: one tile's logits in fp32 (a cast copy below fp32) and logsumexp's temporary of its size, the
         # head's fp32 weight gradient and the hidden states' gradient, computed in forward
@@ -364,7 +360,7 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
       recomputed block (checkpointing), the gathered units of stage 3;
     - "end of backward": every reduced gradient, the staging of the last buckets;
     - "step": the optimizer step over the reduced gradients.
-    What persists (parameters, masters, optimizer state, flat gradients, a pipeline's kept outputs, and
+    What persists (parameters, masters, optimizer state, flat gradients, and
     `runtime` bytes: the cluster's memory of the runtime beyond tensors) is in every moment."""
     z = cfg.zero
     dev, host, nvme = state_memory(layout, cfg, isz)
@@ -379,8 +375,6 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
     staging = buf.get("gradient_staging", 0)
     first = max((b.padded * isz for b in layout.buckets[:1] if b.trainable and (b.world > 1 or isz != 4)),
                 default=0) if z.stage >= 2 else 0
-    if acts.get("pipeline_outputs"):
-        dev["pipeline_outputs"] = acts["pipeline_outputs"]
     phases = {
         "loss": {**saved, "logits": acts.get("logits", 0), **gathered,
                  "gradients": reduced if earlier and z.stage >= 2 else 0},

@@ -21,6 +21,7 @@ looped_bfs and interleaved_zb any number (default 2, placed round-robin: rank r 
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -127,6 +128,12 @@ def stage_indices(pp_rank: int, pp: int, v: int, v_shape: bool) -> list[int]:
     if v_shape:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(v)]
+
+
+
+# Ask torch's schedules not to keep and merge the last stage's outputs, where their step() takes the argument.
+_NO_OUTPUTS = ({"return_outputs": False}
+               if "return_outputs" in inspect.signature(pl.schedules.PipelineScheduleSingle.step).parameters else {})
 
 
 class LocalStages(nn.Module, ModelContract):
@@ -356,6 +363,7 @@ class Pipeline(Plan):
         cls = getattr(pl, SCHEDULES[self.schedule_name][0])
         kwargs = {"n_microbatches": m, "loss_fn": self._loss, "scale_grads": False}
         self._schedule = cls(stages[0], **kwargs) if SCHEDULES[self.schedule_name][1] == 1 else cls(stages, **kwargs)
+        self._stages = stages
         self._engine = engine
         self._key = (tuple(tokens.shape), tokens.dtype)
 
@@ -380,11 +388,13 @@ class Pipeline(Plan):
         # The schedule sends and receives activations by itself: its waits are watched as one collective
         # over the pipeline ranks (the stages' computations in it are not waiting).
         with comm.watched("pipeline send/recv", self.dims.pp_group):
-            if training:
-                self._schedule.step(*args, target=tgt, **kwargs)
+            if training:  # (the losses come through loss_fn: the merged last-stage output is not wanted)
+                self._schedule.step(*args, target=tgt, **_NO_OUTPUTS, **kwargs)
             else:
                 with torch.no_grad():
                     self._schedule.eval(*args, target=tgt, **kwargs)
+        for stage in self._stages:  # torch keeps each micro-batch's output (the logits) until the next step
+            stage.output_chunks.clear()
         self.timeline.end = time.perf_counter()
         total = torch.zeros(1, dtype=torch.float64, device=engine.device)
         if self.holds_last_stage:

@@ -1,0 +1,41 @@
+"""A pipeline's last stage keeps no micro-batch output after a training or evaluation step: torch's schedules
+would hold every micro-batch's logits until the next step (memory the size of the step's logits)."""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+import zero
+from recipes.models.llama import Transformer
+from tests.multirank import run_multirank
+from tests.parallel.harness import MICRO, batch, model_config
+from zero.parallel.pipeline import apply_pipeline
+
+
+def _kept(schedule: str) -> dict:
+    dims = zero.ParallelDims(pp=2)
+    torch.manual_seed(0)
+    model = Transformer(model_config())
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    pipe = apply_pipeline(model, dims, schedule, microbatches=MICRO, loss_fn=loss_fn)
+    engine = zero.initialize(pipe.module, functools.partial(torch.optim.SGD, lr=0.1),
+                             zero.ZeroConfig(grad_accum_steps=MICRO), dims, plans=[pipe])
+    tokens, labels = (torch.cat(t) for t in zip(*(batch(0, i) for i in range(MICRO))))
+    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+    out = {"train": pipe.train_step(engine, tokens, labels, position_ids=pos)}
+    engine.step()
+    out["after_train"] = [len(s.output_chunks) for s in pipe._stages]
+    out["eval"] = pipe.eval_step(engine, tokens, labels, position_ids=pos)
+    out["after_eval"] = [len(s.output_chunks) for s in pipe._stages]
+    return out
+
+
+def test_no_stage_keeps_outputs_after_a_step() -> None:
+    for schedule in ("1f1b", "interleaved_1f1b"):
+        for r in run_multirank(_kept, 2, schedule):
+            assert r["after_train"] == [0] * len(r["after_train"]) and r["after_eval"] == r["after_train"], r
+            assert r["train"] > 0 and r["eval"] > 0
