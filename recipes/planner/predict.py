@@ -340,6 +340,12 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
         # the logits (compute dtype), their fp32 copy below fp32, the fp32 log-softmax kept for backward and
         # its fp32 gradient
         out["logits"] = int(rows * vocab * (isz + 8 + (4 if isz != 4 else 0)))
+    if rm.last and d.pp > 1:
+        # the schedule keeps the last stage's output (the logits) of each micro-batch whose backward has not run
+        # (torch's forward cache): all of them where every forward comes first (gpipe, looped BFS), else the one
+        # beside the loss's working set (the last stage runs each backward right after its forward)
+        outputs = t.grad_accum if cfg.parallel.pp_schedule in ("gpipe", "looped_bfs") else 1
+        out["pipeline_outputs"] = int(outputs * rows * vocab * isz)
     if rm.last and t.tiled_loss:
         # tiled: one tile's logits in fp32 (a cast copy below fp32) and logsumexp's temporary of its size, the
         # head's fp32 weight gradient and the hidden states' gradient, computed in forward
@@ -371,7 +377,8 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
     earlier = cfg.train.grad_accum > 1 and (z.stage >= 2 or rm.dims.pp > 1)
     reduced = buf["reduced_gradients"]
     gathered = {"zero3_gathered": buf.get("zero3_gathered", 0), "hpz_secondary": buf.get("hpz_secondary", 0)}
-    saved = {"activations": acts["activations"], "moe_dispatch": acts.get("moe_dispatch", 0)}
+    saved = {"activations": acts["activations"], "moe_dispatch": acts.get("moe_dispatch", 0),
+             "pipeline_outputs": acts.get("pipeline_outputs", 0)}
     staging = buf.get("gradient_staging", 0)
     first = max((b.padded * isz for b in layout.buckets[:1] if b.trainable and (b.world > 1 or isz != 4)),
                 default=0) if z.stage >= 2 else 0

@@ -85,11 +85,16 @@ def test_measured_routing_sizes_the_expert_activations():
     assert busy.memory["activations"] - same.memory["activations"] == 2 * 256 * 2 * (64 + 4 * 64) * 4
 
 
-def test_pipeline_last_stage_keeps_no_micro_batch_output():
-    # the runtime asks torch's schedules not to keep the outputs (tests/parallel/test_pipeline_outputs.py)
-    est = estimate(config(TINY + ["parallel.pp=2", "train.grad_accum=2", "zero.stage=1"]), world=2)
-    assert all("pipeline_outputs" not in e.memory for e in est)
-    assert est[1].memory["logits"] == (2 * 64) * 256 * (4 + 8)  # one micro-batch's fp32 logits, log-softmax, grad
+def test_pipeline_last_stage_keeps_the_outputs_awaiting_backward():
+    # torch's forward cache holds the last stage's output until its backward: one micro-batch's under 1F1B (each
+    # backward follows its forward), every micro-batch's under GPipe (all forwards first); nothing after the step
+    # (tests/parallel/test_pipeline_outputs.py)
+    logits = (2 * 64) * 256 * 4  # [b x s, vocab] fp32
+    for schedule, held in (("1f1b", 1), ("gpipe", 4)):
+        est = estimate(config(TINY + ["parallel.pp=2", "train.grad_accum=4", "zero.stage=1",
+                                      f"parallel.pp_schedule={schedule}"]), world=2)
+        assert "pipeline_outputs" not in est[0].memory
+        assert est[1].memory["pipeline_outputs"] == held * logits, schedule
 
 
 def test_tiled_loss_working_set():
