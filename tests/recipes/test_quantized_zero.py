@@ -26,6 +26,7 @@ def test_refused_before_training(tmp_path, overrides, message):
         check_config(_cfg(tmp_path, *overrides))
 
 
+@pytest.mark.slow  # three 2-rank launches (suite time); the engine-level equivalence tests run by default
 def test_torchrun_quantized_stage3_bytes_losses_and_resume(tmp_path):
     common = [*TINY, "train.steps=4", "train.eval_every=0", "parallel.dp=2", "train.micro_batch_size=2"]
     plain = _run_cli(*common, "zero.stage=3", f"run_dir={tmp_path / 'plain'}", nproc=2)

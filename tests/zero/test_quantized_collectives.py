@@ -243,7 +243,7 @@ def _hpz_runs(steps: int, ckpt: bool | str) -> list:
     return out
 
 
-@pytest.mark.parametrize("ckpt", [True, "reentrant"])
+@pytest.mark.parametrize("ckpt", [True, pytest.param("reentrant", marks=pytest.mark.slow)])
 def test_hpz_changes_no_value_and_keeps_nothing_after_the_step(ckpt) -> None:
     """hpZ (2 nodes of 2 ranks) with activation checkpointing (non-reentrant, and torch's reentrant one, whose
     forward runs without gradients) over 3 steps: bitwise the run without it, so backward never computed with a
