@@ -82,6 +82,9 @@ class OneBitConfig:
 
     warmup_steps: int = 100  # full-precision AdamW steps before the variance freezes and the momentum is compressed
     block: int = 2048  # elements sharing one fp32 scale in the 1-bit momentum (a multiple of 8; smaller: finer)
+    # compress the momentum divided by the frozen Adam denominator (the update direction) instead of the raw
+    # momentum (DeepSpeed's choice, false): a block's scale then never meets an element of tiny variance
+    precondition: bool = True
 
 
 @dataclass
@@ -474,6 +477,8 @@ def check_optimizer(cfg: DictConfig) -> None:
     if not isinstance(o.onebit.block, int) or o.onebit.block < 8 or o.onebit.block % 8:
         raise ConfigError(f"optim.onebit.block={o.onebit.block!r} must be a positive multiple of 8 (signs pack 8 "
                           "to a byte)")
+    if not isinstance(o.onebit.precondition, bool):
+        raise ConfigError(f"optim.onebit.precondition={o.onebit.precondition!r} must be true or false")
     refusal = None
     if z.stage >= 2:
         refusal = (f"zero.stage={z.stage}: stages 2-3 reduce-scatter gradients during backward, but the compressed "

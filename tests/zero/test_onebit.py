@@ -109,9 +109,10 @@ def _flat_state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _warmup_then_compressed(stage: int, accum: int, warmup: int, steps: int) -> dict:
+def _warmup_then_compressed(stage: int, accum: int, warmup: int, steps: int, precondition: bool) -> dict:
     world = dist.get_world_size()
-    engine = _engine(stage, "fp32", accum, OneBitAdam(warmup_steps=warmup, block=BLOCK, **HYPER), world)
+    engine = _engine(stage, "fp32", accum, OneBitAdam(warmup_steps=warmup, block=BLOCK, precondition=precondition,
+                                                      **HYPER), world)
     _train(engine, range(warmup), accum)
     frozen = _flat_state(engine)
     with comm.counting() as stats:
@@ -121,9 +122,11 @@ def _warmup_then_compressed(stage: int, accum: int, warmup: int, steps: int) -> 
             "names": engine.buckets[0].names, "padded": engine.buckets[0].padded}
 
 
-def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup: int, steps: int):
+def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup: int, steps: int,
+                         precondition: bool):
     """R workers of 1-bit Adam in one process (the same flat layout as the engine's bucket), from the state the
-    warm-up left: returns the mean losses and the final master."""
+    warm-up left: returns the mean losses and the final master. precondition: what travels is the momentum over
+    the frozen denominator, multiplied back after the average."""
     model = build(seed=0)
     params = dict(model.named_parameters())
     named = [(n, params[n]) for n in start["names"]]
@@ -132,6 +135,7 @@ def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup
     workers = [torch.zeros(world, layout.padded_chunk) for _ in range(world)]
     servers = [torch.zeros(layout.padded_chunk) for _ in range(world)]
     beta1, beta2 = HYPER["betas"]
+    denom = (v.sqrt() / math.sqrt(1 - beta2**warmup)).add_(HYPER["eps"])
     losses = []
     for t, step in enumerate(range(warmup, steps), start=warmup + 1):
         grads, total = [], 0.0
@@ -147,20 +151,28 @@ def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup
                 (loss / accum).backward()
                 total += loss.item() / accum / world
             grads.append(flat_grad)
-        local = [layout.to_chunks(g.mul_(1 - beta1).add_(m, alpha=beta1)) for g in grads]
-        m = layout.from_chunks(simulate_all_reduce(local, workers, servers, layout)).clone()
+        local = [g.mul_(1 - beta1).add_(m, alpha=beta1) for g in grads]
+        if precondition:
+            local = [x / denom for x in local]
+        average = layout.from_chunks(simulate_all_reduce([layout.to_chunks(x) for x in local], workers, servers,
+                                                         layout)).clone()
         master.mul_(1 - HYPER["lr"] * HYPER["weight_decay"])
-        denom = (v.sqrt() / math.sqrt(1 - beta2**warmup)).add_(HYPER["eps"])
-        master.addcdiv_(m, denom, value=-HYPER["lr"] / (1 - beta1 ** float(t)))
+        if precondition:
+            m = average * denom
+            master.add_(average, alpha=-HYPER["lr"] / (1 - beta1 ** float(t)))
+        else:
+            m = average
+            master.addcdiv_(m, denom, value=-HYPER["lr"] / (1 - beta1 ** float(t)))
         losses.append(total)
     return losses, master
 
 
-@pytest.mark.parametrize("world,stage,accum", [(2, 0, 1), (2, 1, 2), (4, 1, 1)])
-def test_compressed_phase_equals_simulation(world: int, stage: int, accum: int) -> None:
+@pytest.mark.parametrize("world,stage,accum,precondition", [(2, 0, 1, True), (2, 1, 2, True), (4, 1, 1, True),
+                                                             (2, 1, 1, False)])
+def test_compressed_phase_equals_simulation(world: int, stage: int, accum: int, precondition: bool) -> None:
     warmup, steps = 2, 5
-    got = run_multirank(_warmup_then_compressed, world, stage, accum, warmup, steps)
-    losses, master = _simulate_compressed(got[0], world, stage, accum, warmup, steps)
+    got = run_multirank(_warmup_then_compressed, world, stage, accum, warmup, steps, precondition)
+    losses, master = _simulate_compressed(got[0], world, stage, accum, warmup, steps, precondition)
     for r in range(world):
         assert torch.equal(got[r]["final"]["master"], got[0]["final"]["master"])  # every rank the same model
     moved = got[0]["final"]["master"] - got[0]["frozen"]["master"]
@@ -169,11 +181,13 @@ def test_compressed_phase_equals_simulation(world: int, stage: int, accum: int) 
     mean = torch.tensor([r["losses"] for r in got]).mean(0)  # each rank's loss is of its own rows
     torch.testing.assert_close(mean, torch.tensor(losses, dtype=mean.dtype), rtol=1e-6, atol=0)
     # bytes sent, exactly: per compressed step the 1-bit payloads twice and an 8-byte squared norm; at stage 1
-    # also the fp32 parameter all-gather, and once (entering the compressed phase) the momentum all-gather
+    # also the fp32 parameter all-gather, and once (entering the compressed phase) the momentum all-gather and,
+    # preconditioned, the variance's
     n, layout = got[0]["padded"], ChunkLayout(got[0]["padded"], world, BLOCK)
     per_step = 2 * (world - 1) * layout.payload_bytes + int(2 * (world - 1) / world * 8)
     gather = (world - 1) * n // world * 4 if stage else 0
-    assert sum(got[0]["sent"].values()) == (steps - warmup) * (per_step + gather) + gather
+    entering = gather * (2 if precondition else 1)
+    assert sum(got[0]["sent"].values()) == (steps - warmup) * (per_step + gather) + entering
 
 
 def _warmup_pair(stage: int, dtype: str) -> list:
@@ -197,8 +211,9 @@ def test_warmup_equals_adamw_bitwise(stage: int, dtype: str) -> None:
 def _resume(stage: int, dtype: str, path: str) -> dict:
     world = dist.get_world_size()
 
-    def make():
-        return _engine(stage, dtype, 1, OneBitAdam(warmup_steps=2, block=BLOCK, **HYPER), world)
+    def make(precondition=True):
+        return _engine(stage, dtype, 1, OneBitAdam(warmup_steps=2, block=BLOCK, precondition=precondition, **HYPER),
+                       world)
 
     engine = make()
     straight = _train(engine, range(4), 1)
@@ -208,13 +223,20 @@ def _resume(stage: int, dtype: str, path: str) -> dict:
     resumed.load_checkpoint(path)
     again = _train(resumed, range(4, 7), 1)
     same = all(torch.equal(a, b) for a, b in zip(engine.full_state_dict().values(), resumed.full_state_dict().values()))
-    return {"straight": straight[4:], "again": again, "same": same}
+    other = make(precondition=False)
+    try:  # error feedback kept in the preconditioned coordinates cannot continue raw momentum compression
+        other.load_checkpoint(path)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"straight": straight[4:], "again": again, "same": same, "refused": refused}
 
 
 @pytest.mark.parametrize("stage,dtype", [(0, "bf16"), (1, "fp32")])
 def test_resume_inside_compressed_phase_is_bitwise(tmp_path, stage: int, dtype: str) -> None:
     for r in run_multirank(_resume, 2, stage, dtype, str(tmp_path / "ckpt")):
         assert r["straight"] == r["again"] and r["same"]
+        assert "precondition=True differs from precondition=False" in r["refused"]
 
 
 def _experts(stage: int) -> dict:

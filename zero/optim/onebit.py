@@ -6,6 +6,14 @@ its own gradient into its copy of the momentum, the momenta are averaged by the 
 all-reduce (`zero.optim.compression`, worker and server error feedback), and every rank applies the averaged
 momentum over the variance frozen at the end of the warm-up. Works at ZeRO stages 0-1, fp32 and bf16, with
 gradient accumulation and with experts (their momenta are averaged over their expert-data-parallel group).
+
+What is compressed: by default (`precondition=True`) the momentum divided by the frozen Adam denominator
+(sqrt(v / bias2) + eps), i.e. the update direction, and the average is multiplied back. Since the denominator is
+frozen this is the same average (averaging commutes with a fixed per-element scale) and the error feedback works
+in the same fixed coordinates, but a block's 1-bit scale is then shared by elements of comparable update size: an
+element whose variance is tiny beside its block-mates' no longer receives the block's mean momentum divided by
+its own tiny denominator (a step of many times the learning rate). `precondition=False` compresses the raw
+momentum, as DeepSpeed's 1-bit Adam does; on a 3M-parameter model it diverged within a few compressed steps.
 """
 
 from __future__ import annotations
@@ -33,13 +41,15 @@ class OneBitAdam(BoundOptimizer):
     steps.
     """
 
-    def __init__(self, *, warmup_steps: int, block: int = 2048, lr: float = 1e-3,
+    def __init__(self, *, warmup_steps: int, block: int = 2048, precondition: bool = True, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
         if not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 1: the compressed phase freezes the "
                              "variance the warm-up's AdamW steps estimated")
         ChunkLayout(1, 1, block)  # checks the block
-        self.warmup_steps, self.block = warmup_steps, block
+        if not isinstance(precondition, bool):
+            raise ValueError(f"precondition={precondition!r} must be True or False")
+        self.warmup_steps, self.block, self.precondition = warmup_steps, block, precondition
         self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
 
     def __call__(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -49,10 +59,11 @@ class OneBitAdam(BoundOptimizer):
 
     def bind(self, engine: Any) -> OneBitAdamSteps:
         refuse_layout(engine.config, engine.dims)
-        return OneBitAdamSteps(engine, self.warmup_steps, self.block)
+        return OneBitAdamSteps(engine, self.warmup_steps, self.block, self.precondition)
 
     def __repr__(self) -> str:
-        return f"OneBitAdam(warmup_steps={self.warmup_steps}, block={self.block}, {self.hyper})"
+        return (f"OneBitAdam(warmup_steps={self.warmup_steps}, block={self.block}, precondition={self.precondition}, "
+                f"{self.hyper})")
 
 
 def refuse_layout(config: Any, dims: Any) -> None:
@@ -86,6 +97,9 @@ class _Feedback:
     momentum: torch.Tensor  # [padded] fp32, the averaged momentum of the last step (every rank's copy)
     worker_error: torch.Tensor  # [world, padded_chunk] what this rank's compression has lost so far
     server_error: torch.Tensor  # [padded_chunk] what this rank's server compression has lost so far
+    # [padded] fp32, the frozen Adam denominator of the whole bucket (precondition=True only; rebuilt from the
+    # optimizer's frozen exp_avg_sq, never checkpointed)
+    denom: torch.Tensor | None = None
 
 
 def _local_grad(b: Any) -> torch.Tensor:
@@ -98,8 +112,8 @@ def _local_grad(b: Any) -> torch.Tensor:
 class OneBitAdamSteps:
     """The compressed steps of one engine (built by OneBitAdam.bind): takes over from `warmup_steps` on."""
 
-    def __init__(self, engine: Any, warmup_steps: int, block: int) -> None:
-        self.engine, self.warmup_steps, self.block = engine, warmup_steps, block
+    def __init__(self, engine: Any, warmup_steps: int, block: int, precondition: bool = True) -> None:
+        self.engine, self.warmup_steps, self.block, self.precondition = engine, warmup_steps, block, precondition
         self.frozen_at: int | None = None  # the optimizer step whose variance is frozen
         self.feedback: list[_Feedback] | None = None
 
@@ -122,11 +136,29 @@ class OneBitAdamSteps:
                 torch.zeros(layout.padded_chunk, device=b.device)))
 
     @torch.no_grad()
+    def _denominators(self) -> None:
+        """Each bucket's whole frozen denominator sqrt(v / bias2) + eps (v gathered from the shards once)."""
+        zo = self.engine.zero_optimizer
+        for b, master, fb in zip(zo.trainable, zo.masters.masters, self.feedback):
+            group = self._group(master)
+            v = zo.optimizer.state[master]["exp_avg_sq"]
+            full = torch.empty(b.padded, dtype=torch.float32, device=b.device)
+            comm.all_gather_into_tensor(full, v.float().contiguous(), b.group) if b.world > 1 else full.copy_(v)
+            bias2 = 1 - group["betas"][1] ** self.frozen_at
+            fb.denom = full.sqrt_().div_(math.sqrt(bias2)).add_(group["eps"])
+
+    def _group(self, master: torch.Tensor) -> dict:
+        return next(g for g in self.engine.zero_optimizer.optimizer.param_groups
+                    if any(p is master for p in g["params"]))
+
+    @torch.no_grad()
     def step(self) -> bool:
         """One compressed step; False (nothing changed) when some rank's gradient is not finite."""
         zo = self.engine.zero_optimizer
         if self.feedback is None:
             self._freeze()
+        if self.precondition and self.feedback[0].denom is None:
+            self._denominators()
         grads = [_local_grad(b) for b in zo.trainable]
         # The averaged gradient is never formed, so the reported norm is the root mean square over ranks of
         # each rank's own gradient norm: 8 bytes that also tell every rank whether some gradient is not finite.
@@ -146,23 +178,29 @@ class OneBitAdamSteps:
     def _step_bucket(self, i: int, b: Any, grad: torch.Tensor, fb: _Feedback) -> None:
         zo = self.engine.zero_optimizer
         master = zo.masters.masters[i]
-        group = next(g for g in zo.optimizer.param_groups if any(p is master for p in g["params"]))
+        group = self._group(master)
         beta1, beta2 = group["betas"]
         # The engine's reduced gradient is sum over the reduction group / dp (experts: over their expert-data-
         # parallel group); each rank's share of that average is its gradient times group size / dp.
         share = fb.layout.world / self.engine.dp
         local = grad.mul_((1 - beta1) * share).add_(fb.momentum, alpha=beta1)
-        average = compressed_all_reduce(fb.layout.to_chunks(local), fb.worker_error, fb.server_error, fb.layout,
-                                        b.grad_group)
-        fb.momentum.copy_(fb.layout.from_chunks(average))
-        mine = b.shard_of(fb.momentum) if b.world > 1 else fb.momentum
+        if self.precondition:
+            local.div_(fb.denom)  # the update direction: what travels, and what the error feedback tracks
+        average = fb.layout.from_chunks(compressed_all_reduce(fb.layout.to_chunks(local), fb.worker_error,
+                                                              fb.server_error, fb.layout, b.grad_group))
         state = zo.optimizer.state[master]
         state["step"] += 1
         bias1 = 1 - beta1 ** float(state["step"])
-        bias2 = 1 - beta2 ** self.frozen_at
         master.mul_(1 - group["lr"] * group["weight_decay"])
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(group["eps"])
-        master.addcdiv_(mine, denom, value=-group["lr"] / bias1)
+        if self.precondition:
+            fb.momentum.copy_(average).mul_(fb.denom)
+            master.add_(b.shard_of(average) if b.world > 1 else average, alpha=-group["lr"] / bias1)
+        else:
+            fb.momentum.copy_(average)
+            bias2 = 1 - beta2 ** self.frozen_at
+            denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(group["eps"])
+            master.addcdiv_(b.shard_of(average) if b.world > 1 else average, denom, value=-group["lr"] / bias1)
+        mine = b.shard_of(fb.momentum) if b.world > 1 else fb.momentum
         state["exp_avg"].copy_(mine)
         if not zo.masters.aliased[i]:
             b.write_shard(master)
@@ -173,7 +211,7 @@ class OneBitAdamSteps:
             {"momentum": f.momentum.clone(), "worker_error": f.worker_error.clone(),
              "server_error": f.server_error.clone()} for f in self.feedback]
         return {"kind": "onebit_adam", "warmup_steps": self.warmup_steps, "block": self.block,
-                "frozen_at": self.frozen_at, "feedback": feedback}
+                "precondition": self.precondition, "frozen_at": self.frozen_at, "feedback": feedback}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict | None) -> None:
@@ -190,6 +228,11 @@ class OneBitAdamSteps:
         if state["block"] != self.block:
             raise ValueError(f"checkpoint's 1-bit Adam block={state['block']} differs from block={self.block}: "
                              "resume with the same chunking")
+        saved = state.get("precondition", False)  # (checkpoints from before the option compressed the momentum)
+        if saved != self.precondition:
+            raise ValueError(f"checkpoint's 1-bit Adam precondition={saved} differs from precondition="
+                             f"{self.precondition}: its error feedback is in the other coordinates; resume with "
+                             f"precondition={saved}")
         zo = self.engine.zero_optimizer
         self.frozen_at, self.feedback = state["frozen_at"], []
         for b, saved in zip(zo.trainable, state["feedback"]):
