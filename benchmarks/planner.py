@@ -98,22 +98,27 @@ def measure_rank(overrides: list[str], steps: int) -> dict:
     return measure(overrides, steps)
 
 
-def predict(world: int, overrides: list[str], measured: list[dict] | None, flops: float) -> list[dict]:
+def predict(world: int, overrides: list[str], measured: list[dict] | None, flops: dict[str, float]) -> list[dict]:
     from recipes.plan import compose_command_line
     from recipes.planner import estimate, load_cluster
 
     rows = None if measured is None else {r: m["a2a_rows"] for r, m in enumerate(measured)}
-    cluster = load_cluster("cpu", {"flops": {"fp32": flops, "bf16": flops / 2, "fp16": flops / 2}})
+    # the raw roofline: the measured GEMM rates and a bare 60 us link latency; the fitted terms (the preset's
+    # overheads, elementwise rate, extra latency) are what calibrate() finds, so they are off here
+    cluster = load_cluster("cpu", {"flops": flops, "intra_latency_us": 60, "inter_latency_us": 60,
+                                   "layer_overhead_us": 0, "unit_overhead_us": 0, "moe_overhead_us": 0,
+                                   "elementwise_gbps": 0})
     ests = estimate(compose_command_line(overrides), cluster, world, a2a_rows=rows)
     return [e.to_json() for e in ests]
 
 
-def gemm_rate() -> float:
-    """fp32 FLOP/s of one thread on a 256 x 256 GEMM, now (the roofline's calibration)."""
+def gemm_rate(dtype: str = "fp32") -> float:
+    """FLOP/s of one thread on a 256 x 256 GEMM in `dtype` (fp32 or bf16), now (the roofline's calibration)."""
     import torch
 
     torch.set_num_threads(1)
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    a, b = torch.randn(256, 256, dtype=kind), torch.randn(256, 256, dtype=kind)
     for _ in range(5):
         a @ b
     t0, n = time.perf_counter(), 50
@@ -137,13 +142,31 @@ def compare(overrides: list[str], measured: list[dict], predicted: list[dict]) -
                  for p in predicted)
     t_m = statistics.median(measured[0]["step_times"][1:])
     slowest = max(predicted, key=lambda p: p["step_time_s"])
-    t_p = slowest["step_time_s"] - slowest["time_s"].get("host", 0.0)  # the roofline without host overheads
+    # the roofline without the fitted terms (host overheads, memory-bound operations)
+    t_p = slowest["step_time_s"] - slowest["time_s"].get("host", 0.0) - slowest["time_s"].get("elementwise", 0.0)
     events = slowest.get("host_events", {})
+    slowdown = 1 / _cpu().share(len(predicted))  # (host work of ranks that outnumber the cores: step_time's)
     return {"comm_exact": comm, "params_exact": params, "state_exact": state or nvme, "peak_measured": peak_m,
             "peak_predicted": peak_p, "time_measured": t_m, "time_predicted": t_p,
-            "layer_passes": events.get("layer_passes", 0), "unit_events": events.get("unit_events", 0),
-            "collective_calls": sum(c["calls"] for c in slowest["collectives"]),
+            "layer_passes": events.get("layer_passes", 0) * slowdown,
+            "unit_events": events.get("unit_events", 0) * slowdown,
+            "collective_calls": sum(c["calls"] for c in slowest["collectives"]) * slowdown,
+            "activation_bytes": events.get("activation_bytes", 0) * slowdown,
+            "moe_passes": events.get("moe_passes", 0) * slowdown,
             "comm_measured": measured[0]["comm"], "comm_predicted": predicted[0]["comm_bytes_by_kind"]}
+
+
+def _cpu():
+    from recipes.planner import load_cluster
+
+    return load_cluster("cpu")
+
+
+def rates(cache: dict) -> dict[str, float]:
+    """The measured GEMM rates per dtype (cached with the measurements; fp16 taken as bf16's)."""
+    fp32 = cache.setdefault("_gemm_flops", gemm_rate("fp32"))
+    bf16 = cache.setdefault("_gemm_flops_bf16", gemm_rate("bf16"))
+    return {"fp32": fp32, "bf16": bf16, "fp16": bf16}
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -155,7 +178,7 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 def run(args) -> dict:
     cache = json.load(open(args.cache)) if os.path.exists(args.cache) else {}
     os.makedirs(NVME.split("=", 1)[1], exist_ok=True)  # (nvme offload's files go there)
-    flops = cache.setdefault("_gemm_flops", gemm_rate())
+    flops = rates(cache)
     for name, world, overrides in grid(getattr(args, "base", None)):
         if args.only and args.only not in name:
             continue
@@ -195,23 +218,32 @@ def _save(cache: dict, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def calibrate(cs: list[dict]) -> tuple[float, float, float, float]:
-    """(roofline scale, seconds per layer pass, per ZeRO-3 unit event, per collective call) fitted to the
-    measured step times by least squares on relative error (non-negative; the cluster's layer_overhead_us,
-    unit_overhead_us and, added to its link latencies, the collectives' latency)."""
+FEATURES = ("time_predicted", "layer_passes", "unit_events", "collective_calls", "activation_bytes", "moe_passes")
+
+
+def calibrate(cs: list[dict]) -> tuple[float, ...]:
+    """(roofline scale, seconds per layer pass, per ZeRO-3 unit event, per collective call, per activation byte,
+    per MoE layer pass) fitted to the measured step times by non-negative least squares on relative error (the
+    cluster's layer_overhead_us, unit_overhead_us, added to its link latencies the collectives' latency,
+    elementwise_gbps and moe_overhead_us)."""
     import numpy as np
 
-    x = np.array([[c["time_predicted"], c["layer_passes"], c["unit_events"], c.get("collective_calls", 0)]
-                  for c in cs], dtype=float)
+    x = np.array([[c.get(k, 0) for k in FEATURES] for c in cs], dtype=float)
     y = np.array([c["time_measured"] for c in cs])
-    w = 1 / y[:, None]
-    coef = np.linalg.lstsq(x * w, y * w[:, 0], rcond=None)[0]
-    return tuple(float(max(v, 0.0)) for v in coef)
+    a, target = x / y[:, None], np.ones(len(y))
+    free = [j for j in range(x.shape[1]) if x[:, j].any()]
+    coef = np.zeros(x.shape[1])
+    while free:  # least squares over the free terms; a negative one is dropped (fixed at 0) and the rest refitted
+        sol = np.linalg.lstsq(a[:, free], target, rcond=None)[0]
+        if (sol >= 0).all():
+            coef[free] = sol
+            break
+        free.pop(int(np.argmin(sol)))
+    return tuple(float(v) for v in coef)
 
 
 def calibrated(c: dict, fit: tuple[float, ...]) -> float:
-    return (fit[0] * c["time_predicted"] + fit[1] * c["layer_passes"] + fit[2] * c["unit_events"]
-            + fit[3] * c.get("collective_calls", 0))
+    return sum(f * c.get(k, 0) for f, k in zip(fit, FEATURES))
 
 
 def search_check(cache: dict, fit: tuple[float, ...], steps: int) -> None:
@@ -220,10 +252,12 @@ def search_check(cache: dict, fit: tuple[float, ...], steps: int) -> None:
     from recipes.plan import compose_command_line, search
     from recipes.planner import load_cluster
 
-    flops = cache["_gemm_flops"] / max(fit[0], 1e-9)  # the roofline scaled by the fitted factor
-    cluster = load_cluster("cpu", {"flops": {"fp32": flops, "bf16": flops / 2, "fp16": flops / 2},
+    flops = {k: v / max(fit[0], 1e-9) for k, v in rates(cache).items()}  # the roofline scaled by the fitted factor
+    cluster = load_cluster("cpu", {"flops": flops,
                                    "layer_overhead_us": fit[1] * 1e6, "unit_overhead_us": fit[2] * 1e6,
-                                   "intra_latency_us": 60 + fit[3] * 1e6})
+                                   "elementwise_gbps": 1 / (fit[4] * 1e9) if fit[4] else 0.0,
+                                   "moe_overhead_us": fit[5] * 1e6,
+                                   "intra_latency_us": 60 + fit[3] * 1e6, "inter_latency_us": 60 + fit[3] * 1e6})
     for label, model in (("dense", DENSE), ("moe", MOE)):
         base = BASE + model
         best = search(compose_command_line(base), cluster, 2, 1)
@@ -302,11 +336,15 @@ def summarize(cache: dict) -> str:
                          f"{statistics.median(retained):.1f} MiB, quartiles "
                          f"{statistics.quantiles(retained, n=4)[0]:.1f}-{statistics.quantiles(retained, n=4)[2]:.1f}"
                          f" MiB (the cpu preset's runtime_memory_mb: {load_cluster('cpu').runtime_memory_mb:g})")
-        gflops = cache.get("_gemm_flops", 0) / 1e9
-        lines.append(f"- step time: calibrated as {fit[0]:.2f} x the roofline (at the measured GEMM rate {gflops:.1f} "
-                     f"GFLOP/s) + {fit[1] * 1e6:.0f} us per layer pass + {fit[2] * 1e6:.0f} us per ZeRO-3 unit "
-                     f"event + {fit[3] * 1e6:.0f} us per collective call; median error "
+        gflops, bf16 = cache.get("_gemm_flops", 0) / 1e9, cache.get("_gemm_flops_bf16", 0) / 1e9
+        lines.append(f"- step time: calibrated as {fit[0]:.2f} x the roofline (at the measured GEMM rates {gflops:.1f} "
+                     f"GFLOP/s fp32, {bf16:.1f} bf16) + {fit[1] * 1e6:.0f} us per layer pass + {fit[2] * 1e6:.0f} us "
+                     f"per ZeRO-3 unit event + {fit[3] * 1e6:.0f} us per collective call + {fit[4] * 1e12:.1f} us per MB of activation "
+                     f"(host and memory-bound terms x2 where 4 ranks share the 2 cores); median error "
                      f"{statistics.median(time_err):.0%}, Kendall tau {tau:.2f}")
+        lines.append(f"- fitted terms, exactly (the cpu preset's): roofline x {fit[0]:.4f}, layer_overhead_us "
+                     f"{fit[1] * 1e6:.0f}, unit_overhead_us {fit[2] * 1e6:.0f}, link latency {60 + fit[3] * 1e6:.0f} us, "
+                     f"elementwise_gbps {1 / (fit[4] * 1e9) if fit[4] else 0:.3f}, moe_overhead_us {fit[5] * 1e6:.0f}")
     lines += _search_lines(names, cs, cache)
     loads = [cache[n].get("load", 0) for n in names]
     if loads:

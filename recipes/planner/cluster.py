@@ -35,6 +35,10 @@ class Cluster:
     compute_units: int | None = None  # what a node's ranks share (a CPU's cores); None: one per device
     layer_overhead_us: float = 0.0  # host time per layer pass (forward, backward, recompute): launches, Python
     unit_overhead_us: float = 0.0  # host time per ZeRO-3 unit gather or free (hooks, copies)
+    moe_overhead_us: float = 0.0  # host time per MoE layer pass beyond a dense layer's (routing, permutation, dispatch)
+    # the rate at which the non-GEMM operations (norms, SiLU, softmax, copies) get through the activation bytes a
+    # step produces (the planner's `activation_bytes`); 0: not counted (fitted for the cpu preset only)
+    elementwise_gbps: float = 0.0
     # memory a rank's runtime holds beyond its tensors from its first step on (the allocator's heaps of small
     # blocks, libraries' buffers, the autograd graph's objects), counted in every moment of the step
     runtime_memory_mb: float = 0.0
@@ -45,11 +49,14 @@ class Cluster:
             return self.intra_latency_us * 1e-6, self.intra_gbps * GB
         return self.inter_latency_us * 1e-6, self.inter_gbps * GB
 
+    def share(self, world: int = 1) -> float:
+        """The fraction of a compute unit one rank gets when `world` ranks run (a node's ranks share its units)."""
+        per_node = min(world, self.devices_per_node)
+        return 1.0 if self.compute_units is None else min(1.0, self.compute_units / per_node)
+
     def flop_rate(self, dtype: str, world: int = 1) -> float:
         """FLOP/s one rank reaches when `world` ranks run (those of a node share its compute units)."""
-        per_node = min(world, self.devices_per_node)
-        share = 1.0 if self.compute_units is None else min(1.0, self.compute_units / per_node)
-        return float(self.flops[dtype]) * self.mfu * share
+        return float(self.flops[dtype]) * self.mfu * self.share(world)
 
 
 def presets() -> list[str]:

@@ -296,12 +296,9 @@ def _moe_saved(mc, tokens: int, slots: float, a2a: bool, isz: int) -> float:
     return out + tokens * 4 * width * mc.moe.num_shared_experts * isz
 
 
-def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float) -> dict[str, int]:
-    """Per micro-batch in flight, what backward needs: `activations` (saved per layer: norms, q/k/v, attention
-    output, MLP hidden, or the MoE layer's router and expert hidden; only the block inputs under
-    checkpointing), `recompute` (one block recomputed with its gradients, under checkpointing), `logits` (the
-    logits, their fp32 log-softmax and its gradient, at the loss) and `moe_dispatch` (the all-to-all
-    dispatcher's rows of one MoE layer, at `imbalance`)."""
+def _saved_per_layer(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float) -> tuple[int, list[int], float]:
+    """(tokens per micro-batch on this rank, bytes each of its layers saves for backward without checkpointing,
+    routed expert slots)."""
     mc, t, d = cfg.model, cfg.train, rm.dims
     tokens = t.micro_batch_size * -(-t.seq_len // d.sp)
     head_dim = mc.dim // mc.n_heads
@@ -320,7 +317,19 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
     slots = tokens * mc.moe.top_k * imbalance if moe else 0
     a2a = d.ep > 1
     moe_layer = attention + (_moe_saved(mc, tokens, slots, a2a, isz) if moe else 0)
-    per_layer = [moe_layer if i in moe else dense_layer for i in rm.stage_layers]
+    return tokens, [moe_layer if i in moe else dense_layer for i in rm.stage_layers], slots
+
+
+def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float) -> dict[str, int]:
+    """Per micro-batch in flight, what backward needs: `activations` (saved per layer: norms, q/k/v, attention
+    output, MLP hidden, or the MoE layer's router and expert hidden; only the block inputs under
+    checkpointing), `recompute` (one block recomputed with its gradients, under checkpointing), `logits` (the
+    logits, their fp32 log-softmax and its gradient, at the loss) and `moe_dispatch` (the all-to-all
+    dispatcher's rows of one MoE layer, at `imbalance`)."""
+    mc, t, d = cfg.model, cfg.train, rm.dims
+    tokens, per_layer, slots = _saved_per_layer(cfg, rm, isz, imbalance)
+    moe, a2a, ffn = _moe_layers(rm), d.ep > 1, mc.ffn_dim // d.tp
+    tiles = t.tiled_mlp or 0
     held = in_flight_micro_batches(cfg, rm)
     out = {"recompute": 0}
     if t.activation_checkpointing:  # the blocks' inputs; in backward one block recomputed with its gradients
@@ -435,13 +444,29 @@ def _bubble(cfg: DictConfig, rm: RankModel) -> float:
     return (p - 1) / (v * m) / (3 if zero_bubble else 1)
 
 
+def activation_traffic(cfg: DictConfig, rm: RankModel, isz: int) -> float:
+    """Bytes of activation one micro-batch produces on this rank (what its layers would save without
+    checkpointing or tiling, and the loss's logits working set): what the non-GEMM operations (norms, SiLU,
+    softmax, RoPE, copies) stream through memory, in proportion."""
+    mc, t, d = cfg.model, cfg.train, rm.dims
+    tokens, per_layer, _ = _saved_per_layer(cfg, rm, isz, 1.0)
+    if t.tiled_mlp:  # (tiling saves less, but computes the same hidden activations)
+        per_layer = [x + (0 if i in _moe_layers(rm) else tokens * 4 * (mc.ffn_dim // d.tp) * isz)
+                     for x, i in zip(per_layer, rm.stage_layers)]
+    logits = tokens * (mc.vocab_size // d.tp) * (isz + 8) if rm.last else 0
+    return float(sum(per_layer) + logits)
+
+
 def host_events(cfg: DictConfig, rm: RankModel, layout: Layout) -> dict[str, float]:
-    """What costs host time apart from FLOPs and bytes, per step: layer passes (forward, backward, recompute)
-    and ZeRO-3 gather / free events of the units."""
+    """What costs time apart from GEMM FLOPs and collective bytes, per step: layer passes (forward, backward,
+    recompute), ZeRO-3 gather / free events of the units, and the activation bytes the non-GEMM operations
+    produce (recompute included)."""
     m = cfg.train.grad_accum
     passes = 3 if cfg.train.activation_checkpointing else 2
     units = sum(1 for b in layout.buckets if b.role == "unit")
-    return {"layer_passes": m * passes * len(rm.stage_layers), "unit_events": 2 * m * units if units else 0}
+    traffic = activation_traffic(cfg, rm, ITEMSIZE[cfg.zero.dtype]) * m * passes / 2
+    return {"layer_passes": m * passes * len(rm.stage_layers), "unit_events": 2 * m * units if units else 0,
+            "activation_bytes": traffic, "moe_passes": m * passes * len(_moe_layers(rm))}
 
 
 def step_time(cfg: DictConfig, rm: RankModel, cluster: Cluster, collectives: list[Collective],
@@ -454,15 +479,21 @@ def step_time(cfg: DictConfig, rm: RankModel, cluster: Cluster, collectives: lis
     recompute = 4 / 3 if cfg.train.activation_checkpointing else 1.0
     compute = flops_per_micro_batch(cfg, rm) * m * recompute / cluster.flop_rate(z.dtype, rm.dims.world_size)
     compute *= 1 + _bubble(cfg, rm)
+    # host work (Python, launches, a collective call's setup) runs on the rank's share of a compute unit too:
+    # ranks that outnumber a CPU's cores each wait for theirs
+    slowdown = 1 / cluster.share(rm.dims.world_size)
     exposed = hidden = 0.0
     for c in collectives:
         alpha, beta = cluster.link(c.ranks)
-        t = c.calls * alpha + c.bytes / beta
+        t = c.calls * alpha * slowdown + c.bytes / beta
         if "reduction" in c.group and z.stage >= 2 and z.overlap_comm:
             hidden += t
         else:
             exposed += t
-    exposed += max(0.0, hidden - compute * 2 / 3)  # backward is about two thirds of the compute
+    elementwise = 0.0
+    if cluster.elementwise_gbps:  # memory-bound operations, on the rank's share of the compute units
+        elementwise = host_events(cfg, rm, layout)["activation_bytes"] / (cluster.elementwise_gbps * 1e9) * slowdown
+    exposed += max(0.0, hidden - (compute + elementwise) * 2 / 3)  # backward is about two thirds of the compute
     shard = sum(b.shard for b in layout.buckets if b.trainable)
     streamed = shard * 4 * (2 * ADAM_STATES + 3)  # read and write the states, master, gradient, new value
     bandwidth = {"none": cluster.memory_gbps, "cpu": cluster.host_gbps, "nvme": cluster.nvme_gbps}[z.offload_optimizer]
@@ -470,10 +501,11 @@ def step_time(cfg: DictConfig, rm: RankModel, cluster: Cluster, collectives: lis
     if z.offload_optimizer == "cpu":
         optimizer += shard * (4 + isz) / (cluster.host_gbps * 1e9)
     events = host_events(cfg, rm, layout)
-    host = events["layer_passes"] * cluster.layer_overhead_us + events["unit_events"] * cluster.unit_overhead_us
-    host *= 1e-6
-    return {"compute": compute, "communication": exposed, "optimizer": optimizer, "host": host,
-            "step": compute + exposed + optimizer + host}
+    host = (events["layer_passes"] * cluster.layer_overhead_us + events["unit_events"] * cluster.unit_overhead_us
+            + events["moe_passes"] * cluster.moe_overhead_us)
+    host *= 1e-6 * slowdown
+    return {"compute": compute, "elementwise": elementwise, "communication": exposed, "optimizer": optimizer,
+            "host": host, "step": compute + elementwise + exposed + optimizer + host}
 
 
 def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | None,

@@ -262,3 +262,29 @@ def test_search_prints_ready_to_run_command_lines():
                          capture_output=True, text=True, check=True)
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2 and all("python -m recipes.pretrain" in line and "zero.stage=" in line for line in lines)
+
+
+def test_step_time_terms_follow_the_layout():
+    """The calibrated terms beyond the GEMM roofline: host overheads per layer pass and per MoE layer pass, and
+    the memory-bound operations' activation bytes, which tensor and sequence parallelism split and ranks that
+    outnumber the cpu preset's cores slow down."""
+    cpu = load_cluster("cpu")
+    one = estimate(config(TINY), cpu, world=1)[0]
+    tp = estimate(config(TINY + ["parallel.tp=2"]), cpu, world=2)[0]
+    sp = estimate(config(TINY + ["parallel.sp=2"]), cpu, world=2)[0]
+    four = estimate(config(TINY + ["parallel.dp=4"]), cpu, world=4)[0]
+    # model=tiny: 2 layers, forward and backward: 4 layer passes; no MoE layer
+    assert one.host_events["layer_passes"] == 4 and one.host_events["moe_passes"] == 0
+    assert one.time_s["host"] == pytest.approx(4 * cpu.layer_overhead_us * 1e-6)
+    act = one.host_events["activation_bytes"]
+    assert one.time_s["elementwise"] == pytest.approx(act / (cpu.elementwise_gbps * 1e9))
+    # split activations: tp halves the layers' hidden widths and the logits' vocabulary, sp the tokens
+    assert act / 2 < tp.host_events["activation_bytes"] < act and sp.host_events["activation_bytes"] < act
+    # 4 ranks on 2 cores: the same work per rank takes twice as long
+    assert four.host_events["activation_bytes"] == act
+    assert four.time_s["host"] == pytest.approx(2 * one.time_s["host"])
+    assert four.time_s["elementwise"] == pytest.approx(2 * one.time_s["elementwise"])
+    moe = estimate(config(["model=moe_tiny", "train.micro_batch_size=2", "train.seq_len=64"]), cpu, world=1)[0]
+    assert moe.host_events["moe_passes"] > 0
+    assert moe.time_s["host"] == pytest.approx(1e-6 * (moe.host_events["layer_passes"] * cpu.layer_overhead_us
+                                                       + moe.host_events["moe_passes"] * cpu.moe_overhead_us))
