@@ -85,6 +85,9 @@ class OneBitConfig:
     # compress the momentum divided by the frozen Adam denominator (the update direction) instead of the raw
     # momentum (DeepSpeed's choice, false): a block's scale then never meets an element of tiny variance
     precondition: bool = True
+    # every refresh_every-th step after the warm-up is a full AdamW step (full-precision reduction, the variance
+    # updated) after which the compressed phase freezes afresh; 0: the variance stays frozen (classic 1-bit Adam)
+    refresh_every: int = 0
 
 
 @dataclass
@@ -477,6 +480,9 @@ def check_optimizer(cfg: DictConfig) -> None:
     if not isinstance(o.onebit.block, int) or o.onebit.block < 8 or o.onebit.block % 8:
         raise ConfigError(f"optim.onebit.block={o.onebit.block!r} must be a positive multiple of 8 (signs pack 8 "
                           "to a byte)")
+    if not isinstance(o.onebit.refresh_every, int) or o.onebit.refresh_every < 0:
+        raise ConfigError(f"optim.onebit.refresh_every={o.onebit.refresh_every!r} must be an integer >= 0 (0: the "
+                          "variance stays frozen)")
     if not isinstance(o.onebit.precondition, bool):
         raise ConfigError(f"optim.onebit.precondition={o.onebit.precondition!r} must be true or false")
     refusal = None

@@ -29,6 +29,7 @@ def _cfg(run_dir, *overrides):
     ([*ONEBIT, "zero.stage=1", "zero.offload_optimizer=cpu"], "does not work with zero.offload_optimizer=cpu"),
     ([*ONEBIT, "optim.onebit.block=12"], "optim.onebit.block=12 must be a positive multiple of 8"),
     ([*ONEBIT, "optim.onebit.warmup_steps=0"], "optim.onebit.warmup_steps=0 must be an integer >= 1"),
+    ([*ONEBIT, "optim.onebit.refresh_every=-1"], "optim.onebit.refresh_every=-1 must be an integer >= 0"),
 ])
 def test_refused_before_training(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

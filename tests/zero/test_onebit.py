@@ -109,10 +109,11 @@ def _flat_state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _warmup_then_compressed(stage: int, accum: int, warmup: int, steps: int, precondition: bool) -> dict:
+def _warmup_then_compressed(stage: int, accum: int, warmup: int, steps: int, precondition: bool,
+                            refresh: int = 0) -> dict:
     world = dist.get_world_size()
     engine = _engine(stage, "fp32", accum, OneBitAdam(warmup_steps=warmup, block=BLOCK, precondition=precondition,
-                                                      **HYPER), world)
+                                                      refresh_every=refresh, **HYPER), world)
     _train(engine, range(warmup), accum)
     frozen = _flat_state(engine)
     with comm.counting() as stats:
@@ -123,10 +124,11 @@ def _warmup_then_compressed(stage: int, accum: int, warmup: int, steps: int, pre
 
 
 def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup: int, steps: int,
-                         precondition: bool):
+                         precondition: bool, refresh: int = 0):
     """R workers of 1-bit Adam in one process (the same flat layout as the engine's bucket), from the state the
     warm-up left: returns the mean losses and the final master. precondition: what travels is the momentum over
-    the frozen denominator, multiplied back after the average."""
+    the frozen denominator, multiplied back after the average. refresh: every refresh-th step after the warm-up
+    is AdamW on the averaged gradient, after which the variance and momentum freeze afresh, errors cleared."""
     model = build(seed=0)
     params = dict(model.named_parameters())
     named = [(n, params[n]) for n in start["names"]]
@@ -151,6 +153,18 @@ def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup
                 (loss / accum).backward()
                 total += loss.item() / accum / world
             grads.append(flat_grad)
+        if refresh and step > warmup and (step - warmup) % refresh == 0:
+            g = torch.stack(grads).mean(0)
+            m = m * beta1 + g * (1 - beta1)
+            v = v * beta2 + g * g * (1 - beta2)
+            master.mul_(1 - HYPER["lr"] * HYPER["weight_decay"])
+            adam_denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(HYPER["eps"])
+            master.addcdiv_(m, adam_denom, value=-HYPER["lr"] / (1 - beta1 ** float(t)))
+            denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(HYPER["eps"])  # frozen from the next step on
+            workers = [torch.zeros(world, layout.padded_chunk) for _ in range(world)]
+            servers = [torch.zeros(layout.padded_chunk) for _ in range(world)]
+            losses.append(total)
+            continue
         local = [g.mul_(1 - beta1).add_(m, alpha=beta1) for g in grads]
         if precondition:
             local = [x / denom for x in local]
@@ -167,12 +181,13 @@ def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup
     return losses, master
 
 
-@pytest.mark.parametrize("world,stage,accum,precondition", [(2, 0, 1, True), (2, 1, 2, True), (4, 1, 1, True),
-                                                             (2, 1, 1, False)])
-def test_compressed_phase_equals_simulation(world: int, stage: int, accum: int, precondition: bool) -> None:
-    warmup, steps = 2, 5
-    got = run_multirank(_warmup_then_compressed, world, stage, accum, warmup, steps, precondition)
-    losses, master = _simulate_compressed(got[0], world, stage, accum, warmup, steps, precondition)
+@pytest.mark.parametrize("world,stage,accum,precondition,refresh", [
+    (2, 0, 1, True, 0), (2, 1, 2, True, 0), (4, 1, 1, True, 0), (2, 1, 1, False, 0), (2, 1, 1, True, 2)])
+def test_compressed_phase_equals_simulation(world: int, stage: int, accum: int, precondition: bool,
+                                            refresh: int) -> None:
+    warmup, steps = 2, 7 if refresh else 5  # (refresh=2: steps 4 and 6 are AdamW, 2, 3 and 5 compressed)
+    got = run_multirank(_warmup_then_compressed, world, stage, accum, warmup, steps, precondition, refresh)
+    losses, master = _simulate_compressed(got[0], world, stage, accum, warmup, steps, precondition, refresh)
     for r in range(world):
         assert torch.equal(got[r]["final"]["master"], got[0]["final"]["master"])  # every rank the same model
     moved = got[0]["final"]["master"] - got[0]["frozen"]["master"]
@@ -187,7 +202,8 @@ def test_compressed_phase_equals_simulation(world: int, stage: int, accum: int, 
     per_step = 2 * (world - 1) * layout.payload_bytes + int(2 * (world - 1) / world * 8)
     gather = (world - 1) * n // world * 4 if stage else 0
     entering = gather * (2 if precondition else 1)
-    assert sum(got[0]["sent"].values()) == (steps - warmup) * (per_step + gather) + entering
+    if not refresh:
+        assert sum(got[0]["sent"].values()) == (steps - warmup) * (per_step + gather) + entering
 
 
 def _warmup_pair(stage: int, dtype: str) -> list:
@@ -208,12 +224,12 @@ def test_warmup_equals_adamw_bitwise(stage: int, dtype: str) -> None:
         assert torch.equal(adamw[2], onebit[2])
 
 
-def _resume(stage: int, dtype: str, path: str) -> dict:
+def _resume(stage: int, dtype: str, path: str, refresh: int) -> dict:
     world = dist.get_world_size()
 
     def make(precondition=True):
-        return _engine(stage, dtype, 1, OneBitAdam(warmup_steps=2, block=BLOCK, precondition=precondition, **HYPER),
-                       world)
+        return _engine(stage, dtype, 1, OneBitAdam(warmup_steps=2, block=BLOCK, precondition=precondition,
+                                                   refresh_every=refresh, **HYPER), world)
 
     engine = make()
     straight = _train(engine, range(4), 1)
@@ -232,9 +248,10 @@ def _resume(stage: int, dtype: str, path: str) -> dict:
     return {"straight": straight[4:], "again": again, "same": same, "refused": refused}
 
 
-@pytest.mark.parametrize("stage,dtype", [(0, "bf16"), (1, "fp32")])
-def test_resume_inside_compressed_phase_is_bitwise(tmp_path, stage: int, dtype: str) -> None:
-    for r in run_multirank(_resume, 2, stage, dtype, str(tmp_path / "ckpt")):
+@pytest.mark.parametrize("stage,dtype,refresh", [(0, "bf16", 0), (1, "fp32", 2)])
+def test_resume_inside_compressed_phase_is_bitwise(tmp_path, stage: int, dtype: str, refresh: int) -> None:
+    # refresh=2: the checkpoint (after step 4) comes right before a refresh step, the run re-freezes after it
+    for r in run_multirank(_resume, 2, stage, dtype, str(tmp_path / "ckpt"), refresh):
         assert r["straight"] == r["again"] and r["same"]
         assert "precondition=True differs from precondition=False" in r["refused"]
 

@@ -13,7 +13,12 @@ frozen this is the same average (averaging commutes with a fixed per-element sca
 in the same fixed coordinates, but a block's 1-bit scale is then shared by elements of comparable update size: an
 element whose variance is tiny beside its block-mates' no longer receives the block's mean momentum divided by
 its own tiny denominator (a step of many times the learning rate). `precondition=False` compresses the raw
-momentum, as DeepSpeed's 1-bit Adam does; on a 3M-parameter model it diverged within a few compressed steps.
+momentum, as DeepSpeed's 1-bit Adam does.
+
+Variance refresh (`refresh_every=K`, 0/1 Adam's idea in its simplest form): every K-th optimizer step after the
+warm-up is an ordinary AdamW step (full-precision gradient reduction, the variance updated), after which the
+compressed phase freezes afresh (the momentum and variance that step left, error buffers cleared). It costs one
+AdamW reduction per K steps and lets the frozen variance follow gradients that shrink as training goes on.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ class OneBitAdam(BoundOptimizer):
     steps.
     """
 
-    def __init__(self, *, warmup_steps: int, block: int = 2048, precondition: bool = True, lr: float = 1e-3,
+    def __init__(self, *, warmup_steps: int, block: int = 2048, precondition: bool = True, refresh_every: int = 0,
+                 lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
         if not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 1: the compressed phase freezes the "
@@ -49,7 +55,10 @@ class OneBitAdam(BoundOptimizer):
         ChunkLayout(1, 1, block)  # checks the block
         if not isinstance(precondition, bool):
             raise ValueError(f"precondition={precondition!r} must be True or False")
+        if not isinstance(refresh_every, int) or refresh_every < 0:
+            raise ValueError(f"refresh_every={refresh_every!r} must be an int >= 0 (0: the variance stays frozen)")
         self.warmup_steps, self.block, self.precondition = warmup_steps, block, precondition
+        self.refresh_every = refresh_every
         self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
 
     def __call__(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -59,11 +68,11 @@ class OneBitAdam(BoundOptimizer):
 
     def bind(self, engine: Any) -> OneBitAdamSteps:
         refuse_layout(engine.config, engine.dims)
-        return OneBitAdamSteps(engine, self.warmup_steps, self.block, self.precondition)
+        return OneBitAdamSteps(engine, self.warmup_steps, self.block, self.precondition, self.refresh_every)
 
     def __repr__(self) -> str:
         return (f"OneBitAdam(warmup_steps={self.warmup_steps}, block={self.block}, precondition={self.precondition}, "
-                f"{self.hyper})")
+                f"refresh_every={self.refresh_every}, {self.hyper})")
 
 
 def refuse_layout(config: Any, dims: Any) -> None:
@@ -112,13 +121,26 @@ def _local_grad(b: Any) -> torch.Tensor:
 class OneBitAdamSteps:
     """The compressed steps of one engine (built by OneBitAdam.bind): takes over from `warmup_steps` on."""
 
-    def __init__(self, engine: Any, warmup_steps: int, block: int, precondition: bool = True) -> None:
+    def __init__(self, engine: Any, warmup_steps: int, block: int, precondition: bool = True,
+                 refresh_every: int = 0) -> None:
         self.engine, self.warmup_steps, self.block, self.precondition = engine, warmup_steps, block, precondition
+        self.refresh_every = refresh_every
         self.frozen_at: int | None = None  # the optimizer step whose variance is frozen
         self.feedback: list[_Feedback] | None = None
 
     def takes_step(self) -> bool:
-        return self.engine.global_steps >= self.warmup_steps
+        s = self.engine.global_steps
+        if s < self.warmup_steps:
+            return False
+        # a refresh step: the engine's own AdamW step (full-precision reduction, the variance updated)
+        return not (self.refresh_every and s > self.warmup_steps and (s - self.warmup_steps) % self.refresh_every == 0)
+
+    def _frozen_at(self) -> int:
+        """The step count when the current compressed period began: the warm-up's end or one past the last
+        refresh step before now."""
+        s, w, k = self.engine.global_steps, self.warmup_steps, self.refresh_every
+        refreshes = (s - 1 - w) // k if k and s > w else 0
+        return w + k * refreshes + 1 if refreshes else w
 
     # ------------------------------------------------------------------ the compressed phase
     @torch.no_grad()
@@ -155,8 +177,8 @@ class OneBitAdamSteps:
     def step(self) -> bool:
         """One compressed step; False (nothing changed) when some rank's gradient is not finite."""
         zo = self.engine.zero_optimizer
-        if self.feedback is None:
-            self._freeze()
+        if self.feedback is None or self.frozen_at != self._frozen_at():
+            self._freeze()  # (the warm-up or a refresh step just ended: freeze the state it left)
         if self.precondition and self.feedback[0].denom is None:
             self._denominators()
         grads = [_local_grad(b) for b in zo.trainable]
@@ -211,7 +233,8 @@ class OneBitAdamSteps:
             {"momentum": f.momentum.clone(), "worker_error": f.worker_error.clone(),
              "server_error": f.server_error.clone()} for f in self.feedback]
         return {"kind": "onebit_adam", "warmup_steps": self.warmup_steps, "block": self.block,
-                "precondition": self.precondition, "frozen_at": self.frozen_at, "feedback": feedback}
+                "precondition": self.precondition, "refresh_every": self.refresh_every, "frozen_at": self.frozen_at,
+                "feedback": feedback}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict | None) -> None:
@@ -228,6 +251,9 @@ class OneBitAdamSteps:
         if state["block"] != self.block:
             raise ValueError(f"checkpoint's 1-bit Adam block={state['block']} differs from block={self.block}: "
                              "resume with the same chunking")
+        if state.get("refresh_every", 0) != self.refresh_every:
+            raise ValueError(f"checkpoint's 1-bit Adam refresh_every={state.get('refresh_every', 0)} differs from "
+                             f"refresh_every={self.refresh_every}: resume with the same variance refreshes")
         saved = state.get("precondition", False)  # (checkpoints from before the option compressed the momentum)
         if saved != self.precondition:
             raise ValueError(f"checkpoint's 1-bit Adam precondition={saved} differs from precondition="
