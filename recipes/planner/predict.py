@@ -354,6 +354,12 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
         # (torch's forward cache): all of them where every forward comes first (gpipe, looped BFS), else the one
         # beside the loss's working set (the last stage runs each backward right after its forward)
         outputs = t.grad_accum if cfg.parallel.pp_schedule in ("gpipe", "looped_bfs") else 1
+        if d.tp > 1 and not t.tiled_loss:
+            # the current micro-batch's output is the logits the working set above already counts: kept alive by
+            # the cache, it costs nothing more under the vocabulary-parallel loss, whose backward works in place
+            # on its saved probabilities (F.cross_entropy's backward, at tp=1, allocates the log-softmax
+            # gradient and the input gradient beside them: the one more logits-sized buffer counted there)
+            outputs -= 1
         out["pipeline_outputs"] = int(outputs * rows * vocab * isz)
     if rm.last and t.tiled_loss:
         # tiled: one tile's logits in fp32 (a cast copy below fp32) and logsumexp's temporary of its size, the

@@ -95,6 +95,13 @@ def test_pipeline_last_stage_keeps_the_outputs_awaiting_backward():
                                       f"parallel.pp_schedule={schedule}"]), world=2)
         assert "pipeline_outputs" not in est[0].memory
         assert est[1].memory["pipeline_outputs"] == held * logits, schedule
+    # under tensor parallelism the loss is vocabulary-parallel and works in place: the current output is just the
+    # logits slice its working set counts; GPipe's other micro-batches' slices are held besides
+    for schedule, held in (("1f1b", 0), ("gpipe", 3)):
+        est = estimate(config(TINY + ["parallel.pp=2", "parallel.tp=2", "train.grad_accum=4",
+                                      f"parallel.pp_schedule={schedule}"]), world=4)
+        last = [e for e in est if "logits" in e.memory][0]
+        assert last.memory.get("pipeline_outputs", 0) == held * logits // 2, schedule
 
 
 def test_tiled_loss_working_set():
