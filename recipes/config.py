@@ -480,7 +480,8 @@ def check_optimizer(cfg: DictConfig) -> None:
     if not isinstance(o.onebit.block, int) or o.onebit.block < 8 or o.onebit.block % 8:
         raise ConfigError(f"optim.onebit.block={o.onebit.block!r} must be a positive multiple of 8 (signs pack 8 "
                           "to a byte)")
-    if not isinstance(o.onebit.refresh_every, int) or o.onebit.refresh_every < 0:
+    if isinstance(o.onebit.refresh_every, bool) or not isinstance(o.onebit.refresh_every, int) \
+            or o.onebit.refresh_every < 0:
         raise ConfigError(f"optim.onebit.refresh_every={o.onebit.refresh_every!r} must be an integer >= 0 (0: the "
                           "variance stays frozen)")
     if not isinstance(o.onebit.precondition, bool):

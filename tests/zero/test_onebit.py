@@ -128,7 +128,8 @@ def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup
     """R workers of 1-bit Adam in one process (the same flat layout as the engine's bucket), from the state the
     warm-up left: returns the mean losses and the final master. precondition: what travels is the momentum over
     the frozen denominator, multiplied back after the average. refresh: every refresh-th step after the warm-up
-    is AdamW on the averaged gradient, after which the variance and momentum freeze afresh, errors cleared."""
+    is AdamW on the averaged gradient, after which the variance and momentum freeze afresh, errors cleared; the
+    variance's bias correction counts only the AdamW steps (those that updated it), as does AdamW's own step count."""
     model = build(seed=0)
     params = dict(model.named_parameters())
     named = [(n, params[n]) for n in start["names"]]
@@ -138,6 +139,7 @@ def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup
     servers = [torch.zeros(layout.padded_chunk) for _ in range(world)]
     beta1, beta2 = HYPER["betas"]
     denom = (v.sqrt() / math.sqrt(1 - beta2**warmup)).add_(HYPER["eps"])
+    adam_steps = warmup
     losses = []
     for t, step in enumerate(range(warmup, steps), start=warmup + 1):
         grads, total = [], 0.0
@@ -157,10 +159,10 @@ def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup
             g = torch.stack(grads).mean(0)
             m = m * beta1 + g * (1 - beta1)
             v = v * beta2 + g * g * (1 - beta2)
+            adam_steps += 1
             master.mul_(1 - HYPER["lr"] * HYPER["weight_decay"])
-            adam_denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(HYPER["eps"])
-            master.addcdiv_(m, adam_denom, value=-HYPER["lr"] / (1 - beta1 ** float(t)))
-            denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(HYPER["eps"])  # frozen from the next step on
+            denom = (v.sqrt() / math.sqrt(1 - beta2**adam_steps)).add_(HYPER["eps"])  # (frozen from the next step)
+            master.addcdiv_(m, denom, value=-HYPER["lr"] / (1 - beta1 ** float(adam_steps)))
             workers = [torch.zeros(world, layout.padded_chunk) for _ in range(world)]
             servers = [torch.zeros(layout.padded_chunk) for _ in range(world)]
             losses.append(total)

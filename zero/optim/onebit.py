@@ -18,7 +18,10 @@ momentum, as DeepSpeed's 1-bit Adam does.
 Variance refresh (`refresh_every=K`, 0/1 Adam's idea in its simplest form): every K-th optimizer step after the
 warm-up is an ordinary AdamW step (full-precision gradient reduction, the variance updated), after which the
 compressed phase freezes afresh (the momentum and variance that step left, error buffers cleared). It costs one
-AdamW reduction per K steps and lets the frozen variance follow gradients that shrink as training goes on.
+AdamW reduction per K steps. Each refresh adds one gradient to the variance at weight 1 - beta2, so the variance
+follows the gradients only slowly (at beta2 = 0.999, over about 1000 refreshes); the first compressed period has K
+compressed steps, later ones K - 1, and K = 1 leaves one compressed step and AdamW after it. The variance's bias
+correction counts only the steps that updated it.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class OneBitAdam(BoundOptimizer):
         ChunkLayout(1, 1, block)  # checks the block
         if not isinstance(precondition, bool):
             raise ValueError(f"precondition={precondition!r} must be True or False")
-        if not isinstance(refresh_every, int) or refresh_every < 0:
+        if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 0:
             raise ValueError(f"refresh_every={refresh_every!r} must be an int >= 0 (0: the variance stays frozen)")
         self.warmup_steps, self.block, self.precondition = warmup_steps, block, precondition
         self.refresh_every = refresh_every
@@ -109,6 +112,12 @@ class _Feedback:
     # [padded] fp32, the frozen Adam denominator of the whole bucket (precondition=True only; rebuilt from the
     # optimizer's frozen exp_avg_sq, never checkpointed)
     denom: torch.Tensor | None = None
+
+
+def _variance_updates(state: dict) -> float:
+    """How many AdamW steps have updated this master's exp_avg_sq (the compressed steps leave it and the step
+    count alone)."""
+    return float(state["step"])
 
 
 def _local_grad(b: Any) -> torch.Tensor:
@@ -166,7 +175,7 @@ class OneBitAdamSteps:
             v = zo.optimizer.state[master]["exp_avg_sq"]
             full = torch.empty(b.padded, dtype=torch.float32, device=b.device)
             comm.all_gather_into_tensor(full, v.float().contiguous(), b.group) if b.world > 1 else full.copy_(v)
-            bias2 = 1 - group["betas"][1] ** self.frozen_at
+            bias2 = 1 - group["betas"][1] ** _variance_updates(zo.optimizer.state[master])
             fb.denom = full.sqrt_().div_(math.sqrt(bias2)).add_(group["eps"])
 
     def _group(self, master: torch.Tensor) -> dict:
@@ -211,15 +220,17 @@ class OneBitAdamSteps:
         average = fb.layout.from_chunks(compressed_all_reduce(fb.layout.to_chunks(local), fb.worker_error,
                                                               fb.server_error, fb.layout, b.grad_group))
         state = zo.optimizer.state[master]
-        state["step"] += 1
-        bias1 = 1 - beta1 ** float(state["step"])
+        # state["step"] counts the AdamW steps (those that updated the variance: the warm-up's and the refreshes'),
+        # so that a refresh step's AdamW corrects the variance's bias for its real number of updates; the momentum,
+        # updated every step, is corrected for the optimizer steps taken
+        bias1 = 1 - beta1 ** float(self.engine.global_steps + 1)
         master.mul_(1 - group["lr"] * group["weight_decay"])
         if self.precondition:
             fb.momentum.copy_(average).mul_(fb.denom)
             master.add_(b.shard_of(average) if b.world > 1 else average, alpha=-group["lr"] / bias1)
         else:
             fb.momentum.copy_(average)
-            bias2 = 1 - beta2 ** self.frozen_at
+            bias2 = 1 - beta2 ** _variance_updates(state)
             denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(group["eps"])
             master.addcdiv_(b.shard_of(average) if b.world > 1 else average, denom, value=-group["lr"] / bias1)
         mine = b.shard_of(fb.momentum) if b.world > 1 else fb.momentum
