@@ -144,10 +144,13 @@ def compare(overrides: list[str], measured: list[dict], predicted: list[dict]) -
     slowest = max(predicted, key=lambda p: p["step_time_s"])
     # the roofline without the fitted terms (host overheads, memory-bound operations)
     t_p = slowest["step_time_s"] - slowest["time_s"].get("host", 0.0) - slowest["time_s"].get("elementwise", 0.0)
+    # what the fit leaves as predicted (the cluster's bandwidths and the bare latency): communication, optimizer
+    t_fixed = slowest["time_s"].get("communication", 0.0) + slowest["time_s"].get("optimizer", 0.0)
     events = slowest.get("host_events", {})
     slowdown = 1 / _cpu().share(len(predicted))  # (host work of ranks that outnumber the cores: step_time's)
     return {"comm_exact": comm, "params_exact": params, "state_exact": state or nvme, "peak_measured": peak_m,
             "peak_predicted": peak_p, "time_measured": t_m, "time_predicted": t_p,
+            "time_compute": t_p - t_fixed, "time_fixed": t_fixed,
             "layer_passes": events.get("layer_passes", 0) * slowdown,
             "unit_events": events.get("unit_events", 0) * slowdown,
             "collective_calls": sum(c["calls"] for c in slowest["collectives"]) * slowdown,
@@ -218,32 +221,41 @@ def _save(cache: dict, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-FEATURES = ("time_predicted", "layer_passes", "unit_events", "collective_calls", "activation_bytes", "moe_passes")
+# the fitted terms: the GEMM compute (scaled: the preset's flops), then host and memory-bound terms; communication
+# and the optimizer step stay as predicted (time_fixed), so the preset with the fitted constants reproduces the fit
+FEATURES = ("time_compute", "layer_passes", "unit_events", "collective_calls", "activation_bytes", "moe_passes")
 
 
 def calibrate(cs: list[dict]) -> tuple[float, ...]:
-    """(roofline scale, seconds per layer pass, per ZeRO-3 unit event, per collective call, per activation byte,
-    per MoE layer pass) fitted to the measured step times by non-negative least squares on relative error (the
-    cluster's layer_overhead_us, unit_overhead_us, added to its link latencies the collectives' latency,
-    elementwise_gbps and moe_overhead_us)."""
+    """(GEMM compute scale, seconds per layer pass, per ZeRO-3 unit event, per collective call, per activation byte,
+    per MoE layer pass) fitted to the measured step times, less the predicted communication and optimizer time, by
+    non-negative least squares on relative error (exact: the best unconstrained fit over every subset of the terms
+    whose coefficients all come out non-negative). They are the cluster's flops divisor, layer_overhead_us,
+    unit_overhead_us, collective latency beyond the bare 60 us, elementwise_gbps and moe_overhead_us."""
+    from itertools import combinations
+
     import numpy as np
 
     x = np.array([[c.get(k, 0) for k in FEATURES] for c in cs], dtype=float)
     y = np.array([c["time_measured"] for c in cs])
-    a, target = x / y[:, None], np.ones(len(y))
-    free = [j for j in range(x.shape[1]) if x[:, j].any()]
-    coef = np.zeros(x.shape[1])
-    while free:  # least squares over the free terms; a negative one is dropped (fixed at 0) and the rest refitted
-        sol = np.linalg.lstsq(a[:, free], target, rcond=None)[0]
-        if (sol >= 0).all():
-            coef[free] = sol
-            break
-        free.pop(int(np.argmin(sol)))
+    fixed = np.array([c.get("time_fixed", 0.0) for c in cs])
+    a, target = x / y[:, None], 1 - fixed / y
+    terms = [j for j in range(x.shape[1]) if x[:, j].any()]
+    best, coef = float("inf"), np.zeros(x.shape[1])
+    for n in range(1, len(terms) + 1):
+        for subset in combinations(terms, n):
+            sol = np.linalg.lstsq(a[:, subset], target, rcond=None)[0]
+            if (sol < 0).any():
+                continue
+            residual = float(np.sum((a[:, subset] @ sol - target) ** 2))
+            if residual < best:
+                best, coef = residual, np.zeros(x.shape[1])
+                coef[list(subset)] = sol
     return tuple(float(v) for v in coef)
 
 
 def calibrated(c: dict, fit: tuple[float, ...]) -> float:
-    return sum(f * c.get(k, 0) for f, k in zip(fit, FEATURES))
+    return c.get("time_fixed", 0.0) + sum(f * c.get(k, 0) for f, k in zip(fit, FEATURES))
 
 
 def search_check(cache: dict, fit: tuple[float, ...], steps: int) -> None:
@@ -337,14 +349,17 @@ def summarize(cache: dict) -> str:
                          f"{statistics.quantiles(retained, n=4)[0]:.1f}-{statistics.quantiles(retained, n=4)[2]:.1f}"
                          f" MiB (the cpu preset's runtime_memory_mb: {load_cluster('cpu').runtime_memory_mb:g})")
         gflops, bf16 = cache.get("_gemm_flops", 0) / 1e9, cache.get("_gemm_flops_bf16", 0) / 1e9
-        lines.append(f"- step time: calibrated as {fit[0]:.2f} x the roofline (at the measured GEMM rates {gflops:.1f} "
-                     f"GFLOP/s fp32, {bf16:.1f} bf16) + {fit[1] * 1e6:.0f} us per layer pass + {fit[2] * 1e6:.0f} us "
-                     f"per ZeRO-3 unit event + {fit[3] * 1e6:.0f} us per collective call + {fit[4] * 1e12:.1f} us per MB of activation "
-                     f"(host and memory-bound terms x2 where 4 ranks share the 2 cores); median error "
-                     f"{statistics.median(time_err):.0%}, Kendall tau {tau:.2f}")
-        lines.append(f"- fitted terms, exactly (the cpu preset's): roofline x {fit[0]:.4f}, layer_overhead_us "
-                     f"{fit[1] * 1e6:.0f}, unit_overhead_us {fit[2] * 1e6:.0f}, link latency {60 + fit[3] * 1e6:.0f} us, "
-                     f"elementwise_gbps {1 / (fit[4] * 1e9) if fit[4] else 0:.3f}, moe_overhead_us {fit[5] * 1e6:.0f}")
+        lines.append(f"- step time: calibrated as {fit[0]:.2f} x the GEMM compute (at the measured GEMM rates "
+                     f"{gflops:.1f} GFLOP/s fp32, {bf16:.1f} bf16) + {fit[1] * 1e6:.0f} us per layer pass + "
+                     f"{fit[2] * 1e6:.0f} us per ZeRO-3 unit event + {fit[3] * 1e6:.0f} us per collective call + "
+                     f"{fit[4] * 1e12:.1f} us per MB of activation + {fit[5] * 1e6:.0f} us per MoE layer pass "
+                     f"(host and memory-bound terms x2 where 4 ranks share the 2 cores; communication and the "
+                     f"optimizer step as predicted); median error {statistics.median(time_err):.0%}, Kendall tau "
+                     f"{tau:.2f}")
+        lines.append(f"- fitted terms, exactly (the cpu preset's): GEMM compute x {fit[0]:.4f}, layer_overhead_us "
+                     f"{fit[1] * 1e6:.0f}, unit_overhead_us {fit[2] * 1e6:.0f}, link latency "
+                     f"{60 + fit[3] * 1e6:.0f} us, elementwise_gbps {1 / (fit[4] * 1e9) if fit[4] else 0:.3f}, "
+                     f"moe_overhead_us {fit[5] * 1e6:.0f}")
     lines += _search_lines(names, cs, cache)
     loads = [cache[n].get("load", 0) for n in names]
     if loads:

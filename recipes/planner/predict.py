@@ -488,11 +488,14 @@ def step_time(cfg: DictConfig, rm: RankModel, cluster: Cluster, collectives: lis
     # host work (Python, launches, a collective call's setup) runs on the rank's share of a compute unit too:
     # ranks that outnumber a CPU's cores each wait for theirs
     slowdown = 1 / cluster.share(rm.dims.world_size)
+    # overlap needs a free compute unit for the collectives' threads: ranks that fill a CPU's cores (gloo) wait
+    overlap = z.overlap_comm and (cluster.compute_units is None
+                                  or min(rm.dims.world_size, cluster.devices_per_node) < cluster.compute_units)
     exposed = hidden = 0.0
     for c in collectives:
         alpha, beta = cluster.link(c.ranks)
         t = c.calls * alpha * slowdown + c.bytes / beta
-        if "reduction" in c.group and z.stage >= 2 and z.overlap_comm:
+        if "reduction" in c.group and z.stage >= 2 and overlap:
             hidden += t
         else:
             exposed += t

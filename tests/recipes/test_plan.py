@@ -291,6 +291,12 @@ def test_step_time_terms_follow_the_layout():
     assert four.host_events["activation_bytes"] == act
     assert four.time_s["host"] == pytest.approx(2 * one.time_s["host"])
     assert four.time_s["elementwise"] == pytest.approx(2 * one.time_s["elementwise"])
+    # stage 2's reduce-scatter overlaps backward only where a compute unit is free for the collectives: 2 ranks
+    # fill the cpu preset's 2 cores (nothing hidden); with 4 cores backward hides (part of) it
+    z2 = config(TINY + ["parallel.dp=2", "zero.stage=2"])
+    full = estimate(z2, cpu, world=2)[0].time_s["communication"]
+    spare = estimate(z2, load_cluster("cpu", {"compute_units": 4}), world=2)[0].time_s["communication"]
+    assert spare < full
     moe = estimate(config(["model=moe_tiny", "train.micro_batch_size=2", "train.seq_len=64"]), cpu, world=1)[0]
     assert moe.host_events["moe_passes"] > 0
     assert moe.time_s["host"] == pytest.approx(1e-6 * (moe.host_events["layer_passes"] * cpu.layer_overhead_us
