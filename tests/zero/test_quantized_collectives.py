@@ -268,6 +268,7 @@ def _secondary_ranks(ep: int, node: int) -> dict:
             for b in engine.buckets if b in engine.stage3.unit_of}
 
 
+@pytest.mark.slow  # (suite time: 4 ranks with ep=2, ~14 s)
 def test_hpz_groups_are_the_gather_groups_ranks_on_each_node() -> None:
     """4 ranks, ep=2, nodes of 2: the dense group keeps copies inside each node; the expert-data-parallel groups
     ([0, 2], [1, 3]) have one rank per node and keep none; nodes of 4 hold whole groups: no copy anywhere."""
