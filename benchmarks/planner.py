@@ -8,7 +8,7 @@ calibration factor fitted over the grid), and which layout the planner ranks fir
 layouts. Results are cached per layout (--cache), so a rerun measures only what is missing; --time-only
 remeasures step times late, when the machine is quieter.
 
-    python benchmarks/planner.py [--cache runs/planner_bench.json] [--only NAME] [--steps 4] [--search] [--write]
+    python benchmarks/planner.py [--cache runs/planner_bench.json] [--only NAME] [--steps 6] [--search] [--write]
     python benchmarks/planner.py --quick     # two layouts, a smoke run
 """
 
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache", default="runs/planner_bench.json")
     parser.add_argument("--only", default=None, help="layouts whose name contains this")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)  # (the grid in planner.md: 6, quiet)
     parser.add_argument("--time-only", action="store_true", help="remeasure cached layouts (step times)")
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/planner.md")
     parser.add_argument("--search", action="store_true", help="also run and measure recipes.plan search's picks")
