@@ -54,6 +54,10 @@ class Cluster:
         per_node = min(world, self.devices_per_node)
         return 1.0 if self.compute_units is None else min(1.0, self.compute_units / per_node)
 
+    def spare_unit(self, world: int = 1) -> bool:
+        """Whether a node's ranks leave a compute unit free (for collectives overlapping compute) when `world` run."""
+        return self.compute_units is None or min(world, self.devices_per_node) < self.compute_units
+
     def flop_rate(self, dtype: str, world: int = 1) -> float:
         """FLOP/s one rank reaches when `world` ranks run (those of a node share its compute units)."""
         return float(self.flops[dtype]) * self.mfu * self.share(world)

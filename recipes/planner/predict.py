@@ -489,8 +489,8 @@ def step_time(cfg: DictConfig, rm: RankModel, cluster: Cluster, collectives: lis
     # ranks that outnumber a CPU's cores each wait for theirs
     slowdown = 1 / cluster.share(rm.dims.world_size)
     # overlap needs a free compute unit for the collectives' threads: ranks that fill a CPU's cores (gloo) wait
-    overlap = z.overlap_comm and (cluster.compute_units is None
-                                  or min(rm.dims.world_size, cluster.devices_per_node) < cluster.compute_units)
+    overlap = z.overlap_comm and cluster.spare_unit(rm.dims.world_size)
+    events = host_events(cfg, rm, layout)
     exposed = hidden = 0.0
     for c in collectives:
         alpha, beta = cluster.link(c.ranks)
@@ -501,7 +501,7 @@ def step_time(cfg: DictConfig, rm: RankModel, cluster: Cluster, collectives: lis
             exposed += t
     elementwise = 0.0
     if cluster.elementwise_gbps:  # memory-bound operations, on the rank's share of the compute units
-        elementwise = host_events(cfg, rm, layout)["activation_bytes"] / (cluster.elementwise_gbps * 1e9) * slowdown
+        elementwise = events["activation_bytes"] / (cluster.elementwise_gbps * 1e9) * slowdown
     exposed += max(0.0, hidden - (compute + elementwise) * 2 / 3)  # backward is about two thirds of the compute
     shard = sum(b.shard for b in layout.buckets if b.trainable)
     streamed = shard * 4 * (2 * ADAM_STATES + 3)  # read and write the states, master, gradient, new value
@@ -509,7 +509,6 @@ def step_time(cfg: DictConfig, rm: RankModel, cluster: Cluster, collectives: lis
     optimizer = streamed / (bandwidth * 1e9)
     if z.offload_optimizer == "cpu":
         optimizer += shard * (4 + isz) / (cluster.host_gbps * 1e9)
-    events = host_events(cfg, rm, layout)
     host = (events["layer_passes"] * cluster.layer_overhead_us + events["unit_events"] * cluster.unit_overhead_us
             + events["moe_passes"] * cluster.moe_overhead_us)
     host *= 1e-6 * slowdown

@@ -120,6 +120,13 @@ def _variance_updates(state: dict) -> float:
     return float(state["step"])
 
 
+def _whole(b: Any, shard: torch.Tensor) -> torch.Tensor:
+    """The bucket's whole [padded] fp32 tensor from this rank's shard of it (gathered over the bucket's group)."""
+    full = torch.empty(b.padded, dtype=torch.float32, device=b.device)
+    comm.all_gather_into_tensor(full, shard.float().contiguous(), b.group) if b.world > 1 else full.copy_(shard)
+    return full
+
+
 def _local_grad(b: Any) -> torch.Tensor:
     """The bucket's accumulated local gradient ([padded], fp32), with the gradients that bypassed the flat
     buffer folded in (zero.sharding.optimizer.collect_grads)."""
@@ -159,11 +166,8 @@ class OneBitAdamSteps:
         self.frozen_at, self.feedback = self.engine.global_steps, []
         for b, master in zip(zo.trainable, zo.masters.masters):
             layout = ChunkLayout(b.padded, group_size(b.grad_group), self.block)
-            exp_avg = zo.optimizer.state[master]["exp_avg"]
-            momentum = torch.empty(b.padded, dtype=torch.float32, device=b.device)
-            comm.all_gather_into_tensor(momentum, exp_avg, b.group) if b.world > 1 else momentum.copy_(exp_avg)
             self.feedback.append(_Feedback(
-                layout, momentum, torch.zeros(layout.world, layout.padded_chunk, device=b.device),
+                layout, _whole(b, zo.optimizer.state[master]["exp_avg"]), torch.zeros(layout.world, layout.padded_chunk, device=b.device),
                 torch.zeros(layout.padded_chunk, device=b.device)))
 
     @torch.no_grad()
@@ -171,12 +175,9 @@ class OneBitAdamSteps:
         """Each bucket's whole frozen denominator sqrt(v / bias2) + eps (v gathered from the shards once)."""
         zo = self.engine.zero_optimizer
         for b, master, fb in zip(zo.trainable, zo.masters.masters, self.feedback):
-            group = self._group(master)
-            v = zo.optimizer.state[master]["exp_avg_sq"]
-            full = torch.empty(b.padded, dtype=torch.float32, device=b.device)
-            comm.all_gather_into_tensor(full, v.float().contiguous(), b.group) if b.world > 1 else full.copy_(v)
-            bias2 = 1 - group["betas"][1] ** _variance_updates(zo.optimizer.state[master])
-            fb.denom = full.sqrt_().div_(math.sqrt(bias2)).add_(group["eps"])
+            group, state = self._group(master), zo.optimizer.state[master]
+            bias2 = 1 - group["betas"][1] ** _variance_updates(state)
+            fb.denom = _whole(b, state["exp_avg_sq"]).sqrt_().div_(math.sqrt(bias2)).add_(group["eps"])
 
     def _group(self, master: torch.Tensor) -> dict:
         return next(g for g in self.engine.zero_optimizer.optimizer.param_groups
@@ -225,14 +226,15 @@ class OneBitAdamSteps:
         # updated every step, is corrected for the optimizer steps taken
         bias1 = 1 - beta1 ** float(self.engine.global_steps + 1)
         master.mul_(1 - group["lr"] * group["weight_decay"])
+        own = b.shard_of(average) if b.world > 1 else average  # this rank's shard of the averaged direction
         if self.precondition:
             fb.momentum.copy_(average).mul_(fb.denom)
-            master.add_(b.shard_of(average) if b.world > 1 else average, alpha=-group["lr"] / bias1)
+            master.add_(own, alpha=-group["lr"] / bias1)
         else:
             fb.momentum.copy_(average)
             bias2 = 1 - beta2 ** _variance_updates(state)
             denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(group["eps"])
-            master.addcdiv_(b.shard_of(average) if b.world > 1 else average, denom, value=-group["lr"] / bias1)
+            master.addcdiv_(own, denom, value=-group["lr"] / bias1)
         mine = b.shard_of(fb.momentum) if b.world > 1 else fb.momentum
         state["exp_avg"].copy_(mine)
         if not zo.masters.aliased[i]:
