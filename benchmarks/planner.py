@@ -167,9 +167,10 @@ def _cpu():
 
 def rates(cache: dict) -> dict[str, float]:
     """The measured GEMM rates per dtype (cached with the measurements; fp16 taken as bf16's)."""
-    fp32 = cache.setdefault("_gemm_flops", gemm_rate("fp32"))
-    bf16 = cache.setdefault("_gemm_flops_bf16", gemm_rate("bf16"))
-    return {"fp32": fp32, "bf16": bf16, "fp16": bf16}
+    for key, dtype in (("_gemm_flops", "fp32"), ("_gemm_flops_bf16", "bf16")):
+        if key not in cache:  # (measured once, with the grid; not again on each call)
+            cache[key] = gemm_rate(dtype)
+    return {"fp32": cache["_gemm_flops"], "bf16": cache["_gemm_flops_bf16"], "fp16": cache["_gemm_flops_bf16"]}
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
