@@ -173,6 +173,32 @@ def rates(cache: dict) -> dict[str, float]:
     return {"fp32": cache["_gemm_flops"], "bf16": cache["_gemm_flops_bf16"], "fp16": cache["_gemm_flops_bf16"]}
 
 
+def gemm_cache_check(cache: dict, steps: int) -> None:
+    """The memory one cached GEMM holds (the cpu preset's gemm_cache_entry_kb): every bf16 layout of the grid
+    measured again with oneDNN's and ideep's per-shape caches at one entry each; the difference of the peaks over
+    the difference of the entries the planner counts. Stored in the cache as `_gemm_cache_entry_kb`."""
+    from moe.experts import ONEDNN_CACHE_CAPACITY
+
+    entry = _cpu().gemm_cache_entry_kb * 1024
+    found = {}
+    for name, world, overrides in grid():
+        if "bf16" not in name or "compare" not in cache.get(name, {}):
+            continue
+        saved = {k: os.environ.get(k) for k in ONEDNN_CACHE_CAPACITY}
+        os.environ.update({k: "1" for k in ONEDNN_CACHE_CAPACITY})  # (the measuring processes inherit them)
+        try:
+            measured = spawn(measure_rank, overrides, steps, world=world, timeout=600)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        low = max(m["peak_rss"] - m.get("runtime_baseline", m["base_rss"]) for m in measured)
+        entries = round(cache[name]["predicted"][0]["memory"].get("gemm_caches", 0) / entry) - 2  # (1 + 1 left)
+        found[name] = {"peak_mib": cache[name]["compare"]["peak_measured"] / 2**20, "one_entry_mib": low / 2**20,
+                       "entries": entries, "kb_per_entry": (cache[name]["compare"]["peak_measured"] - low) /
+                       max(1, entries) / 1024}
+    cache["_gemm_cache_entry_kb"] = found
+
+
 def kendall_tau(a: list[float], b: list[float]) -> float:
     pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
     s = sum((1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1) for i, j in pairs if a[i] != a[j] and b[i] != b[j])
@@ -349,6 +375,13 @@ def summarize(cache: dict) -> str:
                          f"{statistics.median(retained):.1f} MiB, quartiles "
                          f"{statistics.quantiles(retained, n=4)[0]:.1f}-{statistics.quantiles(retained, n=4)[2]:.1f}"
                          f" MiB (the cpu preset's runtime_memory_mb: {load_cluster('cpu').runtime_memory_mb:g})")
+        caches = cache.get("_gemm_cache_entry_kb")
+        if caches:
+            lines.append("- bf16 GEMM caches (each bf16 layout again with oneDNN's and ideep's per-shape caches at one "
+                         "entry): " + "; ".join(
+                             f"`{n}` {c['peak_mib']:.1f} MiB against {c['one_entry_mib']:.1f}, {c['entries']} entries "
+                             f"fewer: {c['kb_per_entry']:.0f} KB each" for n, c in caches.items())
+                         + f" (the cpu preset's gemm_cache_entry_kb: {_cpu().gemm_cache_entry_kb:g})")
         gflops, bf16 = cache.get("_gemm_flops", 0) / 1e9, cache.get("_gemm_flops_bf16", 0) / 1e9
         lines.append(f"- step time: calibrated as {fit[0]:.2f} x the GEMM compute (at the measured GEMM rates "
                      f"{gflops:.1f} GFLOP/s fp32, {bf16:.1f} bf16) + {fit[1] * 1e6:.0f} us per layer pass + "
@@ -378,10 +411,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/planner.md")
     parser.add_argument("--search", action="store_true", help="also run and measure recipes.plan search's picks")
     parser.add_argument("--quick", action="store_true", help="two layouts, two steps, nothing cached (a smoke run)")
+    parser.add_argument("--gemm-caches", action="store_true",
+                        help="also measure the bf16 layouts with the GEMM caches at one entry (gemm_cache_entry_kb)")
     args = parser.parse_args(argv)
     if args.quick:
         return quick(args)
     cache = run(args)
+    if args.gemm_caches:
+        gemm_cache_check(cache, args.steps)
+        _save(cache, args.cache)
     if args.search:
         names = [n for n, _, _ in grid() if n in cache and "compare" in cache[n]]
         search_check(cache, calibrate([cache[n]["compare"] for n in names]), args.steps)

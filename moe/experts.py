@@ -42,6 +42,12 @@ def bound_onednn_caches() -> None:
 
 bound_onednn_caches()
 
+
+def onednn_cache_capacities() -> tuple[int, int]:
+    """(oneDNN's primitive cache, ideep's cache): the shapes each keeps in this process's environment (what
+    `bound_onednn_caches` set, or what the environment had set before)."""
+    return tuple(int(os.environ[name]) for name in ONEDNN_CACHE_CAPACITY)
+
 _GROUPED_MM_OK: dict[tuple, bool] = {}
 
 

@@ -42,6 +42,10 @@ class Cluster:
     # memory a rank's runtime holds beyond its tensors from its first step on (the allocator's heaps of small
     # blocks, libraries' buffers, the autograd graph's objects), counted in every moment of the step
     runtime_memory_mb: float = 0.0
+    # memory the CPU math library keeps per cached GEMM shape: torch's CPU bf16 / fp16 matmul compiles a oneDNN
+    # primitive per shape, held by oneDNN's cache and by ideep's in front of it (bounded by
+    # moe.experts.bound_onednn_caches); 0: no such caches (GPU presets; fp32 CPU GEMMs keep none)
+    gemm_cache_entry_kb: float = 0.0
 
     def link(self, ranks: int) -> tuple[float, float]:
         """(latency s, bandwidth B/s) of a group of `ranks` consecutive ranks: inside a node or across."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
+import torch
 from omegaconf import DictConfig
 
 import zero
@@ -417,6 +418,22 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
     return out, nvme
 
 
+def gemm_cache_memory(trace: Trace, cluster: Cluster) -> int:
+    """Bytes the CPU math library's per-shape GEMM caches hold from the first step on (`Cluster.gemm_cache_entry_kb`
+    per entry): each cache keeps one entry per distinct bf16 / fp16 GEMM of the step up to its capacity, and a
+    full set where expert GEMMs take a new shape with every routing (`Trace.expert_shapes`)."""
+    if not cluster.gemm_cache_entry_kb:
+        return 0
+    from moe.experts import onednn_cache_capacities
+
+    half = (torch.bfloat16, torch.float16)
+    distinct = len({key for key in trace.gemms if any(operand[2] in half for operand in key[1:])})
+    if trace.expert_shapes:
+        distinct = max(onednn_cache_capacities())
+    entries = sum(min(distinct, capacity) for capacity in onednn_cache_capacities())
+    return int(entries * cluster.gemm_cache_entry_kb * 1024)
+
+
 def flops_per_micro_batch(cfg: DictConfig, rm: RankModel) -> float:
     """Forward + backward FLOPs of one micro-batch on this rank: 6 per parameter a token passes through (an
     expert counted for the tokens routed to it), the head, and causal attention's score and value GEMMs."""
@@ -525,7 +542,7 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
                                                                      "param_persistence_threshold", "prefetch_depth",
                                                                      "hpz_partition_size")})
     layout = bucket_specs(rm, config)
-    trace = trace_micro_batch(rm, cfg, config.torch_dtype)
+    trace = trace_micro_batch(rm, cfg, config.torch_dtype, gemms=bool(cluster.gemm_cache_entry_kb))
     counter = _Counter()
     engine_collectives(counter, layout, cfg, rm, isz)
     model_collectives(counter, trace, cfg, rm, a2a_rows)
@@ -535,6 +552,10 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
         # what this rank's experts received over uniform is its imbalance for the expert activations
         imbalance = max(0.0, 2 * a2a_rows / (trace.a2a_rows * cfg.train.grad_accum) - 1)
     phases, nvme = memory_phases(layout, cfg, rm, isz, imbalance, int(cluster.runtime_memory_mb * 2**20))
+    caches = gemm_cache_memory(trace, cluster)
+    for d, _ in phases.values():
+        if caches:
+            d["gemm_caches"] = caches
     peak = max(phases, key=lambda k: sum(phases[k][0].values()))
     dev, host = phases[peak]
     together = max(sum(d.values()) + sum(h.values()) for d, h in phases.values())  # host and device one memory

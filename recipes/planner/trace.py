@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from recipes.planner.build import RankModel
 from zero.dist import comm
@@ -33,6 +34,13 @@ class Trace:
     a2a_row_bytes: int = 0
     a2a_calls: int = 0  # those all-to-alls (the count exchanges are in `bytes`)
     moe_layer_calls: int = 0  # MoE layer forwards, recomputes included
+    # the distinct GEMMs (operation, shapes and strides of the operands) the micro-batch runs, where the trace
+    # was asked to record them; expert GEMMs are not among them (the stand-in runs none), see `expert_shapes`
+    gemms: set[tuple] = field(default_factory=set)
+    # whether the experts' GEMMs reach the CPU math library with a new shape at every routing: in bf16 / fp16,
+    # torch's CPU grouped GEMM (and the per-expert loop) runs one oneDNN GEMM per expert segment, whose row
+    # count is the router's
+    expert_shapes: bool = False
 
 
 def _in_backward() -> bool:
@@ -64,9 +72,28 @@ def _moe_standin(trace: Trace, ep: int):
             trace.a2a_calls += 2 * passes
             trace.a2a_row_bytes = x.shape[-1] * x.element_size()
         trace.moe_layer_calls += 1
+        if x.dtype in (torch.bfloat16, torch.float16):
+            trace.expert_shapes = True
         return x * 1.0 + 0.0 * layer.router.weight.sum().to(x.dtype)
 
     return forward
+
+
+_GEMMS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+class _GemmRecorder(TorchDispatchMode):
+    """Records every distinct GEMM (operation, operand shapes and strides) that runs under it."""
+
+    def __init__(self, into: set) -> None:
+        super().__init__()
+        self.into = into
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in _GEMMS:
+            self.into.add((func.overloadpacket.__name__,) + tuple(
+                (tuple(a.shape), a.stride(), a.dtype) for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -94,8 +121,9 @@ def _loss(rm: RankModel, cfg: DictConfig, h: torch.Tensor, labels: torch.Tensor)
     return logits_loss(F.linear(h, model.output_weight), labels, rm.dims)
 
 
-def trace_micro_batch(rm: RankModel, cfg: DictConfig, dtype: torch.dtype) -> Trace:
-    """Run one micro-batch of this rank's stages forward and backward on the meta device; count collectives."""
+def trace_micro_batch(rm: RankModel, cfg: DictConfig, dtype: torch.dtype, gemms: bool = False) -> Trace:
+    """Run one micro-batch of this rank's stages forward and backward on the meta device; count collectives
+    (and with `gemms`, record the distinct GEMMs into `Trace.gemms`)."""
     dims, model = rm.dims, rm.model
     if dims.tp > 1 and cfg.model.moe.num_experts:
         raise NotImplementedError("the planner's trace of MoE layers under expert tensor parallelism (MoE with "
@@ -111,8 +139,9 @@ def trace_micro_batch(rm: RankModel, cfg: DictConfig, dtype: torch.dtype) -> Tra
 
     # (boolean masks on meta tensors: the vocabulary-parallel loss's backward indexes with one; no collective
     # depends on its size)
+    recorder = _GemmRecorder(trace.gemms) if gemms else contextlib.nullcontext()
     with comm.counting() as stats, _moe_replaced(trace, dims.ep), \
-            fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+            fx_config.patch(meta_nonzero_assume_all_nonzero=True), recorder:
         stats.enabled = True
         if rm.first:
             h = model.tok_embeddings(tokens)

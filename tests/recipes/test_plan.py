@@ -128,6 +128,26 @@ def test_cluster_runtime_memory_is_in_every_moment():
     assert e.peak_device_bytes == plain.peak_device_bytes + 10 * 2**20
 
 
+def test_bf16_gemm_caches_by_hand():
+    """torch's CPU bf16 GEMMs keep a compiled oneDNN primitive per shape in two bounded caches (moe.experts): the
+    cpu preset counts one entry per distinct bf16 GEMM up to each capacity, every entry where the experts' GEMMs
+    take routing-dependent shapes, and nothing for fp32 or on a GPU preset."""
+    from moe.experts import onednn_cache_capacities
+
+    cpu = load_cluster("cpu")
+    entry = cpu.gemm_cache_entry_kb * 1024
+    primitives, lru = onednn_cache_capacities()
+    e = estimate(config(TINY + ["zero.dtype=bf16"]), cpu, world=1)[0]
+    # five distinct weight shapes (q and o 64x64, k and v 32x64, w1 and w3 128x64, w2 64x128, the head 256x64),
+    # each in three GEMMs of distinct operands: the forward, the input gradient and the weight gradient
+    assert e.memory["gemm_caches"] == int((min(15, primitives) + min(15, lru)) * entry)
+    assert "gemm_caches" not in estimate(config(TINY), cpu, world=1)[0].memory
+    assert "gemm_caches" not in estimate(config(TINY + ["zero.dtype=bf16"]), load_cluster("h100"), world=1)[0].memory
+    moe = estimate(config(["model=moe_tiny", "train.micro_batch_size=2", "train.seq_len=64", "zero.dtype=bf16"]),
+                   cpu, world=1)[0]
+    assert moe.memory["gemm_caches"] == int((primitives + lru) * entry)
+
+
 LLAMA_70B = ["model=llama_1b", "model.dim=8192", "model.n_layers=80", "model.n_heads=64", "model.n_kv_heads=8",
              "model.ffn_dim=28672", "model.vocab_size=128256", "model.max_seq_len=8192", "model.tie_embeddings=false",
              "train.seq_len=8192", "train.micro_batch_size=1", "zero.dtype=bf16"]
