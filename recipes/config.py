@@ -85,9 +85,14 @@ class OneBitConfig:
     # compress the momentum divided by the frozen Adam denominator (the update direction) instead of the raw
     # momentum (DeepSpeed's choice, false): a block's scale then never meets an element of tiny variance
     precondition: bool = True
-    # every refresh_every-th step after the warm-up is a full AdamW step (full-precision reduction, the variance
-    # updated) after which the compressed phase freezes afresh; 0: the variance stays frozen (classic 1-bit Adam)
+    # every refresh_every-th step after the warm-up averages the gradients themselves (sent as refresh_dtype) and
+    # takes an Adam step on them: the momentum exact, the variance updated; 0: the variance stays frozen (classic
+    # 1-bit Adam)
     refresh_every: int = 0
+    refresh_dtype: str = "int8"  # int8 (one fp32 scale per 256 elements), bf16 or fp32
+    # after the warm-up, clip each element's bias-corrected Adam update to +-max_update (learning rates per step),
+    # a brake a frozen variance lacks; null: no bound
+    max_update: float | None = None
 
 
 @dataclass
@@ -484,6 +489,12 @@ def check_optimizer(cfg: DictConfig) -> None:
             or o.onebit.refresh_every < 0:
         raise ConfigError(f"optim.onebit.refresh_every={o.onebit.refresh_every!r} must be an integer >= 0 (0: the "
                           "variance stays frozen)")
+    if o.onebit.max_update is not None and (isinstance(o.onebit.max_update, bool)
+                                            or not isinstance(o.onebit.max_update, (int, float))
+                                            or o.onebit.max_update <= 0):
+        raise ConfigError(f"optim.onebit.max_update={o.onebit.max_update!r} must be a number > 0, or null (no bound)")
+    if o.onebit.refresh_dtype not in ("int8", "bf16", "fp32"):
+        raise ConfigError(f"optim.onebit.refresh_dtype={o.onebit.refresh_dtype!r} must be int8, bf16 or fp32")
     if not isinstance(o.onebit.precondition, bool):
         raise ConfigError(f"optim.onebit.precondition={o.onebit.precondition!r} must be true or false")
     refusal = None

@@ -199,7 +199,8 @@ def optimizer_factory(cfg: DictConfig, dims: zero.ParallelDims):
     hyper = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if o.name == "onebit_adam":
         return OneBitAdam(warmup_steps=o.onebit.warmup_steps, block=o.onebit.block,
-                          precondition=o.onebit.precondition, refresh_every=o.onebit.refresh_every, **hyper)
+                          precondition=o.onebit.precondition, refresh_every=o.onebit.refresh_every,
+                          refresh_dtype=o.onebit.refresh_dtype, max_update=o.onebit.max_update, **hyper)
     d = o.diloco
     if d.inner_steps:
         replica_group = dims.replica_group if isinstance(dims, ReplicaDims) else None  # (one replica: none)

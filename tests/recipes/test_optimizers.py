@@ -30,6 +30,8 @@ def _cfg(run_dir, *overrides):
     ([*ONEBIT, "optim.onebit.block=12"], "optim.onebit.block=12 must be a positive multiple of 8"),
     ([*ONEBIT, "optim.onebit.warmup_steps=0"], "optim.onebit.warmup_steps=0 must be an integer >= 1"),
     ([*ONEBIT, "optim.onebit.refresh_every=-1"], "optim.onebit.refresh_every=-1 must be an integer >= 0"),
+    ([*ONEBIT, "optim.onebit.refresh_dtype=int4"], "optim.onebit.refresh_dtype='int4' must be int8, bf16 or fp32"),
+    ([*ONEBIT, "optim.onebit.max_update=0"], "optim.onebit.max_update=0.0 must be a number > 0, or null"),
 ])
 def test_refused_before_training(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

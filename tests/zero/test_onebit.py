@@ -16,7 +16,8 @@ from tests.multirank import run_multirank
 from tests.zero.models import build, build_moe, global_batch, lm_loss
 from zero.dist import comm
 from zero.optim import OneBitAdam
-from zero.optim.compression import ChunkLayout, compressed_all_reduce, simulate_all_reduce
+from zero.optim.compression import ChunkLayout, compressed_all_reduce, simulate_all_reduce, simulate_quantized_all_reduce
+from zero.optim.onebit import REFRESH_BLOCK
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 BLOCK = 16
@@ -110,10 +111,10 @@ def _flat_state(engine) -> dict[str, torch.Tensor]:
 
 
 def _warmup_then_compressed(stage: int, accum: int, warmup: int, steps: int, precondition: bool,
-                            refresh: int = 0) -> dict:
+                            refresh: int = 0, bound: float | None = None) -> dict:
     world = dist.get_world_size()
     engine = _engine(stage, "fp32", accum, OneBitAdam(warmup_steps=warmup, block=BLOCK, precondition=precondition,
-                                                      refresh_every=refresh, **HYPER), world)
+                                                      refresh_every=refresh, max_update=bound, **HYPER), world)
     _train(engine, range(warmup), accum)
     frozen = _flat_state(engine)
     with comm.counting() as stats:
@@ -124,7 +125,7 @@ def _warmup_then_compressed(stage: int, accum: int, warmup: int, steps: int, pre
 
 
 def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup: int, steps: int,
-                         precondition: bool, refresh: int = 0):
+                         precondition: bool, refresh: int = 0, bound: float | None = None):
     """R workers of 1-bit Adam in one process (the same flat layout as the engine's bucket), from the state the
     warm-up left: returns the mean losses and the final master. precondition: what travels is the momentum over
     the frozen denominator, multiplied back after the average. refresh: every refresh-th step after the warm-up
@@ -156,15 +157,23 @@ def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup
                 total += loss.item() / accum / world
             grads.append(flat_grad)
         if refresh and step > warmup and (step - warmup) % refresh == 0:
-            g = torch.stack(grads).mean(0)
+            qlayout = ChunkLayout(start["padded"], world, REFRESH_BLOCK)
+            g = qlayout.from_chunks(simulate_quantized_all_reduce([qlayout.to_chunks(x) for x in grads], qlayout,
+                                                                  "int8")).clone()
             m = m * beta1 + g * (1 - beta1)
             v = v * beta2 + g * g * (1 - beta2)
             adam_steps += 1
+            fresh = (v.sqrt() / math.sqrt(1 - beta2**adam_steps)).add_(HYPER["eps"])
+            if precondition:  # the errors into the new denominator's coordinates
+                ratio = layout.to_chunks(denom / fresh)
+                workers = [e * ratio for e in workers]
+                servers = [e * ratio[j] for j, e in enumerate(servers)]
+            denom = fresh
             master.mul_(1 - HYPER["lr"] * HYPER["weight_decay"])
-            denom = (v.sqrt() / math.sqrt(1 - beta2**adam_steps)).add_(HYPER["eps"])  # (frozen from the next step)
-            master.addcdiv_(m, denom, value=-HYPER["lr"] / (1 - beta1 ** float(adam_steps)))
-            workers = [torch.zeros(world, layout.padded_chunk) for _ in range(world)]
-            servers = [torch.zeros(layout.padded_chunk) for _ in range(world)]
+            if bound is None:
+                master.addcdiv_(m, denom, value=-HYPER["lr"] / (1 - beta1 ** float(t)))
+            else:
+                master.add_((m / denom / (1 - beta1 ** float(t))).clamp_(-bound, bound), alpha=-HYPER["lr"])
             losses.append(total)
             continue
         local = [g.mul_(1 - beta1).add_(m, alpha=beta1) for g in grads]
@@ -173,24 +182,35 @@ def _simulate_compressed(start: dict, world: int, stage: int, accum: int, warmup
         average = layout.from_chunks(simulate_all_reduce([layout.to_chunks(x) for x in local], workers, servers,
                                                          layout)).clone()
         master.mul_(1 - HYPER["lr"] * HYPER["weight_decay"])
+        bias1 = 1 - beta1 ** float(t)
         if precondition:
             m = average * denom
-            master.add_(average, alpha=-HYPER["lr"] / (1 - beta1 ** float(t)))
+            if bound is None:
+                master.add_(average, alpha=-HYPER["lr"] / bias1)
+            else:
+                master.add_((average / bias1).clamp_(-bound, bound), alpha=-HYPER["lr"])
         else:
             m = average
-            master.addcdiv_(m, denom, value=-HYPER["lr"] / (1 - beta1 ** float(t)))
+            if bound is None:
+                master.addcdiv_(m, denom, value=-HYPER["lr"] / bias1)
+            else:
+                master.add_((m / denom / bias1).clamp_(-bound, bound), alpha=-HYPER["lr"])
         losses.append(total)
     return losses, master
 
 
-@pytest.mark.parametrize("world,stage,accum,precondition,refresh", [
-    (2, 0, 1, True, 0), (2, 1, 2, True, 0), pytest.param(4, 1, 1, True, 0, marks=pytest.mark.slow),
-    (2, 1, 1, False, 0), (2, 1, 1, True, 2)])  # (4 ranks: the compressed all-reduce's own test; this one -m slow)
+@pytest.mark.parametrize("world,stage,accum,precondition,refresh,bound", [
+    (2, 0, 1, True, 0, None), (2, 1, 2, True, 0, None), pytest.param(4, 1, 1, True, 0, None, marks=pytest.mark.slow),
+    (2, 1, 1, False, 0, None), (2, 1, 1, True, 2, 0.5), (2, 0, 1, False, 3, 0.5)])
+# (4 ranks: the compressed all-reduce's own test; this one -m slow)
 def test_compressed_phase_equals_simulation(world: int, stage: int, accum: int, precondition: bool,
-                                            refresh: int) -> None:
-    warmup, steps = 2, 7 if refresh else 5  # (refresh=2: steps 4 and 6 are AdamW, 2, 3 and 5 compressed)
-    got = run_multirank(_warmup_then_compressed, world, stage, accum, warmup, steps, precondition, refresh)
-    losses, master = _simulate_compressed(got[0], world, stage, accum, warmup, steps, precondition, refresh)
+                                            refresh: int, bound: float | None) -> None:
+    warmup, steps = 2, 7 if refresh else 5  # (refresh=2: steps 4 and 6 refresh, 2, 3 and 5 are compressed)
+    got = run_multirank(_warmup_then_compressed, world, stage, accum, warmup, steps, precondition, refresh, bound)
+    losses, master = _simulate_compressed(got[0], world, stage, accum, warmup, steps, precondition, refresh, bound)
+    if bound is not None:  # (the bound must bind somewhere, or this case proves nothing about it)
+        _, free = _simulate_compressed(got[0], world, stage, accum, warmup, steps, precondition, refresh, None)
+        assert not torch.allclose(free, master, rtol=1e-5, atol=1e-7)
     for r in range(world):
         assert torch.equal(got[r]["final"]["master"], got[0]["final"]["master"])  # every rank the same model
     moved = got[0]["final"]["master"] - got[0]["frozen"]["master"]
@@ -205,8 +225,12 @@ def test_compressed_phase_equals_simulation(world: int, stage: int, accum: int, 
     per_step = 2 * (world - 1) * layout.payload_bytes + int(2 * (world - 1) / world * 8)
     gather = (world - 1) * n // world * 4 if stage else 0
     entering = gather * (2 if precondition else 1)
-    if not refresh:
-        assert sum(got[0]["sent"].values()) == (steps - warmup) * (per_step + gather) + entering
+    # a refresh sends the int8 gradient payloads (one fp32 scale per REFRESH_BLOCK) twice instead
+    refreshes = len([s for s in range(warmup + 1, steps) if refresh and (s - warmup) % refresh == 0])
+    qlayout = ChunkLayout(n, world, REFRESH_BLOCK)
+    per_refresh = 2 * (world - 1) * (qlayout.padded_chunk + 4 * qlayout.blocks) + int(2 * (world - 1) / world * 8)
+    assert sum(got[0]["sent"].values()) == ((steps - warmup - refreshes) * per_step + refreshes * per_refresh
+                                            + (steps - warmup) * gather + entering)
 
 
 def _warmup_pair(stage: int, dtype: str) -> list:

@@ -15,13 +15,20 @@ element whose variance is tiny beside its block-mates' no longer receives the bl
 its own tiny denominator (a step of many times the learning rate). `precondition=False` compresses the raw
 momentum, as DeepSpeed's 1-bit Adam does.
 
-Variance refresh (`refresh_every=K`, 0/1 Adam's idea in its simplest form): every K-th optimizer step after the
-warm-up is an ordinary AdamW step (full-precision gradient reduction, the variance updated), after which the
-compressed phase freezes afresh (the momentum and variance that step left, error buffers cleared). It costs one
-AdamW reduction per K steps. Each refresh adds one gradient to the variance at weight 1 - beta2, so the variance
-follows the gradients only slowly (at beta2 = 0.999, over about 1000 refreshes); the first compressed period has K
-compressed steps, later ones K - 1, and K = 1 leaves one compressed step and AdamW after it. The variance's bias
-correction counts only the steps that updated it.
+Variance refresh (`refresh_every=K`, after 0/1 Adam): every K-th step after the warm-up averages the gradients
+themselves, sent in `refresh_dtype` (int8 with one fp32 scale per 256 elements by default, about a quarter of an
+fp32 all-reduce; or bf16, fp32), and takes an Adam step on that average: the momentum becomes beta1 m + (1 - beta1) g
+exactly, the variance beta2 v + (1 - beta2) g^2 (its bias correction counting the steps that updated it), and the
+denominator the next compressed steps divide by is the new one. The error feedback carries on (preconditioned: its
+buffers are rescaled into the new denominator's coordinates). A frozen variance cannot follow the gradients as
+they shrink or grow over a run; with refreshes it follows them with a time constant of about K / (1 - beta2)
+steps, at the cost of one quantized all-reduce per K steps.
+
+Update bound (`max_update=c`, default none): after the warm-up each element's bias-corrected Adam update m / denom
+is clipped to [-c, c] before the learning rate multiplies it (the momentum itself is kept whole). AdamW's own
+update rarely exceeds about 1, since its variance includes the current gradient; a frozen variance has no such
+brake, and an element whose gradient outgrows its frozen variance moves by many times the learning rate per step.
+The bound keeps every element's pace at most c learning rates per step.
 """
 
 from __future__ import annotations
@@ -34,10 +41,16 @@ import torch
 import torch.nn as nn
 
 from zero.dist import comm
+from zero.dist.comm import group_rank
 from zero.dist.topology import group_size
 from zero.optim.bound import BoundOptimizer
-from zero.optim.compression import ChunkLayout, compressed_all_reduce
+from zero.optim.compression import ChunkLayout, compressed_all_reduce, quantized_all_reduce
 from zero.sharding.optimizer import collect_grads
+
+
+#: How the variance refreshes' gradient average can travel; int8 with one fp32 scale per REFRESH_BLOCK elements.
+REFRESH_DTYPES = ("int8", "bf16", "fp32")
+REFRESH_BLOCK = 256
 
 
 class OneBitAdam(BoundOptimizer):
@@ -50,7 +63,7 @@ class OneBitAdam(BoundOptimizer):
     """
 
     def __init__(self, *, warmup_steps: int, block: int = 2048, precondition: bool = True, refresh_every: int = 0,
-                 lr: float = 1e-3,
+                 refresh_dtype: str = "int8", max_update: float | None = None, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
         if not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 1: the compressed phase freezes the "
@@ -61,7 +74,11 @@ class OneBitAdam(BoundOptimizer):
         if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 0:
             raise ValueError(f"refresh_every={refresh_every!r} must be an int >= 0 (0: the variance stays frozen)")
         self.warmup_steps, self.block, self.precondition = warmup_steps, block, precondition
-        self.refresh_every = refresh_every
+        if refresh_dtype not in REFRESH_DTYPES:
+            raise ValueError(f"refresh_dtype={refresh_dtype!r} must be one of {', '.join(REFRESH_DTYPES)}")
+        if max_update is not None and not (isinstance(max_update, (int, float)) and max_update > 0):
+            raise ValueError(f"max_update={max_update!r} must be a number > 0, or None (no bound)")
+        self.refresh_every, self.refresh_dtype, self.max_update = refresh_every, refresh_dtype, max_update
         self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
 
     def __call__(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -71,11 +88,13 @@ class OneBitAdam(BoundOptimizer):
 
     def bind(self, engine: Any) -> OneBitAdamSteps:
         refuse_layout(engine.config, engine.dims)
-        return OneBitAdamSteps(engine, self.warmup_steps, self.block, self.precondition, self.refresh_every)
+        return OneBitAdamSteps(engine, self.warmup_steps, self.block, self.precondition, self.refresh_every,
+                               self.refresh_dtype, self.max_update)
 
     def __repr__(self) -> str:
         return (f"OneBitAdam(warmup_steps={self.warmup_steps}, block={self.block}, precondition={self.precondition}, "
-                f"refresh_every={self.refresh_every}, {self.hyper})")
+                f"refresh_every={self.refresh_every}, refresh_dtype={self.refresh_dtype}, max_update={self.max_update}, "
+                f"{self.hyper})")
 
 
 def refuse_layout(config: Any, dims: Any) -> None:
@@ -112,6 +131,9 @@ class _Feedback:
     # [padded] fp32, the frozen Adam denominator of the whole bucket (precondition=True only; rebuilt from the
     # optimizer's frozen exp_avg_sq, never checkpointed)
     denom: torch.Tensor | None = None
+    # [padded] fp32, the whole bucket's variance (refresh_every > 0 only: the refreshes update it whole; rebuilt
+    # from the optimizer's exp_avg_sq shards, never checkpointed)
+    variance: torch.Tensor | None = None
 
 
 def _variance_updates(state: dict) -> float:
@@ -138,25 +160,19 @@ class OneBitAdamSteps:
     """The compressed steps of one engine (built by OneBitAdam.bind): takes over from `warmup_steps` on."""
 
     def __init__(self, engine: Any, warmup_steps: int, block: int, precondition: bool = True,
-                 refresh_every: int = 0) -> None:
+                 refresh_every: int = 0, refresh_dtype: str = "int8", max_update: float | None = None) -> None:
         self.engine, self.warmup_steps, self.block, self.precondition = engine, warmup_steps, block, precondition
-        self.refresh_every = refresh_every
-        self.frozen_at: int | None = None  # the optimizer step whose variance is frozen
+        self.refresh_every, self.refresh_dtype, self.max_update = refresh_every, refresh_dtype, max_update
+        self.frozen_at: int | None = None  # the optimizer step whose variance was frozen (the warm-up's end)
         self.feedback: list[_Feedback] | None = None
 
     def takes_step(self) -> bool:
-        s = self.engine.global_steps
-        if s < self.warmup_steps:
-            return False
-        # a refresh step: the engine's own AdamW step (full-precision reduction, the variance updated)
-        return not (self.refresh_every and s > self.warmup_steps and (s - self.warmup_steps) % self.refresh_every == 0)
+        return self.engine.global_steps >= self.warmup_steps
 
-    def _frozen_at(self) -> int:
-        """The step count when the current compressed period began: the warm-up's end or one past the last
-        refresh step before now."""
+    def _refreshes(self) -> bool:
+        """Whether the step being taken is a variance refresh."""
         s, w, k = self.engine.global_steps, self.warmup_steps, self.refresh_every
-        refreshes = (s - 1 - w) // k if k and s > w else 0
-        return w + k * refreshes + 1 if refreshes else w
+        return bool(k) and s > w and (s - w) % k == 0
 
     # ------------------------------------------------------------------ the compressed phase
     @torch.no_grad()
@@ -172,12 +188,20 @@ class OneBitAdamSteps:
 
     @torch.no_grad()
     def _denominators(self) -> None:
-        """Each bucket's whole frozen denominator sqrt(v / bias2) + eps (v gathered from the shards once)."""
+        """Each bucket's whole denominator sqrt(v / bias2) + eps (v gathered from the shards once), and its whole
+        variance where refreshes update it."""
         zo = self.engine.zero_optimizer
         for b, master, fb in zip(zo.trainable, zo.masters.masters, self.feedback):
-            group, state = self._group(master), zo.optimizer.state[master]
-            bias2 = 1 - group["betas"][1] ** _variance_updates(state)
-            fb.denom = _whole(b, state["exp_avg_sq"]).sqrt_().div_(math.sqrt(bias2)).add_(group["eps"])
+            variance = _whole(b, zo.optimizer.state[master]["exp_avg_sq"])
+            if self.refresh_every:
+                fb.variance = variance.clone()
+            if self.precondition:
+                fb.denom = self._denominator(master, variance)
+
+    def _denominator(self, master: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
+        group = self._group(master)
+        bias2 = 1 - group["betas"][1] ** _variance_updates(self.engine.zero_optimizer.optimizer.state[master])
+        return variance.sqrt().div_(math.sqrt(bias2)).add_(group["eps"])
 
     def _group(self, master: torch.Tensor) -> dict:
         return next(g for g in self.engine.zero_optimizer.optimizer.param_groups
@@ -185,11 +209,13 @@ class OneBitAdamSteps:
 
     @torch.no_grad()
     def step(self) -> bool:
-        """One compressed step; False (nothing changed) when some rank's gradient is not finite."""
+        """One compressed step (or variance refresh); False (nothing changed) when some rank's gradient is not
+        finite."""
         zo = self.engine.zero_optimizer
-        if self.feedback is None or self.frozen_at != self._frozen_at():
-            self._freeze()  # (the warm-up or a refresh step just ended: freeze the state it left)
-        if self.precondition and self.feedback[0].denom is None:
+        if self.feedback is None:
+            self._freeze()  # (the warm-up just ended: freeze the state it left)
+        if (self.precondition or self.refresh_every) and self.feedback[0].denom is None \
+                and self.feedback[0].variance is None:
             self._denominators()
         grads = [_local_grad(b) for b in zo.trainable]
         # The averaged gradient is never formed, so the reported norm is the root mean square over ranks of
@@ -201,42 +227,85 @@ class OneBitAdamSteps:
         if not math.isfinite(zo.last_grad_norm):
             zo.clear_grads()
             return False
+        refresh = self._refreshes()
         for i, (b, grad, fb) in enumerate(zip(zo.trainable, grads, self.feedback)):
-            self._step_bucket(i, b, grad, fb)
+            (self._refresh_bucket if refresh else self._step_bucket)(i, b, grad, fb)
         zo.gather_shards()
         zo.clear_grads()
         return True
+
+    def _bounded(self, master: torch.Tensor, update: torch.Tensor, lr: float) -> None:
+        """master -= lr * update, each element of the (bias-corrected) Adam update bounded to +-max_update."""
+        master.add_(update.clamp_(-self.max_update, self.max_update), alpha=-lr)
+
+    def _share(self, fb: _Feedback) -> float:
+        # The engine's reduced gradient is sum over the reduction group / dp (experts: over their expert-data-
+        # parallel group); each rank's share of that average is its gradient times group size / dp.
+        return fb.layout.world / self.engine.dp
 
     def _step_bucket(self, i: int, b: Any, grad: torch.Tensor, fb: _Feedback) -> None:
         zo = self.engine.zero_optimizer
         master = zo.masters.masters[i]
         group = self._group(master)
         beta1, beta2 = group["betas"]
-        # The engine's reduced gradient is sum over the reduction group / dp (experts: over their expert-data-
-        # parallel group); each rank's share of that average is its gradient times group size / dp.
-        share = fb.layout.world / self.engine.dp
-        local = grad.mul_((1 - beta1) * share).add_(fb.momentum, alpha=beta1)
+        local = grad.mul_((1 - beta1) * self._share(fb)).add_(fb.momentum, alpha=beta1)
         if self.precondition:
             local.div_(fb.denom)  # the update direction: what travels, and what the error feedback tracks
         average = fb.layout.from_chunks(compressed_all_reduce(fb.layout.to_chunks(local), fb.worker_error,
                                                               fb.server_error, fb.layout, b.grad_group))
         state = zo.optimizer.state[master]
-        # state["step"] counts the AdamW steps (those that updated the variance: the warm-up's and the refreshes'),
-        # so that a refresh step's AdamW corrects the variance's bias for its real number of updates; the momentum,
-        # updated every step, is corrected for the optimizer steps taken
+        # state["step"] counts the steps that updated the variance (the warm-up's and the refreshes'); the
+        # momentum, updated every step, is corrected for the optimizer steps taken
         bias1 = 1 - beta1 ** float(self.engine.global_steps + 1)
         master.mul_(1 - group["lr"] * group["weight_decay"])
         own = b.shard_of(average) if b.world > 1 else average  # this rank's shard of the averaged direction
         if self.precondition:
             fb.momentum.copy_(average).mul_(fb.denom)
-            master.add_(own, alpha=-group["lr"] / bias1)
+            if self.max_update is None:
+                master.add_(own, alpha=-group["lr"] / bias1)
+            else:
+                self._bounded(master, own / bias1, group["lr"])
         else:
             fb.momentum.copy_(average)
             bias2 = 1 - beta2 ** _variance_updates(state)
             denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(group["eps"])
-            master.addcdiv_(own, denom, value=-group["lr"] / bias1)
+            if self.max_update is None:
+                master.addcdiv_(own, denom, value=-group["lr"] / bias1)
+            else:
+                self._bounded(master, own / denom / bias1, group["lr"])
         mine = b.shard_of(fb.momentum) if b.world > 1 else fb.momentum
         state["exp_avg"].copy_(mine)
+        if not zo.masters.aliased[i]:
+            b.write_shard(master)
+
+    def _refresh_bucket(self, i: int, b: Any, grad: torch.Tensor, fb: _Feedback) -> None:
+        """A variance refresh: the gradients averaged in `refresh_dtype`, then an Adam step on that average."""
+        zo = self.engine.zero_optimizer
+        master = zo.masters.masters[i]
+        group, state = self._group(master), zo.optimizer.state[master]
+        beta1, beta2 = group["betas"]
+        layout = ChunkLayout(b.padded, fb.layout.world, REFRESH_BLOCK)
+        local = grad.mul_(self._share(fb))
+        average = layout.from_chunks(quantized_all_reduce(layout.to_chunks(local), layout, self.refresh_dtype,
+                                                          b.grad_group))
+        fb.momentum.mul_(beta1).add_(average, alpha=1 - beta1)
+        fb.variance.mul_(beta2).addcmul_(average, average, value=1 - beta2)
+        state["step"] += 1
+        bias1 = 1 - beta1 ** float(self.engine.global_steps + 1)
+        denom = self._denominator(master, fb.variance)
+        if self.precondition:  # the error feedback into the new denominator's coordinates
+            ratio = fb.layout.to_chunks(fb.denom / denom)
+            fb.worker_error.mul_(ratio)
+            fb.server_error.mul_(ratio[group_rank(b.grad_group)])
+            fb.denom = denom
+        master.mul_(1 - group["lr"] * group["weight_decay"])
+        shard = (lambda t: b.shard_of(t)) if b.world > 1 else (lambda t: t)
+        if self.max_update is None:
+            master.addcdiv_(shard(fb.momentum), shard(denom), value=-group["lr"] / bias1)
+        else:
+            self._bounded(master, shard(fb.momentum) / shard(denom) / bias1, group["lr"])
+        state["exp_avg"].copy_(shard(fb.momentum))
+        state["exp_avg_sq"].copy_(shard(fb.variance))
         if not zo.masters.aliased[i]:
             b.write_shard(master)
 
@@ -246,8 +315,8 @@ class OneBitAdamSteps:
             {"momentum": f.momentum.clone(), "worker_error": f.worker_error.clone(),
              "server_error": f.server_error.clone()} for f in self.feedback]
         return {"kind": "onebit_adam", "warmup_steps": self.warmup_steps, "block": self.block,
-                "precondition": self.precondition, "refresh_every": self.refresh_every, "frozen_at": self.frozen_at,
-                "feedback": feedback}
+                "precondition": self.precondition, "refresh_every": self.refresh_every,
+                "refresh_dtype": self.refresh_dtype, "frozen_at": self.frozen_at, "feedback": feedback}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict | None) -> None:
@@ -267,6 +336,10 @@ class OneBitAdamSteps:
         if state.get("refresh_every", 0) != self.refresh_every:
             raise ValueError(f"checkpoint's 1-bit Adam refresh_every={state.get('refresh_every', 0)} differs from "
                              f"refresh_every={self.refresh_every}: resume with the same variance refreshes")
+        if self.refresh_every and state.get("refresh_dtype") != self.refresh_dtype:
+            raise ValueError(f"checkpoint's 1-bit Adam refresh_dtype={state.get('refresh_dtype')} differs from "
+                             f"refresh_dtype={self.refresh_dtype} (None: written when a refresh was a full AdamW "
+                             "step): resume with the refreshes it was written with")
         saved = state.get("precondition", False)  # (checkpoints from before the option compressed the momentum)
         if saved != self.precondition:
             raise ValueError(f"checkpoint's 1-bit Adam precondition={saved} differs from precondition="
