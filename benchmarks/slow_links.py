@@ -37,6 +37,7 @@ BASE = ["train.seq_len=64", "train.micro_batch_size=4", "train.sample_tokens=0",
 
 
 WARMUP = 0.1  # 1-bit Adam's warm-up, a fraction of the run (--warmup)
+REFRESH = 10  # 1-bit Adam's variance refresh period for timing (optim=onebit_adam's default)
 DILOCO_WARMUP = 0.2  # DiLoCo's synchronous warm start, a fraction of the run (--diloco-warmup; slow_links.md)
 DILOCO = ["parallel.replicas=4", "optim.diloco.delta_dtype=int8", "optim.diloco.outer_lr=0.7",
           "optim.diloco.outer_momentum=0.5"]
@@ -138,38 +139,59 @@ def quality_report(model: str, steps: int, out: Path, only: str | None = None) -
             records = run(name, overrides, model, steps, out, eval_every=eval_every(steps))
         else:
             continue
-        sent, curve = 0.0, []
-        for r in records:
-            sent += r.get("comm_bytes", 0.0)
-            if "val_loss" in r:
-                curve.append((sent, r["val_loss"]))
-        results[name] = curve
+        results[name] = curve(records)
     base = results["adamw"][-1][1]
     print(f"final validation loss, model={model}, {WORLD} ranks, {steps} steps (equal tokens):")
-    for name, curve in results.items():
+    for name, points in results.items():
         if status(out / name) != "complete":
             result = json.loads((out / name / "result.json").read_text())
-            print(f"  {name:<12} {result['status']} at step {result['step']} (last validation {curve[-1][1]:.4f})")
+            print(f"  {name:<12} {result['status']} at step {result['step']} (last validation {points[-1][1]:.4f})")
             continue
-        print(f"  {name:<12} {curve[-1][1]:.4f}   {100 * (curve[-1][1] / base - 1):+.2f}% vs AdamW   "
-              f"{curve[-1][0] / 1e6:.2f} MB sent per rank")
+        print(f"  {name:<12} {points[-1][1]:.4f}   {100 * (points[-1][1] / base - 1):+.2f}% vs AdamW   "
+              f"{points[-1][0] / 1e6:.2f} MB sent per rank")
+    plot(results, {name: status(out / name) for name in results}, f"{WORLD} ranks, model={model}, {steps} steps",
+         ROOT / "benchmarks" / "slow_links.png")
+    return results
+
+
+def curve(records: list[dict]) -> list[tuple[float, float]]:
+    """(cumulative bytes sent per rank, validation loss) at each validation of a run."""
+    sent, out = 0.0, []
+    for r in records:
+        sent += r.get("comm_bytes", 0.0)
+        if "val_loss" in r:
+            out.append((sent, r["val_loss"]))
+    return out
+
+
+def plot(results: dict[str, list[tuple[float, float]]], statuses: dict[str, str | None], title: str,
+         path: Path) -> None:
+    """Validation loss against MB sent per rank (log scale), one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, curve in results.items():
-        label = name if status(out / name) == "complete" else f"{name} ({status(out / name)})"
-        ax.plot([max(b, 1.0) / 1e6 for b, _ in curve], [v for _, v in curve], marker="o", label=label)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in results.items():
+        label = name if statuses.get(name) == "complete" else f"{name} ({statuses.get(name)})"
+        ax.plot([max(b, 1.0) / 1e6 for b, _ in points], [v for _, v in points], marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("MB sent per rank (cumulative)")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"{WORLD} ranks, model={model}, {steps} steps")
-    ax.legend()
+    ax.set_title(title)
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(ROOT / "benchmarks" / "slow_links.png", dpi=120)
-    return results
+    fig.savefig(path, dpi=120)
+
+
+def plot_runs(runs: Path, png: Path, title: str) -> None:
+    """`plot` of every recipe run directory under `runs` (named as the lines are to be labelled)."""
+    dirs = sorted(d for d in runs.iterdir() if (d / "metrics.jsonl").exists())
+    results = {d.name: curve([json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]) for d in dirs}
+    plot(results, {d.name: status(d) for d in dirs}, title, png)
+    for name, points in results.items():
+        print(f"  {name:<40} final {points[-1][1]:.4f}   {points[-1][0] / 1e6:,.1f} MB sent per rank")
 
 
 @contextmanager
@@ -196,12 +218,13 @@ def timing_report(model: str, rates: list[str | None], out: Path) -> dict:
     for rate in rates:
         with shaped_namespace(rate) as ns:
             adamw = run("t_adamw", [], model, 12, out / str(rate), ns)
-            onebit = run("t_onebit", ["optim=onebit_adam", "optim.onebit.warmup_steps=2"], model, 12, out / str(rate),
-                         ns)
+            # warm-up 2, then one whole refresh period: 9 compressed steps and the variance refresh (int8 gradients)
+            onebit = run("t_onebit", ["optim=onebit_adam", "optim.onebit.warmup_steps=2",
+                                      f"optim.onebit.refresh_every={REFRESH}"], model, 3 + REFRESH, out / str(rate), ns)
             diloco = run("t_diloco", ["parallel.replicas=4", "optim.diloco.delta_dtype=int8",
                                       f"optim.diloco.inner_steps={h}"], model, steps, out / str(rate), ns)
         a = statistics.median(r["step_time_s"] for r in adamw[2:])
-        o = statistics.median(r["step_time_s"] for r in onebit[3:])
+        o = statistics.mean(r["step_time_s"] for r in onebit[3 : 3 + REFRESH])  # (the first also gathers)
         d = sum(r["step_time_s"] for r in diloco[:h]) / h  # one whole period: h - 1 local steps and one sync
         table[rate or "unlimited"] = {"adamw_s": a, "onebit_s": o, "diloco_s": d}
         print(f"  {rate or 'unlimited':>10}: AdamW {a:.3f} s/step, 1-bit Adam {o:.3f} s ({a / o:.2f}x), "
@@ -211,7 +234,7 @@ def timing_report(model: str, rates: list[str | None], out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="bytes", choices=("bytes", "quality", "timing"))
+    p.add_argument("what", nargs="?", default="bytes", choices=("bytes", "quality", "timing", "plot"))
     p.add_argument("--quick", action="store_true", help="AdamW and 1-bit Adam bytes over 6 steps (a smoke run)")
     p.add_argument("--model", default=None, help="recipe model (default: tiny; quality and timing: small)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (bytes: 60, quality: 2000)")
@@ -221,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--diloco-warmup", type=float, default=DILOCO_WARMUP,
                    help="DiLoCo's synchronous warm start, a fraction of the steps")
     p.add_argument("--only", default=None, help="quality: comma-separated variants to run (default: all)")
+    p.add_argument("--png", default=None, help="plot: the figure to write (plot draws every run under --out)")
+    p.add_argument("--title", default="", help="plot: the figure's title")
     args = p.parse_args(argv)
     globals()["WARMUP"] = args.warmup
     globals()["DILOCO_WARMUP"] = args.diloco_warmup
@@ -230,6 +255,10 @@ def main(argv: list[str] | None = None) -> None:
         bytes_report("tiny", 6, out, periods=())  # (two runs: DiLoCo's recipe runs are tests/recipes' business)
     elif args.what == "bytes":
         bytes_report(args.model or "tiny", args.steps or 60, out)
+    elif args.what == "plot":
+        if not args.out or not args.png:
+            raise SystemExit("plot needs --out (a directory of recipe runs) and --png")
+        plot_runs(out, Path(args.png), args.title)
     elif args.what == "quality":
         quality_report(args.model or "small", args.steps or 2000, out, args.only)
     else:

@@ -40,8 +40,9 @@ def test_refused_before_training(tmp_path, overrides, message):
 
 def test_onebit_resume_inside_compressed_phase_is_bitwise(tmp_path):
     full, cut = tmp_path / "full", tmp_path / "cut"
-    train(_cfg(full, *ONEBIT, "train.steps=8", "train.eval_every=4", "zero.dtype=bf16"))
-    train(_cfg(cut, *ONEBIT, "train.steps=8", "train.eval_every=4", "zero.dtype=bf16", "train.ckpt_every=5"))
+    refresh = "optim.onebit.refresh_every=2"  # (steps 6 and 8 are variance refreshes)
+    train(_cfg(full, *ONEBIT, refresh, "train.steps=8", "train.eval_every=4", "zero.dtype=bf16"))
+    train(_cfg(cut, *ONEBIT, refresh, "train.steps=8", "train.eval_every=4", "zero.dtype=bf16", "train.ckpt_every=5"))
     # a crash after step 5 (two compressed steps in): the last checkpoint and the records after it dropped
     for d in (cut / "checkpoints").glob("step_*"):
         if d.name != "step_0000005":
@@ -49,7 +50,7 @@ def test_onebit_resume_inside_compressed_phase_is_bitwise(tmp_path):
 
             shutil.rmtree(d)
     (cut / "checkpoints" / "latest").write_text("step_0000005")
-    train(_cfg(cut, *ONEBIT, "train.steps=8", "train.eval_every=4", "zero.dtype=bf16", "train.ckpt_every=5"))
+    train(_cfg(cut, *ONEBIT, refresh, "train.steps=8", "train.eval_every=4", "zero.dtype=bf16", "train.ckpt_every=5"))
     assert _losses(cut) == _losses(full)  # exactly
     assert _losses(full)[8] < _losses(full)[1]
 

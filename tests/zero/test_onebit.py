@@ -224,7 +224,7 @@ def test_compressed_phase_equals_simulation(world: int, stage: int, accum: int, 
     n, layout = got[0]["padded"], ChunkLayout(got[0]["padded"], world, BLOCK)
     per_step = 2 * (world - 1) * layout.payload_bytes + int(2 * (world - 1) / world * 8)
     gather = (world - 1) * n // world * 4 if stage else 0
-    entering = gather * (2 if precondition else 1)
+    entering = gather * (2 if precondition or refresh else 1)  # (the variance is gathered whole where it is used)
     # a refresh sends the int8 gradient payloads (one fp32 scale per REFRESH_BLOCK) twice instead
     refreshes = len([s for s in range(warmup + 1, steps) if refresh and (s - warmup) % refresh == 0])
     qlayout = ChunkLayout(n, world, REFRESH_BLOCK)
