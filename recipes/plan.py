@@ -12,6 +12,7 @@ import sys
 
 from recipes.config import ConfigError, compose_command_line
 from recipes.planner import estimate, load_cluster
+from recipes.planner.predict import check_planned
 from recipes.planner.layouts import apply_overrides, candidate_overrides, resolve_world, valid
 
 GiB = 2**30
@@ -50,6 +51,7 @@ def describe(est, world: int) -> str:
 
 def search(cfg, cluster, world: int, top: int) -> list[tuple[float, dict, str | None]]:
     """Every valid layout of `world` devices that fits device memory, fastest first."""
+    check_planned(cfg)
     ranked = []
     for overrides in candidate_overrides(cfg, world):
         candidate = apply_overrides(cfg, overrides)

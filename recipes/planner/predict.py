@@ -568,6 +568,19 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
                         host_events(cfg, rm, layout), peak, together)
 
 
+def check_planned(cfg: DictConfig) -> None:
+    """Raise NotImplementedError, in one line, for what the planner does not model (before any work)."""
+    o = cfg.optim
+    if o.get("name", "adamw") == "onebit_adam":
+        raise NotImplementedError("the planner does not model 1-bit Adam's compressed steps (optim.name=onebit_adam): "
+                                  "plan its warm-up with optim.name=adamw; a compressed step sends 2 (n - 1) / n x "
+                                  "(1/8 + 4/block) bytes per parameter (docs/slow_links.md)")
+    if cfg.parallel.get("replicas", 1) > 1 or o.get("diloco", {}).get("inner_steps", 0):
+        raise NotImplementedError("the planner does not model DiLoCo (parallel.replicas > 1 or "
+                                  "optim.diloco.inner_steps > 0): plan one replica's layout with parallel.replicas=1 "
+                                  "and optim.diloco.inner_steps=0 on its share of the devices")
+
+
 def estimate(cfg: DictConfig, cluster: Cluster | None = None, world: int | None = None, *,
              a2a_rows: dict[int, float] | None = None, imbalance: float = 1.0,
              ranks: list[int] | None = None) -> list[RankEstimate]:
@@ -579,6 +592,7 @@ def estimate(cfg: DictConfig, cluster: Cluster | None = None, world: int | None 
     from recipes.config import check_config
     from recipes.planner.layouts import resolve_world, world_env
 
+    check_planned(cfg)
     cluster = cluster or Cluster()
     cfg = resolve_world(cfg, world)
     with world_env(cfg):

@@ -148,6 +148,18 @@ def test_bf16_gemm_caches_by_hand():
     assert moe.memory["gemm_caches"] == int((primitives + lru) * entry)
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (["optim=onebit_adam"], "does not model 1-bit Adam"),
+    (["parallel.replicas=2", "optim.diloco.inner_steps=10"], "does not model DiLoCo"),
+])
+def test_unplanned_optimizers_refused(overrides, words):
+    with pytest.raises(NotImplementedError, match=words):
+        estimate(config(TINY + overrides), world=4)
+    proc = subprocess.run([sys.executable, "-m", "recipes.plan", "search", "--world", "2", *TINY, *overrides],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and words in proc.stderr, proc.stderr[-2000:]
+
+
 LLAMA_70B = ["model=llama_1b", "model.dim=8192", "model.n_layers=80", "model.n_heads=64", "model.n_kv_heads=8",
              "model.ffn_dim=28672", "model.vocab_size=128256", "model.max_seq_len=8192", "model.tie_embeddings=false",
              "train.seq_len=8192", "train.micro_batch_size=1", "zero.dtype=bf16"]
