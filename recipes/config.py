@@ -476,6 +476,10 @@ def check_config(cfg: DictConfig) -> None:
 def check_optimizer(cfg: DictConfig) -> None:
     """optim.name and what it cannot be combined with, refused before any process starts work."""
     o, z, par = cfg.optim, cfg.zero, cfg.parallel
+    if o.name == "zero_one_adam":
+        raise NotImplementedError("optim.name=zero_one_adam is not implemented: 0/1 Adam's local steps (momentum "
+                                  "synchronised only at growing intervals) are missing; optim=onebit_adam with "
+                                  "optim.onebit.refresh_every covers its variance updates at intervals")
     if o.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={o.name!r} must be one of {', '.join(OPTIMIZERS)}")
     check_diloco(cfg)

@@ -38,6 +38,11 @@ def test_refused_before_training(tmp_path, overrides, message):
         check_config(_cfg(tmp_path, *overrides))
 
 
+def test_zero_one_adam_is_named_as_missing(tmp_path):
+    with pytest.raises(NotImplementedError, match="optim.name=zero_one_adam is not implemented: 0/1 Adam's local"):
+        check_config(_cfg(tmp_path, "optim.name=zero_one_adam"))
+
+
 def test_onebit_resume_inside_compressed_phase_is_bitwise(tmp_path):
     full, cut = tmp_path / "full", tmp_path / "cut"
     refresh = "optim.onebit.refresh_every=2"  # (steps 6 and 8 are variance refreshes)
