@@ -336,6 +336,17 @@ def _search_lines(names: list[str], cs: list[dict], cache: dict) -> list[str]:
     return lines
 
 
+def gemm_cache_lines(cache: dict) -> list[str]:
+    """The `--gemm-caches` measurement, if the cache holds one (a line of summarize's)."""
+    caches = cache.get("_gemm_cache_entry_kb")
+    if not caches:
+        return []
+    return ["- bf16 GEMM caches (each bf16 layout again with oneDNN's and ideep's per-shape caches at one entry): "
+            + "; ".join(f"`{n}` {c['peak_mib']:.1f} MiB against {c['one_entry_mib']:.1f}, {c['entries']} entries "
+                        f"fewer: {c['kb_per_entry']:.0f} KB each" for n, c in caches.items())
+            + f" (the cpu preset's gemm_cache_entry_kb: {_cpu().gemm_cache_entry_kb:g})"]
+
+
 def summarize(cache: dict) -> str:
     """The grid's table and the headline figures (markdown)."""
     names = [n for n, _, _ in grid() if n in cache and "compare" in cache[n]]
@@ -375,13 +386,7 @@ def summarize(cache: dict) -> str:
                          f"{statistics.median(retained):.1f} MiB, quartiles "
                          f"{statistics.quantiles(retained, n=4)[0]:.1f}-{statistics.quantiles(retained, n=4)[2]:.1f}"
                          f" MiB (the cpu preset's runtime_memory_mb: {load_cluster('cpu').runtime_memory_mb:g})")
-        caches = cache.get("_gemm_cache_entry_kb")
-        if caches:
-            lines.append("- bf16 GEMM caches (each bf16 layout again with oneDNN's and ideep's per-shape caches at one "
-                         "entry): " + "; ".join(
-                             f"`{n}` {c['peak_mib']:.1f} MiB against {c['one_entry_mib']:.1f}, {c['entries']} entries "
-                             f"fewer: {c['kb_per_entry']:.0f} KB each" for n, c in caches.items())
-                         + f" (the cpu preset's gemm_cache_entry_kb: {_cpu().gemm_cache_entry_kb:g})")
+        lines += gemm_cache_lines(cache)
         gflops, bf16 = cache.get("_gemm_flops", 0) / 1e9, cache.get("_gemm_flops_bf16", 0) / 1e9
         lines.append(f"- step time: calibrated as {fit[0]:.2f} x the GEMM compute (at the measured GEMM rates "
                      f"{gflops:.1f} GFLOP/s fp32, {bf16:.1f} bf16) + {fit[1] * 1e6:.0f} us per layer pass + "
