@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from recipes.models.llama import ModelConfig, MoEConfig
 from zero.config import ZeroConfig
+from zero.optim.onebit import REFRESH_DTYPES
 
 
 class ConfigError(ValueError):
@@ -497,8 +498,9 @@ def check_optimizer(cfg: DictConfig) -> None:
                                             or not isinstance(o.onebit.max_update, (int, float))
                                             or o.onebit.max_update <= 0):
         raise ConfigError(f"optim.onebit.max_update={o.onebit.max_update!r} must be a number > 0, or null (no bound)")
-    if o.onebit.refresh_dtype not in ("int8", "bf16", "fp32"):
-        raise ConfigError(f"optim.onebit.refresh_dtype={o.onebit.refresh_dtype!r} must be int8, bf16 or fp32")
+    if o.onebit.refresh_dtype not in REFRESH_DTYPES:
+        raise ConfigError(f"optim.onebit.refresh_dtype={o.onebit.refresh_dtype!r} must be "
+                          f"{', '.join(REFRESH_DTYPES[:-1])} or {REFRESH_DTYPES[-1]}")
     if not isinstance(o.onebit.precondition, bool):
         raise ConfigError(f"optim.onebit.precondition={o.onebit.precondition!r} must be true or false")
     refusal = None

@@ -426,12 +426,12 @@ def gemm_cache_memory(trace: Trace, cluster: Cluster) -> int:
         return 0
     from moe.experts import onednn_cache_capacities
 
+    capacities = onednn_cache_capacities()
     half = (torch.bfloat16, torch.float16)
     distinct = len({key for key in trace.gemms if any(operand[2] in half for operand in key[1:])})
     if trace.expert_shapes:
-        distinct = max(onednn_cache_capacities())
-    entries = sum(min(distinct, capacity) for capacity in onednn_cache_capacities())
-    return int(entries * cluster.gemm_cache_entry_kb * 1024)
+        distinct = max(capacities)
+    return int(sum(min(distinct, capacity) for capacity in capacities) * cluster.gemm_cache_entry_kb * 1024)
 
 
 def flops_per_micro_batch(cfg: DictConfig, rm: RankModel) -> float:
@@ -553,8 +553,8 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
         imbalance = max(0.0, 2 * a2a_rows / (trace.a2a_rows * cfg.train.grad_accum) - 1)
     phases, nvme = memory_phases(layout, cfg, rm, isz, imbalance, int(cluster.runtime_memory_mb * 2**20))
     caches = gemm_cache_memory(trace, cluster)
-    for d, _ in phases.values():
-        if caches:
+    if caches:  # (resident from the first step on: in every moment)
+        for d, _ in phases.values():
             d["gemm_caches"] = caches
     peak = max(phases, key=lambda k: sum(phases[k][0].values()))
     dev, host = phases[peak]

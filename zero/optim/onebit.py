@@ -234,9 +234,18 @@ class OneBitAdamSteps:
         zo.clear_grads()
         return True
 
-    def _bounded(self, master: torch.Tensor, update: torch.Tensor, lr: float) -> None:
-        """master -= lr * update, each element of the (bias-corrected) Adam update bounded to +-max_update."""
-        master.add_(update.clamp_(-self.max_update, self.max_update), alpha=-lr)
+    def _apply(self, master: torch.Tensor, momentum: torch.Tensor, denom: torch.Tensor | None, bias1: float,
+               lr: float) -> None:
+        """master -= lr * momentum / denom / bias1 (denom None: the momentum is already over the denominator), each
+        element of that bias-corrected update bounded to +-max_update where a bound is set."""
+        if self.max_update is None:
+            if denom is None:
+                master.add_(momentum, alpha=-lr / bias1)
+            else:
+                master.addcdiv_(momentum, denom, value=-lr / bias1)
+            return
+        update = momentum if denom is None else momentum / denom
+        master.add_((update / bias1).clamp_(-self.max_update, self.max_update), alpha=-lr)
 
     def _share(self, fb: _Feedback) -> float:
         # The engine's reduced gradient is sum over the reduction group / dp (experts: over their expert-data-
@@ -261,18 +270,12 @@ class OneBitAdamSteps:
         own = b.shard_of(average) if b.world > 1 else average  # this rank's shard of the averaged direction
         if self.precondition:
             fb.momentum.copy_(average).mul_(fb.denom)
-            if self.max_update is None:
-                master.add_(own, alpha=-group["lr"] / bias1)
-            else:
-                self._bounded(master, own / bias1, group["lr"])
+            self._apply(master, own, None, bias1, group["lr"])
         else:
             fb.momentum.copy_(average)
             bias2 = 1 - beta2 ** _variance_updates(state)
             denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(group["eps"])
-            if self.max_update is None:
-                master.addcdiv_(own, denom, value=-group["lr"] / bias1)
-            else:
-                self._bounded(master, own / denom / bias1, group["lr"])
+            self._apply(master, own, denom, bias1, group["lr"])
         mine = b.shard_of(fb.momentum) if b.world > 1 else fb.momentum
         state["exp_avg"].copy_(mine)
         if not zo.masters.aliased[i]:
@@ -300,10 +303,7 @@ class OneBitAdamSteps:
             fb.denom = denom
         master.mul_(1 - group["lr"] * group["weight_decay"])
         shard = (lambda t: b.shard_of(t)) if b.world > 1 else (lambda t: t)
-        if self.max_update is None:
-            master.addcdiv_(shard(fb.momentum), shard(denom), value=-group["lr"] / bias1)
-        else:
-            self._bounded(master, shard(fb.momentum) / shard(denom) / bias1, group["lr"])
+        self._apply(master, shard(fb.momentum), shard(denom), bias1, group["lr"])
         state["exp_avg"].copy_(shard(fb.momentum))
         state["exp_avg_sq"].copy_(shard(fb.variance))
         if not zo.masters.aliased[i]:
