@@ -184,13 +184,8 @@ def gemm_cache_check(cache: dict, steps: int) -> None:
     for name, world, overrides in grid():
         if "bf16" not in name or "compare" not in cache.get(name, {}):
             continue
-        saved = {k: os.environ.get(k) for k in ONEDNN_CACHE_CAPACITY}
-        os.environ.update({k: "1" for k in ONEDNN_CACHE_CAPACITY})  # (the measuring processes inherit them)
-        try:
-            measured = spawn(measure_rank, overrides, steps, world=world, timeout=600)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        measured = spawn(measure_rank, overrides, steps, world=world, timeout=600,
+                         env={k: "1" for k in ONEDNN_CACHE_CAPACITY})
         low = max(m["peak_rss"] - m.get("runtime_baseline", m["base_rss"]) for m in measured)
         entries = round(cache[name]["predicted"][0]["memory"].get("gemm_caches", 0) / entry) - 2  # (1 + 1 left)
         found[name] = {"peak_mib": cache[name]["compare"]["peak_measured"] / 2**20, "one_entry_mib": low / 2**20,
