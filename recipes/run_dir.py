@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 import zero
 from recipes.config import ConfigError, atomic_write_text, checkpoints
 from zero.dist import comm
+from zero.state.checkpoint import LegacyCheckpointError
 
 #: Keys whose change means a resumed run would not continue the run its run_dir holds.
 RESUME_KEYS = ("model", "data", "train.seed", "train.seq_len")
@@ -171,7 +172,7 @@ def resume(engine: zero.Engine, run_dir: Path, cfg: DictConfig, is_rank0: bool) 
         try:
             client_state = engine.load_checkpoint(path)
         except zero.CheckpointError as e:
-            if explicit:
+            if explicit or isinstance(e, LegacyCheckpointError):  # converted by the user's command, never skipped
                 raise
             skipped.append(str(e))
             continue

@@ -18,6 +18,7 @@ import torch
 from tests.equivalence import assert_snapshot
 from tests.multirank import run_multirank
 from tests.parallel.harness import reference, train
+from zero.state.shardfile import dump, load
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -57,7 +58,7 @@ def _assert_trajectory(legs: list[list[dict]], reference: dict) -> None:
 
 def _shards_equal(a: str, b: str, world: int) -> None:
     for r in range(world):
-        x, y = (torch.load(f"{d}/rank{r:05d}.pt", weights_only=False)["engine"] for d in (a, b))
+        x, y = (load(f"{d}/rank{r:05d}.safetensors")["engine"] for d in (a, b))
         assert x["layout"] == y["layout"]
         for u, v in zip(x["shards"], y["shards"]):
             assert u.equal(v)
@@ -136,11 +137,13 @@ def test_checkpoint_of_a_model_with_more_parameters_is_refused_and_older_checkpo
     with pytest.raises(zero.ReshardError, match="holds 2.bias .and 1 more., which this model does not have"):
         engine(2).load_checkpoint(tmp_path / "ckpt")
     # A checkpoint written before shapes and placements were recorded still resumes at its own layout.
-    shard = tmp_path / "ckpt" / "rank00000.pt"
-    state = torch.load(shard, weights_only=False)
+    shard = tmp_path / "ckpt" / "rank00000.safetensors"
+    state = load(shard)
     for bucket in state["engine"]["layout"]:
         del bucket["shapes"], bucket["placements"]
-    torch.save(state, shard)
+    with open(shard.with_name("rewritten"), "wb") as f:
+        dump(state, f)
+    shard.with_name("rewritten").replace(shard)  # the old file stays mapped by `state` until here
     meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
     meta["shards"] = None
     (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(meta))

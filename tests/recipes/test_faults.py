@@ -51,23 +51,23 @@ def test_latest_pointing_at_a_missing_checkpoint_resumes_from_the_newest_intact_
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign"])
 def test_damaged_newest_checkpoint_is_skipped_by_name(uninterrupted, tmp_path, capsys, damage):
     run = _copy(uninterrupted, tmp_path / "run")
-    shard = _ckpt(run, 8) / "rank00000.pt"
+    shard = _ckpt(run, 8) / "rank00000.safetensors"
     if damage == "truncate":
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     elif damage == "garbage":
         shard.write_bytes(b"\x00garbage" * 100)
     else:  # a shard of another step mixed in
-        shutil.copy(_ckpt(run, 4) / "rank00000.pt", shard)
+        shutil.copy(_ckpt(run, 4) / "rank00000.safetensors", shard)
     train(_cfg(run, "train.steps=8", "train.eval_every=4", "train.ckpt_every=2"))
     out = capsys.readouterr().out
-    assert f"resuming from {_ckpt(run, 6)}" in out and "rank00000.pt" in out
+    assert f"resuming from {_ckpt(run, 6)}" in out and "rank00000.safetensors" in out
     assert _losses(run) == _losses(uninterrupted)
 
 
 def test_no_usable_checkpoint_is_an_error_not_a_restart(uninterrupted, tmp_path):
     run = _copy(uninterrupted, tmp_path / "run")
     for step in (2, 4, 6, 8):
-        (_ckpt(run, step) / "rank00000.pt").write_bytes(b"not a checkpoint")
+        (_ckpt(run, step) / "rank00000.safetensors").write_bytes(b"not a checkpoint")
     with pytest.raises(zero.CheckpointError, match="none of the 4 checkpoints"):
         train(_cfg(run, "train.steps=10"))
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 8  # nothing overwritten
@@ -93,12 +93,14 @@ def test_divergence_stops_with_valid_result_and_finite_checkpoints(tmp_path):
     assert result["status"] == "diverged" and result["step"] < 30
     import torch
 
+    from zero.state.shardfile import load
+
     # one checkpoint after each step before the stop (measured: diverged at step 4, checkpoints 1-3), the
     # newest train.keep_checkpoints=3 of them kept; the stopping step saves none
     ckpts = sorted((tmp_path / "checkpoints").glob("step_*"))
     assert ckpts and [c.name for c in ckpts] == [f"step_{s:07d}" for s in range(1, result["step"])][-3:]
     for ckpt in ckpts:
-        state = torch.load(ckpt / "rank00000.pt", weights_only=False)
+        state = load(ckpt / "rank00000.safetensors")
         assert all(torch.isfinite(s).all() for s in state["engine"]["shards"]), ckpt
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["skipped_steps"] >= 2  # the refused steps are in the metrics

@@ -93,7 +93,7 @@ def test_signal_to_one_rank_checkpoints_at_the_next_boundary_and_resumes_bitwise
     print(f"{signame} to rank {rank} at step {step}: the job ended {took:.2f} s later")
     assert _rank_exit_codes(proc) == [code, code], proc.stderr[-3000:]  # every rank, the documented code
     ckpt = tmp_path / "checkpoints" / f"step_{step:07d}"  # the boundary right after the signal's step
-    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "rank00000.pt", "rank00001.pt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "rank00000.safetensors", "rank00001.safetensors"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", ckpt.name]
     result = json.loads((tmp_path / "result.json").read_text())
     assert (result["status"], result["step"], result["signal"], result["exit_code"]) == ("preempted", step,

@@ -22,11 +22,12 @@ import torch
 
 import zero
 import zero.offload.nvme
+import zero.state.checkpoint
 from tests.zero.models import build, global_batch, lm_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-SHARD = "rank00000.pt"
+SHARD = "rank00000.safetensors"
 
 
 def _engine(tmp: Path, seed: int) -> zero.Engine:
@@ -80,15 +81,15 @@ def _child(tmp: str) -> None:
     reference["next_loss"] = _step(engine, 2)
     torch.save(reference, tmp / "reference.pt")
 
-    real_save = torch.save
+    real_dump = zero.state.checkpoint.dump
 
-    def save(obj, f, *args, **kwargs):
+    def dump(obj, f):
         # The largest exp_avg_sq shard, as NvmeMasters.state_dict read it from the nvme file.
         state = obj["engine"]["optimizer"]["state"]
         target = max((s["exp_avg_sq"] for s in state.values()), key=torch.Tensor.numel)
-        return real_save(obj, _DyingFile(f, target.numpy().tobytes(), tmp / "killed.json"), *args, **kwargs)
+        return real_dump(obj, _DyingFile(f, target.numpy().tobytes(), tmp / "killed.json"))
 
-    torch.save = save
+    zero.state.checkpoint.dump = dump
     engine.save_checkpoint(str(tmp / "ckpt"))
     raise AssertionError("the second save returned: the kill inside its write never happened")
 

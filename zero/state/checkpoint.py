@@ -7,6 +7,11 @@ lists every shard with its size and SHA-256, and each shard records its rank, st
 before any collective that depends on the shards, so a truncated, corrupted or foreign shard stops every
 rank with the same one-line error naming the file, never a hang. A checkpoint of another layout is
 resharded on load (zero.state.reshard); one of another model raises ReshardError.
+
+A shard holds data only (`rank00000.safetensors`: tensors, and a JSON skeleton for the rest; zero.state.shardfile),
+so loading one never runs code: the checksums prove integrity against corruption, not against whoever wrote both
+files, and a crafted shard is refused by name. Checkpoints of the older pickle format (`rank00000.pt`) are
+refused with the command that converts them (`python -m zero.state.convert <dir>`, zero.state.convert).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,13 +30,24 @@ import torch.distributed as dist
 
 from zero.dist import comm
 from zero.state.reshard import CheckpointReader, ReshardError, resharded_state
+from zero.state.shardfile import ShardFormatError, dump, load
 
 if TYPE_CHECKING:
     from zero.state.interface import Engine
 
 
+#: meta.json's format: shards are safetensors files (zero.state.shardfile). zero-checkpoint-v2 and older were pickles.
+FORMAT = "zero-checkpoint-v3"
+#: The shard file of the pickle format, which loading refuses (zero.state.convert converts it).
+LEGACY_SHARD = "rank{rank:05d}.pt"
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the checkpoint, the file and the problem."""
+
+
+class LegacyCheckpointError(CheckpointError):
+    """A checkpoint of the old pickle format: never loaded, converted by the user's explicit command."""
 
 
 def _digest(path: Path) -> str:
@@ -45,12 +62,12 @@ def _world() -> tuple[int, int, object]:
 
 
 def _shard_file(directory: Path, rank: int) -> Path:
-    return directory / f"rank{rank:05d}.pt"
+    return directory / f"rank{rank:05d}.safetensors"
 
 
 def _write(obj: dict, target: Path) -> None:
     with open(target, "wb") as f:
-        torch.save(obj, f)
+        dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -117,7 +134,7 @@ def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict 
     # Split parameters without a placement make the checkpoint resumable only under its own layout.
     unplaced = [n for names in comm.all_gather_object(engine.unplaced_split_params(), group) for n in names]
     if rank == 0:
-        meta = {"format": "zero-checkpoint-v2", "world_size": world, "shards": shards, "layout": _degrees(engine),
+        meta = {"format": FORMAT, "world_size": world, "shards": shards, "layout": _degrees(engine),
                 "stage": engine.config.stage, "dtype": engine.config.dtype, "global_steps": engine.global_steps,
                 "run_id": run_id, "unplaced": sorted(set(unplaced))}
         _write_meta(tmp, meta)
@@ -157,13 +174,29 @@ def _read_meta(path: Path) -> tuple[str | None, dict | None]:
         int(meta["world_size"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{meta_file}: unreadable ({type(e).__name__}: {e})", None
+    if meta.get("format") != FORMAT and not is_legacy(meta):
+        return (f"{meta_file}: format {meta.get('format')!r} is not one this version reads ({FORMAT}): load it "
+                "with the version that wrote it"), None
     return None, meta
 
 
-def _shard_problem(path: Path, meta: dict, rank: int) -> str | None:
-    """Why shard `rank` of the checkpoint at `path` is unusable (missing, not listed, wrong size or
-    checksum), or None."""
-    shard = _shard_file(path, rank)
+def is_legacy(meta: dict) -> bool:
+    """Whether a checkpoint whose meta.json reads `meta` is of the old pickle format."""
+    return meta.get("format") in (None, "zero-checkpoint-v2")
+
+
+def _legacy_problem(path: Path, meta: dict | None) -> str | None:
+    if meta is None or not is_legacy(meta):
+        return None
+    return (f"{path / LEGACY_SHARD.format(rank=0)}: a checkpoint of the old pickle format, which is never loaded "
+            "(unpickling runs whatever code the file carries); if you trust where it came from, convert it once "
+            f"with `python -m zero.state.convert {shlex.quote(str(path))}`")
+
+
+def _shard_problem(path: Path, meta: dict, rank: int, shard: Path | None = None) -> str | None:
+    """Why shard `rank` of the checkpoint at `path` (file `shard`, by default the current format's) is unusable
+    (missing, not listed, wrong size or checksum), or None."""
+    shard = shard or _shard_file(path, rank)
     if not shard.exists():
         return f"{shard}: missing"
     listed = meta.get("shards")
@@ -184,10 +217,16 @@ def _load_shard(path: Path, meta: dict, rank: int) -> dict:
     its record (rank, step, run) checked against the checkpoint's; raises CheckpointError."""
     shard = _shard_file(path, rank)
     try:
-        state = torch.load(shard, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # unreadable despite a matching checksum (e.g. written by another torch)
+        state = load(shard)
+    except ShardFormatError as e:  # a matching checksum proves integrity, not who wrote the file
+        raise CheckpointError(f"{shard}: {e}; a shard holds only tensors and JSON and is never unpickled") from None
+    except Exception as e:  # noqa: BLE001 - unreadable despite a matching checksum
         raise CheckpointError(f"{shard}: unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{shard}: holds a {type(state).__name__}, not a shard's state")
     own = state.get("shard", {"rank": rank, "global_steps": meta.get("global_steps")})
+    if not isinstance(own, dict) or not {"rank", "global_steps"} <= own.keys():
+        raise CheckpointError(f"{shard}: its shard record {own!r:.80} lacks the rank and step")
     if (own["rank"], own["global_steps"]) != (rank, meta.get("global_steps")):
         raise CheckpointError(f"{shard}: holds rank {own['rank']} at step {own['global_steps']}, the checkpoint is "
                               f"rank {rank} at step {meta.get('global_steps')}")
@@ -216,6 +255,7 @@ def _verify(path: Path, rank: int, world: int, group) -> dict:
     """Collective: the ranks share the integrity checks of every shard (rank r checks shards r, r + world,
     ...) and agree; raises the same CheckpointError everywhere if anything is wrong. Returns the meta."""
     problem, meta = _read_meta(path)
+    _agree(_legacy_problem(path, meta), group, LegacyCheckpointError)
     if problem is None:
         for r in range(rank, int(meta["world_size"]), world):
             problem = _shard_problem(path, meta, r)
@@ -257,6 +297,9 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
     for reading under any layout (e.g. `zero.consolidate(open_checkpoint(path))`, the whole model)."""
     path = _resolve(path)
     problem, meta = _read_meta(path)
+    legacy = _legacy_problem(path, meta)
+    if legacy is not None:
+        raise LegacyCheckpointError(legacy)
     for r in range(int(meta["world_size"])) if problem is None else ():
         problem = problem or _shard_problem(path, meta, r)
     if problem is not None:
