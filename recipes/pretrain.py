@@ -535,7 +535,7 @@ class Run:
         record = {"loss": loss, "lr": lr, "grad_norm": float(self.engine.global_grad_norm),
                   "skipped_steps": engine_metrics["skipped_steps"],
                   "tokens_per_s": self.spec.global_batch * self.cfg.train.seq_len / dt, "step_time_s": dt,
-                  "comm_bytes": engine_metrics["comm_bytes_per_step"], **memory_metrics(self.dims)}
+                  "comm_bytes": engine_metrics["comm_bytes_per_step"], **memory_metrics()}
         if self.cfg.zero.dtype == "fp16":
             record.update(loss_scale=engine_metrics["loss_scale"])
         if is_moe(self.cfg):  # (under pp, moe_stats gathers every stage's: not for a dense model)

@@ -30,19 +30,21 @@ def peak_rss_mb() -> float:
     return peak
 
 
-def per_rank(value: float, dims: zero.ParallelDims) -> list[float]:
-    """`value` of every rank, in rank order (one small all-reduce)."""
-    if dims.world_size == 1:
+def per_rank(value: float) -> list[float]:
+    """`value` of every process, in global rank order (one small all-reduce over all of them: under DiLoCo that is
+    every replica's ranks, more than one replica's layout, `dims.world_size`)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
         return [value]
-    t = torch.zeros(dims.world_size, dtype=torch.float64, device=default_device())
+    t = torch.zeros(world, dtype=torch.float64, device=default_device())
     t[dist.get_rank()] = value
     comm.all_reduce(t, dist.group.WORLD)
     return t.tolist()
 
 
-def memory_metrics(dims: zero.ParallelDims) -> dict[str, float]:
+def memory_metrics() -> dict[str, float]:
     """Peak memory: the largest over ranks as `peak_rss_mb`, and each rank's as `peak_rss_mb/rank<r>`."""
-    peaks = per_rank(peak_rss_mb(), dims)
+    peaks = per_rank(peak_rss_mb())
     out = {"peak_rss_mb": max(peaks)}
     if len(peaks) > 1:
         out.update({f"peak_rss_mb/rank{r}": p for r, p in enumerate(peaks)})
