@@ -12,15 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.doccommands import block_by
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _example() -> str:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## The runtime in your own training loop"):]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert blocks and "plans=[ep]" in blocks[0], "the README's own-loop example is missing or not in plan form"
-    return blocks[0]
+    """The README block marked `<!-- doc-test: skip by=tests/test_readme_loop.py ... -->` (tests/doccommands.py)."""
+    block = block_by("tests/test_readme_loop.py")
+    assert block.fence == "python" and "plans=[ep]" in block.text, \
+        f"{block.id}: the README's own-loop example is not a python block in plan form"
+    return block.text
 
 
 def _torchrun(args: list[str], cwd: Path) -> str:
