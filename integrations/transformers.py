@@ -105,6 +105,10 @@ class ZeroTrainer(transformers.Trainer):
         if a.fp16 or a.bf16:
             raise ValueError("TrainingArguments(fp16/bf16) turn on autocast; the engine holds the compute dtype: pass "
                              "zero_config=zero.ZeroConfig(dtype='bf16' or 'fp16') and leave fp16/bf16 unset")
+        if a.fp16_full_eval or a.bf16_full_eval:
+            raise ValueError("TrainingArguments(fp16_full_eval/bf16_full_eval) cast the model's parameters, which are "
+                             "the engine's buffers; evaluation runs in the engine's dtype: pass "
+                             "zero_config=zero.ZeroConfig(dtype='bf16' or 'fp16') and leave them unset")
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if a.world_size != world:
             raise ValueError(f"the Trainer sees {a.world_size} process(es) of the {world} launched, so it would not "
@@ -173,6 +177,11 @@ class ZeroTrainer(transformers.Trainer):
         self.optimizer = EngineOptimizer(self.engine)
         self.lr_scheduler = EngineSchedule(self.optimizer)
         self.model_wrapped = self.model
+        # Accelerate learns of the model here, where it is, unwrapped. Otherwise evaluate() / predict() prepare it on
+        # first use with model.to(accelerator.device), "cpu:0" under several CPU processes where the parameters are
+        # on "cpu": a copy of every parameter, which detaches them from the engine's flat buffers (training then
+        # updates buffers the model no longer reads) or, at stage 3, reads their freed storage (SIGSEGV).
+        self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
         if resume_from_checkpoint is not None:
             self.engine.load_checkpoint(os.path.join(resume_from_checkpoint, ENGINE_DIR))
         for attr in ("model", "optimizer", "lr_scheduler"):

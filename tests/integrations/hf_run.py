@@ -3,13 +3,21 @@ the engine's own loop, then ZeroTrainer 4 steps straight (checkpoints every 2), 
 checkpoint-2, then (optionally) ZeroTrainer with Ulysses sp=2 through recipes.models.hf. Rank 0 writes the
 per-step losses and gradient norms (the Trainer's: what it logged); every rank the final weights of each run.
 
-torchrun --nproc_per_node 2 tests/integrations/hf_run.py OUT_DIR STAGE OFFLOAD [sp]
+With clm=STAGES (e.g. clm=0,2,3), the same processes then run the calls of Transformers' own example
+examples/pytorch/language-modeling/run_clm.py, its Trainer a ZeroTrainer, at each ZeRO stage in turn (datasets'
+text loader, a byte tokenizer built here), each followed by a new trainer resumed from its checkpoint-2; every
+rank writes what it saw (clm/results_rank<r>.json).
+
+torchrun --nproc_per_node 2 tests/integrations/hf_run.py OUT_DIR STAGE OFFLOAD [sp] [clm=STAGES]
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -82,20 +90,148 @@ def trainer_run(out: Path, stage: int, offload: str, resume: str | None = None, 
     return {k: [r[k] for r in logged] for k in ("loss", "grad_norm")}, trainer.engine.full_state_dict()
 
 
+# ---------------------------------------------------------------------------- run_clm.py under ZeroTrainer
+
+CLM_BLOCK, CLM_MICRO, CLM_STEPS, CLM_EVAL_ROWS = 32, 4, 4, 16
+
+
+def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A byte-level tokenizer built here (nothing downloaded): each of the 256 bytes is one token, no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=512)
+
+
+def clm_datasets(data_dir: Path, args: transformers.TrainingArguments, tokenizer) -> tuple:
+    """run_clm.py's data: datasets' text loader over local files, tokenized, then grouped into blocks whose labels
+    are their inputs (the model shifts them), under `main_process_first` as the example does."""
+    from datasets import load_dataset
+
+    files = {"train": str(data_dir / "train.txt"), "validation": str(data_dir / "validation.txt")}
+    raw = load_dataset("text", data_files=files, cache_dir=str(data_dir / "cache"))
+    columns = list(raw["train"].features)
+
+    def tokenize(examples):
+        return tokenizer(examples["text"])
+
+    def group_texts(examples):
+        joined = {k: list(chain(*examples[k])) for k in examples}
+        total = len(joined["input_ids"]) // CLM_BLOCK * CLM_BLOCK
+        blocks = {k: [t[i:i + CLM_BLOCK] for i in range(0, total, CLM_BLOCK)] for k, t in joined.items()}
+        blocks["labels"] = blocks["input_ids"].copy()
+        return blocks
+
+    with args.main_process_first(desc="dataset map tokenization"):
+        tokenized = raw.map(tokenize, batched=True, remove_columns=columns)
+    with args.main_process_first(desc="grouping texts together"):
+        blocks = tokenized.map(group_texts, batched=True)
+    rows = CLM_MICRO * args.gradient_accumulation_steps * args.world_size * CLM_STEPS  # one epoch of CLM_STEPS
+    return blocks["train"].select(range(rows)), blocks["validation"].select(range(CLM_EVAL_ROWS))
+
+
+def preprocess_logits_for_metrics(logits, labels):
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    return logits.argmax(dim=-1)
+
+
+def compute_metrics(eval_preds) -> dict[str, float]:
+    """run_clm.py's next-token accuracy (its `evaluate.load("accuracy")`, computed here: nothing downloaded)."""
+    preds, labels = eval_preds
+    labels, preds = labels[:, 1:].reshape(-1), preds[:, :-1].reshape(-1)
+    return {"accuracy": float((preds == labels).mean())}
+
+
+def run_clm(out: Path, data_dir: Path, stage: int, resume: str | None = None) -> dict:
+    """run_clm.py's calls (train with checkpoints and an evaluation every 2 steps, save_model, the train metrics,
+    save_state, evaluate, the model card) under ZeroTrainer(zero_config=ZeroConfig(stage)); what this rank saw."""
+    args = transformers.TrainingArguments(
+        output_dir=str(out), do_train=True, do_eval=True, per_device_train_batch_size=CLM_MICRO,
+        per_device_eval_batch_size=CLM_MICRO, gradient_accumulation_steps=2, num_train_epochs=1, learning_rate=LR,
+        save_steps=2, eval_strategy="steps", eval_steps=2, logging_steps=1, report_to="none", disable_tqdm=True,
+        seed=SEED, use_cpu=True)
+    tokenizer = byte_tokenizer()
+    train_dataset, eval_dataset = clm_datasets(data_dir, args, tokenizer)
+    trainer = ZeroTrainer(model=hf_model(), args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                          processing_class=tokenizer, data_collator=transformers.default_data_collator,
+                          compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+                          zero_config=zero.ZeroConfig(stage=stage))
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model()  # the whole model (and the tokenizer) in output_dir
+    metrics = {**train_result.metrics, "train_samples": len(train_dataset)}
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    metrics = trainer.evaluate()
+    metrics["eval_samples"] = len(eval_dataset)
+    metrics["perplexity"] = math.exp(metrics["eval_loss"])
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)
+    trainer.create_model_card(finetuned_from="tiny-llama", tasks="text-generation")
+    history = trainer.state.log_history
+    logged = [r for r in history if "loss" in r and "train_loss" not in r]
+    return {"steps": [r["step"] for r in logged], "loss": [r["loss"] for r in logged],
+            "grad_norm": [r["grad_norm"] for r in logged], "global_step": trainer.state.global_step,
+            "engine_steps": trainer.engine.global_steps, "eval": metrics,
+            "evals_in_training": [[r["step"], r["eval_loss"]] for r in history if "eval_loss" in r],
+            "eval_input_ids": eval_dataset["input_ids"]}
+
+
+def plain_eval(model_dir: Path, input_ids: list[list[int]]) -> dict[str, float]:
+    """The saved model's loss and run_clm.py's accuracy over the evaluation blocks in one forward, in this process
+    alone: what evaluate() on 2 processes must give."""
+    from safetensors.torch import load_file
+
+    model = hf_model()
+    model.load_state_dict(load_file(model_dir / "model.safetensors"))
+    ids = torch.tensor(input_ids)
+    with torch.no_grad():
+        output = model(input_ids=ids, labels=ids)
+    accuracy = compute_metrics((output.logits.argmax(-1).numpy(), ids.numpy()))["accuracy"]
+    return {"loss": output.loss.item(), "accuracy": accuracy, "tokens": ids[:, 1:].numel()}
+
+
+def run_clm_stages(out: str, stages: list[int]) -> dict:
+    """run_clm.py at each ZeRO stage in turn (each in its own output directory), then a new trainer resumed from
+    the stage's checkpoint-2; this rank's results, by "<stage>" and "<stage>_resumed"."""
+    out = Path(out)
+    if dist.get_rank() == 0:
+        source = Path(os.__file__).read_text()  # some of the standard library's source as the corpus
+        (out / "data").mkdir(parents=True, exist_ok=True)
+        (out / "data" / "train.txt").write_text(source[:4000])
+        (out / "data" / "validation.txt").write_text(source[4000:5000])
+    dist.barrier()
+    results = {}
+    for stage in stages:
+        results[str(stage)] = run_clm(out / f"stage{stage}", out / "data", stage)
+        results[f"{stage}_resumed"] = run_clm(out / f"stage{stage}_resumed", out / "data", stage,
+                                              resume=str(out / f"stage{stage}" / "checkpoint-2"))
+    eval_ids = [run.pop("eval_input_ids") for run in results.values()][0]
+    results["plain_eval"] = plain_eval(out / f"stage{stages[0]}", eval_ids)
+    return results
+
+
 def main() -> None:
     out, stage, offload = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    with_sp = len(sys.argv) > 4 and sys.argv[4] == "sp"
+    flags = dict(f.partition("=")[::2] for f in sys.argv[4:])  # sp, clm=STAGES (comma separated)
     dist.init_process_group("gloo")  # (the Trainer's Accelerator takes the existing group)
     results, finals = {}, {}
     results["own"], finals["own"] = own_loop(stage, offload)
     results["straight"], finals["straight"] = trainer_run(out / "trainer", stage, offload)
     results["resumed"], finals["resumed"] = trainer_run(out / "resumed", stage, offload,
                                                         resume=str(out / "trainer" / "checkpoint-2"))
-    if with_sp:
+    if "sp" in flags:
         results["sp2"], finals["sp2"] = trainer_run(out / "sp2", stage, offload, sp=2)
     torch.save(finals, out / f"final_rank{dist.get_rank()}.pt")
     if dist.get_rank() == 0:
         (out / "losses.json").write_text(json.dumps(results))
+    if flags.get("clm"):
+        clm = run_clm_stages(str(out / "clm"), [int(s) for s in flags["clm"].split(",")])
+        (out / "clm" / f"results_rank{dist.get_rank()}.json").write_text(json.dumps(clm))
 
 
 if __name__ == "__main__":

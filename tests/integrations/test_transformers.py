@@ -6,7 +6,9 @@ model=hf` from the same save_pretrained weights on the recipe's own batches."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -19,16 +21,21 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 
+# run_clm.py's calls at these ZeRO stages, in the same process pair (with datasets installed)
+CLM_STAGES = (0, 1, 2, 3)
+
+
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf")
-    torchrun([str(REPO / "tests/integrations/hf_run.py"), str(out), "3", "cpu", "sp"])
+    clm = [f"clm={','.join(map(str, CLM_STAGES))}"] if importlib.util.find_spec("datasets") else []
+    torchrun([str(REPO / "tests/integrations/hf_run.py"), str(out), "3", "cpu", "sp", *clm])
     finals = [torch.load(out / f"final_rank{rank}.pt") for rank in (0, 1)]
-    return json.loads((out / "losses.json").read_text()), finals
+    return json.loads((out / "losses.json").read_text()), finals, out
 
 
 def test_trainer_equals_the_engines_own_loop(hf_runs):
-    runs, finals = hf_runs
+    runs, finals, _ = hf_runs
     for key in ("loss", "grad_norm"):
         assert runs["straight"][key] == pytest.approx(runs["own"][key], rel=1e-5, abs=0), key
     assert runs["own"]["loss"][-1] < runs["own"]["loss"][0] - 0.3  # it trains
@@ -38,7 +45,7 @@ def test_trainer_equals_the_engines_own_loop(hf_runs):
 
 
 def test_trainer_resumes_from_its_checkpoint_bit_for_bit(hf_runs):
-    runs, finals = hf_runs
+    runs, finals, _ = hf_runs
     for key in ("loss", "grad_norm"):
         assert runs["resumed"][key] == runs["straight"][key][2:], key
     for final in finals:
@@ -46,13 +53,57 @@ def test_trainer_resumes_from_its_checkpoint_bit_for_bit(hf_runs):
 
 
 def test_sequence_parallel_through_the_adapter(hf_runs):
-    runs, finals = hf_runs
+    runs, finals, _ = hf_runs
     # one data-parallel rank reading both ranks' rows (batch 8): the same global batches as the own loop
     for key in ("loss", "grad_norm"):
         assert runs["sp2"][key] == pytest.approx(runs["own"][key], rel=1e-5, abs=0), key
     for final in finals:
         for name, value in final["own"].items():
             torch.testing.assert_close(final["sp2"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_run_clm_example_at_every_zero_stage(hf_runs):
+    """Transformers' run_clm.py, its Trainer a ZeroTrainer, on 2 processes at each stage: training with checkpoints
+    and an evaluation every 2 steps, save_model, save_state, evaluate with compute_metrics and
+    preprocess_logits_for_metrics, the model card, then a new trainer resumed from checkpoint-2."""
+    pytest.importorskip("datasets")
+    from safetensors.torch import load_file
+
+    out = hf_runs[2] / "clm"
+    ranks = [json.loads((out / f"results_rank{rank}.json").read_text()) for rank in (0, 1)]
+    runs, reference = ranks[0], ranks[0]["0"]
+    assert reference["loss"][-1] < reference["loss"][0] - 0.3  # it trains
+    weights = load_file(out / "stage0" / "model.safetensors")
+    # evaluate() against stage 0's saved model evaluated in one process by a plain forward (rank 0 ran it)
+    plain, one_token = runs["plain_eval"], 1 / runs["plain_eval"]["tokens"]
+    for stage in CLM_STAGES:
+        straight, resumed = runs[str(stage)], runs[f"{stage}_resumed"]
+        for run in (straight, resumed):
+            assert run["steps"] == [1, 2, 3, 4] and run["global_step"] == run["engine_steps"] == 4, (stage, run)
+            assert math.isfinite(run["eval"]["eval_loss"])
+        for key in (str(stage), f"{stage}_resumed"):  # the metrics are gathered over both ranks: the same on each
+            assert ranks[1][key]["eval"]["eval_loss"] == ranks[0][key]["eval"]["eval_loss"], key
+            assert ranks[1][key]["eval"]["eval_accuracy"] == ranks[0][key]["eval"]["eval_accuracy"], key
+        # stage k trains and evaluates as stage 0 (fp32), and evaluates what it trained
+        # (a gradient norm summed from shards in another order: within 1e-5 of stage 0's, 2e-5 after clipping)
+        assert straight["loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=0), stage
+        assert straight["grad_norm"] == pytest.approx(reference["grad_norm"], rel=5e-5, abs=0), stage
+        assert straight["eval"]["eval_loss"] == pytest.approx(plain["loss"], rel=1e-5), stage
+        assert straight["eval"]["eval_accuracy"] == pytest.approx(plain["accuracy"], abs=one_token), stage
+        assert straight["evals_in_training"][0][0] == 2  # evaluated at step 2, then trained on
+        saved = load_file(out / f"stage{stage}" / "model.safetensors")
+        assert_same_state(saved, weights, rtol=1e-5, atol=1e-6)
+        # the resumed trainer continues the same steps bit for bit: losses, evaluations, the final model
+        for key in ("loss", "grad_norm", "evals_in_training"):
+            assert resumed[key] == straight[key], (stage, key)
+        assert resumed["eval"]["eval_loss"] == straight["eval"]["eval_loss"], stage
+        assert_same_state(load_file(out / f"stage{stage}_resumed" / "model.safetensors"), saved)
+        # what run_clm.py leaves in output_dir
+        stage_dir = out / f"stage{stage}"
+        for name in ("config.json", "tokenizer.json", "all_results.json", "eval_results.json", "README.md",
+                     "checkpoint-2/zero", "checkpoint-4/zero"):
+            assert (stage_dir / name).exists(), (stage, name)
+        assert json.loads((stage_dir / "trainer_state.json").read_text())["global_step"] == 4
 
 
 def test_trainer_equals_the_recipe_on_a_hugging_face_model(tmp_path):
