@@ -128,10 +128,12 @@ class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
 
 
 def builds_on_meta(cfg: DictConfig) -> bool:
-    """Stage 3 dense models are built on the meta device and materialised by the engine unit by unit
-    (the model's init_parameter gives the values an eager build would), so no rank holds the whole model.
-    (Not under tensor parallelism: its parameters are slices of what init_parameter fills.)"""
-    return cfg.zero.stage == 3 and not is_moe(cfg) and cfg.parallel.tp == 1
+    """Dense models at stage 3 or under pipeline parallelism are built on the meta device and materialised by the
+    engine (the model's init_parameter gives the values an eager build would): at stage 3 unit by unit, under pp
+    only this rank's stages, so no rank holds the whole model. (Not under tensor parallelism: its parameters are
+    slices of what init_parameter fills; nor MoE models, whose experts take their values as they are built: under
+    pp those are built whole and the pipeline drops the other stages' weights.)"""
+    return (cfg.zero.stage == 3 or cfg.parallel.pp > 1) and not is_moe(cfg) and cfg.parallel.tp == 1
 
 
 def new_model(cfg: DictConfig, meta: bool, dims: zero.ParallelDims) -> nn.Module:
@@ -179,8 +181,8 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
         apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp, exclude=(MoELayer,))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model, offload=cfg.train.offload_activations)
-    # One process per device: the model lives on this rank's GPU where there is one (else the CPU).
-    model = model if meta else model.to(default_device())
+    # One process per device: the model lives on this rank's GPU where there is one (else the CPU); under pp
+    # only this rank's stages do (apply_pipeline leaves the other stages' weights on the meta device).
     if dims.pp > 1:
         p = cfg.parallel
         parallel.pipe = apply_pipeline(model, dims, p.pp_schedule, microbatches=cfg.train.grad_accum,
@@ -188,6 +190,10 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
                                        virtual_stages=p.pp_virtual_stages,
                                        split=None if p.pp_split is None else list(p.pp_split))
         parallel.plans.append(parallel.pipe)
+        if not meta:
+            parallel.pipe.module.to(default_device())
+    elif not meta:
+        model = model.to(default_device())
     return model, parallel
 
 

@@ -2,7 +2,7 @@
 torch.distributed.pipelining's schedules, with the ZeRO engine reducing each stage's gradients.
 
     pipe = apply_pipeline(model, dims, schedule="1f1b", microbatches=m, loss_fn=loss_fn)
-    engine = zero.initialize(pipe.module, ...)           # this rank's stages only
+    engine = zero.initialize(pipe.module, ...)           # this rank's stages only (the rest of `model` is released)
     losses = pipe.train_step(engine, tokens, labels, position_ids=pos)   # m forwards and backwards
     engine.step()
 
@@ -129,6 +129,24 @@ def stage_indices(pp_rank: int, pp: int, v: int, v_shape: bool) -> list[int]:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(v)]
 
+
+
+@torch.no_grad()
+def release_other_stages(model: nn.Module, mine: nn.Module) -> None:
+    """Leave every parameter and buffer of `model` that `mine` (this rank's stages) does not hold on the meta
+    device: the same tensor objects, shapes kept, no storage, so whatever still refers to them (the model, the
+    plans applied before the pipeline) keeps no other stage's weights alive. Tied tensors `mine` holds stay."""
+    kept = {id(t) for t in (*mine.parameters(), *mine.buffers())}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for t in table.values():
+                if t is None or t.is_meta or id(t) in kept:
+                    continue
+                placeholder = torch.empty_like(t, device="meta")
+                if isinstance(t, nn.Parameter):
+                    placeholder = type(t)(placeholder, requires_grad=t.requires_grad)
+                # In place (the object keeps its identity), so the storage goes with the last reference to it.
+                torch.utils.swap_tensors(t, placeholder)
 
 
 # Ask torch's schedules not to keep and merge the last stage's outputs, where their step() takes the argument.
@@ -291,6 +309,7 @@ class Pipeline(Plan):
         self.holds_last_stage = any(p.last for p in plans)
         self.holds_first_stage = any(p.first for p in plans)
         self.tied_params = self._tie(model)
+        release_other_stages(model, self.module)
 
     def _tie(self, model: nn.Module) -> dict[nn.Parameter, dist.ProcessGroup]:
         """Parameters both the first and the last stage use (a tied embedding and head) when those stages
@@ -426,6 +445,10 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, schedule: str = "1f1b",
     embeddings) has a copy on each, with gradients summed. `split` lists the number of layers per stage
     (all pp x virtual stages, in order); by default stages are balanced by parameter count, the embedding counted on
     the first stage and the final norm and head on the last.
+
+    Each rank keeps only its stages' weights: the parameters and buffers of `model` its stages do not hold are left
+    on the meta device (`release_other_stages`), so `model` itself no longer runs. A model built on the meta device
+    stays there, for zero.initialize to materialise this rank's stages alone.
     """
     for part in ("blocks", "pipeline_stage", "pipeline_shapes"):
         contract_of(model, "apply_pipeline", part)

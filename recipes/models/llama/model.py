@@ -334,7 +334,8 @@ class Transformer(nn.Module, ModelContract):
     def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
         """Fill `tensor` with the initial values of parameter `name`: N(0, init_std), output projections of
         residual branches scaled by 1/sqrt(2L) so the residual stream's variance does not grow with depth,
-        RMSNorm gains 1. Seeded by (init_seed, name), so the order of calls does not matter."""
+        RMSNorm gains 1. Seeded by (init_seed, name), so the order of calls does not matter; drawn on the CPU
+        wherever `tensor` lives, as an eager build draws them before the model moves to its device."""
         if name in self._moe_params:
             raise NotImplementedError(f"{name}: per-parameter (meta-device) init of MoE layers is not implemented; "
                                       "build MoE models on a real device")
@@ -345,8 +346,11 @@ class Transformer(nn.Module, ModelContract):
         if name.endswith(("wo.weight", "w2.weight")):
             std /= math.sqrt(2 * self.cfg.n_layers)
         seed = (self.init_seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
-        gen = torch.Generator(device=tensor.device).manual_seed(seed)
-        nn.init.normal_(tensor, 0.0, std, generator=gen)
+        gen = torch.Generator().manual_seed(seed)
+        if tensor.device.type == "cpu":
+            nn.init.normal_(tensor, 0.0, std, generator=gen)
+        else:  # (a CUDA generator would draw other values)
+            tensor.copy_(nn.init.normal_(torch.empty(tensor.shape, dtype=tensor.dtype), 0.0, std, generator=gen))
 
     # ------------------------------------------------------------------ the model contract (zero.contract)
     def blocks(self) -> list[tuple[str, nn.Module]]:
