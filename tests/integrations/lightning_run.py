@@ -75,6 +75,11 @@ class LitLlama(L.LightningModule):
         tokens, labels, positions = shard_sequence(*batch, dims.sp_group)
         self.log("val_loss", logits_loss(self.model(tokens, positions), labels, dims), sync_dist=True)
 
+    def test_step(self, batch, batch_idx):
+        dims = self.trainer.strategy.dims
+        tokens, labels, positions = shard_sequence(*batch, dims.sp_group)
+        self.log("test_loss", logits_loss(self.model(tokens, positions), labels, dims), sync_dist=True)
+
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)
         self.grad_norms.append(self.trainer.strategy.engine.global_grad_norm)
@@ -126,12 +131,79 @@ def straight_and_resumed(run: dict, out: Path) -> dict:
     return {"straight": straight, "first": first, "resumed": resumed}
 
 
+# ---------------------------------------------------------------------------- fit, validate, test at each stage
+
+# rows of the recipe's stream in global order: 4 steps of training, then 2 steps' worth each to validate and test
+SWEEP_TRAIN, SWEEP_VAL, SWEEP_TEST = range(0, 64), range(64, 96), range(96, 128)
+
+
+class LitLlamaRows(LitLlama):
+    """LitLlama reading plain batched DataLoaders, which Lightning splits over the data-parallel ranks with its
+    DistributedSampler (ZeroStrategy.distributed_sampler_kwargs)."""
+
+    def _rows(self, indices: range) -> torch.utils.data.DataLoader:
+        from moe_lst.integrations.accelerate_example import StreamRows
+
+        rows = StreamRows(train_stream(2), len(SWEEP_TRAIN) + len(SWEEP_VAL) + len(SWEEP_TEST))
+        return torch.utils.data.DataLoader(torch.utils.data.Subset(rows, indices), batch_size=MICRO)
+
+    def train_dataloader(self):
+        return self._rows(SWEEP_TRAIN)
+
+    def val_dataloader(self):
+        return self._rows(SWEEP_VAL)
+
+    def test_dataloader(self):
+        return self._rows(SWEEP_TEST)
+
+
+def plain_losses(weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The mean next-token loss of the validation and test rows under `weights`, in this process alone: a plain
+    model and one forward over each whole set."""
+    model = Transformer(model_config())
+    model.load_state_dict(weights)
+    loader = LitLlamaRows(moe=False, meta=False, micro=MICRO)._rows
+    out = {}
+    with torch.no_grad():
+        for name, indices in (("val_loss", SWEEP_VAL), ("test_loss", SWEEP_TEST)):
+            tokens, labels = (torch.cat(t) for t in zip(*loader(indices)))
+            out[name] = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).item()
+    return out
+
+
+def fit_validate_test(stages: list[int], out: Path) -> dict:
+    """At each ZeRO stage: fit 4 steps, then trainer.validate and trainer.test on the same engine; the per-step
+    losses, gradient norms, validation and test losses, and the same two losses of the trained model evaluated in
+    one process. Rank 0 saves each stage's trained model (sweep_stage<k>.pt)."""
+    results = {}
+    for stage in stages:
+        strategy = ZeroStrategy(zero.ZeroConfig(stage=stage))
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP)
+        module = LitLlamaRows(moe=False, meta=False, micro=MICRO)
+        trainer.fit(module)
+        micro = module.micro_losses
+        steps = [sum(micro[i:i + ACCUM]) / ACCUM for i in range(0, len(micro), ACCUM)]
+        result = {"loss": [mean_over_dp(s, strategy.dims) for s in steps], "grad_norm": module.grad_norms,
+                  **trainer.validate(module, verbose=False)[0], **trainer.test(module, verbose=False)[0]}
+        weights = strategy.engine.full_state_dict()
+        result["plain"] = plain_losses(weights)
+        if dist.get_rank() == 0:
+            torch.save(weights, out / f"sweep_stage{stage}.pt")
+        results[str(stage)] = result
+    return results
+
+
 def main() -> None:
     out, runs = Path(sys.argv[1]), json.loads(sys.argv[2])  # {name: run}
     results = {}
     for name, run in runs.items():
         (out / name).mkdir(parents=True, exist_ok=True)
         results[name] = straight_and_resumed(run, out / name)
+    if len(sys.argv) > 3:  # the stages of fit_validate_test, comma separated; what each rank saw
+        sweep = fit_validate_test([int(s) for s in sys.argv[3].split(",")], out)
+        (out / f"sweep_rank{dist.get_rank()}.json").write_text(json.dumps(sweep))
     if dist.get_rank() == 0:
         (out / "losses.json").write_text(json.dumps(results))
 

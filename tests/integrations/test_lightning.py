@@ -31,10 +31,15 @@ RUNS = {
 }
 
 
+# fit, validate and test at these ZeRO stages, in the same processes after RUNS
+SWEEP_STAGES = (0, 1, 2, 3)
+
+
 @pytest.fixture(scope="module")
 def lightning_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("lightning")
-    launch([sys.executable, str(REPO / "tests/integrations/lightning_run.py"), str(out), json.dumps(RUNS)])
+    launch([sys.executable, str(REPO / "tests/integrations/lightning_run.py"), str(out), json.dumps(RUNS),
+            ",".join(map(str, SWEEP_STAGES))])
     return out, json.loads((out / "losses.json").read_text())
 
 
@@ -75,6 +80,26 @@ def test_sequence_and_tensor_parallel_plans(lightning_runs, recipe_zero3, name):
     _check(out / name, losses[name], recipe_zero3, whole_model=name == "sp2", atol=1e-4)  # (tp: rank slices)
     # validation through the parallel layout gives the dp=2 run's value
     assert losses[name]["straight"]["val_loss"] == pytest.approx(losses["zero3"]["straight"]["val_loss"], rel=1e-5)
+
+
+def test_fit_validate_test_at_every_zero_stage(lightning_runs):
+    """fit, then trainer.validate and trainer.test on the same engine, every loader split over the ranks by
+    Lightning's DistributedSampler: at each stage the losses, gradient norms and trained weights of stage 0, and
+    validation and test losses equal to the trained model's evaluated in one process over the whole sets."""
+    out, _ = lightning_runs
+    ranks = [json.loads((out / f"sweep_rank{rank}.json").read_text()) for rank in (0, 1)]
+    reference = ranks[0]["0"]
+    assert reference["loss"][-1] < reference["loss"][0] - 0.3  # it trains
+    first = torch.load(out / "sweep_stage0.pt")
+    for stage in SWEEP_STAGES:
+        run = ranks[0][str(stage)]
+        for key in ("val_loss", "test_loss"):
+            assert ranks[1][str(stage)][key] == run[key], (stage, key)  # synchronised over the ranks
+            assert run[key] == pytest.approx(run["plain"][key], rel=1e-5), (stage, key)
+            assert run[key] == pytest.approx(reference[key], rel=1e-5), (stage, key)
+        assert run["loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=0), stage
+        assert run["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5, abs=0), stage
+        assert_same_state(torch.load(out / f"sweep_stage{stage}.pt"), first, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- one process: what is refused
