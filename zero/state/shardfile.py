@@ -38,6 +38,8 @@ _DTYPES = {
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
     torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
 }
+# the dtypes a numpy array or scalar is stored with (torch.from_numpy's)
+_NUMPY = {d for d in _DTYPES if d not in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)}
 _ALLOWED = ("tensors, numpy arrays and scalars, None, bool, int, float, str, bytes, torch dtypes, devices and "
             "sizes, and lists, tuples and dicts of them")
 
@@ -117,7 +119,6 @@ class _Encoder:
         return self._tensor_key(t, where, path)
 
 
-
 def _join(path: str, key: Any) -> str:
     return f"{path}/{key}" if path else str(key)
 
@@ -157,18 +158,21 @@ class _Decoder:
             for k, v in value:
                 key = self.node(k, f"{where} key")
                 try:
-                    out[key] = self.node(v, f"{where}[{key!r}]")
-                except TypeError:  # an unhashable key
+                    hash(key)
+                except TypeError:
                     raise ShardFormatError(f"{where}: key {json.dumps(k)[:60]} is not hashable") from None
+                out[key] = self.node(v, f"{where}[{key!r}]")
             return out
         if tag == "tuple" and type(value) is list:
             return tuple(self.node(v, f"{where}[{i}]") for i, v in enumerate(value))
         if tag == "tensor":
             return self._get(value, where)
-        if tag == "ndarray":
-            return self._get(value, where).numpy()
-        if tag == "numpy_scalar":
-            return self._get(value, where).numpy()[()]
+        if tag in ("ndarray", "numpy_scalar"):
+            t = self._get(value, where)
+            if t.dtype not in _NUMPY or (tag == "numpy_scalar" and t.dim() != 0):
+                raise ShardFormatError(f"{where}: {json.dumps(node)[:80]} names a {t.dtype} tensor of shape "
+                                       f"{list(t.shape)}, not a numpy {'scalar' if t.dim() else 'array'}")
+            return t.numpy() if tag == "ndarray" else t.numpy()[()]
         if tag == "size" and type(value) is list and all(type(v) is int for v in value):
             return torch.Size(value)
         if tag == "dtype" and type(value) is str and isinstance(getattr(torch, value, None), torch.dtype):
