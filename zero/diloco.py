@@ -4,9 +4,11 @@
 world's ranks split into R contiguous blocks) and whose `replica_group` joins the ranks holding the same part
 of the model in every replica. `DiLoCo(inner, dims, inner_steps=H, outer_lr, outer_momentum, delta_dtype)` is
 an optimizer factory for zero.initialize: each replica steps its engine with `inner` (e.g. zero.FastAdamW), and
-every H optimizer steps the replicas average their deltas from the last synchronised parameters (sent in fp32,
-bf16 or int8 through `zero.dist.comm`) and an outer SGD with Nesterov momentum applies the average. The first
-`warmup_steps` optimizer steps may be ordinary data-parallel steps over all replicas (a synchronous warm start).
+every H engine steps (attempted: a step one replica skips for a non-finite gradient counts there too) the replicas
+average their deltas from the last synchronised parameters (sent in fp32, bf16 or int8 through `zero.dist.comm`)
+and an outer SGD with Nesterov momentum applies the average. The first `warmup_steps` optimizer steps may be
+ordinary data-parallel steps over all replicas (a synchronous warm start). Between synchronisations no collective
+leaves a replica: its layout's groups, its gradient norm included (`world_group`), lie inside it.
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ class ReplicaDims(ParallelDims):
         return self._mesh
 
     @property
+    def world_group(self) -> ProcessGroup | None:
+        """This replica's ranks (None for a replica of one rank): what the engine's whole-layout reductions (the
+        gradient norm under tp) span, so the replicas stay apart between synchronisations."""
+        if self.world_size == 1:
+            return None
+        size = self.world_size
+        return self.group_of([list(range(r * size, (r + 1) * size)) for r in range(self.replicas)],
+                             tag="replica world")
+
+    @property
     def replica_group(self) -> ProcessGroup | None:
         """The ranks at this rank's place in every replica (None for one replica)."""
         return None if self.replicas == 1 else self._root_mesh()["replica"].get_group()
@@ -83,10 +95,10 @@ class ReplicaDims(ParallelDims):
 
 class DiLoCo(BoundOptimizer):
     """Optimizer factory: `inner` (a factory, e.g. zero.FastAdamW(lr=...)) for the inner steps; every `inner_steps`
-    optimizer steps the deltas are averaged over `replica_group` in `delta_dtype` (int8: one fp32 scale per
-    `block` elements) and applied by SGD(outer_lr, momentum=outer_momentum, nesterov=True). The first
-    `warmup_steps` optimizer steps average the gradients over `replica_group` before every inner step (fp32, an
-    all-reduce: ordinary data parallelism over all replicas); the local periods start after them."""
+    inner steps (engine steps, taken or skipped) the deltas are averaged over `replica_group` in `delta_dtype`
+    (int8: one fp32 scale per `block` elements) and applied by SGD(outer_lr, momentum=outer_momentum, nesterov=True).
+    The first `warmup_steps` optimizer steps average the gradients over `replica_group` before every inner step
+    (fp32, an all-reduce: ordinary data parallelism over all replicas); the local periods start after them."""
 
     def __init__(self, inner: Any, replica_group: ProcessGroup | None, *, inner_steps: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, delta_dtype: str = "fp32", block: int = 2048,
@@ -121,12 +133,12 @@ class DiLoCo(BoundOptimizer):
 
 
 class DiLoCoSteps:
-    """One engine's outer loop (built by DiLoCo.bind): every engine step is an inner step; each inner_steps-th
-    also synchronises the replicas."""
+    """One engine's outer loop (built by DiLoCo.bind): every engine step after the warm-up is an inner step, taken
+    or skipped; each inner_steps-th also synchronises the replicas."""
 
     def __init__(self, spec: DiLoCo, engine: Any) -> None:
         self.spec, self.engine = spec, engine
-        self.inner_done = 0  # inner steps since the last synchronisation
+        self.inner_done = 0  # inner steps attempted (taken or skipped) since the last synchronisation
         self.syncs = 0
         # The parameters every replica agreed on at the last synchronisation (fp32, this rank's master shards),
         # taken at the first step (weights loaded after zero.initialize count) and the outer momentum.
@@ -139,6 +151,8 @@ class DiLoCoSteps:
     def step(self) -> bool:
         zo = self.engine.zero_optimizer
         # The engine's count of applied steps (restored with its checkpoints) says whether this is a warm-up step.
+        # Replicas skip warm-up steps together (a non-finite gradient reaches every replica in the average), so
+        # they leave the warm-up at the same step.
         if self.engine.global_steps < self.spec.warmup_steps:
             self.average_gradients()
             return zo.step()  # every replica applies the same averaged gradient: they stay identical
@@ -146,10 +160,12 @@ class DiLoCoSteps:
             self.anchor = [zo.read_master(b).detach().clone() for b in zo.trainable]
             self.momentum = [torch.zeros_like(a) for a in self.anchor]
         stepped = zo.step()
-        if stepped:
-            self.inner_done += 1
-            if self.inner_done == self.spec.inner_steps:
-                self.synchronise()
+        # Every replica counts the inner steps it attempted, taken or skipped (a non-finite gradient on this
+        # replica only, e.g. an fp16 overflow): the replicas then synchronise at the same steps. A skipped step
+        # is an inner step without an update: this replica's delta for the period holds one update fewer.
+        self.inner_done += 1
+        if self.inner_done == self.spec.inner_steps:
+            self.synchronise()
         return stepped
 
     @torch.no_grad()

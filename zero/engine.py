@@ -63,8 +63,9 @@ def _check_factories(optimizer: object, lr_scheduler: object) -> None:
 
 def _norm_group(dims: ParallelDims) -> ProcessGroup | None:
     """The ranks over which the global gradient norm sums: every rank holding distinct gradients, so with
-    tensor or pipeline parallelism the whole world (replicas are divided out per bucket)."""
-    return dims.dp_sp_group if dims.tp == 1 and dims.pp == 1 else dist.group.WORLD
+    tensor or pipeline parallelism every rank of the layout (tp replicas are divided out per bucket). Never
+    beyond the layout: DiLoCo's replicas each clip by their own norm, and talk only when they synchronise."""
+    return dims.dp_sp_group if dims.tp == 1 and dims.pp == 1 else dims.world_group
 
 
 def _check_placements(model: nn.Module, placements: Mapping[str, Placement]) -> dict[str, Placement]:

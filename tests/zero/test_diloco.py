@@ -104,9 +104,10 @@ def _diloco_run(replicas: int, dp: int, stage: int, inner, h: int, steps: int, o
 
 
 def _reference(replicas: int, world: int, inner, h: int, steps: int, outer_lr: float, momentum: float,
-               warmup: int = 0) -> dict:
+               warmup: int = 0, skip: tuple[int, int] | None = None) -> dict:
     """R simulated replicas in one process, each training on its ranks' rows: for `warmup` steps on the mean of
-    the replicas' gradients, then apart, synchronised every h steps from the parameters the warm-up ended at."""
+    the replicas' gradients, then apart, synchronised every h steps from the parameters the warm-up ended at.
+    skip=(replica, step): that replica takes no update at that step (a skipped step), which still counts."""
     per = world // replicas
     models = [build(seed=0) for _ in range(replicas)]
     opts = [inner(m.parameters()) for m in models]
@@ -123,8 +124,9 @@ def _reference(replicas: int, world: int, inner, h: int, steps: int, outer_lr: f
                     mean = torch.stack([p.grad for p in ps]).mean(0)
                     for p in ps:
                         p.grad.copy_(mean)
-        for opt in opts:
-            opt.step()
+        for r, opt in enumerate(opts):
+            if (r, step) != skip:
+                opt.step()
             opt.zero_grad()
         if step >= warmup and (step + 1 - warmup) % h == 0:
             with torch.no_grad():
@@ -251,3 +253,254 @@ def test_replicas_with_expert_parallelism_match_ep1() -> None:
         assert b["losses"] == pytest.approx(a["losses"], rel=1e-5)
         for name, value in a["dense"].items():
             torch.testing.assert_close(b["dense"][name], value, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------ replicas stay apart between syncs (4 ranks, one spawn)
+HANG_S = 30.0  # a collective in flight this long ends the rank (zero.dist.comm's watchdog): a hang fails fast
+CLIP = 0.1  # below every gradient norm of the tp run: each of its steps is clipped, by the norm it reports
+SKIP_AT = (3, 1)  # (rank, step): rank 3 (replica 1) backpropagates a non-finite loss at its second step
+BF16_LR, BF16_STEPS = 0.3, 5
+
+
+def _group_spy(seen: list) -> object:
+    """Record the global ranks of every collective's group that passes through zero.dist.comm (the one door)."""
+    issue = comm._issue
+
+    def spy(kind, ranks, collective, *args, group=None, **kwargs):
+        seen.append((kind, tuple(dist.get_process_group_ranks(group))))
+        return issue(kind, ranks, collective, *args, group=group, **kwargs)
+
+    comm._issue = spy
+    return issue
+
+
+def _tp_tokens(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from tests.parallel.harness import batch
+
+    tokens, labels = batch(step, 0)
+    return tokens[2 * replica : 2 * replica + 2], labels[2 * replica : 2 * replica + 2]
+
+
+def _tp_replicas(steps: int = 3) -> dict:
+    """2 replicas of tp=2 (no dp), SGD clipped at CLIP, a sync after step 3: each step's gradient norm, the
+    parameters not split by tp after the inner steps, and the groups of every collective of each step."""
+    from recipes.models.llama import Transformer
+    from sequence_parallel import sp_loss
+    from tests.parallel.harness import model_config
+    from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+
+    dims = ReplicaDims(replicas=2, tp=2)
+    torch.manual_seed(0)
+    model = Transformer(model_config())
+    plan = apply_tensor_parallel(model, dims.tp_group)
+    optimizer = DiLoCo(INNER_SGD, dims.replica_group, inner_steps=steps, outer_lr=0.7, outer_momentum=0.9)
+    engine = zero.initialize(model, optimizer, zero.ZeroConfig(stage=1, clip_grad_norm=CLIP), dims, plans=[plan])
+    out = {"norms": [], "groups": [], "replica": dims.replica}
+    for step in range(steps):
+        tokens, labels = _tp_tokens(step, dims.replica)
+        seen: list = []
+        issue = _group_spy(seen)
+        try:
+            loss_sum, count = vocab_parallel_cross_entropy(engine(tokens).flatten(0, 1), labels.flatten(),
+                                                           dims.tp_group)
+            engine.backward(sp_loss(loss_sum, count, None))
+            assert engine.step()
+        finally:
+            comm._issue = issue
+        out["norms"].append(engine.global_grad_norm)
+        out["groups"].append(sorted(set(seen)))
+        if step == steps - 2:  # the last inner step before the sync
+            state = engine.full_state_dict()
+            out["whole"] = {k: v for k, v in state.items() if k not in engine.placements}
+    return out
+
+
+def _tp_reference(replica: int, steps: int) -> dict:
+    """One replica alone, unsplit, in one process: its gradient norms and its parameters after `steps` clipped
+    SGD steps."""
+    from recipes.models.llama import Transformer
+    from tests.parallel.harness import model_config
+
+    torch.manual_seed(0)
+    model = Transformer(model_config())
+    opt = INNER_SGD(model.parameters())
+    norms = []
+    for step in range(steps):
+        tokens, labels = _tp_tokens(step, replica)
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+    return {"norms": norms, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _skipped_step(dtype: str) -> dict:
+    """2 replicas of dp=2 (ZeRO-2), a sync every 2 steps; rank SKIP_AT[0] backpropagates inf * loss at step
+    SKIP_AT[1], so its replica skips that step. After each step: how many syncs this rank has taken."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = ReplicaDims(replicas=2, dp=2)
+    optimizer = DiLoCo(INNER_SGD, dims.replica_group, inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    config = zero.ZeroConfig(stage=2, reduce_bucket_size=500, dtype=dtype, initial_loss_scale=1024.0,
+                             loss_scale_hysteresis=1)
+    engine = zero.initialize(build(seed=0), optimizer, config, dims)
+    out = {"syncs": [], "stepped": [], "scales": []}
+    for step in range(6):
+        loss = lm_loss(engine, _rows(step, rank, world))
+        engine.backward(loss * (float("inf") if (rank, step) == SKIP_AT else 1.0))
+        out["stepped"].append(engine.step())
+        out["syncs"].append(engine.step_override.syncs)
+        out["scales"].append(engine.loss_scale)
+    out["params"] = engine.full_state_dict()
+    return out
+
+
+def _bf16_run(lr: float) -> dict:
+    """2 replicas of dp=2 (ZeRO-2) in bf16, inner SGD at `lr`, a sync every 2 steps, each rank on one fixed batch
+    (the model memorises it, so the loss falls fast): each rank's losses and its replica's update of step 1."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = ReplicaDims(replicas=2, dp=2)
+    optimizer = DiLoCo(functools.partial(torch.optim.SGD, lr=lr), dims.replica_group, inner_steps=2,
+                       outer_lr=0.7, outer_momentum=0.9)
+    engine = zero.initialize(build(seed=0), optimizer, zero.ZeroConfig(stage=2, reduce_bucket_size=500,
+                                                                       dtype="bf16"), dims)
+    initial, rows, losses = engine.full_state_dict(), _rows(0, rank, world), []
+    for step in range(BF16_STEPS):
+        loss = lm_loss(engine, rows)
+        engine.backward(loss)
+        assert engine.step()
+        losses.append(loss.item())
+        if step == 0:
+            update = {k: v - initial[k] for k, v in engine.full_state_dict().items()}
+    return {"losses": losses, "update": update, "initial": initial}
+
+
+def _four_ranks() -> dict:
+    comm.start_watchdog(HANG_S, setting="the test's hang timeout")
+    try:
+        return {"tp": _tp_replicas(), "bf16": {lr: _bf16_run(lr) for lr in (BF16_LR, 0.0)},
+                "skip": {dtype: _skipped_step(dtype) for dtype in ("fp32", "fp16")}}
+    finally:
+        comm.stop_watchdog()
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return run_multirank(_four_ranks, 4, timeout=400)
+
+
+def test_tp_replica_norm_is_its_own_and_inner_steps_stay_inside_it(four_ranks) -> None:
+    """tp=2 x 2 replicas: the gradient norm each replica reports and clips by is the norm of that replica run alone
+    (not summed over the replicas: sqrt(2) too large), and no collective of an inner step leaves the replica."""
+    refs = {r: _tp_reference(r, 2) for r in (0, 1)}
+    for rank, got in enumerate(four_ranks):
+        tp = got["tp"]
+        replica, want = tp["replica"], refs[tp["replica"]]
+        assert replica == rank // 2
+        assert tp["norms"][:2] == pytest.approx(want["norms"], rel=1e-5), (tp["norms"], want["norms"])
+        assert min(want["norms"]) > CLIP  # (so the clipped update depends on the norm)
+        for name, value in tp["whole"].items():  # after two clipped inner steps, the replica's parameters
+            torch.testing.assert_close(value, want["params"][name], rtol=1e-5, atol=1e-6)
+        mine = set(range(2 * replica, 2 * replica + 2))
+        for step in (0, 1):
+            assert tp["groups"][step] and all(set(ranks) <= mine for _, ranks in tp["groups"][step]), tp["groups"]
+        assert any(not set(ranks) <= mine for _, ranks in tp["groups"][2])  # the sync crosses (the spy sees it)
+
+
+def test_a_step_skipped_on_one_replica_keeps_the_sync_schedule(four_ranks) -> None:
+    """A non-finite gradient on one replica (an fp16 overflow, or a spike) skips its update there only; the replicas
+    still synchronise after the same attempted steps (2, 4, 6), so none waits on a peer in another collective (a
+    hang ends the rank within HANG_S), and the skipped step is an inner step without an update: in fp32 the run
+    equals the simulated replicas with replica 1's update of that step left out."""
+    skip_rank, skip_step = SKIP_AT
+    want = _reference(2, 4, INNER_SGD, 2, 6, 0.7, 0.9, skip=(skip_rank // 2, skip_step))
+    for rank, got in enumerate(four_ranks):
+        for dtype, run in got["skip"].items():
+            assert run["syncs"] == [0, 1, 1, 2, 2, 3], (dtype, rank, run["syncs"])
+            skipped = rank // 2 == skip_rank // 2
+            assert run["stepped"] == [not (skipped and s == skip_step) for s in range(6)], (dtype, rank)
+        fp16 = got["skip"]["fp16"]["scales"]  # the overflowing replica halves its loss scale, the other does not
+        assert fp16[skip_step] == (512.0 if rank // 2 == skip_rank // 2 else 1024.0)
+        for name, value in want.items():
+            torch.testing.assert_close(got["skip"]["fp32"]["params"][name], value, rtol=0, atol=1e-6)
+
+
+def _bf16_reference(lr: float) -> dict:
+    """_bf16_run in one process: each replica's fp32 masters, weights rounded to bf16 for the forward and backward of
+    each of its ranks' batches, the ranks' bf16 gradients averaged in fp32 (as one rank accumulating two micro
+    batches does), SGD on the masters, the outer step every 2 steps on the masters."""
+    world, replicas, per = 4, 2, 2
+    compute = build(seed=0).to(torch.bfloat16)
+    masters = [[torch.nn.Parameter(p.detach().float()) for p in compute.parameters()] for _ in range(replicas)]
+    opts = [torch.optim.SGD(m, lr=lr) for m in masters]
+    anchor = [p.detach().clone() for p in masters[0]]
+    buf = [torch.zeros_like(a) for a in anchor]
+    names = [n for n, _ in compute.named_parameters()]
+    losses: list[list[float]] = [[] for _ in range(world)]
+    update = {}
+    for step in range(BF16_STEPS):
+        for r in range(replicas):
+            with torch.no_grad():
+                for p, m in zip(compute.parameters(), masters[r]):
+                    p.copy_(m)  # rounded to bf16
+            grads = [torch.zeros_like(m) for m in masters[r]]
+            for g in range(r * per, (r + 1) * per):
+                loss = lm_loss(compute, _rows(0, g, world))
+                loss.backward()
+                losses[g].append(loss.item())
+                for acc, p in zip(grads, compute.parameters()):
+                    acc.add_(p.grad.float())
+                compute.zero_grad()
+            for m, acc in zip(masters[r], grads):
+                m.grad = acc.mul_(1 / per)
+            before = [m.detach().clone() for m in masters[r]]
+            opts[r].step()
+            if step == 0:
+                update[r] = {n: m.detach() - b for n, m, b in zip(names, masters[r], before)}
+        if (step + 1) % 2 == 0:
+            with torch.no_grad():
+                for i, a in enumerate(anchor):
+                    average = torch.stack([a - m[i] for m in masters]).mean(0)
+                    buf[i].mul_(0.9).add_(average)
+                    a.sub_(average + 0.9 * buf[i], alpha=0.7)
+                    for m in masters:
+                        m[i].copy_(a)
+    return {"losses": losses, "update": update}
+
+
+# bf16 has an 8-bit significand: one rounding (to nearest) moves a value by at most u = 2^-8 of itself. The replicas'
+# run and the reference compute every rank's forward and backward on the same bf16 weights (bitwise the same); they
+# differ in the one reduction between: ZeRO-2's reduce-scatter sums the 2 ranks' bf16 gradients in bf16 (one
+# rounding, <= u of the sum) where the reference sums them in fp32. So step 1's update (lr x that sum / 2, on fp32
+# masters) is within u of the reference's, element by element, plus a few fp32 ulps of the parameter from the
+# master's own rounding. Measured: 0.996 u at worst (the bound is attained), so the update is compared at 2u, room
+# for a backend that rounds the sum twice. After step 1 a master that differs by that much can round to a
+# neighbouring bf16 weight (one ulp, <= 2u of it), and each rank's loss is itself a bf16 value (spacing <= 2u of it):
+# the losses are compared at 2 bf16 spacings, 4u = 2^-6 ~ 1.6% (measured: equal at all 5 steps, no weight crossed a
+# rounding boundary). The lr=0 control is off by all of its update (256 u: 128x the tolerance) and by 20-28% in loss
+# by step 5 (its loss stays at the first step's as the reference's falls 0.6-0.8 from ~3.8): both far outside.
+BF16_U = 2.0**-8
+BF16_UPDATE_RTOL, BF16_LOSS_RTOL = 2 * BF16_U, 4 * BF16_U
+
+
+def _bf16_deviation(run: dict, ref: dict, rank: int) -> tuple[float, float]:
+    """(the largest |update - reference| / its tolerance over every element of step 1's update, the largest relative
+    loss difference over the steps) of one rank's run; the first > 1 means outside the tolerance."""
+    want = ref["update"][rank // 2]
+    worst = 0.0
+    for name, value in run["update"].items():
+        floor = 4 * torch.finfo(torch.float32).eps * run["initial"][name].abs()  # the fp32 master's rounding
+        allowed = BF16_UPDATE_RTOL * want[name].abs() + floor + 1e-12
+        worst = max(worst, float(((value - want[name]).abs() / allowed).max()))
+    losses = ref["losses"][rank]
+    return worst, max(abs(a - b) / abs(b) for a, b in zip(run["losses"], losses))
+
+
+def test_bf16_replicas_of_dp2_equal_the_bf16_reference_and_lr0_does_not(four_ranks) -> None:
+    ref = _bf16_reference(BF16_LR)
+    for rank, got in enumerate(four_ranks):
+        update, loss = _bf16_deviation(got["bf16"][BF16_LR], ref, rank)
+        assert update <= 1.0 and loss <= BF16_LOSS_RTOL, (rank, update, loss)
+        frozen_update, frozen_loss = _bf16_deviation(got["bf16"][0.0], ref, rank)
+        assert frozen_update > 10 and frozen_loss > 2 * BF16_LOSS_RTOL, (rank, frozen_update, frozen_loss)
+        assert ref["losses"][rank][0] - ref["losses"][rank][-1] > 0.1  # (the reference learns its batch)

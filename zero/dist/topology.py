@@ -91,6 +91,11 @@ class ParallelDims:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def world_group(self) -> ProcessGroup | None:
+        """Every rank of this layout (None for one rank): the world (zero.diloco.ReplicaDims: its replica)."""
+        return dist.group.WORLD if self.distributed else None
+
     # ---------------------------------------------------------------- mesh
     @property
     def mesh(self):
