@@ -458,6 +458,7 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.optim.grad_clip < 0:
         raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip!r} must be >= 0 (0 turns clipping off)")
     check_optimizer(cfg)
+    check_activations(cfg)
     if cfg.wandb.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} must be one of offline, online, disabled")
     if not is_hf(cfg):  # (model=hf: check_hf_model)
@@ -638,6 +639,27 @@ def check_model(cfg: DictConfig) -> None:
             raise ConfigError(f"model.moe.top_k={m.top_k} must be in [1, model.moe.num_experts={m.num_experts}]")
         if m.router not in ("softmax", "sigmoid"):
             raise ConfigError(f"model.moe.router={m.router!r} must be softmax or sigmoid")
+    check_tiled_mlp(cfg, sum(not model.is_moe_layer(i) for i in range(model.n_layers)),
+                    f"the model (model.moe.num_experts={m.num_experts}, every={m.every}, first_dense={m.first_dense})")
+
+
+def check_tiled_mlp(cfg: DictConfig, dense_mlps: int, model: str) -> None:
+    """train.tiled_mlp tiles the dense MLPs only (MoE layers stay whole: their router statistics are per sequence),
+    so a model whose every feed-forward is MoE would tile nothing: refused. `dense_mlps`: its dense MLP layers;
+    `model`: how the message names it."""
+    if cfg.train.tiled_mlp and not dense_mlps:
+        raise ConfigError(f"train.tiled_mlp={cfg.train.tiled_mlp}: {model} has no dense MLP to tile (its MoE layers "
+                          "are not tiled: their router statistics are per sequence); set train.tiled_mlp=0")
+
+
+def check_activations(cfg: DictConfig) -> None:
+    """train.offload_activations moves the layer inputs that activation checkpointing saves: without it there is
+    nothing to offload."""
+    t = cfg.train
+    if t.offload_activations and not t.activation_checkpointing:
+        raise ConfigError("train.offload_activations=true offloads the layer inputs that activation checkpointing "
+                          "saves, and train.activation_checkpointing=false saves none: set "
+                          "train.activation_checkpointing=true, or train.offload_activations=false")
 
 
 def check_layout(cfg: DictConfig) -> None:
@@ -813,10 +835,7 @@ def check_hf_model(cfg: DictConfig) -> None:
                           "(adopt_moe_blocks, which swaps them for this project's MoE) is not available")
     if cfg.parallel.ep > 1 and not hf_is_moe(config):
         raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model_type {config.model_type} is dense)")
-    if cfg.train.tiled_mlp and not dense_mlp_layers(config):
-        raise ConfigError(f"train.tiled_mlp={cfg.train.tiled_mlp}: model_type {config.model_type} has no dense MLP to "
-                          "tile (its sparse-MoE blocks are not tiled: their router statistics are per sequence); "
-                          "set train.tiled_mlp=0")
+    check_tiled_mlp(cfg, len(dense_mlp_layers(config)), f"model_type {config.model_type}")
     if _positive_int(cfg, "train.crop_check_tokens", minimum=0):
         raise ConfigError("train.crop_check_tokens needs the project's Llama with sliding-window sparse attention; "
                           "set it to 0 with model=hf")

@@ -122,3 +122,26 @@ def test_yaml_files_list_only_what_differs(path, schema):
     defaults = OmegaConf.to_container(OmegaConf.structured(schema))
     assert not {k for k, v in listed.items() if defaults.get(k) == v}, f"{path} repeats its schema's defaults"
     assert set(listed) <= set(defaults)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # every feed-forward of moe_tiny is MoE, which a tiled MLP leaves whole: nothing would be tiled
+    (["model=moe_tiny", "train.tiled_mlp=2"], "train.tiled_mlp=2: the model (model.moe.num_experts=8, every=1, "
+     "first_dense=0) has no dense MLP to tile (its MoE layers are not tiled: their router statistics are per "
+     "sequence); set train.tiled_mlp=0"),
+    (["train.offload_activations=true"], "train.offload_activations=true offloads the layer inputs that activation "
+     "checkpointing saves, and train.activation_checkpointing=false saves none: set "
+     "train.activation_checkpointing=true, or train.offload_activations=false"),
+])
+def test_settings_that_would_do_nothing_are_refused(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        check_config(_compose(f"run_dir={tmp_path}", *overrides))
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=moe_tiny", "model.moe.first_dense=1", "train.tiled_mlp=2"],  # layer 0's dense MLP is tiled
+    ["train.offload_activations=true", "train.activation_checkpointing=true"],
+])
+def test_the_same_settings_where_they_work_are_accepted(tmp_path, overrides):
+    check_config(_compose(f"run_dir={tmp_path}", *overrides))
