@@ -11,7 +11,13 @@ verified and consolidated from their shards (`zero.open_checkpoint`, `zero.conso
 
 A run of a Hugging Face model (`model=hf`) is written by transformers' own `save_pretrained` from the model's
 config.json (the run directory's hf_config.json) and the consolidated weights, which already carry Hugging Face's
-names: any model type the adapter trains (recipes.models.hf) exports, loading back to the same logits.
+names: any model type the adapter trains (recipes.models.hf) exports, loading back to the same logits, with its dense
+attention (a run with model.attention=sparse is refused: no transformers config expresses block-sparse attention).
+
+Every rule is checked from the run's config before a checkpoint is read (`check_exportable`, `check_hf_exportable`):
+an MoE Llama trained with aux-loss-free balancing (model.moe.bias_update_rate > 0) has a router bias Mixtral lacks and
+is refused there. The recipe itself never exports (export is this separate command), so a run is not refused for what
+its export would refuse; these two functions are the one place such a rule is written.
 
 The weight adapter itself (config.json and tensor names / layouts, both directions) is
 `recipes.models.llama.state_dict`; its names are importable from here as well: `import_hf(directory)` reads
@@ -46,8 +52,9 @@ from recipes.models.llama.state_dict import (
     weight_mismatches,
 )
 
-__all__ = ["EXPERT_LAYOUTS", "ExportError", "check_exportable", "consolidate", "export", "from_hf", "hf_config",
-           "import_hf", "main", "model_config_from_hf", "save_hf", "to_hf", "weight_keys", "weight_mismatches"]
+__all__ = ["EXPERT_LAYOUTS", "ExportError", "check_exportable", "check_hf_exportable", "consolidate", "export", "from_hf",
+           "hf_config", "import_hf", "main", "model_config_from_hf", "save_hf", "to_hf", "weight_keys",
+           "weight_mismatches"]
 
 
 def consolidate(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -84,10 +91,24 @@ def export(source: str | Path, out_dir: str | Path, experts: str = "per_expert")
     return save_hf(state, cfg, out_dir, experts)
 
 
+def check_hf_exportable(run_cfg, run_dir: Path) -> None:
+    """Raise ExportError unless a model=hf run's model is what its transformers config describes: its attention
+    (model.attention=sparse trains block-sparse attention, which no transformers config can express, so the
+    exported model would attend densely and give other logits)."""
+    attention = run_cfg.model.get("attention", "dense")
+    if attention != "dense":
+        layout = run_cfg.model.sparse.get("layout") if attention == "sparse" else None
+        raise ExportError(f"{run_dir} was trained with model.attention={attention}"
+                          f"{f' (layout {layout})' if layout else ''}: transformers has "
+                          "no block-sparse attention to express it, so the export would be a dense-attention model "
+                          "with other outputs; only model=hf runs with model.attention=dense export")
+
+
 def export_hf(run_dir: Path, run_cfg, checkpoint: Path, out_dir: str | Path, experts: str) -> Path:
     """A model=hf run's checkpoint as a Hugging Face directory (save_pretrained), MoE experts per expert or fused."""
     from recipes.models.hf import HFConfigError, load_config, save_weights
 
+    check_hf_exportable(run_cfg, run_dir)  # before the consolidation, which reads every shard
     written = run_dir / HF_CONFIG_FILE
     try:
         config = load_config(written) if written.is_file() else hf_model_config(run_cfg)

@@ -2,6 +2,7 @@
 its experts fused) and in ours; import of what `transformers` itself saves, in either expert layout."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -204,3 +205,73 @@ def test_init_from_under_tensor_parallelism_matches_one_rank(exported, tmp_path)
     assert ours.keys() == theirs.keys()
     for name, value in ours.items():
         torch.testing.assert_close(theirs[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _run_dir_of(tmp_path, *overrides):
+    """A run directory as the recipe leaves it (its config.yaml, a checkpoint directory) for a config that the export
+    must refuse from the config alone: the checkpoint is empty, so only a refusal before any shard is read passes."""
+    from omegaconf import OmegaConf
+
+    from tests.recipes.test_pretrain import _cfg
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_0000002").mkdir(parents=True)
+    OmegaConf.save(_cfg(run, *overrides), run / "config.yaml", resolve=True)
+    return run
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # a Hugging Face model trained with block-sparse attention: transformers would load it as a dense one
+    (["model=hf", "model.hf.config=unused", "model.attention=sparse", "model.sparse.layout=sliding_window"],
+     "{run} was trained with model.attention=sparse (layout sliding_window): transformers has no block-sparse "
+     "attention to express it, so the export would be a dense-attention model with other outputs; only model=hf "
+     "runs with model.attention=dense export"),
+    # aux-loss-free balancing trains a router bias Mixtral lacks: refused before the shards are consolidated
+    (["model=moe_tiny", "model.moe.bias_update_rate=1e-3"],
+     "this MoE model has no Mixtral equivalent: model.moe.bias_update_rate=0.001 trains a per-expert selection bias "
+     "(aux-loss-free balancing), which Mixtral's router does not have"),
+])
+def test_export_refuses_from_the_run_config_before_reading_a_checkpoint(tmp_path, capsys, overrides, message):
+    from recipes.export import main
+
+    run = _run_dir_of(tmp_path, *overrides)
+    with pytest.raises(SystemExit) as exited:
+        main([str(run), str(tmp_path / "hf")])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"error: {message.format(run=run)}\n"
+    assert not (tmp_path / "hf").exists()
+
+
+def test_the_recipe_trains_what_its_export_would_refuse(tmp_path):
+    """Export is its own command (the recipe never exports), so a run is not refused for what its export would be."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import check_config
+
+    run = _run_dir_of(tmp_path, "model=moe_tiny", "model.moe.bias_update_rate=1e-3")
+    check_config(OmegaConf.load(run / "config.yaml"))
+
+
+def test_a_non_zero_expert_bias_in_the_weights_is_refused_by_the_same_rule(tmp_path):
+    model = _model(True, False)
+    model.layers[1].feed_forward.router.expert_bias[2] = 0.5
+    with pytest.raises(ExportError, match="no Mixtral equivalent: layer 1's router has a non-zero expert bias"):
+        save_hf(model.state_dict(), model.cfg, tmp_path)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_exported_files_follow_the_umask(tmp_path, mask):
+    """model.safetensors (written by safetensors as a 0600 temporary file renamed into place) gets the mode every
+    other file gets, 0666 less the umask, beside config.json: from our Llama's export and through save_pretrained."""
+    from recipes.models.hf import save_weights
+
+    theirs = _hf_model(True, False)
+    old = os.umask(mask)
+    try:
+        save_hf(_model(True, False).state_dict(), _model(True, False).cfg, tmp_path / "ours")
+        save_weights(theirs.state_dict(), theirs.config, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in sorted(tmp_path.glob("*/*"))}
+    assert {"ours/model.safetensors", "ours/config.json", "hf/model.safetensors", "hf/config.json"} <= set(modes)
+    assert set(modes.values()) == {oct(0o666 & ~mask)}, modes

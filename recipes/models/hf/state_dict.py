@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedConfig
 from transformers.initialization import no_init_weights
 
+from recipes.models.files import follow_umask
 from recipes.models.hf.config import HFConfigError, load_config
 
 #: Config keys that decide parameter names and shapes, named when two models' weights do not fit each other.
@@ -100,4 +101,5 @@ def save_weights(state: dict[str, torch.Tensor], config: PreTrainedConfig, out_d
         raise HFConfigError(f"the state dict lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, save_original_format=original_format)
+    follow_umask(*out_dir.glob("*.safetensors"))  # (save_pretrained writes them through safetensors' save_file)
     return out_dir

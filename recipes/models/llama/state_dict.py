@@ -49,8 +49,9 @@ def _rope_order(rows: int, head_dim: int, inverse: bool = False) -> torch.Tensor
     return (torch.arange(0, rows, head_dim)[:, None] + per_head[None, :]).reshape(-1)
 
 
-def check_exportable(cfg: ModelConfig) -> None:
-    """Raise ExportError unless the model has a Llama / Mixtral equivalent."""
+def check_exportable(cfg: ModelConfig, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Raise ExportError unless the model has a Llama / Mixtral equivalent: every rule of the export, from the
+    config alone (before a checkpoint is read) and, with `state`, from its values."""
     if cfg.attention != "dense":
         raise ExportError(f"model.attention={cfg.attention} has no Hugging Face Llama / Mixtral equivalent (their "
                           "attention is dense); only dense-attention models export")
@@ -64,6 +65,15 @@ def check_exportable(cfg: ModelConfig) -> None:
         problems.append("the router must be softmax renormalised over the top k, without groups")
     if m.activation != "swiglu" or m.num_shared_experts:
         problems.append("experts must be SwiGLU, without shared experts")
+    if m.bias_update_rate:  # (its training moves the bias off zero at the first step whose loads differ)
+        problems.append(f"model.moe.bias_update_rate={m.bias_update_rate} trains a per-expert selection bias "
+                        "(aux-loss-free balancing), which Mixtral's router does not have")
+    for i in range(cfg.n_layers) if state is not None else ():
+        bias = state.get(f"layers.{i}.feed_forward.router.expert_bias")
+        if cfg.is_moe_layer(i) and bias is not None and bias.abs().max() > 0:
+            problems.append(f"layer {i}'s router has a non-zero expert bias (aux-loss-free balancing), which "
+                            "Mixtral's router does not have")
+            break
     if problems:
         raise ExportError("this MoE model has no Mixtral equivalent: " + "; ".join(problems))
 
@@ -148,7 +158,7 @@ def _renamed(src: dict[str, torch.Tensor], cfg: ModelConfig, to_hf: bool) -> dic
 
 def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, experts: str = "per_expert") -> dict[str, torch.Tensor]:
     """Our full state dict -> Hugging Face tensor names and layouts (experts: one of EXPERT_LAYOUTS)."""
-    check_exportable(cfg)
+    check_exportable(cfg, state)
     if experts not in EXPERT_LAYOUTS:
         raise ExportError(f"experts={experts!r} must be one of {', '.join(EXPERT_LAYOUTS)}")
     hd = cfg.head_dim
@@ -159,10 +169,6 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, experts: str = "per_
         out[q + "self_attn.q_proj.weight"] = wq[_rope_order(wq.shape[0], hd)]
         out[q + "self_attn.k_proj.weight"] = wk[_rope_order(wk.shape[0], hd)]
         if cfg.is_moe_layer(i):
-            bias = state.get(p + "feed_forward.router.expert_bias")
-            if bias is not None and bias.abs().max() > 0:
-                raise ExportError(f"layer {i}'s router has a non-zero expert bias (aux-loss-free balancing), "
-                                  "which Mixtral's router does not have")
             router = state[p + "feed_forward.router.weight"]
             # w_in [E, H, 2I] (gate columns, then up), w_out [E, I, H]
             w_in, w_out = state[p + "feed_forward.experts.w_in"], state[p + "feed_forward.experts.w_out"]
@@ -214,12 +220,12 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Te
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
             experts: str = "per_expert") -> Path:
     """Write `model.safetensors` and `config.json` for our full state dict into out_dir."""
-    from safetensors.torch import save_file
+    from recipes.models.files import save_safetensors
 
     tensors = to_hf(state, cfg, experts)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
     return out_dir
 
