@@ -55,6 +55,7 @@ from recipes.models.llama.state_dict import ExportError, import_hf, weight_misma
 from recipes.preempt import Preempted, StopSignals, exit_code
 from recipes.reports import expert_load_media, memory_metrics, moe_stats, moe_step_metrics, report_expert_load
 from recipes.run_dir import (
+    CheckpointWriteError,
     check_resumed_config,
     lock_run_dir,
     read_result,
@@ -499,8 +500,26 @@ class Run:
         kept = f"step {self.saved_step}" if self.saved_step else "none"
         self.stop.phase = f"saving the checkpoint of step {done} (the newest complete one, {kept}, is intact)"
         t = self.cfg.train
-        save_checkpoint(self.engine, self.run_dir, done, self.is_rank0, t.keep_checkpoints, self.run_id)
+        try:
+            save_checkpoint(self.engine, self.run_dir, done, self.is_rank0, t.keep_checkpoints, self.run_id)
+        except CheckpointWriteError as e:
+            if self.is_rank0:
+                self.record_write_failure(e, done)
+            raise
         self.saved_step = done
+
+    def record_write_failure(self, error: CheckpointWriteError, done: int) -> None:
+        """Rank 0: result.json says the checkpoint of step `done` could not be written (and for want of space, the
+        bytes it needs and those free), and which intact checkpoint the same command resumes from."""
+        kept = self.saved_step
+        try:
+            write_result(self.run_dir, {
+                "status": "checkpoint_failed", "step": done, "checkpoint": f"checkpoints/step_{done:07d}",
+                "resume_from": f"checkpoints/step_{kept:07d}" if kept else None, "bytes_needed": error.needed,
+                "bytes_free": error.free, "message": str(error), "val_loss": self.val_loss})
+        except OSError as e:
+            error.args = (f"{error}; {self.run_dir / 'result.json'} could not be written either "
+                          f"({e.strerror or e})",)
 
     def stop_if_signalled(self, done: int) -> None:
         """At the boundary after step `done`: when any rank got a stop signal (one collective, every rank
@@ -691,6 +710,8 @@ def main(cfg: DictConfig) -> None:
         report(e, 2, stop)
     except DivergenceError as e:
         report(e, 3, stop)
+    except CheckpointWriteError as e:  # (a full disk, a quota): the previous checkpoints are intact
+        report(e, 5, stop)
     except Preempted as e:
         report(e, e.exit_code)  # 128 + the signal's number: 143 SIGTERM, 130 SIGINT, 138 SIGUSR1
     except HangError as e:

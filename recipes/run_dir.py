@@ -3,6 +3,7 @@ checkpoints (saving, the keep policy, which one a run resumes from) and its resu
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
@@ -190,17 +191,89 @@ def resume(engine: zero.Engine, run_dir: Path, cfg: DictConfig, is_rank0: bool) 
     return 0
 
 
+class CheckpointWriteError(Exception):
+    """A checkpoint that the file system refused to take (no space left, over quota, not writable); the message
+    names it and, for space, the bytes it needs and those free. The previous checkpoints are intact."""
+
+    def __init__(self, message: str, path: Path, needed: int | None = None, free: int | None = None) -> None:
+        super().__init__(message)
+        self.path, self.needed, self.free = path, needed, free
+
+
+#: errno values that mean the disk (or the user's quota) has no room left.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
 def save_checkpoint(engine, run_dir: Path, step: int, is_rank0: bool, keep: int = 0,
                     run_id: str | None = None) -> None:
-    """Save step `step`, point `latest` at it, and keep only the newest `keep` checkpoints (0: all)."""
+    """Save step `step`, point `latest` at it, and keep only the newest `keep` checkpoints (0: all). A save the
+    file system refuses (an OSError on any rank: no space, over quota, not writable) raises CheckpointWriteError
+    on every rank, the previous checkpoints intact."""
     name = f"step_{step:07d}"
-    engine.save_checkpoint(run_dir / "checkpoints" / name,
-                           client_state={"step": step, "rng": torch.get_rng_state()}, run_id=run_id)
+    path = run_dir / "checkpoints" / name
+    try:
+        engine.save_checkpoint(path, client_state={"step": step, "rng": torch.get_rng_state()}, run_id=run_id)
+    except Exception as e:
+        # (zero's save fails on every rank together, and each rank's own error is the cause on that rank)
+        raise _write_failure(engine, path, e) from e
     if is_rank0:  # the pointer moves only after the checkpoint is complete
-        atomic_write_text(run_dir / "checkpoints" / "latest", name)
+        try:
+            atomic_write_text(run_dir / "checkpoints" / "latest", name)
+        except OSError as e:
+            raise CheckpointWriteError(f"checkpoint {path} was saved, but its pointer {run_dir / 'checkpoints'}/latest "
+                                       f"could not be written ({e.strerror or e}); resuming finds the checkpoint "
+                                       "without it", path) from None
         for old in checkpoints(run_dir)[keep:] if keep else []:
             shutil.rmtree(old, ignore_errors=True)
     comm.barrier()
+
+
+def _write_failure(engine, path: Path, error: Exception) -> Exception:
+    """A failed collective save as CheckpointWriteError when an OSError caused it on any rank (every rank takes
+    part: they all failed together); any other error as it is. For no space: the checkpoint's size (every
+    rank's tensors) and the space free where it goes."""
+    cause = next((e for e in (error, error.__cause__) if isinstance(e, OSError)), None)
+    own = (cause.errno, cause.strerror or str(cause)) if cause is not None else None
+    try:
+        size = _tensor_bytes(engine.state_dict(file_backed=True))
+    except Exception:  # noqa: BLE001 - the size is for the message only
+        size = 0
+    world = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    causes = comm.all_gather_object((own, size), world)
+    failures = [(rank, c) for rank, (c, _) in enumerate(causes) if c is not None]
+    if not failures:
+        return error
+    rank, (number, reason) = next(((r, c) for r, c in failures if c[0] in NO_SPACE), failures[0])
+    where = f" on rank {rank}" if world is not None else ""
+    if number not in NO_SPACE:
+        return CheckpointWriteError(f"checkpoint {path} could not be written{where}: {reason}; the previous "
+                                    "checkpoints are intact: make the run_dir writable, then run the same command "
+                                    "to resume", path)
+    needed = sum(size for _, size in causes)
+    free = shutil.disk_usage(path.parent).free
+    return CheckpointWriteError(
+        f"checkpoint {path} could not be written{where}: {reason} (it needs about {_size(needed)}, {_size(free)} are "
+        f"free there); the previous checkpoints are intact: free at least {_size(max(needed - free, 0))} or lower "
+        "train.keep_checkpoints, then run the same command to resume", path, needed, free)
+
+
+def _tensor_bytes(state) -> int:
+    """The bytes of every tensor in a (nested) state: what its checkpoint shard holds, less a small header."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in state)
+    return 0
+
+
+def _size(n: int) -> str:
+    """A byte count exact and readable: '12,345,678 bytes (11.8 MiB)'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n:,} bytes ({n / scale:.1f} {unit})"
+    return f"{n:,} bytes"
 
 
 def finite_or_none(value):

@@ -179,3 +179,32 @@ def test_a_rank_that_sleeps_inside_a_step_ends_the_run_within_the_timeout(tmp_pa
     assert 5 <= ended - stalled < 5 + 4  # checks every 0.5 s; torchrun's teardown of the sleeper
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["status"] == "hung" and result["step"] == 3 and result["rank"] == 0
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_with_a_result_and_the_previous_checkpoint_intact(tmp_path):
+    """The disk fills up while step 4's checkpoint is written (tests/recipes/full_disk.py: ENOSPC after 4 KiB of
+    the shard): one line naming the checkpoint, the bytes it needs and those free, exit 5, result.json saying so,
+    and step 2's checkpoint (the newest complete one) intact and still the one a resume takes."""
+    cmd = [sys.executable, "-m", "tests.recipes.full_disk", "4", *TINY, f"run_dir={tmp_path}", "train.steps=6",
+           "train.ckpt_every=2", "train.eval_every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    line = proc.stderr.strip()
+    path = _ckpt(tmp_path, 4)
+    match = re.fullmatch(rf"error: checkpoint {re.escape(str(path))} could not be written: No space left on device "
+                         r"\(it needs about ([\d,]+) bytes \([\d.]+ [KMG]iB\), ([\d,]+) bytes \([\d.]+ [KMG]iB\) are "
+                         r"free there\); the previous checkpoints are intact: free at least .+ or lower "
+                         r"train.keep_checkpoints, then run the same command to resume", line)
+    assert match, line
+    needed, free = (int(g.replace(",", "")) for g in match.groups())
+    shard = _ckpt(tmp_path, 2) / "rank00000.safetensors"
+    assert 0.9 * shard.stat().st_size < needed <= shard.stat().st_size  # the tensors: the shard less its header
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "checkpoint_failed" and result["step"] == 4 and result["message"] == line[7:]
+    assert (result["checkpoint"], result["resume_from"]) == ("checkpoints/step_0000004", "checkpoints/step_0000002")
+    assert (result["bytes_needed"], result["bytes_free"]) == (needed, free)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000002"]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_0000002"
+    assert zero.verify_checkpoint(None, _ckpt(tmp_path, 2))["global_steps"] == 2
