@@ -164,6 +164,8 @@ def test_refusals(tmp_path):
         _trainer(tmp_path, weight_decay=0.1).train()  # Llama's norms are excluded from decay
     with pytest.raises(ValueError, match="dtype"):
         _trainer(tmp_path, bf16=True)
+    with pytest.raises(ValueError, match="bf16_full_eval"):
+        _trainer(tmp_path, bf16_full_eval=True)  # it would cast the engine's buffers
     trainer = _trainer(tmp_path, max_steps=2)
     (tmp_path / "checkpoint-1").mkdir()
     with pytest.raises(zero.CheckpointError, match="not written by ZeroTrainer"):
