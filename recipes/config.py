@@ -187,7 +187,10 @@ class TokenizedDataConfig:
 class WandbConfig:
     """`wandb.*`: Weights & Biases; metrics.jsonl is written whatever the mode."""
 
-    mode: str = "offline"  # offline (no network; `wandb sync` uploads later), online or disabled
+    # offline (no network; `wandb sync` uploads later), online or disabled. online without a W&B key or without a
+    # reachable server logs offline instead, said in one line with the `wandb sync` command that uploads it later
+    mode: str = "offline"
+    init_timeout_s: float = 30  # seconds wandb.mode=online waits for the W&B server before logging offline
     project: str = "moe-lst"  # the W&B project
     name: str | None = None  # the run's name (null: W&B picks one)
     entity: str | None = None  # the W&B team or user (null: your default entity)
@@ -461,6 +464,8 @@ def check_config(cfg: DictConfig) -> None:
     check_activations(cfg)
     if cfg.wandb.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} must be one of offline, online, disabled")
+    if not cfg.wandb.init_timeout_s > 0:
+        raise ConfigError(f"wandb.init_timeout_s={cfg.wandb.init_timeout_s!r} must be > 0 (seconds)")
     if not is_hf(cfg):  # (model=hf: check_hf_model)
         if cfg.train.seq_len > cfg.model.max_seq_len:
             raise ConfigError(

@@ -1,7 +1,8 @@
 """Run records: one JSON line per step in `<run_dir>/metrics.jsonl` and the same metrics in W&B.
 
 Only rank 0 writes. W&B defaults to offline mode (no network; `wandb sync <run_dir>/wandb/...`
-uploads later); `wandb.mode=disabled` turns it off.
+uploads later); `wandb.mode=online` that cannot reach W&B (no key, no network) logs offline instead, said in
+one line; `wandb.mode=disabled` turns it off.
 """
 
 from __future__ import annotations
@@ -44,6 +45,40 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
 
 
+def start_wandb(run_dir: Path, wandb_cfg: dict, config: dict | None, run_id: str | None):
+    """The W&B run of `wandb_cfg`'s mode (offline or online) under run_dir. Online that cannot start, for want of a
+    W&B key or of a server that answers within wandb.init_timeout_s (a cluster node without internet), starts
+    offline instead, saying so in one line with the command that uploads the run later."""
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+    def init(mode: str):
+        return wandb.init(
+            project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"), name=wandb_cfg.get("name"),
+            mode=mode, dir=str(run_dir), config=config, id=run_id, resume="allow" if run_id else None,
+            settings=wandb.Settings(console="off", x_disable_stats=True,
+                                    init_timeout=float(wandb_cfg.get("init_timeout_s", 30))),
+        )
+
+    mode = wandb_cfg.get("mode", "offline")
+    if mode != "online":
+        return init(mode)
+    try:
+        return init("online")
+    except (wandb.errors.Error, OSError) as e:  # no key (UsageError), no server (CommError), a key it refuses
+        why = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        if not isinstance(e, wandb.errors.UsageError):
+            server = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+            why = f"no answer from {server} within wandb.init_timeout_s={wandb_cfg.get('init_timeout_s', 30)} s: {why}"
+    wandb.teardown()  # (its service still holds the run's id after a timed-out start)
+    run = init("offline")
+    sync_dir = run.settings.sync_dir
+    warn(f"warning: wandb.mode=online could not start ({why}): the run logs offline to {sync_dir}; upload it "
+         f"later with `wandb sync {sync_dir}`")
+    return run
+
+
 class MetricsLogger:
     """`metrics.jsonl` and W&B for one run. It holds one record per step: on every start, records past the
     step the run starts from (its checkpoint's, 0 without one) are dropped, and said so, since those steps
@@ -60,15 +95,7 @@ class MetricsLogger:
         if self.path.exists():
             self._truncate_after(resume_step)
         if wandb_cfg and wandb_cfg.get("mode", "offline") != "disabled":
-            import wandb
-
-            os.environ.setdefault("WANDB_SILENT", "true")
-            self.run = wandb.init(
-                project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"), name=wandb_cfg.get("name"),
-                mode=wandb_cfg.get("mode", "offline"), dir=str(run_dir), config=config,
-                id=run_id, resume="allow" if run_id else None,
-                settings=wandb.Settings(console="off", x_disable_stats=True),
-            )
+            self.run = start_wandb(run_dir, wandb_cfg, config, run_id)
 
     def _truncate_after(self, step: int) -> None:
         """Keep the records of steps up to `step` (the file then holds one line per step), saying which were

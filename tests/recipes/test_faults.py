@@ -208,3 +208,67 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_with_a_result_and_the_previ
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000002"]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_0000002"
     assert zero.verify_checkpoint(None, _ckpt(tmp_path, 2))["global_steps"] == 2
+
+
+_LOGGER = """
+import sys, time
+from pathlib import Path
+from recipes.tracking import MetricsLogger
+start = time.monotonic()
+logger = MetricsLogger(Path(sys.argv[1]), True, {"mode": "online", "project": "p", "init_timeout_s": 2}, {"a": 1},
+                       run_id="5" * 32)
+print(f"started in {time.monotonic() - start:.1f} s", flush=True)
+logger.log(1, {"loss": 1.5})
+logger.finish()
+"""
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens on it once closed
+
+
+def _offline_fallback(tmp_path: Path, why: str, key: str | None, server: str | None, cmd: list[str]):
+    """`cmd` (W&B online) with no W&B key and a fresh W&B home, or with `key` and the W&B server `server`: exit 0,
+    one line on stderr saying why W&B is offline and the `wandb sync` command, and that run directory offline."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(OMP_NUM_THREADS="1", HOME=str(tmp_path / "home"), WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"))
+    env.update({"WANDB_API_KEY": key} if key else {})
+    env.update({"WANDB_BASE_URL": server} if server else {})
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    match = re.fullmatch(r"warning: wandb.mode=online could not start \((.+)\): the run logs offline to (\S+); "
+                         r"upload it later with `wandb sync (\S+)`", proc.stderr.strip())
+    assert match and match.group(2) == match.group(3), proc.stderr
+    assert why in match.group(1), match.group(1)
+    synced = Path(match.group(2))
+    assert synced.name.startswith("offline-run-") and list(synced.glob("run-*.wandb")), list(synced.iterdir())
+    return proc, synced
+
+
+@pytest.mark.parametrize("case", ["no key", "no server"])
+def test_wandb_online_without_a_key_or_a_server_logs_offline_and_says_how_to_sync(tmp_path, case):
+    """The run's logger (what the recipe starts on rank 0) with wandb.mode=online on a node without a W&B key, or
+    with a key but no W&B server answering (a closed local port): it logs offline within wandb.init_timeout_s
+    (2 s here) plus W&B's own start, never W&B's 90 s default."""
+    key, server, why = (None, None, "No API key configured") if case == "no key" else (
+        "a" * 40, f"http://127.0.0.1:{_closed_port()}", "no answer from http://127.0.0.1:")
+    proc, synced = _offline_fallback(tmp_path, why, key, server, [sys.executable, "-c", _LOGGER, str(tmp_path)])
+    assert synced.parent == tmp_path / "wandb" and synced.name.endswith("5" * 32)  # the run's own id
+    started = float(re.search(r"started in ([\d.]+) s", proc.stdout).group(1))
+    print(f"{case}: W&B offline after {started:.1f} s")
+    assert started < 60
+
+
+@pytest.mark.slow
+def test_a_recipe_run_with_wandb_online_and_no_server_trains_and_logs_offline(tmp_path):
+    """The same from the command line: the run trains, its only line on stderr is the fallback's."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "recipes.pretrain", *TINY, f"run_dir={run}", "train.steps=2", "wandb.mode=online",
+           "wandb.init_timeout_s=2"]
+    _, synced = _offline_fallback(tmp_path, "no answer from", "a" * 40, f"http://127.0.0.1:{_closed_port()}", cmd)
+    assert synced.parent == run / "wandb" and sorted(_losses(run)) == [1, 2]
+    assert json.loads((run / "result.json").read_text())["status"] == "complete"
