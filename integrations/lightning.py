@@ -218,7 +218,7 @@ class ZeroStrategy(DDPStrategy):
             raise TypeError("ZeroStrategy writes the engine's sharded checkpoints itself: storage_options is not used")
         path = _rank0_path(filepath)
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.engine.save_checkpoint(path, client_state=state)
+        self.engine.save_checkpoint(path, client_state=_plain_hparams(state))
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = _rank0_path(checkpoint_path)
@@ -233,6 +233,22 @@ class ZeroStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # load_checkpoint restored the optimizer state
+
+
+def _plain_hparams(state: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's state with its hyperparameters as plain data, which the engine's shards hold (they hold no
+    objects): an OmegaConf container (Lightning keeps those as they are) as its dict or list, unresolved, and the
+    type Lightning records beside it by name (Lightning's loader reads a name as a plain dict's)."""
+    from omegaconf import Container, OmegaConf
+
+    out = dict(state)
+    for prefix in ("", "datamodule_"):
+        if isinstance(out.get(f"{prefix}hyper_parameters"), Container):
+            out[f"{prefix}hyper_parameters"] = OmegaConf.to_container(out[f"{prefix}hyper_parameters"], resolve=False)
+        kind = out.get(f"{prefix}hparams_type")
+        if isinstance(kind, type):
+            out[f"{prefix}hparams_type"] = f"{kind.__module__}.{kind.__qualname__}"
+    return out
 
 
 def _rank0_path(path: _PATH) -> str:

@@ -305,3 +305,25 @@ def test_recipe_refuses_a_crafted_or_old_checkpoint_and_resumes_a_converted_one(
     train(_cfg(run, "train.steps=3"))
     train(_cfg(untouched, "train.steps=3"))
     assert _losses(run) == _losses(untouched) and len(_losses(run)) == 3
+
+
+def test_lightning_hyperparameters_in_an_omegaconf_container_are_stored_as_plain_data(tmp_path):
+    pytest.importorskip("lightning")
+    from lightning.pytorch.core.saving import _convert_loaded_hparams
+    from moe_lst.integrations.lightning import _plain_hparams
+    from omegaconf import DictConfig, OmegaConf
+
+    # What Lightning's dump_checkpoint puts beside the loops and callbacks for hparams saved from a Hydra config.
+    hparams = OmegaConf.create({"model": {"dim": 64, "name": "${run}"}, "run": "tiny", "betas": [0.9, 0.95]})
+    state = {"epoch": 1, "hyper_parameters": hparams, "hparams_type": DictConfig}
+    with open(tmp_path / "raw", "wb") as f, pytest.raises(shardfile.ShardFormatError,
+                                                           match=r"^state\['hyper_parameters'\]: a omegaconf"):
+        shardfile.dump(state, f)
+    with open(tmp_path / "s", "wb") as f:
+        shardfile.dump(_plain_hparams(state), f)
+    back = shardfile.load(tmp_path / "s")
+    assert back == {"epoch": 1, "hyper_parameters": {"model": {"dim": 64, "name": "${run}"}, "run": "tiny",
+                                                     "betas": [0.9, 0.95]},
+                    "hparams_type": "omegaconf.dictconfig.DictConfig"}
+    assert _convert_loaded_hparams(back["hyper_parameters"], back["hparams_type"])["model"]["dim"] == 64
+    assert state["hyper_parameters"] is hparams  # Lightning's own dict is left as it was
