@@ -197,7 +197,8 @@ def plain_eval(model_dir: Path, input_ids: list[list[int]]) -> dict[str, float]:
 
 def run_clm_stages(out: str, stages: list[int]) -> dict:
     """run_clm.py at each ZeRO stage in turn (each in its own output directory), then a new trainer resumed from
-    the stage's checkpoint-2; this rank's results, by "<stage>" and "<stage>_resumed"."""
+    the stage's checkpoint-2; this rank's results, by "<stage>" and "<stage>_resumed", and "plain_eval": the first
+    stage's saved model evaluated in this process alone."""
     out = Path(out)
     if dist.get_rank() == 0:
         source = Path(os.__file__).read_text()  # some of the standard library's source as the corpus
