@@ -681,7 +681,7 @@ def check_layout(cfg: DictConfig) -> None:
     tp, sp, pp = par.tp, par.sp, par.pp
     if is_hf(cfg):
         check_hf_layout(cfg)
-        data_parallel_degree(cfg)
+        check_degrees(cfg)
         return
     if tp > 1:
         from recipes.models.llama import check_tensor_parallel
@@ -719,7 +719,25 @@ def check_layout(cfg: DictConfig) -> None:
         check_pipeline_layout(par.pp_schedule, pp, par.pp_virtual_stages, model.n_layers, cfg.train.grad_accum, split)
     elif par.pp_split is not None:
         raise ConfigError("parallel.pp_split is set but parallel.pp=1; set pp to the number of stages")
-    data_parallel_degree(cfg)  # (after the rules against the model: they name what to change first)
+    check_degrees(cfg)  # (after the rules against the model: they name what to change first)
+
+
+def check_degrees(cfg: DictConfig) -> None:
+    """The degrees against the number of processes (parallel.dp=auto fills them), then as the runtime's
+    ParallelDims takes them (its own rules: ep borrowed from dp x sp) and the experts over ep, on numbers alone."""
+    from zero.dist.topology import LayoutError, ParallelDims
+
+    par, dp = cfg.parallel, data_parallel_degree(cfg)
+    try:
+        ParallelDims(dp=dp, tp=par.tp, pp=par.pp, sp=par.sp, ep=par.ep, world_size=dp * par.tp * par.pp * par.sp)
+    except LayoutError as e:
+        fix = f"; use an ep that divides {dp * par.sp}" if dp * par.sp % par.ep else ""
+        raise ConfigError(f"{e}{fix}") from None
+    experts = (hf_model_config(cfg).num_local_experts if is_hf(cfg) else cfg.model.moe.num_experts) \
+        if par.ep > 1 else 0
+    if experts % par.ep:
+        raise ConfigError(f"parallel.ep={par.ep} must divide the model's {experts} experts (each ep rank holds "
+                          f"num_experts / ep of them); use an ep that divides {experts}")
 
 
 def check_hpz(cfg: DictConfig) -> None:
@@ -852,7 +870,7 @@ def check_hf_layout(cfg: DictConfig) -> None:
     from recipes.models.hf.config import LENGTH_DEPENDENT_ROPE, rope_type
 
     par, config = cfg.parallel, hf_model_config(cfg)
-    for key, what in (("tp", "a tensor-parallel plan"), ("pp", "pipeline stages")):
+    for key, what in (("tp", "tensor-parallel plan"), ("pp", "pipeline stages")):
         if par[key] > 1:
             raise ConfigError(f"parallel.{key}={par[key]} with model=hf is not supported (the Hugging Face adapter "
                               f"offers no {what}); use data, sequence (sp) and expert parallelism")

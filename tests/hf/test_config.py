@@ -52,7 +52,7 @@ CASES = [  # (config.json kind and keys, overrides, the message)
      r"model.hf.overrides.max_position_embeddings"),
     (("mistral", {"sliding_window": 16}), [], r"longer than the model's sliding_window=16"),
     (("llama", {"attention_dropout": 0.1}), [], r"attention_dropout=0.1 \(the adapter's attention has no dropout"),
-    (("llama", {}), ["parallel.tp=2"], r"parallel.tp=2 with model=hf is not supported .*no a tensor-parallel plan"),
+    (("llama", {}), ["parallel.tp=2"], r"parallel.tp=2 with model=hf is not supported .*no tensor-parallel plan"),
     (("llama", {}), ["parallel.pp=2"], r"parallel.pp=2 with model=hf is not supported .*no pipeline stages"),
     (("llama", {}), ["parallel.sp=8"], r"parallel.sp=8 splits the model's 4 attention heads .*use sp <= 4"),
     (("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),

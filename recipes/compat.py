@@ -1,0 +1,505 @@
+"""Which features of the recipe combine: `python -m recipes.compat` composes every feature and every pair of
+features as a run would, asks the recipe's own up-front check (recipes.config.check_config, what
+`python -m recipes.pretrain` runs before any process group or model exists) and writes docs/compatibility.md;
+`--check` exits 1 where that file is not what the check says today."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import functools
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+import zero
+from recipes.config import CONFIG_DIR, ConfigError, check_config, compose_command_line, unknown_key_error
+
+#: The refusals `python -m recipes.pretrain` reports in one line with exit 2 (its main's config errors).
+REFUSALS = (ConfigError, zero.ConfigError, zero.LayoutError, NotImplementedError)
+#: The documentation page this command writes.
+DOC = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
+#: Every feature is composed on this: the small dense Llama, one process unless a feature asks for more.
+BASE = ("model=tiny", "parallel.dp=1")
+#: Config groups (a `group=choice` override picks a file); any other override sets a key.
+GROUPS = tuple(sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir()))
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A named configuration: `overrides` make the feature; `needs` is the least it needs to be valid alone
+    (applied first, so another feature's own overrides win over it)."""
+
+    name: str
+    title: str
+    overrides: tuple[str, ...]
+    needs: tuple[str, ...] = ()
+
+
+#: The tiny Hugging Face configs the model=hf features train (written to a temporary directory): a Llama and a
+#: Mixtral of the byte vocabulary, positions for the recipe's default train.seq_len.
+HF_CONFIGS = {
+    "hf_llama": dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+    "hf_mixtral": dict(model_type="mixtral", vocab_size=256, hidden_size=32, intermediate_size=48,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=512, num_local_experts=4, num_experts_per_tok=2,
+                       sliding_window=None),
+}
+
+FEATURES = (
+    Feature("zero1", "ZeRO stage 1", ("zero.stage=1",)),
+    Feature("zero2", "ZeRO stage 2", ("zero.stage=2",)),
+    Feature("zero3", "ZeRO stage 3", ("zero.stage=3",)),
+    Feature("bf16", "bf16 compute", ("zero.dtype=bf16",)),
+    Feature("fp16", "fp16 compute with loss scaling", ("zero.dtype=fp16",)),
+    Feature("opt_cpu", "optimizer offload to CPU", ("zero.offload_optimizer=cpu",), ("zero.stage=1",)),
+    Feature("opt_nvme", "optimizer offload to NVMe", ("zero.offload_optimizer=nvme", "zero.nvme_path=nvme"),
+            ("zero.stage=1",)),
+    Feature("delayed", "delayed parameter update (CPU offload)", ("zero.offload_delayed_update=true",),
+            ("zero.stage=1", "zero.offload_optimizer=cpu")),
+    Feature("param_cpu", "parameter offload to CPU", ("zero.offload_params=cpu",), ("zero.stage=3",)),
+    Feature("param_nvme", "parameter offload to NVMe", ("zero.offload_params=nvme", "zero.nvme_path=nvme"),
+            ("zero.stage=3",)),
+    Feature("qwz", "int8 weight all-gathers (qwZ)", ("zero.quantize_weights=int8",), ("zero.stage=3",)),
+    Feature("qgz", "int8 gradient reduce-scatter (qgZ)", ("zero.quantize_gradients=int8",), ("zero.stage=1",)),
+    Feature("hpz", "hpZ secondary partition", ("zero.hpz_partition_size=2",), ("zero.stage=3", "parallel.dp=2")),
+    Feature("dp2", "data parallel, dp=2", ("parallel.dp=2",)),
+    Feature("tp2", "tensor parallel, tp=2", ("parallel.tp=2",)),
+    Feature("pp2", "pipeline parallel, pp=2", ("parallel.pp=2",), ("train.grad_accum=2",)),
+    Feature("sp2", "Ulysses sequence parallel, sp=2", ("parallel.sp=2",)),
+    Feature("ep2", "expert parallel, ep=2", ("parallel.ep=2",), ("model=moe_tiny", "parallel.dp=2")),
+    Feature("diloco", "DiLoCo, 2 replicas", ("parallel.replicas=2", "optim.diloco.inner_steps=2")),
+    Feature("onebit", "1-bit Adam", ("optim=onebit_adam",)),
+    Feature("moe", "MoE model (Llama)", ("model=moe_tiny",)),
+    Feature("hf", "Hugging Face model (Llama)", ("model=hf", "model.hf.config=hf_llama")),
+    Feature("hf_moe", "Hugging Face MoE model (Mixtral)", ("model=hf", "model.hf.config=hf_mixtral")),
+    Feature("sparse", "block-sparse attention (sliding window)",
+            ("model.attention=sparse", "model.sparse.layout=sliding_window")),
+    Feature("nsa", "native sparse attention", ("model.attention=nsa",)),
+    Feature("packed", "packed documents", ("data=tokenized", "data.path=prepared", "data.packing=document")),
+    Feature("ckpt", "activation checkpointing", ("train.activation_checkpointing=true",)),
+    Feature("offload_act", "activation offload", ("train.offload_activations=true",),
+            ("train.activation_checkpointing=true",)),
+    Feature("tiled_mlp", "tiled MLP", ("train.tiled_mlp=2",)),
+    Feature("tiled_loss", "tiled loss", ("train.tiled_loss=true",)),
+    Feature("million", "million-token preset (+experiment=million)", ("+experiment=million",)),
+)
+
+
+@functools.cache
+def _parse_one(override: str):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(override)
+
+
+def _parse(overrides: tuple[str, ...]) -> list:
+    """Hydra's reading of command-line overrides (each parsed once: Hydra's parser is slow)."""
+    return [_parse_one(o) for o in overrides]
+
+
+def _key(override) -> str:
+    return override.key_or_group
+
+
+def _is_group(override) -> bool:
+    return "." not in override.key_or_group and override.key_or_group in GROUPS
+
+
+@dataclass
+class Outcome:
+    """What the recipe's check says of a composition: None (supported) or its one-line refusal."""
+
+    refusal: str | None
+    overrides: tuple[str, ...]
+
+
+class Deriver:
+    """Composes feature sets and runs the recipe's check. Each distinct choice of config groups is composed once,
+    by Hydra as the command line composes it; the keys are then set on it with OmegaConf, as Hydra sets them, and
+    put back after the check (a copy per composition would take most of the time)."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        self.hf_dir = hf_dir
+        self.composed: dict[tuple[str, ...], DictConfig | ConfigError] = {}
+
+    def _value(self, text: str) -> str:
+        for name in HF_CONFIGS:
+            if text == f"model.hf.config={name}":
+                return f"model.hf.config={self.hf_dir / name}"
+        return text
+
+    @contextlib.contextmanager
+    def compose(self, overrides: tuple[str, ...]) -> Iterator[DictConfig]:
+        """The config of `python -m recipes.pretrain <overrides>` while the block runs; ConfigError in one line
+        where it does not compose."""
+        parsed = _parse(tuple(self._value(o) for o in overrides))
+        groups = {}
+        for o in parsed:  # the last choice of a group wins, as on a command line
+            if _is_group(o):
+                groups[("+" if o.is_add() else "") + _key(o)] = o.input_line
+        key = tuple(sorted(groups.values()))
+        if key not in self.composed:
+            try:
+                self.composed[key] = compose_command_line(list(key))
+            except ConfigError as e:
+                self.composed[key] = e
+        cfg = self.composed[key]
+        if isinstance(cfg, ConfigError):
+            raise cfg
+        saved: list[tuple[DictConfig, str, object]] = []
+        try:
+            for o in parsed:
+                if _is_group(o):
+                    continue
+                name = _key(o)
+                parent, _, leaf = name.rpartition(".")
+                node = OmegaConf.select(cfg, parent) if parent else cfg
+                if not isinstance(node, DictConfig) or leaf not in node.keys():
+                    raise unknown_key_error(name, *_deepest(cfg, name))
+                saved.append((node, leaf, node._get_node(leaf)._value()))  # (an interpolation stays one)
+                try:
+                    node[leaf] = o.value()
+                except Exception as e:  # a wrongly typed value: what Hydra says while composing
+                    raise ConfigError(f"{name}={o.value()!r} is refused: {str(e).splitlines()[0]}") from None
+            yield cfg
+        finally:
+            for node, leaf, value in reversed(saved):
+                node[leaf] = value
+
+    def check(self, overrides: tuple[str, ...]) -> str | None:
+        """The recipe's refusal of `overrides` in one line, or None where it accepts them."""
+        try:
+            with self.compose(overrides) as cfg, _world(cfg):
+                check_config(cfg)
+        except REFUSALS as e:
+            return str(e).replace(str(self.hf_dir) + os.sep, "")
+        return None
+
+
+def _deepest(cfg: DictConfig, name: str) -> tuple[DictConfig, str]:
+    """The deepest node on the path `name` that exists, and its path (for unknown_key_error)."""
+    node, path = cfg, ""
+    for part in name.split(".")[:-1]:
+        if not isinstance(node, DictConfig) or part not in node.keys():
+            break
+        node, path = node[part], f"{path}.{part}" if path else part
+    return node, path
+
+
+@contextlib.contextmanager
+def _world(cfg: DictConfig) -> Iterator[None]:
+    """WORLD_SIZE as torchrun would set it for this layout (its degrees multiplied) while the check reads it."""
+    par = cfg.parallel
+    dp = par.dp if isinstance(par.dp, int) and not isinstance(par.dp, bool) else 1
+    world = par.replicas * dp * par.tp * par.pp * par.sp
+    old = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = old
+
+
+@functools.cache
+def _settings(overrides: tuple[str, ...]) -> dict[str, str]:
+    """key (or group) -> the value each override sets."""
+    return {("+" if o.is_add() else "") + _key(o): o.input_line.split("=", 1)[1] for o in _parse(overrides)}
+
+
+def alternatives(a: Feature, b: Feature) -> str | None:
+    """The key both features set to different values (they are two choices of one setting), or None."""
+    mine, theirs = _settings(a.overrides), _settings(b.overrides)
+    for key in mine:
+        if key in theirs and mine[key] != theirs[key]:
+            return key
+    return None
+
+
+def compositions(a: Feature, b: Feature) -> list[tuple[str, ...]]:
+    """The configurations that hold both features: the base, what each needs, then both features' own
+    overrides; where their needs set one key differently, each order is tried (the pair works if one does)."""
+    if a == b:
+        return [BASE + a.needs + a.overrides]
+    first = BASE + a.needs + b.needs + a.overrides + b.overrides
+    second = BASE + b.needs + a.needs + a.overrides + b.overrides
+    return [first] if first == second or not set(_settings(a.needs)) & set(_settings(b.needs)) else [first, second]
+
+
+#: Equivalence tests: each node id with the runs it checks against a reference (a single process, or the same run
+#: without the feature where that is the claim: offload, hpZ, quantized collectives against the plain engine on the
+#: decoded weights, packed documents against each document alone), every run as the features it combines. A
+#: supported pair is covered where one run of one test holds both features. (dp2 stands for any dp > 1.)
+EQUIVALENCE: dict[str, tuple[tuple[str, ...], ...]] = {
+    # the layout harness (tests/parallel/harness.py): the tiny Llama through the recipe's parallelize steps
+    "tests/parallel/test_layouts.py::test_pp2_every_schedule_with_dp2": (("pp2", "dp2"),),
+    "tests/parallel/test_layouts.py::test_pp2_schedules_on_two_ranks_untied_and_zero_stages":
+        (("pp2",), ("pp2", "zero1"), ("pp2", "zero2"), ("pp2", "zero3")),
+    "tests/parallel/test_layouts.py::test_tp2_tied_and_untied": (("tp2",), ("tp2", "zero3")),
+    "tests/parallel/test_layouts.py::test_tp4_and_tp_composed_with_dp_pp_sp":
+        (("tp2", "dp2", "zero2"), ("tp2", "pp2"), ("tp2", "sp2", "zero1")),
+    "tests/parallel/test_layouts.py::test_moe_with_pp2_and_tp2":
+        (("moe", "pp2"), ("moe", "tp2"), ("moe", "tp2", "zero2")),
+    "tests/parallel/test_layouts.py::test_moe_ep2_pp2":
+        (("moe", "ep2", "dp2", "pp2"), ("moe", "ep2", "dp2", "pp2", "zero2")),
+    "tests/parallel/test_layouts.py::test_zero3_moe_zero_bubble_and_offload_with_virtual_stages":
+        (("pp2", "moe", "zero3"), ("pp2", "zero2", "opt_nvme"), ("pp2", "zero2", "opt_cpu")),
+    # the recipe itself under torchrun against one process
+    "tests/recipes/test_pretrain.py::test_torchrun_dp2_and_sp2_match_single_process":
+        (("dp2",), ("sp2", "tiled_loss", "tiled_mlp", "ckpt", "offload_act")),
+    "tests/recipes/test_pretrain.py::test_torchrun_moe_ep2_and_sp2_match_ep1":
+        (("moe", "dp2", "ep2"), ("moe", "dp2", "ep2", "zero3"), ("moe", "dp2", "ep2", "sp2")),
+    "tests/recipes/test_pretrain.py::test_torchrun_moe_pp2_stats_and_resume": (("moe", "pp2"),),
+    "tests/recipes/test_pretrain.py::test_torchrun_pp_and_tp_layouts_match_single_process":
+        (("dp2", "pp2"), ("dp2", "tp2", "zero2"), ("pp2", "tp2", "zero1")),
+    # the ZeRO engine
+    "tests/zero/test_stages.py::test_stage0_two_ranks_first_then_1_2_3":
+        tuple((stage, "dp2", *ckpt) for stage in ("zero1", "zero2", "zero3") for ckpt in ((), ("ckpt",))),
+    "tests/zero/test_stages.py::test_all_stages_four_ranks": (("zero1", "dp2"), ("zero2", "dp2"), ("zero3", "dp2")),
+    "tests/zero/test_moe.py::test_moe_ep2_two_ranks_all_stages":
+        tuple(("moe", "ep2", "dp2", *stage) for stage in ((), ("zero1",), ("zero2",), ("zero3",))),
+    "tests/zero/test_moe.py::test_moe_ep2_four_ranks_sharded_experts_with_checkpointing":
+        (("moe", "ep2", "dp2", "zero1", "ckpt"), ("moe", "ep2", "dp2", "zero3", "ckpt")),
+    "tests/zero/test_offload.py::test_offload_trains_as_no_offload_at_every_stage": tuple(
+        (stage, "dp2", *offload, *dtype) for dtype in ((), ("bf16",))
+        for stage, offload in [(s, (o,)) for s in ("zero1", "zero2", "zero3") for o in ("opt_cpu", "opt_nvme")]
+        + [("zero3", ("param_nvme",)), ("zero3", ("param_cpu", "opt_cpu")), ("zero3", ("param_nvme", "opt_nvme"))]),
+    **{f"tests/zero/test_offload_delayed.py::test_delayed_update_lags_exactly_one_step[{stage}]":
+       (("delayed", "opt_cpu", f"zero{stage}"),) for stage in (1, 2)},
+    **{f"tests/zero/test_features.py::test_mixed_precision_loss_falls_and_tracks_fp32[{dtype}-stage{stage}]":
+       ((dtype, "dp2", *((f"zero{stage}",) if stage else ())),) for dtype in ("bf16", "fp16") for stage in range(4)},
+    "tests/zero/test_features.py::test_mixed_precision_loss_falls_and_tracks_fp32[bf16-stage2-offload_cpu]":
+        (("bf16", "dp2", "zero2", "opt_cpu"),),
+    "tests/zero/test_features.py::test_mixed_precision_loss_falls_and_tracks_fp32[fp16-stage3-offload_cpu]":
+        (("fp16", "dp2", "zero3", "opt_cpu"),),
+    "tests/zero/test_features.py::test_mixed_precision_loss_falls_and_tracks_fp32[bf16-stage3-offload_nvme]":
+        (("bf16", "dp2", "zero3", "opt_nvme"),),
+    "tests/zero/test_quantized_collectives.py::test_engine_equals_plain_engine_on_decoded_weights[2-False-int8-int4-1]":
+        (("zero3", "dp2", "qwz", "qgz"),),
+    "tests/zero/test_quantized_collectives.py::test_engine_equals_plain_engine_on_decoded_weights[4-False-int8-int8-2]":
+        (("zero3", "dp2", "qwz", "qgz", "hpz"),),
+    "tests/zero/test_quantized_collectives.py::test_engine_equals_plain_engine_on_decoded_weights[4-True-int8-int4-1]":
+        (("zero3", "dp2", "qwz", "qgz", "moe", "ep2"),),
+    "tests/zero/test_quantized_collectives.py::test_hpz_changes_no_value_and_keeps_nothing_after_the_step[True]":
+        (("zero3", "dp2", "qwz", "hpz", "ckpt"),),
+    "tests/zero/test_onebit.py::test_compressed_phase_equals_simulation[2-0-1-True-0-None]": (("onebit", "dp2"),),
+    "tests/zero/test_onebit.py::test_compressed_phase_equals_simulation[2-1-2-True-0-None]":
+        (("onebit", "dp2", "zero1"),),
+    "tests/zero/test_diloco.py::test_diloco_equals_reference_of_simulated_replicas[2-2-1-0-sgd-0]": (("diloco",),),
+    "tests/zero/test_diloco.py::test_diloco_equals_reference_of_simulated_replicas[4-2-2-2-sgd-0]":
+        (("diloco", "dp2", "zero2"),),
+    "tests/zero/test_diloco.py::test_replicas_with_expert_parallelism_match_ep1": (("diloco", "dp2", "moe", "ep2"),),
+    # Ulysses and the long-sequence pieces
+    "tests/sequence_parallel/test_sp_multirank.py::test_sharded_model_loss_and_grads_match_sp1[sp2]":
+        (("sp2", "zero1"), ("sp2", "zero3", "tiled_mlp", "tiled_loss", "ckpt", "offload_act")),
+    **{f"tests/sequence_parallel/test_sparse_ulysses.py::test_sparse_attention_sp2_equals_sp1[{attention}]":
+       ((attention, "sp2", "zero1"), (attention, "sp2", "zero3", "tiled_mlp", "tiled_loss", "ckpt"))
+       for attention in ("sparse", "nsa")},
+    **{f"tests/sequence_parallel/test_packed_documents.py::test_packed_documents_equal_documents_alone[{attention}]":
+       (("packed", *extra),) for attention, extra in (("dense", ()), ("sparse", ("sparse",)), ("nsa", ("nsa",)))},
+    **{f"tests/sequence_parallel/test_packed_documents.py::test_packed_documents_under_ulysses_sp2[{attention}]":
+       (("packed", "sp2", "tiled_loss", *extra),) for attention, extra in (("dense", ()), ("sparse", ("sparse",)),
+                                                                          ("nsa", ("nsa",)))},
+    "tests/sequence_parallel/test_checkpointing.py::test_checkpointing_gives_identical_gradients[True-True]":
+        (("ckpt", "offload_act", "tiled_mlp"),),
+    # the Hugging Face adapter (a Llama / Qwen3 and the MoE types)
+    **{f"tests/hf/test_multirank.py::test_zero3_data_parallel_and_ulysses_equal_one_process[{kind}-{layout}]":
+       ((model, *extra),) for kind, model in (("llama", "hf"), ("qwen3", "hf"), ("mixtral", "hf_moe"))
+       for layout, extra in (("dp2_zero3", ("dp2", "zero3")), ("sp2", ("sp2",)))},
+    # (the Qwen3-MoE run tiles its one dense MLP layer; hf_moe here is a Mixtral, which has none: not claimed)
+    **{f"tests/hf/test_recipe.py::test_zero3_offloaded_tiled_checkpointed_run_and_a_resharded_resume_equal_the_plain_"
+       f"run[{kind}]": ((model, "zero3", "param_cpu", "opt_cpu", *tiled, "tiled_loss", "ckpt"),)
+       for kind, model, tiled in (("qwen3", "hf", ("tiled_mlp",)), ("qwen3_moe", "hf_moe", ()))},
+    **{f"tests/hf/test_packing.py::test_packed_documents_equal_documents_alone[{kind}]": ((model, "packed"),)
+       for kind, model in (("llama", "hf"), ("mixtral", "hf_moe"))},
+}
+
+
+@dataclass
+class Table:
+    """The derived table: per (feature, feature) with a <= b in FEATURES order, 'alt:<key>', None (supported) or
+    a refusal."""
+
+    features: tuple[Feature, ...]
+    cells: dict[tuple[str, str], str | None]
+
+    def cell(self, a: str, b: str) -> str | None:
+        return self.cells[(a, b)] if (a, b) in self.cells else self.cells[(b, a)]
+
+    def supported(self, a: str, b: str) -> bool:
+        return self.cell(a, b) is None
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """Every (feature, other feature) in FEATURES order, a before b."""
+        names = [f.name for f in self.features]
+        return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
+
+    def refusals(self) -> list[str]:
+        """The distinct refusals, in order of first appearance (feature alone first, then pairs row by row)."""
+        seen: dict[str, None] = {}
+        for f in self.features:
+            seen.update({r: None for r in [self.cell(f.name, f.name)] if r is not None})
+        for a, b in self.pairs():
+            r = self.cell(a, b)
+            if r is not None and not r.startswith("alt:"):
+                seen.setdefault(r)
+        return list(seen)
+
+
+def coverage(table: Table, equivalence: dict = EQUIVALENCE) -> dict[tuple[str, str], list[str]]:
+    """Per feature (a, a) and pair (a, b) the equivalence tests with a run that holds it."""
+    order = {f.name: i for i, f in enumerate(table.features)}
+    out: dict[tuple[str, str], list[str]] = {}
+    for test, runs in equivalence.items():
+        for run in runs:
+            names = sorted(set(run), key=order.__getitem__)
+            for i, a in enumerate(names):
+                for b in names[i:]:
+                    tests = out.setdefault((a, b), [])
+                    if test not in tests:
+                        tests.append(test)
+    return out
+
+
+def _anchor(index: int) -> str:
+    return f"r{index}"
+
+
+def render(table: Table, equivalence: dict = EQUIVALENCE) -> str:
+    """docs/compatibility.md: the features, the matrix, the refusals, the equivalence tests of each supported pair
+    and the supported pairs no equivalence test covers yet."""
+    features, refusals = table.features, table.refusals()
+    code = {r: i + 1 for i, r in enumerate(refusals)}
+    covered = coverage(table, equivalence)
+    lines = [
+        "# Which features combine",
+        "",
+        "Generated by `python -m recipes.compat` from the recipe's own check, `recipes.config.check_config`, the one "
+        "`python -m recipes.pretrain` runs before any process group or model exists: do not edit by hand. "
+        "`python -m recipes.compat --check` (run by `tests/recipes/test_compat.py`) fails when this page is not what "
+        "the check says today.",
+        "",
+        "Each feature is a few overrides on `" + " ".join(BASE) + "`. A pair is composed as one command line: the "
+        "base, what each feature needs to be valid alone, then both features' own overrides (so a feature's own "
+        "setting wins over what the other needs; where their needs set one key differently both orders are tried, "
+        "and the pair is supported if one passes), checked with `WORLD_SIZE` the product of the degrees "
+        "(replicas x dp x tp x pp x sp) as torchrun would set it. Every refusal is the one line the recipe prints "
+        "before exiting 2. What the check accepts can still fail later (three features together, a GPU-only path, "
+        "memory); the equivalence tests below are what shows a pair trains correctly.",
+        "",
+        "## Features",
+        "",
+        "| # | feature | overrides | needs |",
+        "|---|---|---|---|",
+    ]
+    for i, f in enumerate(features, 1):
+        needs = " ".join(f"`{o}`" for o in f.needs)
+        lines.append(f"| {i} | **{f.name}**: {f.title} | {' '.join(f'`{o}`' for o in f.overrides)} | {needs} |")
+    lines += [
+        "",
+        "`hf_llama` and `hf_mixtral` are tiny config.json files `recipes.compat` writes (`HF_CONFIGS`); "
+        "`data.path=prepared` stands for any directory `python -m recipes.prepare_data` wrote (the check does not "
+        "read it).",
+        "",
+        "## Matrix",
+        "",
+        "✓ supported, with an equivalence test; ○ supported, not yet covered by an equivalence test; "
+        "**Rn** refused (the reason is [below](#refusals)); = two values of one setting (e.g. zero.stage). "
+        "The diagonal is the feature alone. Columns are numbered as the rows.",
+        "",
+        "| | " + " | ".join(str(i) for i in range(1, len(features) + 1)) + " |",
+        "|---|" + "---|" * len(features),
+    ]
+    for i, a in enumerate(features, 1):
+        row = []
+        for b in features:
+            result = table.cell(a.name, b.name)
+            key = (a.name, b.name) if (a.name, b.name) in table.cells else (b.name, a.name)
+            if result is None:
+                row.append("✓" if key in covered else "○")
+            elif result.startswith("alt:"):
+                row.append("=")
+            else:
+                row.append(f"[R{code[result]}](#{_anchor(code[result])})")
+        lines.append(f"| {i} {a.name} | " + " | ".join(row) + " |")
+    lines += ["", "## Refusals", ""]
+    for r in refusals:
+        where = [f"{a}" if a == b else f"{a} + {b}" for a, b in
+                 [(f.name, f.name) for f in features] + table.pairs() if table.cell(a, b) == r]
+        lines.append(f'<a id="{_anchor(code[r])}"></a>**R{code[r]}** ({len(where)}: {", ".join(where)}): {r}')
+        lines.append("")
+    lines += ["## Equivalence tests", "",
+              "The supported features and pairs an equivalence test trains against a reference (one process, or the "
+              "same run without the feature where the feature's claim is that it changes nothing). The runs each "
+              "test makes are declared in `recipes.compat.EQUIVALENCE`; `tests/recipes/test_compat.py` checks that "
+              "every test named there exists.", "",
+              "| features | tests |", "|---|---|"]
+    names = [f.name for f in features]
+    for a, b in [(n, n) for n in names] + table.pairs():
+        if (a, b) in covered and table.supported(a, b):
+            tests = "<br>".join(f"`{t}`" for t in covered[(a, b)])
+            lines.append(f"| {a if a == b else f'{a} + {b}'} | {tests} |")
+    missing = [f"{a} + {b}" for a, b in table.pairs() if table.supported(a, b) and (a, b) not in covered]
+    alone = [n for n in names if table.supported(n, n) and (n, n) not in covered]
+    lines += ["", "## Not yet covered by an equivalence test", "",
+              f"Supported by the check, with no equivalence test holding both: {len(missing)} of "
+              f"{sum(table.supported(a, b) for a, b in table.pairs())} supported pairs"
+              + (f"; features with none at all: {', '.join(alone)}." if alone else "."), ""]
+    lines += [f"- {m}" for m in missing]
+    return "\n".join(lines) + "\n"
+
+
+def derive(features: tuple[Feature, ...] = FEATURES) -> Table:
+    """Every feature alone and every pair, as the recipe's check sees them."""
+    with tempfile.TemporaryDirectory() as directory:
+        hf_dir = Path(directory)
+        for name, values in HF_CONFIGS.items():
+            (hf_dir / name).mkdir()
+            (hf_dir / name / "config.json").write_text(json.dumps(values))
+        deriver = Deriver(hf_dir)
+        cells: dict[tuple[str, str], str | None] = {}
+        for i, a in enumerate(features):
+            for b in features[i:]:
+                alt = alternatives(a, b) if a != b else None
+                if alt is not None:
+                    cells[(a.name, b.name)] = f"alt:{alt}"
+                    continue
+                refusals = [deriver.check(c) for c in compositions(a, b)]
+                cells[(a.name, b.name)] = None if None in refusals else refusals[0]
+    return Table(features, cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.compat", description=__doc__)
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if {DOC.name} differs from what the check "
+                        "says today (writes nothing)")
+    parser.add_argument("--out", type=Path, default=DOC, help="the page to write or check (default: %(default)s)")
+    args = parser.parse_args(argv)
+    text = render(derive())
+    if not args.check:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+        return 0
+    old = args.out.read_text() if args.out.exists() else ""
+    if old == text:
+        return 0
+    diff = difflib.unified_diff(old.splitlines(), text.splitlines(), str(args.out), "derived now", lineterm="", n=0)
+    print("\n".join(list(diff)[:40]), file=sys.stderr)
+    print(f"error: {args.out} is out of date: run python -m recipes.compat and commit it", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""docs/compatibility.md is what the recipe's own check says of every feature and pair today (recipes.compat), every
+refusal in it is one specific line, and every equivalence test it names exists and covers pairs the check accepts."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes import compat
+from recipes.config import ConfigError, check_config, compose_command_line
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def table() -> compat.Table:
+    return compat.derive()
+
+
+def test_committed_page_is_what_the_check_says(table, tmp_path, monkeypatch):
+    assert compat.DOC.read_text() == compat.render(table), "run python -m recipes.compat and commit the page"
+    monkeypatch.setattr(compat, "derive", lambda: table)  # (the command's own paths, without deriving again)
+    assert compat.main(["--check"]) == 0
+    stale = tmp_path / "compatibility.md"
+    stale.write_text(compat.DOC.read_text().replace("✓", "○", 1))
+    assert compat.main(["--check", "--out", str(stale)]) == 1
+    assert compat.main(["--out", str(stale)]) == 0 and stale.read_text() == compat.DOC.read_text()
+
+
+def test_every_refusal_is_one_line_naming_a_key(table):
+    refusals = table.refusals()
+    assert len(refusals) > 10
+    for message in refusals:
+        assert message and "\n" not in message and message == message.strip(), repr(message)
+        assert re.search(r"\b(model|data|parallel|optim|zero|train)[.=/]", message), message
+        assert "Traceback" not in message and not message.startswith(("Error", "Exception")), message
+
+
+def test_refusals_and_acceptances_the_rules_state(table):
+    # a few cells read by hand from the rules in recipes/config.py and zero/config.py
+    assert table.cell("tp2", "tiled_loss").startswith("train.tiled_loss with parallel.tp > 1 is not supported")
+    assert table.cell("zero2", "onebit").startswith("optim.name=onebit_adam does not work with zero.stage=2")
+    assert table.cell("pp2", "diloco").startswith("optim.diloco with parallel.pp=2 is not implemented")
+    assert table.cell("ep2", "hf").startswith("parallel.ep=2 needs an MoE model")
+    assert table.cell("zero1", "qwz").startswith("zero.quantize_weights=int8 needs zero.stage=3")
+    assert table.cell("zero1", "zero3") == "alt:zero.stage"
+    for a, b in [("tp2", "sp2"), ("pp2", "ep2"), ("hf_moe", "ep2"), ("sp2", "nsa"), ("zero3", "param_nvme"),
+                 ("diloco", "ep2"), ("onebit", "sp2")]:
+        assert table.supported(a, b), (a, b, table.cell(a, b))
+
+
+def test_declared_equivalence_runs_name_features_the_check_accepts_together(table):
+    names = {f.name for f in compat.FEATURES}
+    for test, runs in compat.EQUIVALENCE.items():
+        assert runs and test.startswith("tests/") and "::" in test, test
+        for run in runs:
+            assert set(run) <= names, (test, set(run) - names)
+            for a in run:
+                for b in run:
+                    assert table.supported(a, b), f"{test} claims {a} + {b}, which the check refuses"
+    covered = compat.coverage(table)
+    assert covered[("zero3", "hf")] and covered[("tp2", "sp2")]
+    assert ("tp2", "tiled_loss") not in covered
+
+
+def test_every_named_equivalence_test_is_collected():
+    ids = sorted(compat.EQUIVALENCE)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", "slow or not slow", *ids],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    collected = {line.strip() for line in proc.stdout.splitlines() if "::" in line}
+    missing = [i for i in ids if not any(c == i or c.startswith(i + "[") for c in collected)]
+    assert proc.returncode == 0 and not missing, (missing, proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    # zero.ParallelDims refuses this once the process group exists: its own rule, called by the check first
+    (["model=moe_tiny", "parallel.ep=4"], 2,
+     "parallel.ep=4 must divide dp * sp = 2: expert parallel ranks are borrowed from the data x sequence parallel "
+     "region; use an ep that divides 2"),
+    # moe.MoELayer refuses this while the model is built (num_experts not divisible by the expert-parallel size)
+    (["model=moe_tiny", "parallel.ep=3"], 3,
+     "parallel.ep=3 must divide the model's 8 experts (each ep rank holds num_experts / ep of them); use an ep that "
+     "divides 8"),
+])
+def test_expert_layouts_the_runtime_refuses_are_refused_before_any_process_group(monkeypatch, overrides, world,
+                                                                                  message):
+    import zero
+
+    cfg = compose_command_line(overrides)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError) as refused:
+        check_config(cfg)
+    assert str(refused.value) == message
+    if world % cfg.parallel.ep:
+        with pytest.raises(zero.LayoutError) as late:
+            zero.ParallelDims(dp=world, ep=cfg.parallel.ep, world_size=world)
+        assert message.startswith(str(late.value))
+
+
+def test_composition_is_put_back_after_each_check(tmp_path):
+    from omegaconf import OmegaConf
+
+    deriver = compat.Deriver(tmp_path)
+    with deriver.compose(("model=tiny",)) as cfg:
+        pristine = OmegaConf.to_yaml(cfg)
+    with deriver.compose(("model=tiny", "zero.stage=3", "parallel.tp=2", "train.tiled_loss=true")) as cfg:
+        assert (cfg.zero.stage, cfg.parallel.tp, cfg.train.tiled_loss) == (3, 2, True)
+    with pytest.raises(ConfigError, match="unknown config key zero.stagee: did you mean zero.stage"):
+        with deriver.compose(("model=tiny", "parallel.tp=2", "zero.stagee=3")):
+            pass
+    (key,) = deriver.composed
+    assert OmegaConf.to_yaml(deriver.composed[key]) == pristine
