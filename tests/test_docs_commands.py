@@ -270,3 +270,67 @@ def test_the_readme_layout_names_every_package_folder():
     folders = {str(d.relative_to(REPO)) for top in INSTALLED_AS for d in (REPO / top).rglob("*")
                if d.is_dir() and "__pycache__" not in d.parts and any(d.glob("*.py"))}
     assert not folders - named, f"package folders README.md's Layout does not name: {sorted(folders - named)}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Names the docs give in code spans: Python objects (`zero.dist.comm.start_watchdog`) and config keys
+# (`train.stop_grace_s`).
+
+_PACKAGES = ("moe_lst", "moe", "zero", "recipes", "sequence_parallel")
+_SECTIONS = ("model", "train", "optim", "parallel", "data", "wandb", "cluster", "zero")
+_NAME = re.compile(rf"`((?:{'|'.join(dict.fromkeys(_PACKAGES + _SECTIONS))})(?:\.\w+)+)(\(?)")
+_FILE_SUFFIXES = ("py", "md", "yaml", "json", "jsonl", "safetensors", "txt", "bin", "idx", "png", "sh")
+
+
+def _python_name(name: str) -> bool:
+    import importlib
+
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+    return False
+
+
+def _config_keys() -> set[str]:
+    """Every key of the recipe's config under each choice of the groups whose keys differ, and the cluster keys."""
+    import yaml
+    from omegaconf import DictConfig
+
+    from recipes.config import compose_command_line
+
+    keys: set[str] = set()
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        for key in node.keys():
+            keys.add(prefix + key)
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                walk(child, f"{prefix}{key}.")
+
+    for choice in ([], ["model=hf"], ["data=bin"], ["data=tokenized"], ["optim=onebit_adam"], ["+experiment=million"]):
+        walk(compose_command_line(choice), "")
+    for preset in (REPO / "recipes" / "conf" / "cluster").glob("*.yaml"):
+        keys.update(f"cluster.{k}" for k in yaml.safe_load(preset.read_text()))
+    return keys
+
+
+def test_every_name_the_docs_give_exists():
+    keys = _config_keys()
+    unknown: dict[str, list[str]] = {}
+    for doc in doc_files():
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            for name, call in _NAME.findall(line):
+                head, last = name.split(".")[0], name.rsplit(".", 1)[1]
+                if last in _FILE_SUFFIXES or (call and head not in _PACKAGES):  # a file; code on a variable
+                    continue
+                if not ((head in _PACKAGES and _python_name(name)) or (head in _SECTIONS and name in keys)):
+                    unknown.setdefault(name, []).append(f"{doc.relative_to(REPO)}:{n}")
+    assert not unknown, f"names in README.md / docs/*.md that are neither a Python object nor a config key: {unknown}"
