@@ -1,7 +1,10 @@
 """DiLoCo over replicas: the replica layout's groups, the fp32/bf16/int8 delta all-reduce against its one-process
 simulation, training against a one-process reference of R simulated replicas (inner dp=1 and a dp=2 ZeRO-2
 replica, with and without a synchronous warm start), R=1 with outer lr 1 and no momentum against ordinary training, a
-warm start as long as the run against ordinary data parallelism, and resume between two syncs."""
+warm start as long as the run against ordinary data parallelism, and resume between two syncs. On one 4-rank spawn:
+tp=2 replicas each clip by their own gradient norm and talk to no other replica between syncs, a step skipped on one
+replica keeps every replica's sync schedule, and bf16 replicas of dp=2 equal the bf16 reference (an lr=0 control
+does not)."""
 
 from __future__ import annotations
 
@@ -335,11 +338,10 @@ def _tp_reference(replica: int, steps: int) -> dict:
     return {"norms": norms, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _skipped_step(dtype: str) -> dict:
+def _skipped_step(dims: ReplicaDims, dtype: str) -> dict:
     """2 replicas of dp=2 (ZeRO-2), a sync every 2 steps; rank SKIP_AT[0] backpropagates inf * loss at step
     SKIP_AT[1], so its replica skips that step. After each step: how many syncs this rank has taken."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims = ReplicaDims(replicas=2, dp=2)
     optimizer = DiLoCo(INNER_SGD, dims.replica_group, inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
     config = zero.ZeroConfig(stage=2, reduce_bucket_size=500, dtype=dtype, initial_loss_scale=1024.0,
                              loss_scale_hysteresis=1)
@@ -355,11 +357,10 @@ def _skipped_step(dtype: str) -> dict:
     return out
 
 
-def _bf16_run(lr: float) -> dict:
+def _bf16_run(dims: ReplicaDims, lr: float) -> dict:
     """2 replicas of dp=2 (ZeRO-2) in bf16, inner SGD at `lr`, a sync every 2 steps, each rank on one fixed batch
     (the model memorises it, so the loss falls fast): each rank's losses and its replica's update of step 1."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims = ReplicaDims(replicas=2, dp=2)
     optimizer = DiLoCo(functools.partial(torch.optim.SGD, lr=lr), dims.replica_group, inner_steps=2,
                        outer_lr=0.7, outer_momentum=0.9)
     engine = zero.initialize(build(seed=0), optimizer, zero.ZeroConfig(stage=2, reduce_bucket_size=500,
@@ -378,8 +379,9 @@ def _bf16_run(lr: float) -> dict:
 def _four_ranks() -> dict:
     comm.start_watchdog(HANG_S, setting="the test's hang timeout")
     try:
-        return {"tp": _tp_replicas(), "bf16": {lr: _bf16_run(lr) for lr in (BF16_LR, 0.0)},
-                "skip": {dtype: _skipped_step(dtype) for dtype in ("fp32", "fp16")}}
+        dp2 = ReplicaDims(replicas=2, dp=2)  # (its process groups serve every run below)
+        return {"tp": _tp_replicas(), "bf16": {lr: _bf16_run(dp2, lr) for lr in (BF16_LR, 0.0)},
+                "skip": {dtype: _skipped_step(dp2, dtype) for dtype in ("fp32", "fp16")}}
     finally:
         comm.stop_watchdog()
 
