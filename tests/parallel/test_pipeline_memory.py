@@ -13,6 +13,7 @@ import gc
 import types
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 from hydra import compose, initialize_config_dir
@@ -85,6 +86,12 @@ def _measure(extra: list[str], run_dir: str) -> dict:
         cfg = compose("config", overrides=[*RUN, *extra, f"run_dir={run_dir}"])
     run = Run(cfg)
     try:
+        # This rank's stages start from the values of the whole model built eagerly from the same seed (the recipe
+        # builds a dense model's stages on the meta device, an MoE model whole and drops the other stages').
+        torch.manual_seed(cfg.train.seed)
+        eager = dict(Transformer(model_config(cfg)).named_parameters())
+        differ = sorted(n for n, p in run.pipe.module.named_parameters() if not torch.equal(p, eager[n]))
+        del eager
         run.loop()  # one step of the recipe's own loop (and its checkpoint)
         whole = dict(Transformer(model_config(cfg), device="meta").named_parameters())
         pipe = run.pipe
@@ -115,7 +122,7 @@ def _measure(extra: list[str], run_dir: str) -> dict:
                 param_storages[found[0]] = found[1]
         state = [t for s in engine.optimizer.state.values() for t in s.values()
                  if isinstance(t, torch.Tensor) and t.dim() > 0]
-        return {"whole": sorted(whole), "mine": sorted(mine), "stage_names": sorted(stage_params),
+        return {"differ": differ, "whole": sorted(whole), "mine": sorted(mine), "stage_names": sorted(stage_params),
                 "bucket_names": sorted(n for b in engine.buckets for n in b.names),
                 "mine_numel": sum(whole[n].numel() for n in mine),
                 "other_numel": sum(p.numel() for n, p in whole.items() if n not in mine),
@@ -140,6 +147,7 @@ def test_each_pipeline_rank_holds_only_its_own_stage(tmp_path):
         for rank, r in enumerate(ranks):
             label = f"{name} rank {rank}"
             assert r["stage_names"] == r["mine"] and r["bucket_names"] == r["mine"], label
+            assert r["differ"] == [], (label, "initial values differ from an eager build's", r["differ"][:5])
             # No parameter of another stage keeps storage: neither in the model by name nor anywhere by identity.
             assert r["strays"] == [] and r["foreign"] == [], (label, r["strays"][:5], r["foreign"][:5])
             # Parameters (flat bucket) and their gradients, both parameter-shaped views: 2 x 4 bytes per own element.
@@ -152,3 +160,17 @@ def test_each_pipeline_rank_holds_only_its_own_stage(tmp_path):
         both = set(ranks[0]["mine"]) & set(ranks[1]["mine"])
         tied = "model.tie_embeddings=false" not in CASES[name]
         assert both == ({"tok_embeddings.weight"} if tied else set()), (name, both)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_stage_materialised_on_the_gpu_gets_the_eager_values():
+    """The engine materialises a meta-built stage where it trains (the GPU); an eager build draws its values on
+    the CPU and moves them there: init_parameter must give the same values."""
+    from recipes.models.llama import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    eager = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2))
+    for name, p in eager.named_parameters():
+        out = torch.empty(p.shape, device="cuda")
+        eager.init_parameter(name, out)
+        assert torch.equal(out.cpu(), p), name
