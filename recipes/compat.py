@@ -300,6 +300,8 @@ EQUIVALENCE: dict[str, tuple[tuple[str, ...], ...]] = {
     "tests/zero/test_diloco.py::test_diloco_equals_reference_of_simulated_replicas[4-2-2-2-sgd-0]":
         (("diloco", "dp2", "zero2"),),
     "tests/zero/test_diloco.py::test_replicas_with_expert_parallelism_match_ep1": (("diloco", "dp2", "moe", "ep2"),),
+    "tests/recipes/test_diloco_recipe.py::test_torchrun_replicas_of_dp2_zero2_equal_simulated_replicas":
+        (("diloco", "dp2", "zero2"),),
     # Ulysses and the long-sequence pieces
     "tests/sequence_parallel/test_sp_multirank.py::test_sharded_model_loss_and_grads_match_sp1[sp2]":
         (("sp2", "zero1"), ("sp2", "zero3", "tiled_mlp", "tiled_loss", "ckpt", "offload_act")),
@@ -313,6 +315,9 @@ EQUIVALENCE: dict[str, tuple[tuple[str, ...], ...]] = {
                                                                           ("nsa", ("nsa",)))},
     "tests/sequence_parallel/test_checkpointing.py::test_checkpointing_gives_identical_gradients[True-True]":
         (("ckpt", "offload_act", "tiled_mlp"),),
+    # the preset at 64k tokens: the last tokens as training computes them against a plain forward over their crop
+    "tests/recipes/test_million.py::test_million_preset_at_64k_tokens_trains_and_matches_a_plain_crop":
+        (("million", "sparse", "ckpt", "tiled_mlp", "tiled_loss"),),
     # the Hugging Face adapter (a Llama / Qwen3 and the MoE types)
     **{f"tests/hf/test_multirank.py::test_zero3_data_parallel_and_ulysses_equal_one_process[{kind}-{layout}]":
        ((model, *extra),) for kind, model in (("llama", "hf"), ("qwen3", "hf"), ("mixtral", "hf_moe"))
