@@ -13,6 +13,11 @@ Under plain SGD the parameters after step 1 are `initial - lr * gradient`, so th
 step (recorded from a snapshot taken when the recorder is made) is the reduced gradient itself: it is
 compared at rtol 1e-5 with an absolute floor of a few ulps of the parameter, so even a small gradient (an
 expert's) shows a 0.1% error. Adam would hide a constant gradient scale.
+
+Runs that round differently from their reference (bf16, where the ranks sum partial gradients in other orders)
+are compared by `assert_within`: relative distances (`distances`) of the losses, the first step's gradient norm,
+and each parameter's first-step update and whole change in L2, each within a stated tolerance, beside the same
+exact structural checks.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero.dist import quantized
+
 RTOL, ATOL = 1e-5, 2e-6
 # Rounding p1 = p0 - update to fp32 moves the recorded update by up to an ulp of p on either side.
 ULPS = 4 * torch.finfo(torch.float32).eps
@@ -30,12 +37,13 @@ ULPS = 4 * torch.finfo(torch.float32).eps
 
 # ---------------------------------------------------------------------------------------- per rank
 @torch.no_grad()
-def compute_values(engine) -> dict[str, torch.Tensor]:
+def compute_values(engine, decoded: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter's compute-dtype values as this rank's forward reads them (collective).
 
     Resident buckets (stages 0-2 and stage-3 persistent ones) are read from the rank's own full buffer,
     so a rank whose copy was not refreshed shows it; partitioned ones (stage 3) are gathered from the
-    shards exactly as a forward would gather them.
+    shards exactly as a forward would gather them, except that a quantized gather (zero.quantize_weights)
+    is exact unless `decoded`, which sends it through its codec as the forward does.
     """
     out: dict[str, torch.Tensor] = {}
     for b in engine.buckets:
@@ -46,10 +54,19 @@ def compute_values(engine) -> dict[str, torch.Tensor]:
             flat = shard
             if b.world > 1:
                 flat = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
-                dist.all_gather_into_tensor(flat, shard.contiguous(), group=b.group)
+                if decoded and b.weight_codec is not None:
+                    quantized.all_gather(flat, shard, b.group, b.weight_codec, b.quant_block)
+                else:
+                    dist.all_gather_into_tensor(flat, shard.contiguous(), group=b.group)
         for name, view in zip(b.names, b.param_views(flat)):
             out[name] = view.detach().to("cpu", copy=True)
     return out
+
+
+def read_values(engine) -> dict[str, torch.Tensor]:
+    """The full weights this rank's next forward reads (collective): `compute_values` with quantized gathers
+    decoded."""
+    return compute_values(engine, decoded=True)
 
 
 def snapshot(engine) -> dict[str, Any]:
@@ -204,3 +221,67 @@ def assert_equivalent(results: list[dict[str, Any]], reference: dict[str, Any], 
                             initial=reference.get("initial") if key == "first" else None)
         missing = [n for n in reference[key] if n not in covered or not bool(covered[n].all())]
         assert not missing, f"{label} {key}: no rank holds (all of) {missing}"
+
+
+# ---------------------------------------------------------------------------------------- within a tolerance
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (0 when both are zero, inf when only `want` is)."""
+    err, size = float((got.double() - want.double()).norm()), float(want.double().norm())
+    return err / size if size > 0 else (0.0 if err == 0 else float("inf"))
+
+
+def distances(results: list[dict[str, Any]], reference: dict[str, Any]) -> dict[str, tuple[float, str]]:
+    """How far every rank's record is from the reference's, as (the largest distance, where):
+
+    loss: the largest relative difference of a step's global-batch loss; norm: the relative difference of the first
+    step's gradient norm (later ones come from weights that already differ); update: the largest relative L2
+    distance ||u - u_ref|| / ||u_ref|| of a parameter's (or a rank's slice's) first-step update u (the change from
+    the initial parameters: the clipped gradient times lr under SGD); final: the same for the change over all steps
+    (the final parameters minus the initial ones).
+    """
+    out: dict[str, tuple[float, str]] = {"loss": (0.0, ""), "norm": (0.0, ""), "update": (0.0, ""),
+                                         "final": (0.0, "")}
+
+    def worst(key: str, value: float, where: str) -> None:
+        if not value <= out[key][0]:  # (a NaN is worst too)
+            out[key] = (value, where)
+
+    for rank, r in enumerate(results):
+        for step, (got, want) in enumerate(zip(r["losses"], reference["losses"])):
+            worst("loss", abs(got - want) / abs(want), f"rank {rank} step {step + 1}")
+        worst("norm", abs(r["norms"][0] - reference["norms"][0]) / reference["norms"][0], f"rank {rank} step 1")
+        for key, snap_key in (("update", "first"), ("final", "final")):
+            snap = r[snap_key]
+            initial = r["first"]["initial"]
+            for name, master in snap["master"].items():
+                placement = snap["placements"].get(name)
+                cut = (lambda t: t) if placement is None else placement.take
+                want = cut(reference[snap_key][name]) - cut(reference["initial"][name])
+                worst(key, _relative(master - initial[name], want), f"rank {rank} {name}")
+    return out
+
+
+def assert_within(results: list[dict[str, Any]], reference: dict[str, Any], tolerance: Mapping[str, float],
+                  label: str = "") -> dict[str, tuple[float, str]]:
+    """Every rank's record is the reference's within `tolerance` (keys of `distances`; a key left out is not
+    compared), for runs whose rounding differs from the reference's (bf16): losses, gradient norms, every replica
+    and slice of every parameter's updates. Structure is checked exactly: the number of steps, every element of
+    every reference parameter held by some rank, and the compute-dtype weights on every rank equal to its fp32
+    masters rounded. Returns the distances."""
+    steps = len(reference["losses"])
+    assert results and steps >= 1, f"{label}: nothing to compare"
+    for key in ("first", "final"):
+        covered: dict[str, torch.Tensor] = {}
+        for rank, r in enumerate(results):
+            assert len(r["losses"]) == steps and len(r["norms"]) == steps, (
+                f"{label} rank {rank}: {len(r['losses'])} steps recorded, the reference has {steps}")
+            # the structural checks of assert_snapshot, with a tolerance no finite value can miss
+            assert_snapshot(r[key], reference[key], rtol=0.0, atol=float("inf"),
+                            where=f"{label} rank {rank} {key}", covered=covered)
+        missing = [n for n in reference[key] if n not in covered or not bool(covered[n].all())]
+        assert not missing, f"{label} {key}: no rank holds (all of) {missing}"
+    found = distances(results, reference)
+    beyond = [f"{key} differs by {found[key][0]:.3g} (relative) at {found[key][1]}, the tolerance is {limit:.3g}"
+              for key, limit in tolerance.items() if not found[key][0] <= limit]
+    assert not beyond, f"{label}: " + "; ".join(beyond)
+    return found
