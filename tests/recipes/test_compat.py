@@ -68,6 +68,18 @@ def test_declared_equivalence_runs_name_features_the_check_accepts_together(tabl
     assert ("tp2", "tiled_loss") not in covered
 
 
+def test_every_named_equivalence_test_is_defined():
+    """Each node id's file defines its test function at module level (the parametrized ids: the slow test below)."""
+    import ast
+
+    for test in compat.EQUIVALENCE:
+        path, _, name = test.partition("::")
+        tree = ast.parse((REPO / path).read_text())
+        functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        assert name.split("[")[0] in functions, f"{test}: no such test function in {path}"
+
+
+@pytest.mark.slow  # (about 9 s of CPU: collecting imports every test module it names, transformers included)
 def test_every_named_equivalence_test_is_collected():
     ids = sorted(compat.EQUIVALENCE)
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
