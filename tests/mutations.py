@@ -87,9 +87,9 @@ MUTATIONS: list[Mutation] = [
              '        self.buckets[i].write_shard(slot.fields["master"][:n], start)\n', "",
              ("tests/zero/test_features.py::test_mixed_precision_weights_are_rounded_masters_and_change_every_step",)),
     # ---------------------------------------------------------------- the runtime skips the SP reduction
-    Mutation("sp-reduction-skipped", "zero/engine.py",
-             "        groups = {DEFAULT_REDUCE_GROUP: dims.dp_sp_group,",
-             "        groups = {DEFAULT_REDUCE_GROUP: dims.dp_group,",
+    Mutation("sp-reduction-skipped", "zero/sharding/policy.py",
+             "    groups = [(DEFAULT_REDUCE_GROUP, dims.dp_sp_group)]",
+             "    groups = [(DEFAULT_REDUCE_GROUP, dims.dp_group)]",
              ("tests/sequence_parallel/test_sp_multirank.py::test_sharded_model_loss_and_grads_match_sp1",)),
     # ---------------------------------------------------------------- a replicated parameter updated on one rank
     # Rank 1 drops the gradient of buckets held by several ranks (stage-0 data-parallel copies,

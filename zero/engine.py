@@ -6,9 +6,7 @@ state dicts, atomic checkpoints and per-rank memory / communication metrics.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -23,23 +21,15 @@ from zero.dist import comm
 from zero.dist.topology import ParallelDims, default_device, group_size, peak_rss_bytes, release_free_host_memory
 from zero.offload.nvme import check_nvme_path, pin_mmap_threshold
 from zero.optim.bound import BoundOptimizer, StepOverride
-from zero.plan import Placement, Plan, ReduceGroup, RuntimeFacts
-from zero.sharding.buckets import FlatBucket, split_into_buckets
+from zero.plan import Placement, Plan, RuntimeFacts
+from zero.sharding.buckets import FlatBucket
 from zero.sharding.optimizer import FullGradReducer, ZeroOptimizer
-from zero.sharding.stage3 import Stage3Hooks, assign_parameters, find_units, split_root
+from zero.sharding.policy import DEFAULT_REDUCE_GROUP, BucketSpec, Layout, plan_buckets
+from zero.sharding.stage3 import Stage3Hooks
 from zero.state.checkpoint import load_checkpoint, save_checkpoint
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 ParamInit = Callable[[str, torch.Tensor], None]
-
-DEFAULT_REDUCE_GROUP = "dense"
-
-
-@dataclass
-class _Reduction:
-    name: str
-    group: ProcessGroup | None  # replicas: parameter broadcast/all-gather, sharding
-    grad_group: ProcessGroup | None  # its twin: gradient reductions
 
 
 def _check_factories(optimizer: object, lr_scheduler: object) -> None:
@@ -150,13 +140,14 @@ class Engine:
             pin_mmap_threshold(config.host_mmap_threshold)  # bounded host memory needs a well-behaved allocator
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage3: Stage3Hooks | None = None
-        reductions, owner = self._plan_reductions(model, plan.reduce_groups, skip_absent=plan.pipelined)
+        #: The bucket policy's layout (zero.sharding.policy), the one the planner predicts: buckets in reduction order.
+        self.layout = plan_buckets(model, plan, dims, config, resolve=lambda p: self._meta_ids.get(id(p), p))
+        # Gradient reductions run on twins of the reduction groups (see ParallelDims.twin_groups).
+        twins = dims.twin_groups({r.name: r.group for r in self.layout.reductions})
+        self._check_param_offload_space(self.layout)
+        self.buckets = self._build_buckets(model, self.layout, twins)
         if config.stage == 3:
-            self.buckets, self.stage3 = self._build_stage3(model, reductions, owner)
-        else:
-            # Reverse registration order approximates backward order, so buckets fill front to back.
-            named = list(model.named_parameters())[::-1]
-            self.buckets = self._make_buckets(named, reductions, owner, True, config.reduce_bucket_size)
+            self.stage3 = self._stage3_hooks(model, self.layout, self.buckets)
         self.zero_optimizer = ZeroOptimizer(
             self.buckets,
             config,
@@ -207,86 +198,34 @@ class Engine:
             self.param_init(name, out)
             view.copy_(out)
 
-    def _plan_reductions(
-        self, model: nn.Module, declared: Sequence[ReduceGroup], skip_absent: bool = False
-    ) -> tuple[list[_Reduction], dict[int, int]]:
-        """The reductions (default first, then the declared ones) and which one owns each parameter;
-        `skip_absent`: a declared parameter not in `model` belongs to another pipeline stage."""
-        dims = self.dims
-        in_model = {id(p) for p in model.parameters()}
-        owner: dict[int, int] = {}
-        names = [DEFAULT_REDUCE_GROUP]
-        for k, rg in enumerate(declared, start=1):
-            if not isinstance(rg, ReduceGroup):
-                raise TypeError(f"reduce_groups[{k - 1}] is a {type(rg).__name__}; pass zero.ReduceGroup items")
-            if rg.name in names:
-                raise ValueError(f"reduce group name {rg.name!r} is used twice (or is the default's name)")
-            if dims.dp_sp % group_size(rg.group):
-                raise ValueError(
-                    f"reduce group {rg.name!r} has {group_size(rg.group)} ranks, which does not divide the "
-                    f"data x sequence parallel size {dims.dp_sp}: use a group of this engine's ParallelDims"
-                )
-            names.append(rg.name)
-            for p in (self._meta_ids.get(id(q), q) for q in rg.params):
-                if id(p) not in in_model and skip_absent:
-                    continue
-                if id(p) not in in_model:
-                    raise ValueError(f"reduce group {rg.name!r} lists a parameter that is not in the model")
-                if id(p) in owner:
-                    raise ValueError(f"a parameter is declared in reduce groups {names[owner[id(p)]]!r} and "
-                                     f"{rg.name!r}; each parameter reduces over one group")
-                owner[id(p)] = k
-        groups = {DEFAULT_REDUCE_GROUP: dims.dp_sp_group, **{rg.name: rg.group for rg in declared}}
-        twins = dims.twin_groups(groups)
-        return [_Reduction(n, g, twins[n]) for n, g in groups.items()], owner
-
-    def _make_buckets(
-        self,
-        named: list[tuple[str, nn.Parameter]],
-        reductions: list[_Reduction],
-        owner: dict[int, int],
-        resident: bool,
-        max_numel: int | None = None,
-    ) -> list[FlatBucket]:
-        """Buckets for `named`, split by (reduction, trainable), each kind cut at max_numel elements."""
-        out = []
-        # Each tied parameter in a bucket of its own, ordered by name (the same order on every rank).
-        tie_order = {id(p): k for k, (_, p) in enumerate(sorted(named, key=lambda x: x[0]), 1) if id(p) in self._tied}
-
-        def kind(p: nn.Parameter) -> tuple[int, int]:  # apart: tp-replicated alike, each tied parameter alone
-            return self._tp_replicas.get(id(p), 1), tie_order.get(id(p), 0)
-
-        kinds = sorted({kind(p) for _, p in named})
-        for k, reduction in enumerate(reductions):
-            for trainable, (tp_replicas, tied) in itertools.product((True, False), kinds):
-                sel = [(n, p) for n, p in named if owner.get(id(p), 0) == k and p.requires_grad == trainable
-                       and kind(p) == (tp_replicas, tied)]
-                if not sel:
-                    continue
-                for chunk in split_into_buckets(sel, max_numel or sum(p.numel() for _, p in sel)):
-                    b = FlatBucket(
-                        [p for _, p in chunk],
-                        [n for n, _ in chunk],
-                        reduction.group,
-                        dtype=self.config.torch_dtype,
-                        shard=self.config.stage >= 1,
-                        resident=resident,
-                        reduce_group=reduction.name,
-                        grad_group=reduction.grad_group,
-                        fill=self._fill_initial_values,
-                    )
-                    b.replicas *= tp_replicas  # ranks holding each element, for the global gradient norm
-                    self._set_codecs(b)
-                    if tied:
-                        b.tie_group = self._tied[id(chunk[0][1])]
-                        b.replicas *= group_size(b.tie_group)
-                    # Attach at once so each original parameter tensor is released before the next
-                    # bucket is flattened: the build never holds two copies of the whole model.
-                    b.broadcast_from_first_rank()
-                    home = "none" if resident else self.config.offload_params
-                    b.attach(home, self.config.nvme_path, f"rank{self._rank}-params{len(out)}-{id(b):x}")
-                    out.append(b)
-        return out
+    def _build_buckets(self, model: nn.Module, layout: Layout, twins: dict[str, ProcessGroup | None]
+                       ) -> list[FlatBucket]:
+        """The FlatBuckets of the policy's layout, in its (reduction) order; built units first, in forward order,
+        then the root and the persistent buckets."""
+        config, params = self.config, dict(model.named_parameters())
+        groups = {r.name: r.group for r in layout.reductions}
+        roles = {"unit": 0, "root": 1, "persistent": 2, "flat": 0}
+        order = sorted(range(len(layout.buckets)),
+                       key=lambda i: (roles[layout.buckets[i].role], layout.buckets[i].unit or 0))
+        built: dict[int, FlatBucket] = {}
+        for i in order:
+            spec: BucketSpec = layout.buckets[i]
+            b = FlatBucket([params[n] for n in spec.names], list(spec.names), groups[spec.reduce_group],
+                           dtype=config.torch_dtype, shard=config.stage >= 1, resident=spec.resident,
+                           reduce_group=spec.reduce_group, grad_group=twins[spec.reduce_group],
+                           fill=self._fill_initial_values)
+            b.replicas *= spec.tp_replicas  # ranks holding each element, for the global gradient norm
+            self._set_codecs(b)
+            if spec.tied:
+                b.tie_group = self._tied[id(b.params[0])]
+                b.replicas *= group_size(b.tie_group)
+            # Attach at once so each original parameter tensor is released before the next
+            # bucket is flattened: the build never holds two copies of the whole model.
+            b.broadcast_from_first_rank()
+            home = "none" if spec.resident else config.offload_params
+            b.attach(home, config.nvme_path, f"rank{self._rank}-params{len(built)}-{id(b):x}")
+            built[i] = b
+        return [built[i] for i in range(len(layout.buckets))]
 
     def _set_codecs(self, b: FlatBucket) -> None:
         """The quantized collectives (zero.quantize_*) of a bucket: gathers of stage-3 parameters, reductions of
@@ -298,45 +237,32 @@ class Engine:
         if config.quantize_gradients != "none" and b.trainable:
             b.grad_codec = config.quantize_gradients
 
-    def _check_param_offload_space(self, params: list[tuple[str, nn.Parameter]], reductions: list[_Reduction],
-                                   owner: dict[int, int]) -> None:
+    def _check_param_offload_space(self, layout: Layout) -> None:
         """nvme parameter offload: refuse a too-small or unusable nvme_path before any file is written."""
-        if self.config.offload_params != "nvme":
+        if self.config.offload_params != "nvme" or self.config.stage != 3:
             return
         elements = 0
-        for _, p in params:
-            size = group_size(reductions[owner.get(id(p), 0)].group)
-            elements += -(-p.numel() // size) + size  # this rank's shard, with room for padding
+        for p in layout.params:
+            if not p.persistent:
+                size = layout.reductions[p.reduction].size
+                elements += -(-p.numel // size) + size  # this rank's shard, with room for padding
         itemsize = torch.empty((), dtype=self.config.torch_dtype).element_size()
         check_nvme_path(self.config.nvme_path, elements * itemsize, "parameter shards")
 
-    def _build_stage3(
-        self, model: nn.Module, reductions: list[_Reduction], owner: dict[int, int]
-    ) -> tuple[list[FlatBucket], Stage3Hooks]:
-        """Per-unit, root and persistent buckets in reduction order, and the hooks that gather them."""
+    def _stage3_hooks(self, model: nn.Module, layout: Layout, buckets: list[FlatBucket]) -> Stage3Hooks:
+        """The hooks that gather each unit's buckets and the root's (hpZ: backward re-gathers units inside nodes)."""
         config = self.config
-        units = find_units(model, config.stage3_unit_classes)
-        per_unit, root, persistent = assign_parameters(model, units, config.param_persistence_threshold)
-        self._check_param_offload_space([x for unit in per_unit for x in unit] + root, reductions, owner)
-        unit_buckets = [self._make_buckets(params, reductions, owner, False) for params in per_unit]
-        # The root cut at reduce_bucket_size, in backward order: a head reduces before the blocks, an embedding after.
-        root_late, root_early = ([b for group in part for b in self._make_buckets(
-            group, reductions, owner, False, config.reduce_bucket_size)]
-            for part in split_root(model, root, per_unit, config.reduce_bucket_size))
-        persistent_buckets = self._make_buckets(
-            persistent[::-1], reductions, owner, True, config.reduce_bucket_size
-        )
-        if config.hpz_partition_size > 1:  # backward re-gathers units inside each node (hpZ)
-            secondary = self.dims.secondary_groups({r.name: r.group for r in reductions}, config.hpz_partition_size)
-            for b in (b for bl in unit_buckets for b in bl):
-                b.secondary_group = secondary[b.reduce_group]
-        hooks = Stage3Hooks(
-            model, units, unit_buckets, root_late + root_early, {id(p) for _, p in root}, config.prefetch_depth
-        )
-        # Reduction order (backward's): the root used after the blocks, blocks last-to-first, the rest of the
-        # root, then the small ones.
-        buckets = root_late + [b for bl in unit_buckets[::-1] for b in bl] + root_early + persistent_buckets
-        return buckets, hooks
+        if config.hpz_partition_size > 1:
+            secondary = self.dims.secondary_groups({r.name: r.group for r in layout.reductions},
+                                                   config.hpz_partition_size)
+            for b, spec in zip(buckets, layout.buckets):
+                if spec.secondary:
+                    b.secondary_group = secondary[b.reduce_group]
+        unit_buckets = [[b for b, spec in zip(buckets, layout.buckets) if spec.role == "unit" and spec.unit == i]
+                        for i in range(layout.units)]
+        root = [(b, spec) for b, spec in zip(buckets, layout.buckets) if spec.role == "root"]
+        return Stage3Hooks(model, layout.unit_modules, unit_buckets, [b for b, _ in root],
+                           {id(p) for b, _ in root for p in b.params}, config.prefetch_depth)
 
     @property
     def grads_accumulate_in_place(self) -> bool:

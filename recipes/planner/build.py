@@ -3,18 +3,16 @@
 `rank_model` builds the recipe's model on the meta device and applies expert, tensor, sequence and pipeline
 parallelism with the recipe's own `apply_*` functions for one rank of a world that exists only as
 torch's fake process group (collectives do nothing; `zero.dist.comm` still counts them). `bucket_specs`
-lays that rank's parameters out as the engine would (`zero.engine.Engine._make_buckets` / `_build_stage3`,
-with the runtime's own `split_into_buckets`, `find_units` and `assign_parameters`) without allocating them.
+lays that rank's parameters out with the engine's own bucket policy (`zero.sharding.policy.plan_buckets`, given
+the plans the engine would get) without allocating them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,9 +21,10 @@ from omegaconf import DictConfig
 
 import zero
 from recipes.config import is_hf, is_moe, model_config
-from zero.sharding import stage3
-from zero.sharding.buckets import split_into_buckets
-from zero.sharding.stage3 import assign_parameters, find_units
+from zero.sharding.policy import BucketSpec, Layout, plan_buckets
+
+__all__ = ["BucketSpec", "Layout", "RankModel", "bucket_specs", "fake_world", "gradient_passes", "rank_model",
+           "zero_config"]
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -99,121 +98,17 @@ def rank_model(cfg: DictConfig, rank: int) -> RankModel:
     return out
 
 
-@dataclass
-class BucketSpec:
-    """One flat bucket as the engine builds it, sizes only: `world` ranks share it (1 when unsharded)."""
-
-    names: list[str]
-    numel: int
-    world: int
-    group: int  # ranks of its reduction group (gradients reduce over them, parameters gather over them)
-    reduce_group: str
-    trainable: bool
-    resident: bool
-    role: str  # "flat" (stages 0-2), "unit" / "root" / "persistent" (stage 3)
-    unit: int | None = None
-    tie_group: int = 1  # ranks holding a copy (a pipeline's tied embedding and head)
-    replicas: int = 1
-    secondary: int = 0  # hpZ: ranks of its gather group on this rank's node keeping a secondary copy (0: none)
-
-    @property
-    def padded(self) -> int:
-        return math.ceil(self.numel / self.world) * self.world
-
-    @property
-    def shard(self) -> int:
-        return self.padded // self.world
-
-
-@dataclass
-class Layout:
-    """The engine's buckets for one rank, in reduction order, with the sizes of the groups involved."""
-
-    buckets: list[BucketSpec] = field(default_factory=list)
-    units: int = 0
-
-
-def _reductions(rm: RankModel) -> tuple[list[tuple[str, int]], dict[int, int]]:
-    """(name, group size) of each reduction, default first, and the reduction owning each parameter."""
-    dims = rm.dims
-    in_model = {id(p) for p in rm.module.parameters()}
-    sizes = {"expert": dims.edp}
-    out, owner = [("dense", dims.dp_sp)], {}
-    for k, rg in enumerate(rm.plan.reduce_groups, start=1):
-        out.append((rg.name, sizes.get(rg.name, zero.dist.comm.group_size(rg.group))))
-        for p in rg.params:
-            if id(p) in in_model:
-                owner[id(p)] = k
-    return out, owner
-
-
-def _make(named, reductions, owner, rm: RankModel, stage: int, resident: bool, role: str,
-          max_numel: int | None, unit: int | None = None) -> list[BucketSpec]:
-    """Mirror of Engine._make_buckets: split by (reduction, trainable, tp replicas, tied), cut at max_numel."""
-    replicas = {id(p): k for p, k in rm.plan.replicated_params.items() if k > 1}
-    tied = {id(p): g for p, g in rm.plan.tied_params.items() if g is not None}
-    tie_order = {id(p): k for k, (_, p) in enumerate(sorted(named, key=lambda x: x[0]), 1) if id(p) in tied}
-
-    def kind(p):
-        return replicas.get(id(p), 1), tie_order.get(id(p), 0)
-
-    out = []
-    for k, (name, size) in enumerate(reductions):
-        for trainable, (tp_replicas, tie) in itertools.product((True, False), sorted({kind(p) for _, p in named})):
-            sel = [(n, p) for n, p in named if owner.get(id(p), 0) == k and p.requires_grad == trainable
-                   and kind(p) == (tp_replicas, tie)]
-            if not sel:
-                continue
-            for chunk in split_into_buckets(sel, max_numel or sum(p.numel() for _, p in sel)):
-                tie_size = zero.dist.comm.group_size(tied[id(chunk[0][1])]) if tie else 1
-                out.append(BucketSpec([n for n, _ in chunk], sum(p.numel() for _, p in chunk),
-                                      size if stage >= 1 else 1, size, name, trainable, resident, role, unit,
-                                      tie_size, tp_replicas * tie_size))
-    return out
-
-
-def _secondary(rm: RankModel, buckets: list[BucketSpec], node_size: int) -> None:
-    """hpZ: the ranks of each unit bucket's gather group on this rank's node, as the engine's
-    ParallelDims.secondary_groups forms them (zero.dist.topology.node_partition)."""
-    from zero.dist.topology import node_partition
-
-    dims, rank = rm.dims, dist.get_rank()
-    if dims.world_size % node_size:
-        raise ValueError(f"zero.hpz_partition_size={node_size} does not divide the world size {dims.world_size}")
-    axes = {"dense": ("pp", "tp"), "expert": ("pp", "tp", "ep")}
-    for b in buckets:
-        if b.reduce_group not in axes:
-            raise NotImplementedError(f"planning hpZ for the {b.reduce_group!r} reduce group is not implemented")
-        parts = node_partition(dims.group_members(rank, axes[b.reduce_group]), node_size, b.reduce_group)
-        b.secondary = next((len(p) for p in parts if rank in p), 0)
+def zero_config(cfg: DictConfig) -> zero.ZeroConfig:
+    """The runtime settings of the recipe's zero section that the planner's layout and trace depend on."""
+    keys = ("stage", "dtype", "reduce_bucket_size", "param_persistence_threshold", "stage3_unit_classes",
+            "prefetch_depth", "hpz_partition_size")
+    return zero.ZeroConfig(**{k: v for k, v in cfg.zero.items() if k in keys})
 
 
 def bucket_specs(rm: RankModel, config: zero.ZeroConfig) -> Layout:
-    """The engine's buckets for this rank (same order, sizes, groups), nothing allocated."""
-    reductions, owner = _reductions(rm)
-    module = rm.module
-    if config.stage < 3:
-        named = list(module.named_parameters())[::-1]
-        return Layout(_make(named, reductions, owner, rm, config.stage, True, "flat", config.reduce_bucket_size))
-    units = find_units(module, config.stage3_unit_classes)
-    per_unit, root, persistent = assign_parameters(module, units, config.param_persistence_threshold)
-    unit_buckets = [_make(params, reductions, owner, rm, 3, False, "unit", None, unit=i)
-                    for i, params in enumerate(per_unit)]
-    if config.hpz_partition_size > 1:
-        _secondary(rm, [b for bl in unit_buckets for b in bl], config.hpz_partition_size)
-    persistent_buckets = _make(persistent[::-1], reductions, owner, rm, 3, True, "persistent",
-                               config.reduce_bucket_size)
-    split_root = getattr(stage3, "split_root", None)
-    if split_root is None:  # one root bucket per kind, reduced after the blocks
-        root_buckets = _make(root, reductions, owner, rm, 3, False, "root", None)
-        return Layout([b for bl in unit_buckets[::-1] for b in bl] + root_buckets + persistent_buckets, len(units))
-    # the root cut at reduce_bucket_size, a head reduced before the blocks and an embedding after (the engine's
-    # own split_root)
-    late, early = ([b for group in part for b in _make(group, reductions, owner, rm, 3, False, "root",
-                                                         config.reduce_bucket_size)]
-                   for part in split_root(module, root, per_unit, config.reduce_bucket_size))
-    buckets = late + [b for bl in unit_buckets[::-1] for b in bl] + early + persistent_buckets
-    return Layout(buckets, len(units))
+    """The engine's buckets for this rank (same order, sizes, groups), nothing allocated: the engine's own policy
+    applied to this rank's module and plans."""
+    return plan_buckets(rm.module, rm.plan, rm.dims, config)
 
 
 def gradient_passes(rm: RankModel, cfg: DictConfig) -> list[int] | None:

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 from omegaconf import DictConfig
 
-import zero
 from zero.dist import quantized
 from recipes.planner.build import (
     ITEMSIZE,
@@ -24,6 +23,7 @@ from recipes.planner.build import (
     fake_world,
     gradient_passes,
     rank_model,
+    zero_config,
 )
 from recipes.planner.cluster import Cluster
 from recipes.planner.trace import Trace, trace_micro_batch
@@ -538,9 +538,7 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
     z = cfg.zero
     isz = ITEMSIZE[z.dtype]
     rm = rank_model(cfg, rank)
-    config = zero.ZeroConfig(**{k: v for k, v in z.items() if k in ("stage", "dtype", "reduce_bucket_size",
-                                                                     "param_persistence_threshold", "prefetch_depth",
-                                                                     "hpz_partition_size")})
+    config = zero_config(cfg)
     layout = bucket_specs(rm, config)
     trace = trace_micro_batch(rm, cfg, config.torch_dtype, gemms=bool(cluster.gemm_cache_entry_kb))
     counter = _Counter()

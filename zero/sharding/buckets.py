@@ -270,20 +270,3 @@ class _ThenKeep:
             bucket._keep_secondary()
         return True
 
-
-def split_into_buckets(
-    params: list[tuple[str, nn.Parameter]], max_numel: int
-) -> list[list[tuple[str, nn.Parameter]]]:
-    """Consecutive runs of parameters of at most `max_numel` elements each (a larger one stands alone)."""
-    buckets: list[list[tuple[str, nn.Parameter]]] = []
-    current: list[tuple[str, nn.Parameter]] = []
-    size = 0
-    for name, p in params:
-        if current and size + p.numel() > max_numel:
-            buckets.append(current)
-            current, size = [], 0
-        current.append((name, p))
-        size += p.numel()
-    if current:
-        buckets.append(current)
-    return buckets

@@ -80,32 +80,6 @@ def assign_parameters(module: nn.Module, units: list[tuple[str, nn.Module]], per
     return per_unit, root, persistent
 
 
-def split_root(module: nn.Module, root: list[tuple[str, nn.Parameter]],
-               per_unit: list[list[tuple[str, nn.Parameter]]], bucket_numel: int):
-    """The root parameters in groups to bucket apart, in (roughly) the order backward reaches them: (the groups
-    of those registered after every unit parameter, e.g. a final norm and an output head; the groups of the
-    others, e.g. the embedding), each last registered first. Backward produces the first part's gradients
-    before any unit's and the second's after them, so reducing in that order lets a head's gradient leave
-    memory at once instead of waiting, in full size, for the embedding's at the end of backward. A parameter
-    of at least a quarter of `bucket_numel` elements is a group of its own: its gradient is then the bucket's
-    staging buffer itself (zero.sharding.optimizer), not copied into a second one. Only the order and the
-    cut of the reductions depend on this."""
-    position = {id(p): k for k, (_, p) in enumerate(module.named_parameters())}
-    last_unit = max((position[id(p)] for unit in per_unit for _, p in unit), default=-1)
-
-    def groups(params: list[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:
-        out: list[list[tuple[str, nn.Parameter]]] = []
-        for name, p in params[::-1]:
-            alone = 4 * p.numel() >= bucket_numel
-            if alone or not out or out[-1][-1][1].numel() * 4 >= bucket_numel:
-                out.append([])
-            out[-1].append((name, p))
-        return out
-
-    return (groups([(n, p) for n, p in root if position[id(p)] > last_unit]),
-            groups([(n, p) for n, p in root if position[id(p)] <= last_unit]))
-
-
 class Stage3Hooks:
     """Forward/backward hooks that gather, prefetch and free each unit's buckets."""
 
