@@ -30,8 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SHELL_FENCES = ("bash", "sh", "shell")
 MAX_PROCESSES = 4
-#: The tiny model of each configured model's family (dense or MoE); model=hf and the tiny ones stay.
-TINY_MODEL = {"default": "moe_tiny", "moe_small": "moe_tiny", "small": "tiny", "llama_1b": "tiny"}
+KEPT_MODELS = ("tiny", "moe_tiny", "hf")  # the tiny ones, and model=hf (its size is the config file's)
 #: What every recipe run is shrunk to (a command's own value of a key is replaced).
 SHRUNK = {"train.steps": "2", "train.eval_batches": "0", "train.sample_tokens": "0", "train.progress": "false",
           "wandb.mode": "disabled"}
@@ -223,6 +222,16 @@ def block_by(test_file: str) -> Block:
     return owned[0]
 
 
+def tiny_model(name: str) -> str:
+    """The tiny model of a model file's family: moe_tiny for an MoE one, else tiny."""
+    if name in KEPT_MODELS:
+        return name
+    import yaml
+
+    spec = yaml.safe_load((REPO / "recipes" / "conf" / "model" / f"{name}.yaml").read_text())
+    return "moe_tiny" if (spec.get("moe") or {}).get("num_experts") else "tiny"
+
+
 def _set(args: list[str], key: str, value: str) -> list[str]:
     """args with `key=value` in place of the command's own value of key (`+key=`/`++key=` too), else appended."""
     kept = [a for a in args if a.lstrip("+").partition("=")[0] != key]
@@ -242,7 +251,7 @@ def shrink(command: Command) -> tuple[list[str], int]:
     args = list(command.args)
     if command.module == "recipes.pretrain":
         model = _value(args, "model") or "default"
-        args = _set(args, "model", TINY_MODEL.get(model, model))
+        args = _set(args, "model", tiny_model(model))
         for key, value in SHRUNK.items():
             args = _set(args, key, value)
         seq_len = _value(args, "train.seq_len")
