@@ -183,12 +183,12 @@ def _run_in_block(command: Command, tmp_path_factory) -> None:
         try:
             _run(earlier, run.cwd)
             run.done[earlier.index] = None
-        except BaseException as e:
+        except (Exception, pytest.fail.Exception) as e:
             run.done[earlier.index] = f"{type(e).__name__}: {e}"
     try:
         _run(command, run.cwd)
         run.done[command.index] = None
-    except BaseException as e:
+    except (Exception, pytest.fail.Exception) as e:
         run.done[command.index] = f"{type(e).__name__}: {e}"
         failed = {i: why for i, why in run.done.items() if why and i < command.index}
         if failed and hasattr(e, "add_note"):  # (it may have needed what they make; notes: Python 3.11+)
