@@ -4,13 +4,20 @@ and the few calls of our engine's API.
 - `spawn(fn, *args, world=N)` runs `fn(*args)` on N fresh processes (a gloo group on a free port when
   N > 1) and returns their results in rank order; a rank that raises fails the call with its traceback
   (`RankFailed`), one over the memory cap or out of memory with `OverMemory`, a run past `timeout` with
-  `RankTimeout`. Every process starts from a fresh interpreter (spawn), so its memory is its own; a
-  --quick run (`quick_mode`) forks them from a server that has imported torch instead (`fast_start`).
+  `RankTimeout`; a run that is abandoned is killed with every process it started (a compiler, a launcher's
+  ranks). Every process starts from a fresh interpreter (spawn), so its memory is its own; a --quick run
+  (`quick_mode`) forks them from a server that has imported torch instead (`fast_start`), and no run of it lasts
+  longer than QUICK_DEADLINE_S.
+- `peer(name, fn, *args, ...)` is `spawn` for a peer's side: a peer that fails or does not finish in time is
+  said in one line (`peer X did not finish in N s`) and the benchmark goes on without its figures.
 - `peak_rss_mb()` is this process's own high-water mark (VmHWM, `zero.dist.topology.peak_rss_bytes`),
   not getrusage's, which in a forked child starts at the parent's peak; `rss_over_ranks` takes the
   largest rank's peak (and its training's own share) of a run.
-- `deepspeed_missing()` says why DeepSpeed cannot run here (None when it imports); a benchmark then skips
-  its DeepSpeed side with `skip_note`. `deepspeed_moe` is its MoE layer on one rank.
+- `deepspeed_runs(what, ops)` says whether DeepSpeed runs here (`deepspeed_missing()`: None when it imports) with
+  the ops its side loads; a benchmark otherwise skips its DeepSpeed side with `skip_note`. DeepSpeed compiles some
+  ops from C++ on first use (`deepspeed_ops_missing`: minutes on a few cores): a full run builds them first, a
+  quick run skips a side whose ops are not built (`python -m benchmarks.common --build-deepspeed-ops` builds them
+  once). `deepspeed_moe` is its MoE layer on one rank.
 - `failed`, `finish`, `last_line`: a variant that failed is reported (its error's last line) and the run
   exits 1 at the end; `print_ratio` prints the headline figures.
 - `initialize`, `parallel_dims`, `fast_adamw`: the engine's API, called from here only, so that a change
@@ -23,10 +30,12 @@ importing this module (benchmarks/zero.py would otherwise shadow the `zero` pack
 from __future__ import annotations
 
 import functools
+import glob
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -34,10 +43,14 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVER_CAP = 3  # exit code of a process whose RSS passed its cap (watch_rss)
+# The longest a run of a --quick benchmark may take (spawn's timeout is cut to it), so that a peer that hangs
+# costs a quick run at most this long: a quick run's own runs take seconds.
+QUICK_DEADLINE_S = 45.0
 # Phrases of a traceback that mean the run ended for lack of memory (host or disk), not a bug.
 _OUT_OF_MEMORY = ("MemoryError", "out of memory", "OffloadError", "No space left")
 
@@ -51,7 +64,11 @@ class OverMemory(RankFailed):
 
 
 class RankTimeout(RankFailed, TimeoutError):
-    """The ranks did not all finish within the time limit (they are killed)."""
+    """The ranks did not all finish within the time limit (they are killed, with what they started)."""
+
+    def __init__(self, message: str, timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.timeout = timeout
 
 
 # ---------------------------------------------------------------------------- memory
@@ -196,7 +213,10 @@ def spawn(fn: Callable[..., Any], *args: Any, world: int = 1, timeout: float = 9
     processes' environment from their start (e.g. C allocator settings; a None value removes one).
     `rss_cap_mb`: a rank seen above it ends the run at once with OverMemory (the caller's probe has failed
     anyway, and this keeps an oversized run from taking the machine's memory); so does a rank that exits
-    with OVER_CAP (watch_rss)."""
+    with OVER_CAP (watch_rss). `timeout` (in a quick run at most QUICK_DEADLINE_S): ranks still running then
+    are killed with every process they started, and the call raises RankTimeout."""
+    if _QUICK:
+        timeout = min(timeout, QUICK_DEADLINE_S)
     ctx = _context()
     results = ctx.Queue()
     port = free_port() if world > 1 else 0
@@ -220,7 +240,7 @@ def spawn(fn: Callable[..., Any], *args: Any, world: int = 1, timeout: float = 9
             try:
                 rank, ok, payload = results.get(timeout=0.1)
             except queue.Empty:
-                _check_running(procs, out, results, rss_cap_mb, deadline, what)
+                _check_running(procs, out, results, rss_cap_mb, deadline, timeout, what)
                 continue
             if not ok:
                 if any(k in payload for k in _OUT_OF_MEMORY):
@@ -228,12 +248,54 @@ def spawn(fn: Callable[..., Any], *args: Any, world: int = 1, timeout: float = 9
                 raise RankFailed(f"{what}: rank {rank} failed:\n{payload}")
             out[rank] = pickle.loads(payload)
     finally:
+        done = len(out) == world
         for p in procs:
-            p.join(timeout=10 if len(out) == world else 0)
+            if not done and p.is_alive():  # abandoned or stuck: it and every process it started (only our own)
+                _kill_tree(p.pid)  # (alive: its pid is its own, no other process's)
+            p.join(timeout=10 if done else None)
             if p.is_alive():
-                p.kill()  # only our own children, and only when the run is abandoned or stuck
+                p.kill()
                 p.join()
     return [out[r] for r in range(world)]
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill process `pid` and every process it started (a compiler, a launcher's ranks, theirs): all are stopped
+    first, so none starts another meanwhile, then killed. (They stay in the caller's process group: a signal to
+    the whole job, Ctrl-C or a harness's kill, still reaches them.)"""
+    found: list[int] = []
+    for _ in range(2):  # (the second pass finds what was started while the first one looked)
+        for victim in [pid, *_descendants(pid)]:
+            if victim not in found:
+                found.append(victim)
+                _signal(victim, signal.SIGSTOP)
+    for victim in found:
+        _signal(victim, signal.SIGKILL)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass  # gone already
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs, from /proc (parents before their children)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # (the command in parentheses may hold spaces)
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _set_environ(values: dict[str, str | None]) -> None:
@@ -244,7 +306,8 @@ def _set_environ(values: dict[str, str | None]) -> None:
             os.environ[k] = v
 
 
-def _check_running(procs: list, out: dict, results, rss_cap_mb: float | None, deadline: float, what: str) -> None:
+def _check_running(procs: list, out: dict, results, rss_cap_mb: float | None, deadline: float, timeout: float,
+                   what: str) -> None:
     """Raise when a run waited on must end: a rank over the RSS cap, a rank dead, or the time is up."""
     if rss_cap_mb is not None:
         seen = max(rss_mb(p.pid) for p in procs)
@@ -263,13 +326,26 @@ def _check_running(procs: list, out: dict, results, rss_cap_mb: float | None, de
         raise RankFailed(f"{what}: rank {r} died with exit code {p.exitcode}")
     if time.monotonic() > deadline:
         missing = [r for r in range(len(procs)) if r not in out]
-        raise RankTimeout(f"{what} timed out; ranks still running: {missing}")
+        raise RankTimeout(f"{what} did not finish in {timeout:.0f} s (ranks {missing} still running: killed with "
+                          "the processes they started)", timeout)
 
 
 # ---------------------------------------------------------------------------- output
+_QUICK = False  # a --quick run (quick_mode): every spawn ends within QUICK_DEADLINE_S, DeepSpeed builds nothing
+
+
+def quick_limits() -> None:
+    """A quick run's bounds (quick_mode sets them): every run ends within QUICK_DEADLINE_S, and a DeepSpeed side
+    whose ops are not built is skipped rather than compiled (deepspeed_ops_missing)."""
+    global _QUICK
+    _QUICK = True
+
+
 def quick_mode(quick: bool, *preload: str) -> None:
-    """A --quick run: processes fork from a preloaded server (`fast_start`), said once in the output."""
+    """A --quick run: processes fork from a preloaded server (`fast_start`), said once in the output, within the
+    bounds of quick_limits."""
     if quick:
+        quick_limits()
         fast_start(*preload)
         print("quick run: small sizes, processes forked from a preloaded server; a smoke run, not a measurement",
               flush=True)
@@ -304,7 +380,10 @@ def run_parts(name: str, parts, args, argv: list[str] | None) -> dict:
     for part, fn in enumerate(parts, start=1):
         if part in chosen:
             start = time.perf_counter()
-            out[f"part{part}"] = fn(args)
+            try:
+                out[f"part{part}"] = fn(args)
+            except RankFailed as e:  # (a run of ours: failed, and the next part goes on)
+                failed(f"part {part}", e)
             print(f"\n(part {part} took {(time.perf_counter() - start) / 60:.1f} min)", flush=True)
     print(f"\ntotal {(time.perf_counter() - t0) / 60:.1f} min; command: python -m benchmarks.{name} "
           f"{' '.join(argv if argv is not None else sys.argv[1:])}")
@@ -315,6 +394,7 @@ def run_parts(name: str, parts, args, argv: list[str] | None) -> dict:
 
 
 _FAILED: list[str] = []
+_PEERS_FAILED: list[str] = []
 
 
 def last_line(error: BaseException | str) -> str:
@@ -331,9 +411,32 @@ def failed(what: str, error: BaseException | str) -> None:
 
 
 def finish() -> None:
-    """End of a benchmark: exit status 1 if any variant failed."""
+    """End of a benchmark: the peers that failed named again, and exit status 1 if any variant of ours failed."""
+    if _PEERS_FAILED:
+        print("peers left out:\n" + "\n".join(f"- {x}" for x in _PEERS_FAILED), flush=True)
     if _FAILED:
         sys.exit("benchmark variants failed:\n" + "\n".join(f"- {x}" for x in _FAILED))
+
+
+def peer(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any] | None:
+    """`spawn(fn, *args, **kwargs)` for a peer's side of a comparison: a peer that fails, or does not finish in
+    time (killed with its processes), is said in one line and named again at the end, and None comes back: the
+    benchmark goes on without its figures (its exit status is ours alone)."""
+    try:
+        return spawn(fn, *args, **kwargs)
+    except RankFailed as e:
+        peer_failed(name, e)
+        return None
+
+
+def peer_failed(name: str, error: BaseException) -> None:
+    """One line for a peer that did not give its figures: `peer X did not finish in N s` or its error's last line."""
+    if isinstance(error, RankTimeout) and error.timeout is not None:
+        line = f"peer {name} did not finish in {error.timeout:.0f} s (killed with its processes)"
+    else:
+        line = f"peer {name} failed: {last_line(error)}"
+    _PEERS_FAILED.append(line)
+    print(f"{line}; going on without its figures", flush=True)
 
 
 def print_ratio(what: str, value: float | None, detail: str = "") -> None:
@@ -362,12 +465,87 @@ def skip_note(what: str, why: str | None) -> None:
     print(f"note: {what} skipped: {why}", flush=True)
 
 
-def deepspeed_runs(what: str = "the DeepSpeed side") -> bool:
-    """Whether DeepSpeed imports here; if not, a note that `what` is skipped."""
-    why = deepspeed_missing()
+#: The op every DeepSpeed side with a process group loads (deepspeed.init_distributed on CPU: its shared-memory
+#: collectives).
+DEEPSPEED_COMM = ("ShareMemCommBuilder",)
+
+
+def deepspeed_runs(what: str = "the DeepSpeed side", ops: tuple[str, ...] = DEEPSPEED_COMM) -> bool:
+    """Whether DeepSpeed imports here and loads the ops `ops` at once (op builder names, e.g. "FusedAdamBuilder":
+    see deepspeed_ops_missing); if not, a note that `what` is skipped."""
+    why = deepspeed_missing() or (deepspeed_ops_missing(*ops) if ops else None)
     if why is not None:
         skip_note(what, why)
     return why is None
+
+
+# DeepSpeed compiles some of its ops from C++ the first time they load (torch's JIT extensions), in a directory of
+# TORCH_EXTENSIONS_DIR under a lock file: 7-8 minutes each measured on 2 busy cores, with every rank idle meanwhile.
+# A builder killed mid-build leaves its lock file, and torch's loader then waits for it to go forever.
+DEEPSPEED_BUILD_TIMEOUT_S = 3600.0
+#: The ops the benchmarks load on CPU: collectives (every run), FusedAdam, DeepSpeedCPUAdam, async IO (nvme).
+DEEPSPEED_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
+
+
+def deepspeed_ops_missing(*builders: str) -> str | None:
+    """Why DeepSpeed cannot load the ops of `builders` at once: in a quick run, those it would compile first (not
+    installed prebuilt, not built in the extensions directory); in a full run, those that do not build within
+    DEEPSPEED_BUILD_TIMEOUT_S (built here first, in a process of their own, once per machine). None when all load.
+    A build lock that no process holds (its builder was killed) is removed on the way, saying so."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    unbuilt = []
+    for name in builders:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None or installed_ops.get(builder.name) or not builder.is_compatible(verbose=False):
+            continue  # prebuilt, or DeepSpeed goes without it here
+        directory = Path(_get_build_directory(builder.name, False))
+        _clear_stale_lock(directory / "lock")
+        if (directory / "lock").exists() or not (directory / f"{builder.name}.so").exists():
+            unbuilt.append((name, builder.name))
+    if not unbuilt:
+        return None
+    ops = ", ".join(op for _, op in unbuilt)
+    if _QUICK:
+        return (f"DeepSpeed's {ops} op(s) are not built yet (it compiles them on first use, for minutes): build them "
+                "once with `python -m benchmarks.common --build-deepspeed-ops`, or run without --quick")
+    print(f"building DeepSpeed's {ops} op(s) (once per machine; minutes of C++) ...", flush=True)
+    try:
+        spawn(_build_deepspeed_ops, [name for name, _ in unbuilt], timeout=DEEPSPEED_BUILD_TIMEOUT_S)
+    except RankFailed as e:
+        return f"DeepSpeed's {ops} op(s) did not build: {last_line(e)}"
+    return None
+
+
+def _build_deepspeed_ops(builders: list[str]) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    for name in builders:
+        get_accelerator().create_op_builder(name).load(verbose=False)
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Remove torch's build lock of a JIT extension that no process on this machine holds open (torch's builder
+    keeps it open while it builds): its builder was killed, and every load of the op would wait for it forever."""
+    if lock.exists() and not lock_holders(lock):
+        lock.unlink(missing_ok=True)
+        print(f"note: removed {lock}, a build lock left by a builder that was killed (no process holds it)",
+              flush=True)
+
+
+def lock_holders(path: Path) -> list[int]:
+    """The processes of this machine (that this user may inspect) that hold `path` open."""
+    target = os.path.realpath(path)
+    holders = []
+    for fd_dir in glob.glob("/proc/[0-9]*/fd"):
+        try:
+            if any(os.readlink(os.path.join(fd_dir, fd)) == target for fd in os.listdir(fd_dir)):
+                holders.append(int(fd_dir.split("/")[2]))
+        except OSError:  # (gone meanwhile, or not ours to inspect)
+            continue
+    return holders
 
 
 def deepspeed_moe(dim: int, ffn: int, num_experts: int, top_k: int, backend: str = "gloo"):
@@ -435,3 +613,22 @@ def engine_step(engine):
         return loss
 
     return train_step
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Helpers of the benchmark scripts.")
+    parser.add_argument("--build-deepspeed-ops", action="store_true",
+                        help=f"build DeepSpeed's ops that the benchmarks load ({', '.join(DEEPSPEED_OPS)}), once per "
+                             "machine, so that quick runs compare against DeepSpeed too")
+    args = parser.parse_args(argv)
+    if not args.build_deepspeed_ops:
+        parser.error("nothing to do: pass --build-deepspeed-ops")
+    why = deepspeed_missing() or deepspeed_ops_missing(*DEEPSPEED_OPS)
+    print(f"DeepSpeed's ops: {why}" if why else "DeepSpeed's ops are built")
+    sys.exit(1 if why else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -14,7 +14,10 @@ processes; parts 2 and 4 run their variants in alternating rounds so load on a s
     python -m benchmarks.offload --parts 1,2       # some of them
     python -m benchmarks.offload --quick           # tiny sizes, few probes and variants: a smoke run
 
-Without DeepSpeed (`import deepspeed` fails) its side is skipped with a note; FSDP2 and torch's AdamW run.
+Without DeepSpeed (`import deepspeed` fails; in a quick run also when the ops it compiles on first use are not built:
+`python -m benchmarks.common --build-deepspeed-ops`) its side is skipped with a note; FSDP2 and torch's AdamW run.
+A peer's run that fails or does not finish in time (in a quick run 45 s) is killed with its processes, said in one
+line, and left out.
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ def _rotating_rounds(variants: dict, repeats: int) -> dict[str, list[float]]:
 
 def part1(args) -> dict:
     n_params = 1_000_000 if args.quick else args.adam_params
-    with_ds = common.deepspeed_runs("part 1: DeepSpeedCPUAdam")
+    with_ds = common.deepspeed_runs("part 1: DeepSpeedCPUAdam", ops=("CPUAdamBuilder",))
     (res,) = common.spawn(_host_adamw, n_params, args.adam_tensors, args.repeats, with_ds,
                           threads=args.adam_threads, timeout=args.timeout)
     med = {k: statistics.median(v) for k, v in res["times"].items()}
@@ -335,16 +338,31 @@ def _train(framework: str, arch: str, offload: str, args) -> dict:
     return {"params": n_params, "optimizer": optimizer, **measured, "baseline_rss_mb": baseline_rss}
 
 
+#: The peers' names in the line that says one was left out.
+PEERS = {"deepspeed": "DeepSpeed ZeRO-3", "fsdp2": "FSDP2", "fsdp2-fused": "FSDP2 with fused AdamW"}
+
+
 def _run_rounds(variants: list[tuple[str, str, str]], args) -> list[dict]:
     """Every (framework, arch, offload) once per round, rounds alternating: A B C, A B C, ...
 
     Returns one row per variant: the per-round figures (slowest rank's step time, largest rank's RSS)
-    and their medians over rounds.
+    and their medians over rounds. A peer that fails or does not finish in time is said so and has no row.
     """
     runs: dict = defaultdict(list)
+    left_out: set = set()  # peers that failed or did not finish: no further rounds, no row
     for r in range(args.rounds):
         for fw, arch, offload in variants:
-            ranks = common.spawn(_train, fw, arch, offload, args, world=WORLD, timeout=args.timeout)
+            if (fw, arch, offload) in left_out:
+                continue
+            if fw == "ours":
+                ranks = common.spawn(_train, fw, arch, offload, args, world=WORLD, timeout=args.timeout)
+            else:
+                ranks = common.peer(f"{PEERS[fw]} ({arch}, offload {offload})", _train, fw, arch, offload, args,
+                                    world=WORLD, timeout=args.timeout)
+                if ranks is None:
+                    left_out.add((fw, arch, offload))
+                    runs.pop((fw, arch, offload), None)
+                    continue
             run = {**summarise_ranks(ranks), "optimizer": ranks[0]["optimizer"]}
             runs[(fw, arch, offload)].append(run)
             print(f"round {r + 1}: {fw} {arch} offload={offload}: {run['step_s']:.3f} s/step", file=sys.stderr,
@@ -370,17 +388,16 @@ def _loss_spread(rows: list[dict]) -> float:
 
 
 def _aio_available() -> tuple[bool, str]:
-    """Whether DeepSpeed's async IO op (needed for its nvme offload) builds and loads here."""
+    """Whether DeepSpeed's async IO op (needed for its nvme offload) is compatible and built (or builds) here."""
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
-        builder = AsyncIOBuilder()
-        if not builder.is_compatible(verbose=False):
+        if not AsyncIOBuilder().is_compatible(verbose=False):
             return False, "AsyncIOBuilder().is_compatible() is False (libaio-dev missing?)"
-        builder.load(verbose=False)
-        return True, "async_io op loads"
+        why = common.deepspeed_ops_missing("AsyncIOBuilder")
     except Exception as e:  # any build or import failure means: no DeepSpeed nvme here
         return False, f"async_io op does not load: {type(e).__name__}: {e}"
+    return why is None, why or "async_io op loads"
 
 
 def _part_header(title: str, args) -> None:
@@ -408,7 +425,8 @@ def _print_runs(rows: list[dict], columns: list[tuple[str, object]], args) -> No
 
 
 def part2(args) -> dict:
-    with_ds = common.deepspeed_runs("part 2: DeepSpeed ZeRO-3 with offload")
+    with_ds = common.deepspeed_runs("part 2: DeepSpeed ZeRO-3 with offload", ops=(*common.DEEPSPEED_COMM,
+                                                                                  "CPUAdamBuilder"))
     aio, aio_note = _aio_available() if with_ds else (False, "no DeepSpeed")
     variants = [("ours", "llama", "none"), ("ours", "llama", "cpu"), ("deepspeed", "llama", "cpu"),
                 ("ours", "llama", "nvme"), ("deepspeed", "llama", "nvme")]
@@ -446,7 +464,10 @@ def part2(args) -> dict:
 
 def part4(args) -> dict:
     archs = args.archs.split(",")
-    frameworks = common.without_deepspeed(("ours", "deepspeed", "fsdp2", "fsdp2-fused"), "part 4: DeepSpeed ZeRO-3")
+    # (DeepSpeed's own optimizer here is its FusedAdam, whose CPU op it compiles on first use)
+    frameworks = ["ours", "deepspeed", "fsdp2", "fsdp2-fused"]
+    if not common.deepspeed_runs("part 4: DeepSpeed ZeRO-3", ops=(*common.DEEPSPEED_COMM, "FusedAdamBuilder")):
+        frameworks.remove("deepspeed")
     if args.quick:  # FSDP2 with its fused AdamW only (the faster of the two)
         frameworks.remove("fsdp2")
     rows = _run_rounds([(fw, arch, "none") for arch in archs for fw in frameworks], args)
@@ -465,12 +486,12 @@ def part4(args) -> dict:
     for arch in archs:
         arch_rows = [r for r in rows if r["arch"] == arch]
         ours = _find(rows, framework="ours", arch=arch)["step_s"]
-        fsdp = min(r["step_s"] for r in arch_rows if r["framework"] in ("fsdp2", "fsdp2-fused"))
+        fsdp = min((r["step_s"] for r in arch_rows if r["framework"] in ("fsdp2", "fsdp2-fused")), default=None)
         ds = _find(rows, framework="deepspeed", arch=arch)
         print(f"{arch}: losses differ by at most {_loss_spread(arch_rows):.2e}; "
               f"target <= 0.8x DeepSpeed: {verdict(ours / ds['step_s'] if ds else None, 0.8)}; "
-              f"target <= 1.0x the faster FSDP2: {verdict(ours / fsdp, 1.0)}")
-        common.print_ratio(f"{arch} stage 3 step time, ours / the faster FSDP2", ours / fsdp)
+              f"target <= 1.0x the faster FSDP2: {verdict(ours / fsdp if fsdp else None, 1.0)}")
+        common.print_ratio(f"{arch} stage 3 step time, ours / the faster FSDP2", ours / fsdp if fsdp else None)
         if ds:
             common.print_ratio(f"{arch} stage 3 step time, ours / DeepSpeed", ours / ds["step_s"])
     return {"rows": rows}
@@ -695,6 +716,7 @@ def main(argv: list[str] | None = None) -> None:
     args.final_steps = args.final_steps or (2 if quick else 5)
     args.allocators = args.allocators or ("mmap-1MiB" if quick else ",".join(ALLOCATORS))
     common.run_parts("offload", (part1, part2, part3, part4), args, argv)
+    common.finish()
 
 
 if __name__ == "__main__":

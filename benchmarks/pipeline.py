@@ -636,7 +636,7 @@ def _part2_rounds(variants: list[str], args) -> tuple[dict[str, list[dict]], dic
             except common.RankFailed as e:
                 errors[variant] = str(e)
                 if variant == "deepspeed":  # the peer's failure is a result (reported below), ours a bug
-                    print(f"{variant}: FAILED:\n{e}", file=sys.stderr, flush=True)
+                    common.peer_failed("DeepSpeed pipeline", e)
                 else:
                     common.failed(f"part 2: {variant}", e)
                 continue

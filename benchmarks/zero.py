@@ -189,8 +189,12 @@ def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
             "baseline_rss_mb": baseline_rss}
 
 
-def run_framework(framework: str, stage: int, args) -> list[dict]:
-    return common.spawn(_run, framework, stage, args, world=WORLD, threads=args.threads, timeout=args.timeout)
+def run_framework(framework: str, stage: int, args) -> list[dict] | None:
+    """Its ranks' figures; a peer's failure (or a run past its deadline) is said in one line and gives None."""
+    if framework == "ours":
+        return common.spawn(_run, framework, stage, args, world=WORLD, threads=args.threads, timeout=args.timeout)
+    return common.peer(f"{framework} stage {stage}", _run, framework, stage, args, world=WORLD, threads=args.threads,
+                       timeout=args.timeout)
 
 
 def summarise_ranks(ranks: list[dict]) -> dict:
@@ -211,7 +215,10 @@ def main(argv: list[str] | None = None) -> None:
         for fw in frameworks:
             if fw == "fsdp2" and stage != 3:
                 continue
-            table[(fw, stage)] = summarise_ranks(run_framework(fw, stage, args))
+            ranks = run_framework(fw, stage, args)
+            if ranks is None:  # (a peer that failed or did not finish: said, and left out)
+                continue
+            table[(fw, stage)] = summarise_ranks(ranks)
             print(f"done {fw} stage {stage}: {table[(fw, stage)]['step_s']:.3f}s/step", file=sys.stderr, flush=True)
     _print_table(table, args)
     for (fw, stage), row in table.items():
@@ -223,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{fw}/{stage}": row for (fw, stage), row in table.items()}, f, indent=1)
+    common.finish()
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

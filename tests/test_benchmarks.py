@@ -32,7 +32,10 @@ SCRIPTS = [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_QUICK_RUNS 
            for p in sorted(BENCH.glob("*.py")) if p.name not in HELPERS and not p.name.startswith("_")]
 # Scripts without a CPU --quick mode, skipped (with this reason) where no CUDA device is visible.
 NEEDS_GPU: dict[str, str] = {}
-TIMEOUT_S = 240  # a quick run takes seconds; this only turns a hang into a failure
+# A quick run's bound, its peers included: a peer that hangs costs it at most common.QUICK_DEADLINE_S (its runs
+# are killed then, said in one line, and the script goes on without them).
+QUICK_BOUND_S = 90
+TIMEOUT_S = 240  # past this a quick run is killed (a hang of our own becomes a failure, not a stalled suite)
 
 X = r"\d+\.\d+x"  # a ratio's value
 RATIO = re.compile(rf"^ratio .+: {X}", re.M)
@@ -178,7 +181,7 @@ def test_quick_run(script: Path, quick_runs: QuickRuns):
     out, err = run.output()
     took = run.end - run.start
     shown = f"--- stdout (end) ---\n{out[-4000:]}\n--- stderr (end) ---\n{err[-4000:]}"
-    assert took < TIMEOUT_S, f"{script.name} --quick did not finish in {TIMEOUT_S} s\n{shown}"
+    assert took < QUICK_BOUND_S, f"{script.name} --quick took {took:.0f} s, over {QUICK_BOUND_S} s\n{shown}"
     assert run.proc.returncode == 0, f"{script.name} --quick exited {run.proc.returncode} after {took:.0f} s\n{shown}"
     assert RATIO.search(out), f"{script.name} --quick printed no `ratio <what>: <value>x` line\n{shown}"
     missing = [p for p in PROMISES.get(script.name, []) if not re.search(p, out, re.M)]
@@ -222,3 +225,107 @@ def test_no_duplicated_blocks():
                 duplicates.append(f"{seen[block]} and {where}:\n  " + "\n  ".join(block))
             seen.setdefault(block, where)
     assert not duplicates, "duplicated blocks (move them to benchmarks/common.py):\n" + "\n".join(duplicates[:5])
+
+
+# ---------------------------------------------------------------------------- deadlines and peers (common.py)
+def _sleeping_peer(pid_dir: str) -> None:
+    """A peer that hangs: it starts a process that sleeps (as a compiler or a launcher's rank would run), notes both
+    pids, and sleeps itself."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    Path(pid_dir, os.environ.get("RANK", "0")).write_text(f"{os.getpid()} {child.pid}")
+    time.sleep(600)
+
+
+def _failing_peer() -> None:
+    raise RuntimeError("the peer's own error")
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    """Whether process `pid` ends (or is a zombie nobody reaped yet) within `within_s`."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def forked(monkeypatch):
+    """benchmarks.common with its processes forked from a server that has imported torch (as in a quick run), so
+    they start at once and a deadline measures the run, not the interpreter's start."""
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "_START", "forkserver")
+    monkeypatch.setattr(common, "_PRELOAD", ["torch", "torch.distributed"])
+    monkeypatch.setattr(common, "_PEERS_FAILED", [])
+    common.spawn(os.getpid, timeout=120)  # the server up (its imports are not timed below)
+    return common
+
+
+def test_a_peer_that_hangs_is_killed_with_its_processes_at_its_deadline(forked, tmp_path, monkeypatch, capsys):
+    """Two ranks that sleep, each with a sleeping child, in a quick run (whose deadline, 6 s here, cuts the call's
+    own 900 s): the call returns at the deadline with one line naming the peer and the time, and no process of
+    either rank is left."""
+    deadline = 6.0  # (time for both ranks to start and meet in their process group on a busy machine)
+    monkeypatch.setattr(forked, "_QUICK", True)
+    monkeypatch.setattr(forked, "QUICK_DEADLINE_S", deadline)
+    start = time.monotonic()
+    assert forked.peer("sleeper", _sleeping_peer, str(tmp_path), world=2, timeout=900) is None
+    took = time.monotonic() - start
+    assert capsys.readouterr().out == ("peer sleeper did not finish in 6 s (killed with its processes); going on "
+                                       "without its figures\n")
+    assert deadline <= took < deadline + 5, took
+    pids = [int(pid) for rank in ("0", "1") for pid in (tmp_path / rank).read_text().split()]
+    assert len(pids) == 4 and all(_gone(pid) for pid in pids), pids
+    forked.finish()  # a peer left out: named again, and the exit status stays ours (0)
+    assert capsys.readouterr().out == ("peers left out:\n- peer sleeper did not finish in 6 s (killed with its "
+                                       "processes)\n")
+
+
+def test_a_peer_that_fails_is_one_line_and_the_run_goes_on(forked, capsys):
+    assert forked.peer("broken", _failing_peer, timeout=30) is None
+    assert capsys.readouterr().out == ("peer broken failed: RuntimeError: the peer's own error; going on without its "
+                                       "figures\n")
+    assert forked.peer("fine", os.getpid, timeout=30) != [os.getpid()]  # (its own process's pid)
+
+
+def test_a_build_lock_that_no_process_holds_is_removed(tmp_path, capsys):
+    """torch's loader waits forever for a JIT extension's lock file to go; one whose builder was killed (nobody holds
+    it open) is removed, one being built (held open) is left."""
+    from benchmarks.common import _clear_stale_lock, lock_holders
+
+    lock = tmp_path / "lock"
+    held = os.open(lock, os.O_CREAT | os.O_EXCL)  # as torch's FileBaton holds it while it builds
+    try:
+        assert lock_holders(lock) == [os.getpid()]
+        _clear_stale_lock(lock)
+        assert lock.exists()
+    finally:
+        os.close(held)
+    _clear_stale_lock(lock)
+    assert not lock.exists() and f"note: removed {lock}" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # (importing DeepSpeed takes a while)
+def test_a_quick_run_skips_a_deepspeed_side_whose_ops_are_not_built(tmp_path, monkeypatch, capsys):
+    """DeepSpeed compiles FusedAdam's CPU op on first use (minutes): a quick run does not wait for it. Built (its
+    library in the extensions directory), it runs, even behind a lock its killed builder left."""
+    if not _deepspeed_imports():
+        pytest.skip("DeepSpeed does not import here")
+    from benchmarks import common
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(common, "_QUICK", True)
+    why = common.deepspeed_ops_missing("FusedAdamBuilder")
+    assert why.startswith("DeepSpeed's fused_adam op(s) are not built yet") and \
+        "python -m benchmarks.common --build-deepspeed-ops" in why
+    built = tmp_path / "fused_adam"  # (torch builds an extension in a directory of its name)
+    (built / "fused_adam.so").touch()
+    (built / "lock").touch()  # left by a builder that was killed
+    assert common.deepspeed_ops_missing("FusedAdamBuilder") is None
+    assert not (built / "lock").exists()
