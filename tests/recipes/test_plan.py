@@ -235,7 +235,7 @@ def test_two_rank_measured_comm_bytes_equal_the_prediction():
 
 
 def bucket_specs_of(overrides: list[str], world: int):
-    """Rank 0's bucket layout as the planner mirrors it."""
+    """Rank 0's bucket layout as the planner predicts it (the engine's own bucket policy)."""
     from recipes.planner.build import bucket_specs, fake_world, rank_model
 
     cfg = config([*overrides, f"parallel.dp={world}"])

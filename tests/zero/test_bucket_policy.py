@@ -117,8 +117,9 @@ def test_stage3_reduction_order_and_cuts():
 
 @pytest.mark.parametrize("stage,world", [(0, 1), (1, 4)])
 def test_flat_buckets_last_registered_first_cut_at_the_bucket_size(stage, world):
-    params = [_p("a", 10), _p("b", 25), _p("c", 10), _p("d", 10), ParamSpec("frozen", 5, False)]
+    # last registered first; a bucket takes parameters while they fit (b + a exactly), a larger one stands alone
+    params = [_p("a", 10), _p("b", 20), _p("c", 10), _p("d", 10), _p("e", 35), ParamSpec("frozen", 5, False)]
     layout = bucket_layout(params, [Reduction("dense", None, (0, 1, 2, 3))], stage=stage, reduce_bucket_size=30)
     assert [(b.names, b.trainable, b.world, b.resident) for b in layout.buckets] == [
-        (["d", "c"], True, world, True), (["b"], True, world, True), (["a"], True, world, True),
+        (["e"], True, world, True), (["d", "c"], True, world, True), (["b", "a"], True, world, True),
         (["frozen"], False, world, True)]
