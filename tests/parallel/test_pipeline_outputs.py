@@ -1,5 +1,6 @@
 """A pipeline's last stage keeps no micro-batch output after a training or evaluation step: torch's schedules
-would hold every micro-batch's logits until the next step (memory the size of the step's logits)."""
+would hold every micro-batch's logits until the next step (memory the size of the step's logits). Evaluation
+runs under every schedule, the V-shaped ones included (torch's own eval() of those fails), with the same loss."""
 
 import functools
 
@@ -34,8 +35,17 @@ def _kept(schedule: str) -> dict:
     return out
 
 
-def test_no_stage_keeps_outputs_after_a_step() -> None:
-    for schedule in ("1f1b", "interleaved_1f1b"):
-        for r in run_multirank(_kept, 2, schedule):
+def _every_schedule(schedules: tuple[str, ...]) -> dict[str, dict]:
+    return {schedule: _kept(schedule) for schedule in schedules}
+
+
+def test_no_stage_keeps_outputs_after_a_step_and_every_schedule_evaluates_alike() -> None:
+    schedules = ("1f1b", "interleaved_1f1b", "zbv", "dualpipev")
+    for by_schedule in run_multirank(_every_schedule, 2, schedules):
+        for r in by_schedule.values():
             assert r["after_train"] == [0] * len(r["after_train"]) and r["after_eval"] == r["after_train"], r
             assert r["train"] > 0 and r["eval"] > 0
+        first = by_schedule["1f1b"]
+        for schedule, r in by_schedule.items():  # the same model, data and update: the same losses
+            assert abs(r["train"] - first["train"]) <= 1e-5 * first["train"], (schedule, r, first)
+            assert abs(r["eval"] - first["eval"]) <= 1e-5 * first["eval"], (schedule, r, first)

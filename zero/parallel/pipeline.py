@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import pipelining as pl
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from zero.contract import ModelContract, contract_of
 from zero.dist import comm
@@ -409,6 +410,11 @@ class Pipeline(Plan):
         with comm.watched("pipeline send/recv", self.dims.pp_group):
             if training:  # (the losses come through loss_fn: the merged last-stage output is not wanted)
                 self._schedule.step(*args, target=tgt, **_NO_OUTPUTS, **kwargs)
+            elif SCHEDULES[self.schedule_name][2]:
+                # torch's V schedules (zbv, dualpipev) run their backward actions in eval() too and fail
+                # ("can't steal_bwd_input if this stage doesn't have backward"): forward them in stage order
+                with torch.no_grad():
+                    self._eval_v(engine, tokens, target, **kwargs)
             else:
                 with torch.no_grad():
                     self._schedule.eval(*args, target=tgt, **kwargs)
@@ -421,6 +427,35 @@ class Pipeline(Plan):
         # The last stage knows the loss: every pp rank gets it (one scalar all-reduce).
         comm.all_reduce(total, self.dims.pp_group)
         return float(total)
+
+    def _eval_v(self, engine, tokens: torch.Tensor, target: torch.Tensor, **kwargs) -> None:
+        """Forward-only pass of a V placement (rank r holds stages r and 2p-1-r): each micro-batch goes
+        through the stages in order, an activation sent (blocking) to the rank of the next stage when that
+        is another rank; the last stage's losses land in self._loss_values as the schedules' do."""
+        p, me, m = self.dims.pp, self.dims.coordinate()["pp"], self.microbatches
+        owner = [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+        mine = {plan.index: module for plan, module in zip(self.plans, self.stage_modules)}
+        _, kwarg_chunks = split_args_kwargs_into_chunks((), kwargs, m)
+        token_chunks = tokens.tensor_split(m)
+        target_chunks = target.tensor_split(m)
+        act_shape, _ = self._shapes(tuple(token_chunks[0].shape))
+        dtype, device = engine.config.torch_dtype, engine.device
+        ranks = dist.get_process_group_ranks(self.dims.pp_group)
+        for j in range(m):
+            x = token_chunks[j]
+            for s in range(2 * p):
+                if owner[s] != me:
+                    continue
+                if s > 0 and owner[s - 1] != me:  # (adjacent stages on this rank pass x directly)
+                    x = torch.empty(act_shape, dtype=dtype, device=device)
+                    dist.recv(x, ranks[owner[s - 1]], group=self.dims.pp_group)
+                with comm.unwatched():
+                    x = mine[s](x, **kwarg_chunks[j])
+                if s == 2 * p - 1:
+                    with comm.unwatched():
+                        self._loss_values.append(self.loss_fn(x, target_chunks[j]).detach())
+                elif owner[s + 1] != me:
+                    dist.send(x.to(dtype).contiguous(), ranks[owner[s + 1]], group=self.dims.pp_group)
 
     def train_step(self, engine, tokens: torch.Tensor, target: torch.Tensor, **kwargs) -> float:
         """Forward and backward of the m micro-batches stacked in `tokens` (every rank passes its data
