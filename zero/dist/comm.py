@@ -309,6 +309,23 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, async_
     return _issue("broadcast", n, dist.broadcast, tensor, src=src, group=group, async_op=async_op)
 
 
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None) -> None:
+    """Blocking point-to-point send to global rank `dst` (a pipeline's activations outside torch's schedules)."""
+    global _issued
+    _issued = True
+    stats.record("p2p", _nbytes(tensor))
+    with _Waiting("p2p", 2):
+        dist.send(tensor, dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
+    """Blocking point-to-point receive from global rank `src` into `tensor` (the sender counts the bytes)."""
+    global _issued
+    _issued = True
+    with _Waiting("p2p", 2):
+        dist.recv(tensor, src, group=group)
+
+
 def all_gather_object(obj, group: ProcessGroup | None) -> list:
     n = group_size(group)
     if n == 1:

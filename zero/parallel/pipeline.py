@@ -448,14 +448,14 @@ class Pipeline(Plan):
                     continue
                 if s > 0 and owner[s - 1] != me:  # (adjacent stages on this rank pass x directly)
                     x = torch.empty(act_shape, dtype=dtype, device=device)
-                    dist.recv(x, ranks[owner[s - 1]], group=self.dims.pp_group)
+                    comm.recv(x, ranks[owner[s - 1]], self.dims.pp_group)
                 with comm.unwatched():
                     x = mine[s](x, **kwarg_chunks[j])
                 if s == 2 * p - 1:
                     with comm.unwatched():
                         self._loss_values.append(self.loss_fn(x, target_chunks[j]).detach())
                 elif owner[s + 1] != me:
-                    dist.send(x.to(dtype).contiguous(), ranks[owner[s + 1]], group=self.dims.pp_group)
+                    comm.send(x.to(dtype).contiguous(), ranks[owner[s + 1]], self.dims.pp_group)
 
     def train_step(self, engine, tokens: torch.Tensor, target: torch.Tensor, **kwargs) -> float:
         """Forward and backward of the m micro-batches stacked in `tokens` (every rank passes its data
