@@ -272,3 +272,24 @@ def test_a_recipe_run_with_wandb_online_and_no_server_trains_and_logs_offline(tm
     _, synced = _offline_fallback(tmp_path, "no answer from", "a" * 40, f"http://127.0.0.1:{_closed_port()}", cmd)
     assert synced.parent == run / "wandb" and sorted(_losses(run)) == [1, 2]
     assert json.loads((run / "result.json").read_text())["status"] == "complete"
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_two_ranks_names_the_whole_checkpoints_size(tmp_path):
+    """Both ranks' shards go to the full disk: each rank says so in its line, the size needed is both shards'
+    (gathered from the ranks), and rank 0's result.json records it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           "-m", "tests.recipes.full_disk", "4", *TINY, f"run_dir={tmp_path}", "parallel.dp=2", "train.steps=6",
+           "train.ckpt_every=2", "train.eval_every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and re.search(r"exitcode\s*: 5", proc.stderr), proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error: checkpoint")]
+    assert len(lines) == 2 and all(" could not be written on rank 0: No space left on device" in x for x in lines)
+    needed = int(re.search(r"it needs about ([\d,]+) bytes", lines[0]).group(1).replace(",", ""))
+    shards = sum(f.stat().st_size for f in _ckpt(tmp_path, 2).glob("rank*.safetensors"))
+    assert len(list(_ckpt(tmp_path, 2).glob("rank*.safetensors"))) == 2 and 0.9 * shards < needed <= shards
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["status"], result["bytes_needed"], result["resume_from"]) == (
+        "checkpoint_failed", needed, "checkpoints/step_0000002")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000002"]
