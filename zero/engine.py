@@ -295,8 +295,10 @@ class Engine:
 
     @property
     def loss_multiplier(self) -> float:
-        """What a micro-batch's loss is multiplied by before backward: fp16 loss scale / grad_accum_steps."""
-        return self.zero_optimizer.loss_scale / self.config.grad_accum_steps
+        """What a micro-batch's loss is multiplied by before backward: fp16 loss scale / grad_accum_steps (under
+        fp16 also / dp: the gradients are divided before their reduction, see ZeroOptimizer.predivide)."""
+        zo = self.zero_optimizer
+        return zo.loss_scale / (self.config.grad_accum_steps * zo.predivide)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate loss / grad_accum_steps (times the fp16 loss scale) and reduce what is ready."""

@@ -2,6 +2,7 @@
 
 import glob
 import json
+import math
 import os
 import shutil
 import struct
@@ -190,6 +191,21 @@ def test_torchrun_dp2_and_sp2_match_single_process(tmp_path):
             for step in a:
                 assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), (name, key, step)
     assert (tmp_path / "sp2" / "sample.txt").read_text() == (base / "sample.txt").read_text()
+
+
+def test_torchrun_fp16_dp2_skips_no_step_one_process_takes(tmp_path):
+    # At the default loss scale 2^16 the sum over dp ranks of loss-scaled fp16 gradients overflowed where one
+    # process's gradient does not (step 3 here was skipped at dp=2): the engine divides by dp before reducing.
+    common = [*TINY, "train.steps=4", "train.eval_batches=0", "train.seq_len=64", "zero.dtype=fp16"]
+    for name, args, nproc in (("one", ["train.grad_accum=2"], 1), ("dp2", ["parallel.dp=2"], 2)):
+        proc = _run_cli(*common, *args, f"run_dir={tmp_path / name}", nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for key in ("loss", "grad_norm"):
+        a, b = _losses(tmp_path / "one", key), _losses(tmp_path / "dp2", key)
+        assert sorted(a) == sorted(b) == [1, 2, 3, 4], key
+        assert all(math.isfinite(v) for v in (*a.values(), *b.values())), (key, a, b)
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-4), (key, step)
 
 
 def test_torchrun_moe_ep2_and_sp2_match_ep1(tmp_path):

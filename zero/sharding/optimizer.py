@@ -362,6 +362,14 @@ class ZeroOptimizer:
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
+    @property
+    def predivide(self) -> int:
+        """What the loss multiplier divides gradients by before their reduction: dp under fp16, so that the sum
+        over the dp ranks of loss-scaled fp16 gradients stays within the range one rank's gradient has (summed
+        first, at the default scale 2^16 the reduction overflowed and skipped steps that one process takes); 1
+        otherwise (the reduced sum is divided by dp at the step). A power-of-two dp changes no value."""
+        return self.dp if self.scaler is not None else 1
+
     def grad_norm_sq(self, grads: list[torch.Tensor]) -> float:
         local = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else self.device)
         if grads:
@@ -383,7 +391,7 @@ class ZeroOptimizer:
                 if b.grad_acc is None:
                     b.grad_acc = torch.zeros(b.shard_size, dtype=torch.float32, device=b.device)
                 comm.all_reduce(b.grad_acc, b.tie_group)
-        scale = 1.0 / (self.dp * self.loss_scale)
+        scale = self.predivide / (self.dp * self.loss_scale)
         if self.masters.spills_grads:  # the gradients are in files: the store unscales and clips as it steps
             grads = None
             local = self.masters.grad_sq_sum([scale * scale / b.replicas for b in self.trainable])
