@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from recipes.models.llama import ModelConfig, MoEConfig
 from zero.config import ZeroConfig
+from zero.diloco import DELTA_DTYPES
 from zero.optim.onebit import REFRESH_DTYPES
 
 
@@ -111,7 +112,6 @@ class DiLoCoConfig:
 
 
 OPTIMIZERS = ("adamw", "onebit_adam")
-DELTA_DTYPES = ("fp32", "bf16", "int8")
 
 
 @dataclass
