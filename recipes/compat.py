@@ -371,13 +371,209 @@ class Table:
         return list(seen)
 
 
-def coverage(table: Table, equivalence: dict = EQUIVALENCE) -> dict[tuple[str, str], list[str]]:
-    """Per feature (a, a) and pair (a, b) the equivalence tests with a run that holds it."""
+# ------------------------------------------------------------------------------------------- pairwise runs
+#: The settings that only place a run's computation on processes and memories: the degrees, ZeRO's sharding and
+#: offload, hpZ. A run differs from the same run on one process without them only by rounding, so
+#: tests/recipes/test_pairwise.py compares each pairwise run with that one-process run.
+LAYOUT_KEYS = frozenset({"parallel.dp", "parallel.tp", "parallel.pp", "parallel.sp", "parallel.ep", "zero.stage",
+                         "zero.offload_optimizer", "zero.offload_params", "zero.nvme_path",
+                         "zero.hpz_partition_size"})
+#: The features whose numbers depend on the layout, so that no one-process run is their reference: the pairwise runs
+#: leave them out, and their pairs are covered only by their own tests in EQUIVALENCE (why, per feature).
+LAYOUT_DEPENDENT = {
+    "fp16": "fp16's dynamic loss scale skips the steps whose gradients overflow, and under data parallelism the "
+            "reduction sums the scaled fp16 gradients before dividing by dp (at the default scale of 65536 a dp=2 "
+            "run skips its first two steps, one process none): which steps train depends on the layout",
+    "qwz": "the int8 weight all-gather rounds each rank's shard to its block scales, so the weights a step computes "
+           "with depend on the sharding (one process gathers and rounds nothing); its tests compare with a plain "
+           "engine given the decoded weights",
+    "qgz": "the int8 gradient reduce-scatter rounds each rank's gradient before the sum, so the gradient depends on "
+           "the ranks (one process reduces and rounds nothing); its tests compare with the codec's simulation",
+    "onebit": "1-bit Adam compresses each rank's momentum with its own error feedback, so its steps depend on the "
+              "data-parallel ranks; its tests compare with a simulation of the ranks",
+    "diloco": "DiLoCo's replicas train apart between synchronisations: another algorithm than one process over the "
+              "global batch; its tests compare with the replicas simulated in one process",
+    "million": "the preset's point is its size (a 1,048,576-token sequence), far beyond a test's runs; its test trains "
+               "it at 64k tokens against a plain forward over the crop",
+}
+#: The test that runs each pairwise run through the recipe under torchrun against one process.
+PAIRWISE_TEST = "tests/recipes/test_pairwise.py::test_run_equals_one_process"
+#: Processes a pairwise run may use (a test machine's budget): a layout needing more is not built.
+MAX_PROCESSES = 4
+#: Greedy orderings tried (ties broken by a generator seeded with the trial's number); the fewest runs win.
+TRIALS = 20
+
+
+def command_line(run: tuple[str, ...], features: tuple[Feature, ...] = FEATURES) -> tuple[str, ...]:
+    """The overrides of a run of several features, composed as a pair is: the base, what each feature needs, then
+    every feature's own overrides (features in FEATURES order, so the later of two needs wins)."""
+    chosen = [f for f in features if f.name in run]
+    return BASE + tuple(o for f in chosen for o in f.needs) + tuple(o for f in chosen for o in f.overrides)
+
+
+def processes(run: tuple[str, ...], features: tuple[Feature, ...] = FEATURES) -> int:
+    """The processes torchrun starts for a run: the product of its degrees (replicas x dp x tp x pp x sp)."""
+    settings = _settings(command_line(run, features))
+    count = 1
+    for key in ("parallel.replicas", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.sp"):
+        count *= int(settings.get(key, 1))
+    return count
+
+
+def layout_only(feature: Feature) -> bool:
+    """Whether every key a feature sets is a layout key (what it needs may set others: ep2 needs an MoE model)."""
+    return all(key in LAYOUT_KEYS for key in _settings(feature.overrides))
+
+
+def pairwise_test_id(run: tuple[str, ...]) -> str:
+    return "-".join(run)
+
+
+def _joins(mask: int, i: int, fits: list[int]) -> bool:
+    """Whether feature i goes with every feature of `mask` (bit masks over the pairwise features)."""
+    return mask & ~fits[i] & ~(1 << i) == 0
+
+
+def _greedy(fits: list[int], fine, rng) -> list[int]:
+    """One greedy covering of every pair that `fits` holds (fits[i]: the features that go with feature i): each run
+    starts from the uncovered pair whose features have the most uncovered pairs left, then takes the feature that
+    covers the most new pairs with the run's features while every pair stays supported and `fine` (the run's
+    processes and refused sets) holds; ties are broken by `rng`."""
+    n, left, runs = len(fits), list(fits), []
+    while any(left):
+        counts = [m.bit_count() for m in left]
+        a, b = max(((i, j) for i in range(n) for j in range(i + 1, n) if left[i] >> j & 1),
+                   key=lambda p: (counts[p[0]] + counts[p[1]], rng.random()))
+        run = 1 << a | 1 << b
+        while True:
+            best, best_score = None, None
+            for i in range(n):
+                if run >> i & 1 or not _joins(run, i, fits) or not fine(run | 1 << i):
+                    continue
+                gain = (left[i] & run).bit_count()
+                score = (gain, rng.random())
+                if gain and (best_score is None or score > best_score):
+                    best, best_score = i, score
+            if best is None:
+                break
+            run |= 1 << best
+        for i in range(n):
+            if run >> i & 1:
+                left[i] &= ~run
+        runs.append(run)
+    return runs
+
+
+def _pairs_of(run: int) -> list[tuple[int, int]]:
+    members = [i for i in range(run.bit_length()) if run >> i & 1]
+    return [(a, b) for k, a in enumerate(members) for b in members[k + 1:]]
+
+
+def _drop_runs(runs: list[int], fits: list[int], fine) -> list[int]:
+    """Fewer runs holding the same pairs: a run (the smallest first) goes where each pair that no other run holds
+    can be added to another run (both its features, every pair of the grown run supported and `fine`); repeated
+    while one goes."""
+    runs = list(runs)
+    while True:
+        for r in sorted(range(len(runs)), key=lambda k: (runs[k].bit_count(), k)):
+            rest = runs[:r] + runs[r + 1:]
+            for a, b in _pairs_of(runs[r]):
+                if any(x >> a & 1 and x >> b & 1 for x in rest):
+                    continue
+                for k, x in enumerate(rest):
+                    grown = x | 1 << a | 1 << b
+                    if _joins(grown, a, fits) and _joins(grown, b, fits) and fine(grown):
+                        rest[k] = grown
+                        break
+                else:
+                    break
+            else:
+                runs = rest
+                break
+        else:
+            return runs
+
+
+_RUNS: dict[tuple, list[tuple[str, ...]]] = {}
+
+
+def pairwise_runs(table: Table) -> list[tuple[str, ...]]:
+    """A small set of runs, each a set of features the recipe's check accepts together on at most MAX_PROCESSES
+    processes, that holds every supported pair of the features not in LAYOUT_DEPENDENT: of TRIALS greedy coverings,
+    each followed by dropping the runs whose pairs fit into the others, the one with the fewest runs (then the fewest
+    processes); deterministic. A run the check refuses as a whole (three features together) is cut down to the
+    smallest set it still refuses, which no run may then hold, and the covering is redone."""
+    import random
+
+    key = (tuple(f.name for f in table.features), tuple(sorted(table.cells.items(), key=str)))
+    if key in _RUNS:
+        return list(_RUNS[key])
+    names = [f.name for f in table.features if f.name not in LAYOUT_DEPENDENT and table.supported(f.name, f.name)]
+    fits = [sum(1 << j for j, b in enumerate(names) if b != a and table.supported(a, b)) for a in names]
+    sizes: dict[int, int] = {}
+    refused: list[int] = []
+
+    def as_run(mask: int) -> tuple[str, ...]:
+        return tuple(name for i, name in enumerate(names) if mask >> i & 1)
+
+    def size(mask: int) -> int:
+        if mask not in sizes:
+            sizes[mask] = processes(as_run(mask), table.features)
+        return sizes[mask]
+
+    def fine(mask: int) -> bool:
+        return size(mask) <= MAX_PROCESSES and not any(r & mask == r for r in refused)
+
+    with _hf_configs() as hf_dir:
+        deriver = Deriver(hf_dir)
+        while True:
+            for r in refused:  # (a refused pair: no run can hold it)
+                if r.bit_count() == 2:
+                    a, b = _pairs_of(r)[0]
+                    fits[a] &= ~(1 << b)
+                    fits[b] &= ~(1 << a)
+            coverings = [_drop_runs(_greedy(fits, fine, random.Random(trial)), fits, fine) for trial in range(TRIALS)]
+            best = min(coverings, key=lambda runs: (len(runs), sum(map(size, runs))))
+            bad = [run for run in best if deriver.check(command_line(as_run(run), table.features)) is not None]
+            if not bad:
+                _RUNS[key] = [as_run(run) for run in best]
+                return list(_RUNS[key])
+            for run in bad:  # drop features while the rest is still refused
+                for i in range(len(names)):
+                    rest = run & ~(1 << i)
+                    if rest != run and rest.bit_count() >= 2 and \
+                            deriver.check(command_line(as_run(rest), table.features)) is not None:
+                        run = rest
+                refused.append(run)
+
+
+def declared(table: Table, runs: list[tuple[str, ...]] | None = None) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """EQUIVALENCE and the pairwise runs (by default pairwise_runs(table)), each under its test id."""
+    runs = pairwise_runs(table) if runs is None else runs
+    return {**EQUIVALENCE, **{f"{PAIRWISE_TEST}[{pairwise_test_id(run)}]": (run,) for run in runs}}
+
+
+def runs_on_page(text: str) -> list[tuple[str, ...]]:
+    """The pairwise runs listed on the page `render` writes (the test parametrizes over them: deriving them
+    takes the check's whole table, too long for collecting tests; tests/recipes/test_compat.py keeps the page
+    current)."""
+    lines = text.split(PAIRWISE_HEADING + "\n", 1)[1].split("\n## ", 1)[0].splitlines()
+    return [tuple(cells[2].strip(" `").split()) for cells in (line.split("|") for line in lines)
+            if len(cells) > 3 and cells[1].strip().isdigit()]
+
+
+PAIRWISE_HEADING = "## Pairwise runs"
+
+
+def coverage(table: Table, equivalence: dict | None = None) -> dict[tuple[str, str], list[str]]:
+    """Per feature (a, a) and pair (a, b) the equivalence tests with a run that holds it (by default every declared
+    test: EQUIVALENCE and the pairwise runs)."""
+    equivalence = declared(table) if equivalence is None else equivalence
     order = {f.name: i for i, f in enumerate(table.features)}
     out: dict[tuple[str, str], list[str]] = {}
     for test, runs in equivalence.items():
         for run in runs:
-            names = sorted(set(run), key=order.__getitem__)
+            names = sorted(set(run) & set(order), key=order.__getitem__)  # (a table of some features: theirs)
             for i, a in enumerate(names):
                 for b in names[i:]:
                     tests = out.setdefault((a, b), [])
@@ -390,12 +586,14 @@ def _anchor(index: int) -> str:
     return f"r{index}"
 
 
-def render(table: Table, equivalence: dict = EQUIVALENCE) -> str:
-    """docs/compatibility.md: the features, the matrix, the refusals, the equivalence tests of each supported pair
-    and the supported pairs no equivalence test covers yet."""
+def render(table: Table, runs: list[tuple[str, ...]] | None = None) -> str:
+    """docs/compatibility.md: the features, the matrix, the refusals, the pairwise runs (`runs`, by default
+    pairwise_runs(table)), the equivalence tests of each supported pair and the supported pairs no equivalence test
+    covers yet, with why."""
     features, refusals = table.features, table.refusals()
     code = {r: i + 1 for i, r in enumerate(refusals)}
-    covered = coverage(table, equivalence)
+    runs = pairwise_runs(table) if runs is None else runs
+    covered = coverage(table, declared(table, runs))
     lines = [
         "# Which features combine",
         "",
@@ -453,34 +651,69 @@ def render(table: Table, equivalence: dict = EQUIVALENCE) -> str:
                  [(f.name, f.name) for f in features] + table.pairs() if table.cell(a, b) == r]
         lines.append(f'<a id="{_anchor(code[r])}"></a>**R{code[r]}** ({len(where)}: {", ".join(where)}): {r}')
         lines.append("")
-    lines += ["## Equivalence tests", "",
+    names = [f.name for f in features]
+    comparable = [n for n in names if n not in LAYOUT_DEPENDENT and table.supported(n, n)]
+    held = {(a, b) for run in runs for i, a in enumerate(run) for b in run[i + 1:]}
+    lines += [PAIRWISE_HEADING, "",
+              f"`{PAIRWISE_TEST.split('::')[0]}` trains each run below through the recipe, `torchrun "
+              "--nproc_per_node N -m recipes.pretrain` with the run's overrides (composed as a pair's are) on the tiny "
+              "model for a few steps, and compares every step's loss and gradient norm with the same run on one "
+              "process without its layout settings (`recipes.compat.LAYOUT_KEYS`: the degrees, ZeRO's stage, "
+              "offload and hpZ; `train.grad_accum` times dp, so that the global batch and its micro-batches are the "
+              "same), at the tolerance that test states for fp32 and for bf16. The runs are a greedy pairwise "
+              f"covering (`recipes.compat.pairwise_runs`) of the {len(held)} supported pairs of the "
+              f"{len(comparable)} features whose numbers do not depend on the layout, each run accepted as a whole "
+              f"by the check and on at most {MAX_PROCESSES} processes: {len(runs)} runs. The features left out "
+              "(`recipes.compat.LAYOUT_DEPENDENT`) are covered by their own tests only; why is said "
+              "[below](#not-yet-covered-by-an-equivalence-test).", "",
+              "| # | features | processes | pairs |", "|---|---|---|---|"]
+    for i, run in enumerate(runs, 1):
+        lines.append(f"| {i} | `{' '.join(run)}` | {processes(run, features)} | {len(run) * (len(run) - 1) // 2} |")
+    lines += ["", "## Equivalence tests", "",
               "The supported features and pairs an equivalence test trains against a reference (one process, or the "
               "same run without the feature where the feature's claim is that it changes nothing). The runs each "
-              "test makes are declared in `recipes.compat.EQUIVALENCE`; `tests/recipes/test_compat.py` checks that "
-              "every test named there exists.", "",
+              "test makes are declared in `recipes.compat.EQUIVALENCE`, and the pairwise runs above under "
+              f"`{PAIRWISE_TEST}[<features>]`; `tests/recipes/test_compat.py` checks that every test named in "
+              "EQUIVALENCE exists.", "",
               "| features | tests |", "|---|---|"]
-    names = [f.name for f in features]
     for a, b in [(n, n) for n in names] + table.pairs():
         if (a, b) in covered and table.supported(a, b):
             tests = "<br>".join(f"`{t}`" for t in covered[(a, b)])
             lines.append(f"| {a if a == b else f'{a} + {b}'} | {tests} |")
-    missing = [f"{a} + {b}" for a, b in table.pairs() if table.supported(a, b) and (a, b) not in covered]
+    missing = [(a, b) for a, b in table.pairs() if table.supported(a, b) and (a, b) not in covered]
     alone = [n for n in names if table.supported(n, n) and (n, n) not in covered]
     lines += ["", "## Not yet covered by an equivalence test", "",
               f"Supported by the check, with no equivalence test holding both: {len(missing)} of "
               f"{sum(table.supported(a, b) for a, b in table.pairs())} supported pairs"
-              + (f"; features with none at all: {', '.join(alone)}." if alone else "."), ""]
-    lines += [f"- {m}" for m in missing]
+              + (f"; features with none at all: {', '.join(alone)}." if alone else ".")
+              + " Each holds a feature whose numbers depend on the layout, so that no pairwise run holds it, and "
+              "no test of its own covers the pair:", ""]
+    for name, why in LAYOUT_DEPENDENT.items():
+        others = [b if a == name else a for a, b in missing if name in (a, b)
+                  and next(n for n in (a, b) if n in LAYOUT_DEPENDENT) == name]
+        if others:
+            lines.append(f"- **{name}** with {', '.join(others)} ({len(others)}): {why}.")
+    rest = [f"{a} + {b}" for a, b in missing if a not in LAYOUT_DEPENDENT and b not in LAYOUT_DEPENDENT]
+    if rest:
+        lines.append(f"- {', '.join(rest)} ({len(rest)}): no pairwise run holds them (the check refuses them "
+                     "composed as a run).")
     return "\n".join(lines) + "\n"
 
 
-def derive(features: tuple[Feature, ...] = FEATURES) -> Table:
-    """Every feature alone and every pair, as the recipe's check sees them."""
+@contextlib.contextmanager
+def _hf_configs() -> Iterator[Path]:
+    """A temporary directory holding HF_CONFIGS, each as <name>/config.json."""
     with tempfile.TemporaryDirectory() as directory:
         hf_dir = Path(directory)
         for name, values in HF_CONFIGS.items():
             (hf_dir / name).mkdir()
             (hf_dir / name / "config.json").write_text(json.dumps(values))
+        yield hf_dir
+
+
+def derive(features: tuple[Feature, ...] = FEATURES) -> Table:
+    """Every feature alone and every pair, as the recipe's check sees them."""
+    with _hf_configs() as hf_dir:
         deriver = Deriver(hf_dir)
         cells: dict[tuple[str, str], str | None] = {}
         for i, a in enumerate(features):
