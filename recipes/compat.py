@@ -506,10 +506,10 @@ _RUNS: dict[tuple, list[tuple[str, ...]]] = {}
 def pairwise_runs(table: Table) -> list[tuple[str, ...]]:
     """A small set of runs, each a set of features the recipe's check accepts together on at most MAX_PROCESSES
     processes and holding no set of APART, that holds every supported pair of the features not in LAYOUT_DEPENDENT:
-    of TRIALS greedy coverings,
-    each followed by dropping the runs whose pairs fit into the others, the one with the fewest runs (then the fewest
-    processes); deterministic. A run the check refuses as a whole (three features together) is cut down to the
-    smallest set it still refuses, which no run may then hold, and the covering is redone."""
+    of TRIALS greedy coverings, each followed by dropping the runs whose pairs fit into the others, the one with the
+    fewest runs (then the fewest processes); deterministic. A run the check refuses as a whole (three features
+    together) is cut down to the smallest set it still refuses, which no run may then hold, and the covering is
+    redone."""
     import random
 
     key = (tuple(f.name for f in table.features), tuple(sorted(table.cells.items(), key=str)))
@@ -667,7 +667,7 @@ def render(table: Table, runs: list[tuple[str, ...]] | None = None) -> str:
               "model for a few steps, and compares every step's loss and gradient norm with the same run on one "
               "process without its layout settings (`recipes.compat.LAYOUT_KEYS`: the degrees, ZeRO's stage, "
               "offload and hpZ; `train.grad_accum` times dp, so that the global batch and its micro-batches are the "
-              "same), at the tolerance that test states for fp32 and for bf16. The runs are a greedy pairwise "
+              "same), at the tolerances that test states for fp32, bf16 and fp16. The runs are a greedy pairwise "
               f"covering (`recipes.compat.pairwise_runs`) of the {len(held)} supported pairs of the "
               f"{len(comparable)} features whose numbers do not depend on the layout, each run accepted as a whole "
               f"by the check and on at most {MAX_PROCESSES} processes: {len(runs)} runs. The features left out "
@@ -695,8 +695,8 @@ def render(table: Table, runs: list[tuple[str, ...]] | None = None) -> str:
               f"Supported by the check, with no equivalence test holding both: {len(missing)} of "
               f"{sum(table.supported(a, b) for a, b in table.pairs())} supported pairs"
               + (f"; features with none at all: {', '.join(alone)}." if alone else ".")
-              + " Each holds a feature whose numbers depend on the layout, so that no pairwise run holds it, and "
-              "no test of its own covers the pair:", ""]
+              + " By the feature that keeps each out of the pairwise runs (its numbers depend on the layout; the "
+              "pairs its own tests hold are above), with why:", ""]
     for name, why in LAYOUT_DEPENDENT.items():
         others = [b if a == name else a for a, b in missing if name in (a, b)
                   and next(n for n in (a, b) if n in LAYOUT_DEPENDENT) == name]
