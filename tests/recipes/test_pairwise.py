@@ -105,9 +105,10 @@ def test_reference_is_the_run_on_one_process_without_its_layout():
             pairwise.reference_settings(("dp2", feature))
 
 
-def test_features_named_here_exist():
-    names = {f.name for f in compat.FEATURES}
+def test_layout_only_features_are_the_degrees_and_zero_sharding_and_offload():
+    names = {f.name for f in compat.FEATURES}  # (and the features named here exist)
     assert set(pairwise.EXERCISE) <= names and set(compat.LAYOUT_DEPENDENT) <= names
+    assert all(apart <= names for apart in compat.APART)
     assert {f.name for f in compat.FEATURES if compat.layout_only(f)} == {
         "zero1", "zero2", "zero3", "opt_cpu", "opt_nvme", "param_cpu", "param_nvme", "hpz", "dp2", "tp2", "pp2", "sp2",
         "ep2"}
