@@ -597,10 +597,16 @@ def render(table: Table, runs: list[tuple[str, ...]] | None = None) -> str:
     """docs/compatibility.md: the features, the matrix, the refusals, the pairwise runs (`runs`, by default
     pairwise_runs(table)), the equivalence tests of each supported pair and the supported pairs no equivalence test
     covers yet, with why."""
-    features, refusals = table.features, table.refusals()
-    code = {r: i + 1 for i, r in enumerate(refusals)}
     runs = pairwise_runs(table) if runs is None else runs
     covered = coverage(table, declared(table, runs))
+    code = {r: i + 1 for i, r in enumerate(table.refusals())}
+    lines = _render_features(table) + _render_matrix(table, covered, code) + _render_refusals(table, code)
+    lines += _render_runs(table, runs) + _render_covered(table, covered)
+    return "\n".join(lines) + "\n"
+
+
+def _render_features(table: Table) -> list[str]:
+    features = table.features
     lines = [
         "# Which features combine",
         "",
@@ -625,6 +631,12 @@ def render(table: Table, runs: list[tuple[str, ...]] | None = None) -> str:
     for i, f in enumerate(features, 1):
         needs = " ".join(f"`{o}`" for o in f.needs)
         lines.append(f"| {i} | **{f.name}**: {f.title} | {' '.join(f'`{o}`' for o in f.overrides)} | {needs} |")
+    return lines
+
+
+def _render_matrix(table: Table, covered: dict, code: dict[str, int]) -> list[str]:
+    features = table.features
+    lines: list[str] = []
     lines += [
         "",
         "`hf_llama` and `hf_mixtral` are tiny config.json files `recipes.compat` writes (`HF_CONFIGS`); "
@@ -652,12 +664,22 @@ def render(table: Table, runs: list[tuple[str, ...]] | None = None) -> str:
             else:
                 row.append(f"[R{code[result]}](#{_anchor(code[result])})")
         lines.append(f"| {i} {a.name} | " + " | ".join(row) + " |")
+    return lines
+
+
+def _render_refusals(table: Table, code: dict[str, int]) -> list[str]:
+    features, lines = table.features, []
     lines += ["", "## Refusals", ""]
-    for r in refusals:
+    for r in table.refusals():
         where = [f"{a}" if a == b else f"{a} + {b}" for a, b in
                  [(f.name, f.name) for f in features] + table.pairs() if table.cell(a, b) == r]
         lines.append(f'<a id="{_anchor(code[r])}"></a>**R{code[r]}** ({len(where)}: {", ".join(where)}): {r}')
         lines.append("")
+    return lines
+
+
+def _render_runs(table: Table, runs: list[tuple[str, ...]]) -> list[str]:
+    features, lines = table.features, []
     names = [f.name for f in features]
     comparable = [n for n in names if n not in LAYOUT_DEPENDENT and table.supported(n, n)]
     held = {(a, b) for run in runs for i, a in enumerate(run) for b in run[i + 1:]}
@@ -678,6 +700,11 @@ def render(table: Table, runs: list[tuple[str, ...]] | None = None) -> str:
               "| # | features | processes | pairs |", "|---|---|---|---|"]
     for i, run in enumerate(runs, 1):
         lines.append(f"| {i} | `{' '.join(run)}` | {processes(run, features)} | {len(run) * (len(run) - 1) // 2} |")
+    return lines
+
+
+def _render_covered(table: Table, covered: dict) -> list[str]:
+    names, lines = [f.name for f in table.features], []
     lines += ["", "## Equivalence tests", "",
               "The supported features and pairs an equivalence test trains against a reference (one process, or the "
               "same run without the feature where the feature's claim is that it changes nothing). The runs each "
@@ -706,7 +733,7 @@ def render(table: Table, runs: list[tuple[str, ...]] | None = None) -> str:
     if rest:
         lines.append(f"- {', '.join(rest)} ({len(rest)}): no pairwise run holds them (the check refuses them "
                      "composed as a run).")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 @contextlib.contextmanager
