@@ -162,6 +162,14 @@ def test_fresh_processes_for_fresh_calls_start_time_env_and_a_disabled_pool(pool
     assert run_multirank(_pid, 2) == pooled  # the pool kept its processes meanwhile (a fresh call is no task)
 
 
+def test_a_pool_past_its_resource_bounds_is_replaced(pool, monkeypatch):
+    first = run_multirank(_pid, 2)
+    monkeypatch.setattr(multirank, "RECYCLE_AT", {"open_files": 0})
+    assert run_multirank(_pid, 2) == first  # served, then replaced
+    monkeypatch.setattr(multirank, "RECYCLE_AT", {"open_files": 10**6})
+    assert not set(run_multirank(_pid, 2)) & set(first)
+
+
 def test_a_bad_pool_setting_is_refused(monkeypatch):
     monkeypatch.setenv(multirank.POOL_VARIABLE, "yes")
     with pytest.raises(ValueError, match="MOE_LST_TEST_POOL='yes': must be 0"):

@@ -32,8 +32,10 @@ def _train_bf16_expert_parallel() -> dict:
 
 def test_bf16_expert_gemms_keep_resident_memory_flat():
     # oneDNN's default caches (1,024 shapes each) grow ~10 MiB a step on this layer: 60-90 MiB over the 8 steps
-    unbounded = run_multirank(_train_bf16_expert_parallel, 2, env={name: "1024" for name in ONEDNN_CACHE_CAPACITY})
-    bounded = run_multirank(_train_bf16_expert_parallel, 2)
+    # fresh processes: resident memory is measured
+    unbounded = run_multirank(_train_bf16_expert_parallel, 2, env={name: "1024" for name in ONEDNN_CACHE_CAPACITY},
+                              fresh=True)
+    bounded = run_multirank(_train_bf16_expert_parallel, 2, fresh=True)
     for rank in range(2):
         assert unbounded[rank]["growth_mib"] > 40, unbounded[rank]["rss"]  # the growth this test must catch
         assert bounded[rank]["growth_mib"] < 16, bounded[rank]["rss"]

@@ -141,7 +141,7 @@ def _measure_cases(run_dir: str) -> dict:
 
 
 def test_each_pipeline_rank_holds_only_its_own_stage(tmp_path):
-    results = run_multirank(_measure_cases, 2, str(tmp_path), timeout=300)
+    results = run_multirank(_measure_cases, 2, str(tmp_path), timeout=300, fresh=True)  # (gc sees every live tensor)
     for name in CASES:
         ranks = [r[name] for r in results]
         for rank, r in enumerate(ranks):

@@ -227,7 +227,8 @@ def test_deepseek_v3_sized_moe_on_256_h100_by_hand():
 
 def test_two_rank_measured_comm_bytes_equal_the_prediction():
     overrides = TINY + ["zero.stage=2", "train.grad_accum=2"]
-    measured = run_multirank(measure, 2, overrides, 2, timeout=240)
+    # fresh: measure pins glibc's malloc thresholds and wraps the dispatcher for good (a pristine process each)
+    measured = run_multirank(measure, 2, overrides, 2, timeout=240, fresh=True)
     predicted = estimate(config(overrides), world=2)
     for r in range(2):
         assert measured[r]["comm"] == predicted[r].comm_bytes_by_kind
@@ -251,7 +252,7 @@ def test_quantized_stage3_comm_bytes_equal_the_prediction(world, layout):
     """zero.quantize_* send encoded chunks (all-gathers of int8 payloads, the gradients as one all-to-all) and hpZ
     re-gathers inside each node: the plan counts what zero.dist.comm counts."""
     overrides = TINY + ["zero.stage=3", "train.grad_accum=2", "zero.quantize_block=64", *layout]
-    measured = run_multirank(measure, world, overrides, 2, timeout=240)
+    measured = run_multirank(measure, world, overrides, 2, timeout=240, fresh=True)  # (see above)
     predicted = estimate(config(overrides), world=world)
     assert [m["comm"] for m in measured] == [p.comm_bytes_by_kind for p in predicted]
     if world == 4:  # every unit's node copy: half (2 ranks on each node) of the unit parameters, fp32
@@ -263,7 +264,7 @@ def test_quantized_stage3_comm_bytes_equal_the_prediction(world, layout):
 def test_two_rank_tensor_and_sequence_parallel_comm_bytes_equal_the_prediction():
     for layout in (["parallel.tp=2", "zero.stage=1"], ["parallel.sp=2", "zero.stage=3"]):
         overrides = TINY + layout
-        measured = run_multirank(measure, 2, overrides, 2, timeout=240)
+        measured = run_multirank(measure, 2, overrides, 2, timeout=240, fresh=True)  # (see above)
         predicted = estimate(config(overrides), world=2)
         assert [m["comm"] for m in measured] == [p.comm_bytes_by_kind for p in predicted], layout
 
