@@ -13,8 +13,9 @@ Where the ranks run:
   attributes of the project and the tests rebound by the task, the process groups it created, the working
   directory, `sys.argv`/`sys.path`, warning filters, logging's root and the signal handlers; then the ranks meet
   at a barrier. A rank that raises, dies or times out ends the whole pool of that size (its processes are
-  killed) and is reported as before; the next call starts a fresh pool. `MOE_LST_TEST_POOL=0` turns the pool
-  off (every call spawns), e.g. to tell a pool problem from a test's own.
+  killed) and is reported as before; the next call starts a fresh pool, as does one after a task that leaves a
+  rank past `RECYCLE_AT` (memory, open files, threads). `MOE_LST_TEST_POOL=0` turns the pool off (every call
+  spawns), e.g. to tell a pool problem from a test's own.
 - Fresh processes, spawned for this call alone: with `fresh=True` (tests that measure the process: resident
   memory, peak RSS, live objects through `gc`, glibc's malloc settings), and for a call whose environment differs
   from the pool's in a variable read when a process or a module starts (`read_at_start`: thread counts,
@@ -48,7 +49,7 @@ from typing import Any
 
 #: Set to 0 to spawn fresh processes for every call (1: reuse a pool of processes per world size).
 POOL_VARIABLE = "MOE_LST_TEST_POOL"
-POOL_DEFAULT = "0"
+POOL_DEFAULT = "1"
 #: What every rank's environment adds to the caller's (one thread each: the ranks share few cores).
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 #: Variables read once, when a process or a module starts (a running process ignores a change): a call that
