@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import zero
 from recipes.config import CONFIG_DIR, ConfigError, check_config, compose_command_line, unknown_key_error
+from recipes.planner.layouts import world_env
 
 #: The refusals `python -m recipes.pretrain` reports in one line with exit 2 (its main's config errors).
 REFUSALS = (ConfigError, zero.ConfigError, zero.LayoutError, NotImplementedError)
@@ -178,7 +179,7 @@ class Deriver:
     def check(self, overrides: tuple[str, ...]) -> str | None:
         """The recipe's refusal of `overrides` in one line, or None where it accepts them."""
         try:
-            with self.compose(overrides) as cfg, _world(cfg):
+            with self.compose(overrides) as cfg, world_env(cfg):
                 check_config(cfg)
         except REFUSALS as e:
             return str(e).replace(str(self.hf_dir) + os.sep, "")
@@ -195,21 +196,6 @@ def _deepest(cfg: DictConfig, name: str) -> tuple[DictConfig, str]:
     return node, path
 
 
-@contextlib.contextmanager
-def _world(cfg: DictConfig) -> Iterator[None]:
-    """WORLD_SIZE as torchrun would set it for this layout (its degrees multiplied) while the check reads it."""
-    par = cfg.parallel
-    dp = par.dp if isinstance(par.dp, int) and not isinstance(par.dp, bool) else 1
-    world = par.replicas * dp * par.tp * par.pp * par.sp
-    old = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(world)
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["WORLD_SIZE"]
-        else:
-            os.environ["WORLD_SIZE"] = old
 
 
 @functools.cache

@@ -31,10 +31,12 @@ def resolve_world(cfg: DictConfig, world: int | None) -> DictConfig:
 
 @contextlib.contextmanager
 def world_env(cfg: DictConfig) -> Iterator[None]:
-    """WORLD_SIZE set to the config's world while the recipe's own checks read it."""
+    """WORLD_SIZE as torchrun would set it for this layout (its degrees multiplied; an unset dp counts as 1) while
+    the recipe's own checks read it."""
     par = cfg.parallel
+    dp = par.dp if isinstance(par.dp, int) and not isinstance(par.dp, bool) else 1
     old = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(par.dp * par.tp * par.pp * par.sp)
+    os.environ["WORLD_SIZE"] = str(par.get("replicas", 1) * dp * par.tp * par.pp * par.sp)
     try:
         yield
     finally:
