@@ -15,6 +15,7 @@ from recipes.data import BatchSpec, build_streams
 from recipes.losses import lm_loss
 from recipes.pretrain import ScheduleLR, build_model
 from tests.recipes.test_pretrain import REPO, TINY, _losses, _run_cli
+from tests.zero.test_diloco import outer_step
 
 # 2 replicas x dp=2 on 4 processes, a sync after steps 2 and 4; validation after the sync at 4 (every replica holds
 # the same model) and at the last step 5 (each replica its own model, evaluated on its own shards).
@@ -25,17 +26,6 @@ REPLICAS_OF_DP2 = [*TINY, "parallel.replicas=2", "parallel.dp=2", "zero.stage=2"
 def _cfg(*overrides):
     with initialize_config_dir(version_base=None, config_dir=str(REPO / "recipes" / "conf")):
         return compose("config", overrides=[*overrides, "wandb.mode=disabled"])
-
-
-@torch.no_grad()
-def _outer_step(models: list, anchor: list, momentum: list, outer_lr: float, mu: float) -> None:
-    """Average the replicas' deltas from `anchor`, Nesterov SGD on the anchor, every replica restarts from it."""
-    for i, a in enumerate(anchor):
-        average = torch.stack([a - list(m.parameters())[i] for m in models]).mean(0)
-        momentum[i].mul_(mu).add_(average)
-        a.sub_(average + mu * momentum[i], alpha=outer_lr)
-        for m in models:
-            list(m.parameters())[i].copy_(a)
 
 
 def simulate_replicas(cfg) -> dict:
@@ -76,7 +66,7 @@ def simulate_replicas(cfg) -> dict:
                 out["loss"][step + 1] = sum(x.item() for x in losses) / par.dp
                 out["grad_norm"][step + 1] = norm
         if (step + 1) % d.inner_steps == 0:
-            _outer_step(models, anchor, momentum, d.outer_lr, d.outer_momentum)
+            outer_step(models, anchor, momentum, d.outer_lr, d.outer_momentum)
         done = step + 1
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             with torch.no_grad():

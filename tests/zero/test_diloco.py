@@ -106,6 +106,17 @@ def _diloco_run(replicas: int, dp: int, stage: int, inner, h: int, steps: int, o
     return out
 
 
+@torch.no_grad()
+def outer_step(models: list, anchor: list, momentum: list, outer_lr: float, mu: float) -> None:
+    """Average the replicas' deltas from `anchor`, Nesterov SGD on the anchor, every replica restarts from it."""
+    for i, a in enumerate(anchor):
+        average = torch.stack([a - list(m.parameters())[i] for m in models]).mean(0)
+        momentum[i].mul_(mu).add_(average)
+        a.sub_(average + mu * momentum[i], alpha=outer_lr)
+        for m in models:
+            list(m.parameters())[i].copy_(a)
+
+
 def _reference(replicas: int, world: int, inner, h: int, steps: int, outer_lr: float, momentum: float,
                warmup: int = 0, skip: tuple[int, int] | None = None) -> dict:
     """R simulated replicas in one process, each training on its ranks' rows: for `warmup` steps on the mean of
@@ -132,13 +143,7 @@ def _reference(replicas: int, world: int, inner, h: int, steps: int, outer_lr: f
                 opt.step()
             opt.zero_grad()
         if step >= warmup and (step + 1 - warmup) % h == 0:
-            with torch.no_grad():
-                for i, a in enumerate(anchor):
-                    average = torch.stack([a - list(m.parameters())[i] for m in models]).mean(0)
-                    buf[i].mul_(momentum).add_(average)
-                    a.sub_(average + momentum * buf[i], alpha=outer_lr)
-                    for m in models:
-                        list(m.parameters())[i].copy_(a)
+            outer_step(models, anchor, buf, outer_lr, momentum)
     names = [n for n, _ in models[0].named_parameters()]
     return {n: p.detach().clone() for n, p in zip(names, models[0].parameters())}
 
