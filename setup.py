@@ -1,11 +1,11 @@
 """Package discovery (the rest of the metadata is in pyproject.toml). Every folder of the four top-level packages is
-found, so a new sub-package ships without a list to update; kernels/ and integrations/ go under the `moe_lst`
+found, so a new sub-package ships without a list to update; kernels/, models/ and integrations/ go under the `moe_lst`
 namespace (pyproject.toml's package-dir says where each lives)."""
 
 from setuptools import find_namespace_packages, setup
 
 TOP_LEVEL = ("moe", "sequence_parallel", "zero", "recipes")
-NAMESPACED = {"moe_lst.kernels": "kernels", "moe_lst.integrations": "integrations"}
+NAMESPACED = {"moe_lst.kernels": "kernels", "moe_lst.models": "models", "moe_lst.integrations": "integrations"}
 SKIP = ("__pycache__", "*.__pycache__")  # (namespace discovery would take any folder, bytecode caches too)
 
 

@@ -456,7 +456,7 @@ def _offload_run(model_cfg, offload: dict, device, batch: int, seq: int, steps: 
     the losses of ZeRO-3 on a Llama with `offload`, `accum` micro-batches of batch x seq per step."""
     import torch.nn.functional as F
 
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -523,7 +523,7 @@ DELAYED_MODES = (("none", {}), ("optimizer cpu", {"offload_optimizer": "cpu"}),
 def cmd_offload(args) -> None:
     import tempfile
 
-    from recipes.models.llama import ModelConfig, Transformer
+    from moe_lst.models.llama import ModelConfig, Transformer
 
     device = torch.device(args.device)
     if args.smoke:

@@ -1,4 +1,4 @@
-"""Hugging Face models trained three ways: a plain loop, our engine at ZeRO-3 (through recipes.models.hf), and
+"""Hugging Face models trained three ways: a plain loop, our engine at ZeRO-3 (through moe_lst.models.hf), and
 DeepSpeed ZeRO-3 on the plain model.
 
 An HF Llama (~56M parameters) and an HF Qwen3-MoE (~75M, 8 experts, top-2), both from configs written here with
@@ -8,7 +8,7 @@ random init (nothing downloaded), train a few steps on 2 gloo ranks with the sam
 - plain+grouped (MoE only): the same loop with the sparse blocks swapped for our grouped experts
   (`adopt_moe_blocks`): the gain of the grouped experts over transformers' default expert implementation;
 - ours: `HFCausalLM` (MoE blocks swapped) under our engine at stage 3;
-- ours-meta (Llama only): the same, the model built by `recipes.models.hf.build(config, meta=True)`, so no rank
+- ours-meta (Llama only): the same, the model built by `moe_lst.models.hf.build(config, meta=True)`, so no rank
   ever holds the whole model (its weights come from the adapter's init by name: other losses than the rest);
 - deepspeed: `deepspeed.initialize` at stage 3 on the plain transformers model (built whole on every rank, as
   the plain and ours variants are; `deepspeed.zero.Init` is not used).
@@ -136,7 +136,7 @@ def ours_step(model, args, phases: Phases, release: bool = False):
     `release_host_memory` (free host memory handed back to the OS after each backward and step)."""
     import torch
 
-    from recipes.models.hf import HFCausalLM
+    from moe_lst.models.hf import HFCausalLM
 
     adapted = model if isinstance(model, HFCausalLM) else HFCausalLM(model)
     engine = common.initialize(adapted, functools.partial(torch.optim.AdamW, **ADAMW),
@@ -187,11 +187,11 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
         import deepspeed  # noqa: F401 - its imports belong to the baseline, not to the training's RSS
     import transformers  # noqa: F401
 
-    import recipes.models.hf  # noqa: F401
+    import moe_lst.models.hf  # noqa: F401
 
     rank, counts, baseline = zero_bench.rank_start()
     if variant == "ours-meta":  # the adapter's own init by parameter name: other weights than the rest
-        from recipes.models.hf import build
+        from moe_lst.models.hf import build
 
         model = build(hf_config(kind, args.quick), meta=True)
     else:
@@ -203,7 +203,7 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
     if variant == "plain":
         train_step = plain_step(model, phases)
     elif variant == "plain+grouped":
-        from recipes.models.hf.moe import adopt_moe_blocks
+        from moe_lst.models.hf.moe import adopt_moe_blocks
 
         adopt_moe_blocks(model)
         train_step = plain_step(model, phases)
@@ -291,7 +291,7 @@ def report(kind: str, rows: dict[str, dict], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
-    common.quick_mode(args.quick, "transformers", "recipes.models.hf")
+    common.quick_mode(args.quick, "transformers", "moe_lst.models.hf")
     args.with_deepspeed = common.deepspeed_runs("the DeepSpeed ZeRO-3 side")
     warnings.filterwarnings("ignore")
     results = {kind: run_model(kind, args) for kind in args.models.split(",")}

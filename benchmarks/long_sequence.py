@@ -78,7 +78,7 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "
     import torch
     import torch.distributed as dist
 
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
     from sequence_parallel import shard_sequence, sp_loss
     from zero.dist import comm
 
@@ -109,7 +109,7 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "
 def _probe_model_config(seq: int, mode: str, model_name: str):
     """The probe's Llama: "bench" (32k vocabulary, so logits matter) or the million-token preset's model,
     with its sliding-window sparse attention in mode alst-sparse."""
-    from recipes.models.llama import ModelConfig
+    from moe_lst.models.llama import ModelConfig
 
     if model_name == "million":
         from moe_lst.kernels.sparse import SparseConfig
@@ -257,7 +257,7 @@ def sparse_section(args, rows: list, log: list) -> None:
 def main() -> None:
     args = _parse_args()
     quick = args.quick
-    common.quick_mode(quick, "recipes.models.llama", "sequence_parallel")
+    common.quick_mode(quick, "moe_lst.models.llama", "sequence_parallel")
     # quick: ALST off fits at 512 tokens and not at 1024, ALST on fits at 1024 (the --max-seq)
     cap = int((args.cap_gib or (0.65 if quick else 1.5)) * 2**30)
     sp_cap = int((args.sp_cap_gib or (0.65 if quick else 1.2)) * 2**30)  # quick: the sp=1 probe is the one above

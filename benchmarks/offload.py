@@ -264,7 +264,7 @@ def build_model(arch: str, quick: bool, n_layers: int | None = None, meta: bool 
     if n_layers is not None:
         cfg = replace(cfg, n_layers=n_layers)
     if arch == "llama":
-        from recipes.models.llama import Transformer
+        from moe_lst.models.llama import Transformer
 
         return Transformer(cfg, device="meta" if meta else None), cfg.vocab_size
     if arch == "gpt2":

@@ -46,8 +46,8 @@ def document_lengths(seq: int, median: int = 1500, seed: int = 0) -> list[int]:
 
 def _model(attention: str, seq: int):
     import torch
-    from recipes.models.llama import Transformer
-    from recipes.models.llama.model import ModelConfig
+    from moe_lst.models.llama import Transformer
+    from moe_lst.models.llama.model import ModelConfig
     from sequence_parallel import apply_activation_checkpointing, apply_tiled_mlp
 
     torch.manual_seed(0)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     chosen = list(ATTENTIONS) if args.attention == "all" else [args.attention]
     seq = 1024 if args.quick else args.seq
-    common.quick_mode(args.quick, "recipes.models.llama", "sequence_parallel")
+    common.quick_mode(args.quick, "moe_lst.models.llama", "sequence_parallel")
     print(f"packing: one {seq:,}-token row, {len(document_lengths(seq))} documents when packed; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     rows, out = [], {}

@@ -54,7 +54,7 @@ def model_config(args):
 
     The vocabulary is kept small so that the head (on the last stage) costs about a quarter of a block
     and the two stages of 4 blocks each are nearly equal: the bubble theory assumes equal stages."""
-    from recipes.models.llama import ModelConfig
+    from moe_lst.models.llama import ModelConfig
 
     if args.quick:
         return ModelConfig(vocab_size=args.vocab, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256,
@@ -67,7 +67,7 @@ def model_config(args):
 def build_model(args):
     import torch
 
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
 
     torch.manual_seed(0)  # every run of every part starts from the same weights
     return Transformer(model_config(args))
@@ -474,7 +474,7 @@ def _deepspeed_layers(model):
     import torch
     import torch.nn as nn
 
-    from recipes.models.llama import rope_cos_sin
+    from moe_lst.models.llama import rope_cos_sin
 
     cfg = model.cfg
 
@@ -824,7 +824,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args(argv)
     q = args.quick
-    common.quick_mode(q, "zero.engine", "zero.parallel.pipeline", "zero.parallel.tensor", "recipes.models.llama")
+    common.quick_mode(q, "zero.engine", "zero.parallel.pipeline", "zero.parallel.tensor", "moe_lst.models.llama")
     args.ds_ours = args.ds_ours or ("1f1b" if q else "1f1b,zbv")
     args.ms = args.ms or ("2,4" if q else "2,4,8")
     args.ds_m = args.ds_m or (4 if q else 8)

@@ -66,7 +66,7 @@ def _step(fn, q, k, v, g) -> None:
 
 def _layer_step(fn, shape: tuple, P: int, rank: int) -> None:
     """Forward+backward of a Llama attention layer (projections, RoPE, attention, output) on this rank's shard."""
-    from recipes.models.llama import Attention, ModelConfig, rope_cos_sin
+    from moe_lst.models.llama import Attention, ModelConfig, rope_cos_sin
 
     b, s, h, hkv, d = shape
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=None, help="global sequence length")
     parser.add_argument("--iters", type=int, default=None)
     args = parser.parse_args()
-    common.quick_mode(args.quick, "recipes.models.llama", "sequence_parallel")
+    common.quick_mode(args.quick, "moe_lst.models.llama", "sequence_parallel")
     seq = args.seq or (1024 if args.quick else 8192)
     iters = args.iters or (2 if args.quick else 4)
     P = 2

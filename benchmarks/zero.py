@@ -77,7 +77,7 @@ def _install_counters(counts: dict) -> None:
 
 # ---------------------------------------------------------------------------- one framework
 def _model_config(quick: bool):
-    from recipes.models.llama import ModelConfig
+    from moe_lst.models.llama import ModelConfig
 
     if quick:
         return ModelConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
@@ -149,7 +149,7 @@ def _run(framework: str, stage: int, args: argparse.Namespace) -> dict:
     import torch
 
     rank, counts, baseline_rss = rank_start()
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
 
     cfg = _model_config(args.quick)
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ from accelerate import Accelerator  # noqa: E402
 
 import zero  # noqa: E402
 from recipes.data import BatchSpec, TokenStream, build_streams  # noqa: E402
-from recipes.models.llama import ModelConfig, Transformer  # noqa: E402
+from moe_lst.models.llama import ModelConfig, Transformer  # noqa: E402
 
 
 class StreamRows(torch.utils.data.Dataset):

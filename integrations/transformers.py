@@ -1,7 +1,7 @@
 """Hugging Face's Trainer on this project's runtime: `ZeroTrainer` runs backward, the optimizer step and checkpoints
 through the ZeRO engine, so `ZeroTrainer(model, args, train_dataset=..., zero_config=zero.ZeroConfig(stage=3,
 offload_optimizer="cpu")).train()` trains a transformers model with ZeRO 0-3 and offload (and Ulysses sequence
-parallelism through recipes.models.hf's adapter, `sp=`).
+parallelism through moe_lst.models.hf's adapter, `sp=`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class ZeroTrainer(transformers.Trainer):
     zero_config: the engine's ZeroConfig (stage, dtype, offload, buckets); `grad_accum_steps` and `clip_grad_norm`
         come from TrainingArguments (gradient_accumulation_steps, max_grad_norm).
     sp: Ulysses sequence-parallel degree (data parallelism takes the rest of the processes); > 1 runs the model
-        through recipes.models.hf.HFCausalLM (its covered model types) with the loss over the whole sequences.
+        through moe_lst.models.hf.HFCausalLM (its covered model types) with the loss over the whole sequences.
     optimizer_factory: the engine's optimizer (e.g. zero.FastAdamW(lr=..., weight_decay=0.1)); by default the one
         TrainingArguments name, built over the engine's master shards (uniform weight decay only).
     lr_scheduler_factory: optimizer -> scheduler; by default TrainingArguments' schedule over the run's steps.
@@ -274,8 +274,8 @@ class ZeroTrainer(transformers.Trainer):
 
 
 def _sequence_parallel_model(model: nn.Module, dims: zero.ParallelDims) -> nn.Module:
-    """The Hugging Face model behind the model contract (recipes.models.hf), its attention through Ulysses."""
-    from recipes.models.hf import HFCausalLM
+    """The Hugging Face model behind the model contract (moe_lst.models.hf), its attention through Ulysses."""
+    from moe_lst.models.hf import HFCausalLM
     from sequence_parallel import apply_ulysses
 
     adapter = HFCausalLM(model, sp_group=dims.sp_group)

@@ -19,7 +19,7 @@ from moe_lst.kernels.nsa import NSAConfig
 from moe_lst.kernels.sparse import SparseConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from recipes.models.llama import ModelConfig, MoEConfig
+from moe_lst.models.llama import ModelConfig, MoEConfig
 from zero.config import ZeroConfig
 from zero.diloco import DELTA_DTYPES
 from zero.optim.onebit import REFRESH_DTYPES
@@ -198,10 +198,10 @@ class WandbConfig:
 
 @dataclass
 class HFSourceConfig:
-    """`model.hf.*`: which Hugging Face causal LM `model=hf` builds (recipes.models.hf)."""
+    """`model.hf.*`: which Hugging Face causal LM `model=hf` builds (moe_lst.models.hf)."""
 
     # a config.json, or a model directory holding one (null: train.init_from's); its model_type must be one the
-    # adapter covers (recipes.models.hf.MODEL_TYPES)
+    # adapter covers (moe_lst.models.hf.MODEL_TYPES)
     config: str | None = None
     # keys of that config.json replaced before the model is built, a mapping such as model.hf.overrides='{hidden_size:
     # 64, num_hidden_layers: 2}'; each must be a key of that config, with a value of its type (null: none; Any, not a
@@ -684,7 +684,7 @@ def check_layout(cfg: DictConfig) -> None:
         check_degrees(cfg)
         return
     if tp > 1:
-        from recipes.models.llama import check_tensor_parallel
+        from moe_lst.models.llama import check_tensor_parallel
 
         try:
             check_tensor_parallel(model_config(cfg), tp)
@@ -750,7 +750,7 @@ def check_hpz(cfg: DictConfig) -> None:
 
 def _tp_that_works(cfg: DictConfig, tp: int) -> int:
     """The largest tensor-parallel degree below `tp` that this model accepts (a layout that would work)."""
-    from recipes.models.llama import check_tensor_parallel
+    from moe_lst.models.llama import check_tensor_parallel
 
     for degree in range(tp - 1, 1, -1):
         try:
@@ -774,8 +774,8 @@ def is_hf(cfg: DictConfig) -> bool:
 
 def hf_model_config(cfg: DictConfig):
     """The transformers config of a model=hf run: model.hf.config (else train.init_from's) with model.hf.overrides,
-    checked (recipes.models.hf.load_config); ConfigError in one line."""
-    from recipes.models.hf import HFConfigError, load_config
+    checked (moe_lst.models.hf.load_config); ConfigError in one line."""
+    from moe_lst.models.hf import HFConfigError, load_config
 
     source = cfg.model.hf.config or cfg.train.init_from
     if source is None:
@@ -795,7 +795,7 @@ def hf_model_config(cfg: DictConfig):
 def is_moe(cfg: DictConfig) -> bool:
     """Whether the run's model has MoE layers (the Llama's model.moe.num_experts; a Mixtral or Qwen3-MoE config)."""
     if is_hf(cfg):
-        from recipes.models.hf import is_moe as hf_is_moe
+        from moe_lst.models.hf import is_moe as hf_is_moe
 
         return hf_is_moe(hf_model_config(cfg))
     return bool(cfg.model.moe.num_experts)
@@ -804,7 +804,7 @@ def is_moe(cfg: DictConfig) -> bool:
 def num_params(cfg: DictConfig) -> int:
     """Parameters of the full (unsharded) model, a tied embedding counted once (built on the meta device)."""
     if is_hf(cfg):
-        from recipes.models.hf import num_params as hf_num_params
+        from moe_lst.models.hf import num_params as hf_num_params
 
         return hf_num_params(hf_model_config(cfg))
     return model_config(cfg).num_params()
@@ -838,10 +838,10 @@ def check_hf_attention(cfg: DictConfig) -> None:
 
 
 def check_hf_model(cfg: DictConfig) -> None:
-    """The model=hf rules before any process group: a config the adapter covers (recipes.models.hf), its attention
+    """The model=hf rules before any process group: a config the adapter covers (moe_lst.models.hf), its attention
     options, the sequence against its positions and window, MoE needs, and what its runtime does not offer."""
-    from recipes.models.hf import dense_mlp_layers, moe_supported, sliding_window
-    from recipes.models.hf import is_moe as hf_is_moe
+    from moe_lst.models.hf import dense_mlp_layers, moe_supported, sliding_window
+    from moe_lst.models.hf import is_moe as hf_is_moe
 
     config = hf_model_config(cfg)
     check_hf_attention(cfg)
@@ -854,7 +854,7 @@ def check_hf_model(cfg: DictConfig) -> None:
         raise ConfigError(f"train.seq_len={seq_len} is longer than the model's sliding_window={window}: the Hugging "
                           f"Face adapter's attention is full causal attention; {fix.format(key='sliding_window')}")
     if hf_is_moe(config) and not moe_supported():
-        raise ConfigError(f"model_type={config.model_type} has sparse-MoE blocks and recipes.models.hf.moe "
+        raise ConfigError(f"model_type={config.model_type} has sparse-MoE blocks and moe_lst.models.hf.moe "
                           "(adopt_moe_blocks, which swaps them for this project's MoE) is not available")
     if cfg.parallel.ep > 1 and not hf_is_moe(config):
         raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model_type {config.model_type} is dense)")
@@ -867,7 +867,7 @@ def check_hf_model(cfg: DictConfig) -> None:
 def check_hf_layout(cfg: DictConfig) -> None:
     """Parallel degrees a model=hf run can take: no tensor or pipeline parallelism (the adapter offers neither
     plan), Ulysses over at most the model's query heads, and position-independent rotary tables under it."""
-    from recipes.models.hf.config import LENGTH_DEPENDENT_ROPE, rope_type
+    from moe_lst.models.hf.config import LENGTH_DEPENDENT_ROPE, rope_type
 
     par, config = cfg.parallel, hf_model_config(cfg)
     for key, what in (("tp", "tensor-parallel plan"), ("pp", "pipeline stages")):
@@ -885,7 +885,7 @@ def check_hf_layout(cfg: DictConfig) -> None:
 
 def model_config(cfg: DictConfig):
     """The model's config from the recipe's `model` group."""
-    from recipes.models.llama import ModelConfig
+    from moe_lst.models.llama import ModelConfig
 
     return ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))  # its moe dict becomes a MoEConfig
 

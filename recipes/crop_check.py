@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zero
-from recipes.models.llama import ModelConfig, Transformer
+from moe_lst.models.llama import ModelConfig, Transformer
 from zero.dist import comm
 
 TOLERANCE = 1e-4  # largest per-token loss difference (fp32) for the check to pass

@@ -11,7 +11,7 @@ verified and consolidated from their shards (`zero.open_checkpoint`, `zero.conso
 
 A run of a Hugging Face model (`model=hf`) is written by transformers' own `save_pretrained` from the model's
 config.json (the run directory's hf_config.json) and the consolidated weights, which already carry Hugging Face's
-names: any model type the adapter trains (recipes.models.hf) exports, loading back to the same logits, with its dense
+names: any model type the adapter trains (moe_lst.models.hf) exports, loading back to the same logits, with its dense
 attention (a run with model.attention=sparse is refused: no transformers config expresses block-sparse attention).
 
 Every rule is checked from the run's config before a checkpoint is read (`check_exportable`, `check_hf_exportable`):
@@ -20,7 +20,7 @@ is refused there. The recipe itself never exports (export is this separate comma
 its export would refuse; these two functions are the one place such a rule is written.
 
 The weight adapter itself (config.json and tensor names / layouts, both directions) is
-`recipes.models.llama.state_dict`; its names are importable from here as well: `import_hf(directory)` reads
+`moe_lst.models.llama.state_dict`; its names are importable from here as well: `import_hf(directory)` reads
 a Hugging Face directory back into our ModelConfig and state dict (`engine.load_full_state_dict` or
 `Transformer.load_state_dict` take it); the recipe's `train.init_from=<directory>` starts a run from it,
 checked with `weight_mismatches`.
@@ -37,8 +37,8 @@ from omegaconf import OmegaConf
 
 import zero
 from recipes.config import HF_CONFIG_FILE, ConfigError, checkpoints, hf_model_config, is_hf, model_config
-from recipes.models.llama import Transformer
-from recipes.models.llama.state_dict import (
+from moe_lst.models.llama import Transformer
+from moe_lst.models.llama.state_dict import (
     EXPERT_LAYOUTS,
     ExportError,
     check_exportable,
@@ -106,7 +106,7 @@ def check_hf_exportable(run_cfg, run_dir: Path) -> None:
 
 def export_hf(run_dir: Path, run_cfg, checkpoint: Path, out_dir: str | Path, experts: str) -> Path:
     """A model=hf run's checkpoint as a Hugging Face directory (save_pretrained), MoE experts per expert or fused."""
-    from recipes.models.hf import HFConfigError, load_config, save_weights
+    from moe_lst.models.hf import HFConfigError, load_config, save_weights
 
     check_hf_exportable(run_cfg, run_dir)  # before the consolidation, which reads every shard
     written = run_dir / HF_CONFIG_FILE

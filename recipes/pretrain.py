@@ -50,8 +50,8 @@ from recipes.config import (
 from recipes.crop_check import crop_check
 from recipes.data import BatchSpec, DataError, build_streams, check_data_identity, stream_tokenizer
 from recipes.losses import IGNORE_INDEX, lm_loss, logits_loss, mean_over_dp
-from recipes.models.llama import Transformer
-from recipes.models.llama.state_dict import ExportError, import_hf, weight_mismatches
+from moe_lst.models.llama import Transformer
+from moe_lst.models.llama.state_dict import ExportError, import_hf, weight_mismatches
 from recipes.preempt import Preempted, StopSignals, exit_code
 from recipes.reports import expert_load_media, memory_metrics, moe_stats, moe_step_metrics, report_expert_load
 from recipes.run_dir import (
@@ -139,11 +139,11 @@ def builds_on_meta(cfg: DictConfig) -> bool:
 
 def new_model(cfg: DictConfig, meta: bool, dims: zero.ParallelDims) -> nn.Module:
     """The full model before any parallelism: the project's Llama, or with model=hf a Hugging Face causal LM
-    behind the model contract (recipes.models.hf; its buffers on this rank's device, an MoE model's balancing
+    behind the model contract (moe_lst.models.hf; its buffers on this rank's device, an MoE model's balancing
     loss over the sequence's sp ranks)."""
     if not is_hf(cfg):
         return Transformer(model_config(cfg), device="meta" if meta else None)
-    from recipes.models.hf import build
+    from moe_lst.models.hf import build
 
     fn = SparseAttention(SparseConfig(**OmegaConf.to_container(cfg.model.sparse))) \
         if cfg.model.attention == "sparse" else attention
@@ -258,7 +258,7 @@ def initial_weights(cfg: DictConfig, run_dir: Path, is_rank0: bool) -> dict[str,
                   f"(train.resume={cfg.train.resume})", flush=True)
         return None
     if is_hf(cfg):
-        from recipes.models.hf import HFConfigError, load_weights
+        from moe_lst.models.hf import HFConfigError, load_weights
 
         try:
             return load_weights(source, hf_model_config(cfg))

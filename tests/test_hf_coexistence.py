@@ -36,7 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 from transformers.utils import is_kernels_available
 
 ours = ["moe_lst.kernels.attention", "moe_lst.kernels.sparse", "moe_lst.kernels.nsa", "moe_lst.kernels.positions",
-        "moe", "sequence_parallel", "zero", "recipes", "recipes.models.llama", "recipes.export"]
+        "moe", "sequence_parallel", "zero", "recipes", "moe_lst.models.llama", "recipes.export"]
 for name in ours:
     importlib.import_module(name)
 tiny = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

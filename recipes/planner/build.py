@@ -63,7 +63,7 @@ def rank_model(cfg: DictConfig, rank: int) -> RankModel:
     """Build rank `rank`'s model (call inside `fake_world`)."""
     from moe import MoELayer, apply_expert_parallel
     from recipes.losses import logits_loss
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
     from sequence_parallel import apply_activation_checkpointing, apply_tiled_mlp, apply_ulysses
     from zero.parallel.pipeline import apply_pipeline
     from zero.parallel.tensor import apply_tensor_parallel

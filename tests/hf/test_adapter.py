@@ -83,7 +83,7 @@ def test_five_steps_equal_a_plain_adamw_loop(kind):
 
 @pytest.mark.parametrize("kind", DENSE)
 def test_meta_build_is_materialised_with_the_models_own_init(kind):
-    from recipes.models.hf import build
+    from moe_lst.models.hf import build
 
     config = tiny_config(kind)
     torch.manual_seed(7)
@@ -145,7 +145,7 @@ def test_tiled_mlp_tiled_loss_and_checkpointing_change_nothing(kind):
 
 
 def test_contract_parts_and_refusals():
-    from recipes.models.hf import build
+    from moe_lst.models.hf import build
 
     model = build(tiny_config("qwen3"))
     assert [n for n, _ in model.blocks()] == ["model.layers.0", "model.layers.1"]

@@ -1,5 +1,5 @@
 """Hugging Face MoE models (Mixtral, Qwen3-MoE, OLMoE) with their sparse-MoE blocks swapped for moe.MoELayer
-(`recipes.models.hf.moe.adopt_moe_blocks`) equal the unswapped models: logits, loss with and without the
+(`moe_lst.models.hf.moe.adopt_moe_blocks`) equal the unswapped models: logits, loss with and without the
 auxiliary loss, every parameter's gradient, state_dict; under expert parallelism (ep=2 over dp=2 through
 zero.initialize) a few SGD steps equal the unswapped model's on one process.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from recipes.models.hf.moe import HFMoEBlock, adopt_moe_blocks
+from moe_lst.models.hf.moe import HFMoEBlock, adopt_moe_blocks
 from tests.equivalence import Recorder, assert_equivalent, reference_trajectory
 from tests.multirank import run_multirank
 

@@ -13,7 +13,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 import moe.experts as experts_mod
 from moe import GroupedExperts, TopKRouter
-from recipes.models.hf.moe import HFRouter
+from moe_lst.models.hf.moe import HFRouter
 
 DIM, FFN, E = 16, 12, 5
 COUNTS = torch.tensor([3, 0, 6, 2, 1])  # an expert without tokens included

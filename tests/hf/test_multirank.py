@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recipes.models.hf import moe_supported
+from moe_lst.models.hf import moe_supported
 from tests.equivalence import Recorder, assert_equivalent, reference_trajectory
 from tests.hf.tiny import MAIN, MOE, tiny_config
 from tests.multirank import run_multirank
@@ -25,7 +25,7 @@ def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _rank_run(kind: str, layout: str) -> dict:
     import zero
     from moe import apply_expert_parallel
-    from recipes.models.hf import build
+    from moe_lst.models.hf import build
     from sequence_parallel import apply_ulysses, shard_sequence, sp_loss
 
     dims = zero.ParallelDims(dp=2) if layout == "dp2_zero3" else zero.ParallelDims(dp=1, sp=2)
@@ -59,7 +59,7 @@ def _reference(kind: str, layout: str) -> dict:
     dp ranks' two micro-batches (an MoE balancing loss is per micro-batch, as on each dp rank) or whole (sp)."""
     from transformers import AutoModelForCausalLM
 
-    from recipes.models.hf import build
+    from moe_lst.models.hf import build
 
     torch.manual_seed(0)
     initial = build(tiny_config(kind)).state_dict()

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from recipes.config import ConfigError
 from recipes.export import consolidate, export
-from recipes.models.hf import build, load_config
+from moe_lst.models.hf import build, load_config
 from recipes.pretrain import Run, evaluate, train
 from tests.hf.tiny import MAIN, MOE, NEEDS_MOE, plain_model, write_config
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-from recipes.models.hf import moe_supported
+from moe_lst.models.hf import moe_supported
 
 COMMON = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.05)
@@ -29,9 +29,9 @@ EXTRA = {
 }
 DENSE = ("llama", "qwen3", "mistral", "qwen2")
 MOE = ("mixtral", "qwen3_moe", "olmoe")
-#: The mark of a test parameter that needs recipes/models/hf/moe.py (MoE model types): skipped until it exists.
-NEEDS_MOE = pytest.mark.skipif(not moe_supported(), reason="recipes/models/hf/moe.py (adopt_moe_blocks) is not there")
-#: Every covered model type as a pytest parameter; the MoE ones run once recipes/models/hf/moe.py exists.
+#: The mark of a test parameter that needs models/hf/moe.py (MoE model types): skipped until it exists.
+NEEDS_MOE = pytest.mark.skipif(not moe_supported(), reason="models/hf/moe.py (adopt_moe_blocks) is not there")
+#: Every covered model type as a pytest parameter; the MoE ones run once models/hf/moe.py exists.
 ALL = [*DENSE, *(pytest.param(kind, marks=NEEDS_MOE) for kind in MOE)]
 #: The ones the longer tests run: the two the adapter is built for first, and the MoE ones when they can.
 MAIN = ["llama", "qwen3", *(pytest.param(kind, marks=NEEDS_MOE) for kind in MOE)]
@@ -56,6 +56,6 @@ def plain_model(kind: str, seed: int = 0, **overrides):
 
 def adapted_copy(model):
     """The adapter around a copy of the plain `model`, with its weights."""
-    from recipes.models.hf import HFCausalLM
+    from moe_lst.models.hf import HFCausalLM
 
     return HFCausalLM(copy.deepcopy(model))

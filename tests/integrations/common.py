@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from recipes.data import BatchSpec, TokenStream, build_streams
-from recipes.models.llama import ModelConfig
+from moe_lst.models.llama import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ RECIPE_ARGS = [f"data.max_bytes={MAX_BYTES}", f"train.micro_batch_size={MICRO}",
 
 def model_config(moe: bool = False) -> ModelConfig:
     """The recipe's model=tiny (moe=False) or model=moe_tiny."""
-    from recipes.models.llama import MoEConfig
+    from moe_lst.models.llama import MoEConfig
 
     return ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=512,
                        moe=MoEConfig(num_experts=8, top_k=2, ffn_dim=64) if moe else MoEConfig())

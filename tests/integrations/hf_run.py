@@ -1,6 +1,6 @@
 """Trains a plain transformers LlamaForCausalLM (tiny config) on the recipe's data, 2 processes under torchrun:
 the engine's own loop, then ZeroTrainer 4 steps straight (checkpoints every 2), then ZeroTrainer resumed from
-checkpoint-2, then (optionally) ZeroTrainer with Ulysses sp=2 through recipes.models.hf. Rank 0 writes the
+checkpoint-2, then (optionally) ZeroTrainer with Ulysses sp=2 through moe_lst.models.hf. Rank 0 writes the
 per-step losses and gradient norms (the Trainer's: what it logged); every rank the final weights of each run.
 
 With clm=STAGES (e.g. clm=0,2,3), the same processes then run the calls of Transformers' own example

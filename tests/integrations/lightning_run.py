@@ -21,7 +21,7 @@ from moe_lst.integrations.lightning import ZeroStrategy
 import zero
 from moe import apply_expert_parallel, update_router_biases
 from recipes.losses import logits_loss, mean_over_dp
-from recipes.models.llama import Transformer
+from moe_lst.models.llama import Transformer
 from sequence_parallel import apply_ulysses, shard_sequence
 from tests.integrations.common import (
     ACCUM,

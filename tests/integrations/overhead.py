@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zero
-from recipes.models.llama import ModelConfig, Transformer
+from moe_lst.models.llama import ModelConfig, Transformer
 from tests.integrations.common import EpochSampler, HFRows, MicroBatches, train_stream
 
 STEPS, WARM, MICRO, ACCUM = 12, 2, 4, 2

@@ -1,7 +1,7 @@
 """ZeroTrainer (transformers.Trainer through the engine) on a plain Hugging Face LlamaForCausalLM, 2 processes under
 torchrun with ZeRO-3 and cpu offload: the same per-step losses and final weights as the engine's own loop over the
 same model and data, a resume from the Trainer's own checkpoint that continues bit for bit, Ulysses sp=2
-through recipes.models.hf's adapter, and the same per-step losses and gradient norms as `python -m recipes.pretrain
+through moe_lst.models.hf's adapter, and the same per-step losses and gradient norms as `python -m recipes.pretrain
 model=hf` from the same save_pretrained weights on the recipe's own batches."""
 
 from __future__ import annotations

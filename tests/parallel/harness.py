@@ -19,7 +19,7 @@ from moe_lst.kernels.documents import positions_from_starts
 
 import zero
 from moe import apply_expert_parallel, update_router_biases
-from recipes.models.llama import ModelConfig, MoEConfig, Transformer
+from moe_lst.models.llama import ModelConfig, MoEConfig, Transformer
 from sequence_parallel import apply_ulysses, shard_sequence, sp_loss
 from tests.equivalence import Recorder, as_reference, assert_equivalent, read_values
 from zero.parallel.pipeline import apply_pipeline
@@ -84,7 +84,7 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
     torch.manual_seed(0)
     plans: list[zero.Plan] = []
     if hf is not None:
-        from recipes.models.hf import build
+        from moe_lst.models.hf import build
         from tests.hf.tiny import tiny_config
 
         model = build(tiny_config(hf, **(model_overrides or {})), sp_group=dims.sp_group)

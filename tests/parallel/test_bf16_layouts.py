@@ -55,7 +55,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recipes.models.hf import moe_supported
+from moe_lst.models.hf import moe_supported
 from tests.equivalence import as_reference, assert_within, distances
 from tests.multirank import run_multirank
 from tests.parallel.harness import train

@@ -136,7 +136,7 @@ def _mismatched_microbatches() -> str:
     import torch
 
     import zero
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
     from tests.parallel.harness import model_config
     from zero.parallel.pipeline import apply_pipeline
 

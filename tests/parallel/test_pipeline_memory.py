@@ -78,7 +78,7 @@ def _storage(t: torch.Tensor) -> tuple[tuple, int] | None:
 
 def _measure(extra: list[str], run_dir: str) -> dict:
     from recipes.config import model_config
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
     from recipes.pretrain import Run
     from zero.dist import comm
 
@@ -166,7 +166,7 @@ def test_each_pipeline_rank_holds_only_its_own_stage(tmp_path):
 def test_a_stage_materialised_on_the_gpu_gets_the_eager_values():
     """The engine materialises a meta-built stage where it trains (the GPU); an eager build draws its values on
     the CPU and moves them there: init_parameter must give the same values."""
-    from recipes.models.llama import ModelConfig, Transformer
+    from moe_lst.models.llama import ModelConfig, Transformer
 
     torch.manual_seed(0)
     eager = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2))

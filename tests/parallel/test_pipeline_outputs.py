@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import zero
-from recipes.models.llama import Transformer
+from moe_lst.models.llama import Transformer
 from tests.multirank import run_multirank
 from tests.parallel.harness import MICRO, batch, model_config
 from zero.parallel.pipeline import apply_pipeline

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from recipes.export import ExportError, export, import_hf, save_hf
-from recipes.models.llama import ModelConfig, MoEConfig, Transformer
+from moe_lst.models.llama import ModelConfig, MoEConfig, Transformer
 from tests.recipes.test_pretrain import TINY, _cfg, _losses, _run_cli
 
 transformers = pytest.importorskip("transformers")
@@ -263,7 +263,7 @@ def test_a_non_zero_expert_bias_in_the_weights_is_refused_by_the_same_rule(tmp_p
 def test_exported_files_follow_the_umask(tmp_path, mask):
     """model.safetensors (written by safetensors as a 0600 temporary file renamed into place) gets the mode every
     other file gets, 0666 less the umask, beside config.json: from our Llama's export and through save_pretrained."""
-    from recipes.models.hf import save_weights
+    from moe_lst.models.hf import save_weights
 
     theirs = _hf_model(True, False)
     old = os.umask(mask)

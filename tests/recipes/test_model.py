@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from recipes.models.llama import ModelConfig, Transformer, apply_rope, rope_cos_sin
+from moe_lst.models.llama import ModelConfig, Transformer, apply_rope, rope_cos_sin
 
 
 def _tiny(**kw):
@@ -124,7 +124,7 @@ def test_attention_config_errors():
     with pytest.raises(ValueError, match="random_blocks=3 has no effect with model.sparse.layout=fixed"):
         _tiny(attention="sparse", sparse={"random_blocks": 3})
     with pytest.raises(ValueError, match="model.attention=nsa with tp=2 is not supported"):
-        from recipes.models.llama import check_tensor_parallel
+        from moe_lst.models.llama import check_tensor_parallel
 
         check_tensor_parallel(_tiny(attention="nsa"), 2)
 
@@ -133,7 +133,7 @@ def test_attention_config_errors():
 def test_rmsnorm_and_rope_functions_match_plain_autograd(dtype, tol):
     """The memory-lean autograd functions (they save nothing sequence-sized they can recompute) give the
     values and gradients of the plain formulas, also with a weight that does not require grad."""
-    from recipes.models.llama import RMSNorm, apply_rope, rope_cos_sin
+    from moe_lst.models.llama import RMSNorm, apply_rope, rope_cos_sin
 
     torch.manual_seed(0)
     x = torch.randn(2, 40, 3, 8).to(dtype).requires_grad_()

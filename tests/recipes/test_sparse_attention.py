@@ -63,7 +63,7 @@ def test_cli_bad_layout_is_one_line_and_exit_2(tmp_path):
 
 def test_sparse_models_do_not_export_to_hugging_face():
     from recipes.export import ExportError, to_hf
-    from recipes.models.llama import ModelConfig
+    from moe_lst.models.llama import ModelConfig
 
     for attention in ("sparse", "nsa"):
         with pytest.raises(ExportError, match=f"model.attention={attention} has no Hugging Face"):

@@ -16,7 +16,7 @@ def sp_records(cfg, inputs: torch.Tensor, labels: torch.Tensor, alst: dict) -> d
     (stage 1) and with every ALST piece on (stage 3; `alst`: mlp_tile, loss_tile, offload); returns this
     rank's records (`tests.equivalence.Recorder`) and the single-process reference on the full batch."""
     import zero
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
     from sequence_parallel import (
         apply_activation_checkpointing,
         apply_tiled_mlp,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from recipes.models.llama import ModelConfig, Transformer
+from moe_lst.models.llama import ModelConfig, Transformer
 from sequence_parallel import (
     ActivationOffload,
     apply_activation_checkpointing,

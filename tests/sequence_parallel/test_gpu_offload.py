@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from recipes.models.llama import ModelConfig, Transformer
+from moe_lst.models.llama import ModelConfig, Transformer
 from sequence_parallel import ActivationOffload, apply_activation_checkpointing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -22,8 +22,8 @@ ATTENTIONS = {
 
 
 def _model(attention: str):
-    from recipes.models.llama import Transformer
-    from recipes.models.llama.model import ModelConfig
+    from moe_lst.models.llama import Transformer
+    from moe_lst.models.llama.model import ModelConfig
     from sequence_parallel import apply_activation_checkpointing, apply_tiled_mlp
 
     torch.manual_seed(0)

@@ -74,7 +74,7 @@ def _attention_checks(P: int, rank: int, group) -> dict:
 def _model_checks(P: int) -> dict:
     """A small Llama with sp=P through the ZeRO engine (plain, and with every ALST piece on) against sp=1
     on the full batch, with ignored labels falling unevenly over the ranks."""
-    from recipes.models.llama import ModelConfig
+    from moe_lst.models.llama import ModelConfig
     from tests.sequence_parallel.sp_model import sp_records
 
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)

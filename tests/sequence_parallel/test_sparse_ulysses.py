@@ -17,7 +17,7 @@ NSA = {"block_size": 4, "select_blocks": 3, "compress_block": 4, "compress_strid
 def _records(attention: str) -> dict:
     import torch
 
-    from recipes.models.llama import ModelConfig
+    from moe_lst.models.llama import ModelConfig
     from tests.sequence_parallel.sp_model import sp_records
 
     extra = {"sparse": SPARSE} if attention == "sparse" else {"nsa": NSA}

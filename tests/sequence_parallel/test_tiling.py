@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recipes.models.llama import FeedForward
+from moe_lst.models.llama import FeedForward
 from sequence_parallel import TiledMLP, apply_tiled_mlp, tiled_cross_entropy
 from zero.contract import ContractError
 

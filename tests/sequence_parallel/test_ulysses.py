@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipes.models.llama import ModelConfig, Transformer
+from moe_lst.models.llama import ModelConfig, Transformer
 from sequence_parallel import UlyssesAttention, apply_ulysses, local_attention
 
 

@@ -292,7 +292,7 @@ def _tp_tokens(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _tp_replicas(steps: int = 3) -> dict:
     """2 replicas of tp=2 (no dp), SGD clipped at CLIP, a sync after step 3: each step's gradient norm, the
     parameters not split by tp after the inner steps, and the groups of every collective of each step."""
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
     from sequence_parallel import sp_loss
     from tests.parallel.harness import model_config
     from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -326,7 +326,7 @@ def _tp_replicas(steps: int = 3) -> dict:
 def _tp_reference(replica: int, steps: int) -> dict:
     """One replica alone, unsplit, in one process: its gradient norms and its parameters after `steps` clipped
     SGD steps."""
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
     from tests.parallel.harness import model_config
 
     torch.manual_seed(0)

@@ -13,13 +13,13 @@ from tests.multirank import run_multirank
 
 
 def _cfg(tie: bool):
-    from recipes.models.llama import ModelConfig
+    from moe_lst.models.llama import ModelConfig
 
     return ModelConfig(vocab_size=96, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=16, tie_embeddings=tie)
 
 
 def _run(stage: int, tie: bool, meta: bool, root: str, **offload) -> tuple[dict, list[float]]:
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
 
     torch.manual_seed(11)
     model = Transformer(_cfg(tie), device="meta" if meta else None)
@@ -60,7 +60,7 @@ def test_meta_model_materialised_by_the_engine_equals_the_eager_one(tmp_path):
 
 
 def test_init_parameter_does_not_depend_on_call_order():
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
 
     torch.manual_seed(5)
     model = Transformer(_cfg(True))
@@ -73,7 +73,7 @@ def test_init_parameter_does_not_depend_on_call_order():
 
 
 def test_meta_model_errors_are_clear():
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
 
     with pytest.raises(ValueError, match="meta device.*param_init"):
         zero.initialize(nn.Linear(4, 4, device="meta"), zero.FastAdamW(lr=1e-3))

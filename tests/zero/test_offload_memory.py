@@ -33,7 +33,7 @@ CONSTANT = 224 * 2**20
 
 
 def _model_config(n_layers: int):
-    from recipes.models.llama import ModelConfig
+    from moe_lst.models.llama import ModelConfig
 
     # Blocks of 2.95M parameters and a 4.2M tied embedding: 16 blocks are 51.4M parameters, 25.7M per rank.
     return ModelConfig(vocab_size=8192, dim=512, n_layers=n_layers, n_heads=8, n_kv_heads=4, max_seq_len=64)
@@ -44,7 +44,7 @@ def _rss() -> int:
 
 
 def _train(root: str, offload: bool, n_layers: int) -> dict:
-    from recipes.models.llama import Transformer
+    from moe_lst.models.llama import Transformer
 
     torch.manual_seed(0)
     model = Transformer(_model_config(n_layers), device="meta")

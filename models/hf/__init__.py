@@ -3,7 +3,7 @@ with typed overrides, the features refused), model.py (the adapter implementing 
 state_dict.py (weights from and to Hugging Face model directories); moe.py swaps sparse-MoE blocks for this
 project's MoE layer."""
 
-from recipes.models.hf.config import (  # noqa: F401
+from moe_lst.models.hf.config import (  # noqa: F401
     MODEL_TYPES,
     HFConfigError,
     dense_mlp_layers,
@@ -12,8 +12,8 @@ from recipes.models.hf.config import (  # noqa: F401
     rope_type,
     sliding_window,
 )
-from recipes.models.hf.model import ATTENTION, HFCausalLM, build, hf_attention, moe_supported  # noqa: F401
-from recipes.models.hf.state_dict import (  # noqa: F401
+from moe_lst.models.hf.model import ATTENTION, HFCausalLM, build, hf_attention, moe_supported  # noqa: F401
+from moe_lst.models.hf.state_dict import (  # noqa: F401
     load_weights,
     num_params,
     parameter_shapes,

@@ -1,7 +1,7 @@
 """The project's Llama (dense or MoE): model.py (the plain model), parallelize.py (its tensor-parallel plan and
 pipeline stages: the model contract's parallel parts), state_dict.py (the Hugging Face weight adapter)."""
 
-from recipes.models.llama.model import (  # noqa: F401
+from moe_lst.models.llama.model import (  # noqa: F401
     Attention,
     FeedForward,
     ModelConfig,
@@ -14,4 +14,4 @@ from recipes.models.llama.model import (  # noqa: F401
     build_moe,
     rope_cos_sin,
 )
-from recipes.models.llama.parallelize import PipelineStageModule, check_tensor_parallel  # noqa: F401
+from moe_lst.models.llama.parallelize import PipelineStageModule, check_tensor_parallel  # noqa: F401

@@ -24,8 +24,8 @@ from torch.distributed import ProcessGroup
 from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 import zero
-from recipes.models.hf.balance import BalancingLoss
-from recipes.models.hf.config import MODEL_TYPES, is_moe
+from moe_lst.models.hf.balance import BalancingLoss
+from moe_lst.models.hf.config import MODEL_TYPES, is_moe
 from zero.contract import AttentionSite, ModelContract
 
 #: The name the adapter's attention is registered under (config._attn_implementation of an adapted model).
@@ -52,7 +52,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     fn = _attention_of(module)
     if fn is None:
         raise RuntimeError(f"{type(module).__name__} runs attn_implementation={ATTENTION!r} but was not adapted: "
-                           "build the model with recipes.models.hf.HFCausalLM")
+                           "build the model with moe_lst.models.hf.HFCausalLM")
     # [b, heads, s, d] -> [b, s, heads, d] (views: the attention functions take any strides)
     out = attend(fn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True, scale=scaling,
                  documents=documents)
@@ -63,10 +63,10 @@ AttentionInterface.register(ATTENTION, hf_attention)
 
 
 def _moe_adopter() -> Callable[[nn.Module], list[str]] | None:
-    """recipes.models.hf.moe.adopt_moe_blocks, or None where that module is not there."""
-    if importlib.util.find_spec("recipes.models.hf.moe") is None:
+    """moe_lst.models.hf.moe.adopt_moe_blocks, or None where that module is not there."""
+    if importlib.util.find_spec("moe_lst.models.hf.moe") is None:
         return None
-    from recipes.models.hf.moe import adopt_moe_blocks
+    from moe_lst.models.hf.moe import adopt_moe_blocks
 
     return adopt_moe_blocks
 
@@ -77,14 +77,14 @@ def moe_supported() -> bool:
 
 
 class HFCausalLM(nn.Module, ModelContract):
-    """A transformers causal LM (`PreTrainedModel`, a model type of recipes.models.hf.config.MODEL_TYPES) under the
+    """A transformers causal LM (`PreTrainedModel`, a model type of moe_lst.models.hf.config.MODEL_TYPES) under the
     model contract: blocks are its decoder layers, attention sites their self-attention, MLP sites their dense
     MLPs; `init_parameter` is the model's own `_init_weights`, seeded per parameter name. Sparse-MoE blocks are
-    replaced by this project's MoE (recipes/models/hf/moe.py), keeping their names. Tensor-parallel plans and
+    replaced by this project's MoE (models/hf/moe.py), keeping their names. Tensor-parallel plans and
     pipeline stages are not offered (the contract's defaults raise ContractError).
 
     An MoE config with `output_router_logits` trains with transformers' balancing loss, as its CausalLM forward
-    adds it with labels (`router_aux_loss_coef * load_balancing_loss_func(...)`; recipes.models.hf.balance):
+    adds it with labels (`router_aux_loss_coef * load_balancing_loss_func(...)`; moe_lst.models.hf.balance):
     its gradient joins the main loss's in training, scaled like it through `loss_plan()`'s hook, its statistics
     summed over `sp_group` (the ranks holding shards of the same sequences).
 
@@ -119,7 +119,7 @@ class HFCausalLM(nn.Module, ModelContract):
         adopt = _moe_adopter()
         if adopt is None:
             raise NotImplementedError(f"model_type={self.config.model_type} has sparse-MoE blocks and "
-                                      "recipes.models.hf.moe (adopt_moe_blocks) is not available to swap them")
+                                      "moe_lst.models.hf.moe (adopt_moe_blocks) is not available to swap them")
         if any(p.is_meta for p in self.parameters()):
             raise NotImplementedError(f"model_type={self.config.model_type}: MoE models are built on a real device "
                                       "(per-parameter init of their experts is not implemented)")

@@ -20,7 +20,7 @@ from moe_lst.kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
 from moe_lst.kernels.positions import position_ids_for
 from moe_lst.kernels.sparse import LAYOUT_FIELDS, SparseAttention, SparseConfig
 
-from recipes.models.llama import parallelize
+from moe_lst.models.llama import parallelize
 from zero.contract import AttentionSite, ModelContract
 
 ATTENTIONS = ("dense", "sparse", "nsa")

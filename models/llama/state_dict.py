@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from recipes.models.llama.model import ModelConfig, MoEConfig, Transformer
+from moe_lst.models.llama.model import ModelConfig, MoEConfig, Transformer
 
 EXPERT_LAYOUTS = ("per_expert", "fused")
 # The rotary base `transformers` assumes when a config.json names none (its config classes' default_theta).
@@ -220,7 +220,7 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Te
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
             experts: str = "per_expert") -> Path:
     """Write `model.safetensors` and `config.json` for our full state dict into out_dir."""
-    from recipes.models.files import save_safetensors
+    from moe_lst.models.files import save_safetensors
 
     tensors = to_hf(state, cfg, experts)
     out_dir = Path(out_dir)

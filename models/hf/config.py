@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import CONFIG_MAPPING, PreTrainedConfig
 
-#: model_type -> whether its feed-forward blocks are sparse MoE (recipes/models/hf/moe.py adopts those).
+#: model_type -> whether its feed-forward blocks are sparse MoE (models/hf/moe.py adopts those).
 #: Each has the decoder layout the adapter reads: `model.layers.{i}` holding `self_attn` and `mlp`, then
 #: `model.norm` and `lm_head`, with Hugging Face's own rotary embedding applied inside `self_attn`.
 MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "mixtral": True, "qwen3_moe": True,
