@@ -2,9 +2,9 @@
 
 Dropless by default; with a capacity, each expert keeps its highest-scoring slots. Dispatchers share
 one interface (`TokenDispatcher`): the local one keeps every expert on this rank, the all-to-all one
-moves the permuted tokens to the ranks that own their experts (expert parallelism). Two plans: the host
-plan (`make_plan`, exact-size, the CPU path) and the static plan (`make_static_plan`, every slot kept in a
-fixed-size buffer, no host synchronisation: the device path).
+moves the permuted tokens to the ranks that own their experts (expert parallelism). Two slot assignments:
+the host one (`assign_slots`, exact-size, the CPU path) and the static one (`assign_slots_static`, every slot
+kept in a fixed-size buffer, no host synchronisation: the device path).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
 
 
 @dataclass
-class DispatchPlan:
+class SlotAssignment:
     """Where each kept token-slot goes; slots are ordered by expert id (contiguous segments)."""
 
     token_index: torch.Tensor  # [M] source token of each kept slot, expert-sorted
@@ -35,11 +35,11 @@ class DispatchPlan:
     tokens_per_expert: torch.Tensor  # [E] int64 kept slots per expert
     routed_per_expert: torch.Tensor  # [E] int64 slots routed per expert before any drop
     num_slots: int  # N * k
-    #: A static plan (make_static_plan) lists all N*k slots: the kept ones first, in expert order, then the
+    #: A static assignment (assign_slots_static) lists all N*k slots: the kept ones first, in expert order, then the
     #: dropped ones (capacity mode), so its sizes never depend on the routing and no host sync made it.
     static: bool = False
     drops: bool = False  # static with a capacity: slots past the kept ones carry gate 0
-    #: static plans: [N*k] row of the buffer holding each slot (the inverse of slot_index), so permutation and
+    #: static assignments: [N*k] row of the buffer holding each slot (the inverse of slot_index), so permutation and
     #: combine are gathers both ways (no scatter-add, no atomics, deterministic)
     slot_position: torch.Tensor | None = None
 
@@ -48,12 +48,12 @@ class DispatchPlan:
         return self.routed_per_expert.sum() - self.tokens_per_expert.sum()
 
     def kept_mask(self) -> torch.Tensor:
-        """[num_slots] 1.0 for a kept slot, 0.0 for a dropped one (static plans: kept slots come first)."""
+        """[num_slots] 1.0 for a kept slot, 0.0 for a dropped one (static assignments: kept slots come first)."""
         slots = torch.arange(self.num_slots, device=self.token_index.device)
         return (slots < self.tokens_per_expert.sum()).float()
 
     def gemm_counts(self) -> torch.Tensor:
-        """[E] rows per expert segment of a static plan's buffer: the kept slots, with the dropped tail
+        """[E] rows per expert segment of a static assignment's buffer: the kept slots, with the dropped tail
         appended to the last expert's segment (rows of zeros: `permute` zeroes them, so the last expert computes
         finite values whatever its weights, which the combine weights by 0), so the segments cover every row."""
         if not self.drops:
@@ -62,11 +62,11 @@ class DispatchPlan:
         counts[-1] += self.num_slots - self.tokens_per_expert.sum()
         return counts
 
-    def compacted(self, num_kept: int) -> DispatchPlan:
-        """The exact-size plan of a static plan's first `num_kept` (its kept) slots, once that number is known
-        on the host (expert parallelism exchanges the split sizes anyway)."""
-        return DispatchPlan(self.token_index[:num_kept], self.slot_index[:num_kept], self.tokens_per_expert,
-                            self.routed_per_expert, self.num_slots)
+    def compacted(self, num_kept: int) -> SlotAssignment:
+        """The exact-size assignment of a static assignment's first `num_kept` (its kept) slots, once that number
+        is known on the host (expert parallelism exchanges the split sizes anyway)."""
+        return SlotAssignment(self.token_index[:num_kept], self.slot_index[:num_kept], self.tokens_per_expert,
+                              self.routed_per_expert, self.num_slots)
 
 
 def count_per_expert(flat_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -76,9 +76,9 @@ def count_per_expert(flat_expert: torch.Tensor, num_experts: int) -> torch.Tenso
     return counts.index_add_(0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int64))
 
 
-def make_plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
-              capacity: int | None = None) -> DispatchPlan:
-    """Plan the permutation for indices/weights [N, k]; no one-hot [N, E, C] tensors anywhere.
+def assign_slots(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
+              capacity: int | None = None) -> SlotAssignment:
+    """Assign the slots for indices/weights [N, k]; no one-hot [N, E, C] tensors anywhere.
 
     Dropless: a stable argsort of the expert ids. With `capacity`: slots are sorted by descending
     gate weight first, then (stably) by expert, so each expert's segment lists its best slots first
@@ -98,18 +98,18 @@ def make_plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
         position = torch.arange(order.numel(), device=order.device) - starts.repeat_interleave(routed)
         order = order[position < capacity]
         kept = routed.clamp(max=capacity)
-    return DispatchPlan(token_index=order // k, slot_index=order, tokens_per_expert=kept,
+    return SlotAssignment(token_index=order // k, slot_index=order, tokens_per_expert=kept,
                         routed_per_expert=routed, num_slots=n * k)
 
 
-def make_static_plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                     capacity: int | None = None) -> DispatchPlan:
-    """The plan of `make_plan` with no host synchronisation: every tensor has a size known before routing.
+def assign_slots_static(indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                     capacity: int | None = None) -> SlotAssignment:
+    """The assignment of `assign_slots` with no host synchronisation: every tensor has a size known before routing.
 
-    The slot order is make_plan's (the same stable sorts), so the kept slots are the same rows in the same
-    order. Dropless, the two plans are equal. With `capacity`, the dropped slots are not cut out (that
+    The slot order is assign_slots's (the same stable sorts), so the kept slots are the same rows in the same
+    order. Dropless, the two assignments are equal. With `capacity`, the dropped slots are not cut out (that
     would size a tensor by the routing) but moved behind the kept ones by one more stable sort; the
-    dispatchers give them gate weight 0 (`DispatchPlan.kept_mask`).
+    dispatchers give them gate weight 0 (`SlotAssignment.kept_mask`).
     """
     n, k = indices.shape
     flat_expert = indices.reshape(-1)  # [N, k] -> [N*k]
@@ -127,23 +127,23 @@ def make_static_plan(indices: torch.Tensor, weights: torch.Tensor, num_experts: 
         order = order[torch.argsort(dropped, stable=True)]  # kept slots first, each group still in expert order
         kept = routed.clamp(max=capacity)
     position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return DispatchPlan(token_index=order // k, slot_index=order, tokens_per_expert=kept, routed_per_expert=routed,
+    return SlotAssignment(token_index=order // k, slot_index=order, tokens_per_expert=kept, routed_per_expert=routed,
                         num_slots=n * k, static=True, drops=capacity is not None, slot_position=position)
 
 
-def permute(x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+def permute(x: torch.Tensor, assignment: SlotAssignment) -> torch.Tensor:
     """x [N, dim] -> [M, dim] token copies grouped by expert."""
-    if plan.static and x.shape[0]:
+    if assignment.static and x.shape[0]:
         keep = None
-        if plan.drops:  # the dropped tail enters the GEMM as zeros: a non-finite row times gate 0 would be NaN
-            slots = torch.arange(plan.num_slots, device=x.device)
-            keep = (slots < plan.tokens_per_expert.sum()).unsqueeze(1)  # [N*k, 1], on the device: no sync
-        return _GatherTokens.apply(x, plan.token_index, plan.slot_position, keep)
-    return x.index_select(0, plan.token_index)
+        if assignment.drops:  # the dropped tail enters the GEMM as zeros: a non-finite row times gate 0 would be NaN
+            slots = torch.arange(assignment.num_slots, device=x.device)
+            keep = (slots < assignment.tokens_per_expert.sum()).unsqueeze(1)  # [N*k, 1], on the device: no sync
+        return _GatherTokens.apply(x, assignment.token_index, assignment.slot_position, keep)
+    return x.index_select(0, assignment.token_index)
 
 
 class _GatherTokens(torch.autograd.Function):
-    """rows = x[token_index] for a static plan (every token's k slots in the buffer); backward gathers each
+    """rows = x[token_index] for a static assignment (every token's k slots in the buffer); backward gathers each
     token's k row gradients through slot_position and sums them, instead of scatter-adding them. `keep` [rows, 1]
     (capacity mode, else None): rows where it is False (dropped slots) are zeros, and pass no gradient back."""
 
@@ -179,13 +179,14 @@ class _Permutation(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
-def _combine_static(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[N*k, dim] expert outputs of a static plan -> [N, dim]: every token's k slot outputs gathered next to
+def _combine_static(y: torch.Tensor, assignment: SlotAssignment, weights: torch.Tensor,
+                    num_tokens: int) -> torch.Tensor:
+    """[N*k, dim] expert outputs of a static assignment -> [N, dim]: every token's k slot outputs gathered next to
     each other (slot order), weighted by their gates and summed; a dropped slot's gate is 0."""
     gate = weights.reshape(-1).to(y.dtype)  # [N*k] in slot order
-    if plan.drops:
-        gate = gate * plan.kept_mask().index_select(0, plan.slot_position).to(gate.dtype)
-    by_slot = _Permutation.apply(y, plan.slot_position, plan.slot_index)  # [N*k, dim], slot s at row s
+    if assignment.drops:
+        gate = gate * assignment.kept_mask().index_select(0, assignment.slot_position).to(gate.dtype)
+    by_slot = _Permutation.apply(y, assignment.slot_position, assignment.slot_index)  # [N*k, dim], slot s at row s
     return (by_slot.view(num_tokens, -1, y.shape[-1]) * gate.view(num_tokens, -1, 1)).sum(1)
 
 
@@ -213,22 +214,22 @@ class _WeightedScatterAdd(torch.autograd.Function):
         return grad_y, grad_gate, None, None
 
 
-def unpermute(y: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def unpermute(y: torch.Tensor, assignment: SlotAssignment, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[M, dim] expert outputs -> [N, dim]: weight by the gate and scatter-add back to their tokens.
 
     Dropped slots add nothing, so a token whose every slot was dropped gets zero (the residual path).
     """
-    if plan.static and num_tokens:
-        return _combine_static(y, plan, weights, num_tokens)
-    gate = weights.reshape(-1).index_select(0, plan.slot_index).to(y.dtype)  # [M]
-    return _WeightedScatterAdd.apply(y, gate, plan.token_index, num_tokens)
+    if assignment.static and num_tokens:
+        return _combine_static(y, assignment, weights, num_tokens)
+    gate = weights.reshape(-1).index_select(0, assignment.slot_index).to(y.dtype)  # [M]
+    return _WeightedScatterAdd.apply(y, gate, assignment.token_index, num_tokens)
 
 
 @dataclass
 class DispatchState:
     """What `combine` needs to bring one `dispatch`'s expert outputs back to their tokens."""
 
-    plan: DispatchPlan
+    assignment: SlotAssignment
     weights: torch.Tensor  # [N, k] gate weights of the routing decision
     shape: torch.Size  # the tokens' shape [..., dim] (N tokens): what combine gives back
     tokens_per_local_expert: torch.Tensor  # [E_local] rows this rank's experts compute
@@ -248,7 +249,7 @@ class _A2AState(DispatchState):
 class TokenDispatcher:
     """Moves routed tokens to the experts that compute them and their outputs back: one interface.
 
-    dispatch(x [..., dim], plan, weights [N, k]) -> (rows [R, dim] for this rank's experts in contiguous
+    dispatch(x [..., dim], assignment, weights [N, k]) -> (rows [R, dim] for this rank's experts in contiguous
     per-local-expert segments, state); combine(expert outputs [R, dim], state, shared) -> y [..., dim], the
     gate-weighted sum over each token's experts (dropped slots add nothing) plus `shared` (the shared
     experts' output for the same tokens, or None). `run` is what MoELayer calls: dispatch -> experts ->
@@ -258,20 +259,20 @@ class TokenDispatcher:
 
     num_local: int
 
-    def dispatch(self, x: torch.Tensor, plan: DispatchPlan,
+    def dispatch(self, x: torch.Tensor, assignment: SlotAssignment,
                  weights: torch.Tensor) -> tuple[torch.Tensor, DispatchState]:
         raise NotImplementedError
 
     def combine(self, y: torch.Tensor, state: DispatchState, shared: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def run(self, x: torch.Tensor, plan: DispatchPlan, weights: torch.Tensor, experts,
+    def run(self, x: torch.Tensor, assignment: SlotAssignment, weights: torch.Tensor, experts,
             shared: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(y [..., dim], tokens_per_local_expert) for `experts(rows, tokens_per_local_expert)` and the
         shared experts `shared(x [N, dim])` (None: none)."""
-        rows, state = self.dispatch(x, plan, weights)
+        rows, state = self.dispatch(x, assignment, weights)
         out = shared(x.reshape(-1, x.shape[-1])) if shared is not None else None
-        if plan.static:  # the device path: grouped GEMMs with device-side offsets, nothing read on the host
+        if assignment.static:  # the device path: grouped GEMMs with device-side offsets, nothing read on the host
             expert_out = experts(rows, state.tokens_per_local_expert, sync_free=True)
         else:
             expert_out = experts(rows, state.tokens_per_local_expert)
@@ -289,7 +290,7 @@ class LocalDispatcher(TokenDispatcher):
 
     `run` fuses gather -> grouped expert MLP -> weighted scatter into one autograd node
     (`GroupedExperts.forward_tokens`), so no permuted [M, dim] copy of the tokens outlives forward;
-    fused=False runs the three steps apart, as every other dispatcher does (same numbers). A static plan
+    fused=False runs the three steps apart, as every other dispatcher does (same numbers). A static assignment
     (the device path) always runs them apart: permutation, grouped GEMMs on device-side offsets, combine.
     """
 
@@ -297,23 +298,24 @@ class LocalDispatcher(TokenDispatcher):
         self.num_local = num_experts
         self.fused = fused
 
-    def dispatch(self, x, plan, weights):
-        # a static plan's buffer holds every slot: its segments include the dropped tail (gemm_counts)
-        state = DispatchState(plan, weights, x.shape, plan.gemm_counts() if plan.static else plan.tokens_per_expert)
-        return permute(x.reshape(-1, x.shape[-1]), plan), state
+    def dispatch(self, x, assignment, weights):
+        # a static assignment's buffer holds every slot: its segments include the dropped tail (gemm_counts)
+        counts = assignment.gemm_counts() if assignment.static else assignment.tokens_per_expert
+        state = DispatchState(assignment, weights, x.shape, counts)
+        return permute(x.reshape(-1, x.shape[-1]), assignment), state
 
     def combine(self, y, state, shared=None):
-        return _with_shared(unpermute(y, state.plan, state.weights, state.num_tokens), shared, state.shape)
+        return _with_shared(unpermute(y, state.assignment, state.weights, state.num_tokens), shared, state.shape)
 
-    def run(self, x, plan, weights, experts, shared=None):
-        if plan.static:  # report the slots kept (as the host path does), not the rows computed
-            return super().run(x, plan, weights, experts, shared)[0], plan.tokens_per_expert
+    def run(self, x, assignment, weights, experts, shared=None):
+        if assignment.static:  # report the slots kept (as the host path does), not the rows computed
+            return super().run(x, assignment, weights, experts, shared)[0], assignment.tokens_per_expert
         if not self.fused:
-            return super().run(x, plan, weights, experts, shared)
+            return super().run(x, assignment, weights, experts, shared)
         flat = x.reshape(-1, x.shape[-1])
-        gate = weights.reshape(-1).index_select(0, plan.slot_index).to(x.dtype)  # [M]
-        y = experts.forward_tokens(flat, plan.token_index, gate, plan.tokens_per_expert)
-        return _with_shared(y, shared(flat) if shared is not None else None, x.shape), plan.tokens_per_expert
+        gate = weights.reshape(-1).index_select(0, assignment.slot_index).to(x.dtype)  # [M]
+        y = experts.forward_tokens(flat, assignment.token_index, gate, assignment.tokens_per_expert)
+        return _with_shared(y, shared(flat) if shared is not None else None, x.shape), assignment.tokens_per_expert
 
 
 class AllToAllDispatcher(TokenDispatcher):
@@ -332,47 +334,47 @@ class AllToAllDispatcher(TokenDispatcher):
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep_size
 
-    def dispatch(self, x, plan, weights):
+    def dispatch(self, x, assignment, weights):
         """x [..., dim] (N tokens) -> ([R, dim] sorted by local expert, state)."""
-        if plan.static:
-            return self._dispatch_static(x, plan, weights)
+        if assignment.static:
+            return self._dispatch_static(x, assignment, weights)
         p, el = self.ep_size, self.num_local
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
-        tokens_per_expert = plan.tokens_per_expert
+        tokens_per_expert = assignment.tokens_per_expert
         # received[src * E_local + j] = slots rank src sends to my local expert j
         received = torch.empty_like(tokens_per_expert)
         comm.all_to_all_single(received, tokens_per_expert.contiguous(), self.group)
         input_splits = tokens_per_expert.view(p, el).sum(1).tolist()
         output_splits = received.view(p, el).sum(1).tolist()
-        x_recv = comm.all_to_all(permute(x, plan), self.group, output_splits, input_splits)
+        x_recv = comm.all_to_all(permute(x, assignment), self.group, output_splits, input_splits)
         # Rows arrive grouped by (source rank, local expert); regroup them by local expert.
         local_expert = torch.arange(el, device=x.device).repeat(p).repeat_interleave(received)
         regroup = torch.argsort(local_expert, stable=True)
-        state = _A2AState(plan, weights, shape, received.view(p, el).sum(0), input_splits, output_splits, regroup)
+        state = _A2AState(assignment, weights, shape, received.view(p, el).sum(0), input_splits, output_splits, regroup)
         return x_recv.index_select(0, regroup), state
 
-    def _dispatch_static(self, x, plan, weights):
-        """dispatch for a static plan (the device path): the split sizes, read on the host in one transfer, are
-        its one host synchronisation; the kept slots (the plan's first rows) travel, exactly as make_plan's."""
+    def _dispatch_static(self, x, assignment, weights):
+        """dispatch for a static assignment (the device path): the split sizes, read on the host in one transfer, are
+        its one host synchronisation; the kept slots (the assignment's first rows) travel, exactly as assign_slots's."""
         p, el = self.ep_size, self.num_local
         shape, x = x.shape, x.reshape(-1, x.shape[-1])
-        received = torch.empty_like(plan.tokens_per_expert)
-        comm.all_to_all_single(received, plan.tokens_per_expert.contiguous(), self.group)
-        splits = torch.stack([plan.tokens_per_expert.view(p, el).sum(1), received.view(p, el).sum(1)])
+        received = torch.empty_like(assignment.tokens_per_expert)
+        comm.all_to_all_single(received, assignment.tokens_per_expert.contiguous(), self.group)
+        splits = torch.stack([assignment.tokens_per_expert.view(p, el).sum(1), received.view(p, el).sum(1)])
         input_splits, output_splits = splits.tolist()  # the permitted exchange: all-to-all sizes
-        plan = plan.compacted(sum(input_splits))
-        x_recv = comm.all_to_all(permute(x, plan), self.group, output_splits, input_splits)
+        assignment = assignment.compacted(sum(input_splits))
+        x_recv = comm.all_to_all(permute(x, assignment), self.group, output_splits, input_splits)
         local_expert = torch.arange(el, device=x.device).repeat(p).repeat_interleave(
             received, output_size=sum(output_splits))  # the size is known: no second sync
         regroup = torch.argsort(local_expert, stable=True)
-        state = _A2AState(plan, weights, shape, received.view(p, el).sum(0), input_splits, output_splits, regroup)
+        state = _A2AState(assignment, weights, shape, received.view(p, el).sum(0), input_splits, output_splits, regroup)
         return x_recv.index_select(0, regroup), state
 
     def combine(self, y, state, shared=None):
         """[R, dim] local expert outputs -> [..., dim]: back to the sending ranks, then to the tokens."""
         y_recv = _inverse_gather(y, state.regroup)
         y_perm = comm.all_to_all(y_recv, self.group, state.input_splits, state.output_splits)
-        return _with_shared(unpermute(y_perm, state.plan, state.weights, state.num_tokens), shared, state.shape)
+        return _with_shared(unpermute(y_perm, state.assignment, state.weights, state.num_tokens), shared, state.shape)
 
 
 class ExpertTensorParallelDispatcher(TokenDispatcher):
@@ -393,14 +395,14 @@ class ExpertTensorParallelDispatcher(TokenDispatcher):
     def _scatter(self, y: torch.Tensor) -> torch.Tensor:
         return reduce_scatter_sequence(y, self.group, dim=max(y.dim() - 2, 0))
 
-    def dispatch(self, x, plan, weights):
-        return self.inner.dispatch(x, plan, weights)
+    def dispatch(self, x, assignment, weights):
+        return self.inner.dispatch(x, assignment, weights)
 
     def combine(self, y, state, shared=None):
         return self._scatter(self.inner.combine(y, state, shared))
 
-    def run(self, x, plan, weights, experts, shared=None):
-        y, local_counts = self.inner.run(x, plan, weights, experts, shared)
+    def run(self, x, assignment, weights, experts, shared=None):
+        y, local_counts = self.inner.run(x, assignment, weights, experts, shared)
         return self._scatter(y), local_counts
 
 

@@ -21,9 +21,9 @@ from .dispatch import (
     ExpertTensorParallelDispatcher,
     LocalDispatcher,
     TokenDispatcher,
+    assign_slots,
+    assign_slots_static,
     expert_capacity,
-    make_plan,
-    make_static_plan,
 )
 from .experts import GroupedExperts, SharedExperts
 from .router import TopKRouter, load_balancing_loss, router_z_loss, update_expert_bias
@@ -48,8 +48,8 @@ class MoELayer(nn.Module):
     are summed over it); init_std; local_path ("auto" | "host" | "device", see below).
 
     `local_path` chooses how this rank routes, permutes and runs its experts. "host" (the CPU path): an
-    exact-size plan and, on one rank, the fused gather-MLP-scatter in expert chunks, which reads the
-    segment sizes on the host. "device": a static plan (every tensor sized before routing), the permuted
+    exact-size assignment and, on one rank, the fused gather-MLP-scatter in expert chunks, which reads the
+    segment sizes on the host. "device": a static assignment (every tensor sized before routing), the permuted
     rows through `torch._grouped_mm` with device-side offsets, and the gate-weighted combine: no
     `.item()`, `.tolist()` or `.cpu()` between router and output on one rank, and only the all-to-all
     split sizes under expert parallelism (NotImplementedError where torch._grouped_mm cannot serve the
@@ -173,13 +173,13 @@ class MoELayer(nn.Module):
 
         capacity = (None if self.capacity_factor is None
                     else expert_capacity(n, self.top_k, self.num_experts, self.capacity_factor))
-        plan_fn = make_static_plan if self.uses_device_path(x) else make_plan
-        plan = plan_fn(routing.indices, routing.weights, self.num_experts, capacity)
+        assign = assign_slots_static if self.uses_device_path(x) else assign_slots
+        assignment = assign(routing.indices, routing.weights, self.num_experts, capacity)
         # y [..., dim]; with expert tensor parallelism, this rank's sequence shard of the summed output
-        y, local_counts = self.dispatcher.run(x, plan, routing.weights, self.experts, self.shared_experts)
+        y, local_counts = self.dispatcher.run(x, assignment, routing.weights, self.experts, self.shared_experts)
 
         if self.training and self.bias_update_rate > 0:
-            self.load_since_update += plan.routed_per_expert.to(self.load_since_update.dtype)
+            self.load_since_update += assignment.routed_per_expert.to(self.load_since_update.dtype)
         loss = self.aux_loss_coef * aux + self.z_loss_coef * z
         tp = group_size(self.tp_group)
         if tp > 1:
@@ -187,14 +187,14 @@ class MoELayer(nn.Module):
         if (self.training and torch.is_grad_enabled() and loss.requires_grad
                 and (self.aux_loss_coef or self.z_loss_coef)):
             y = attach_loss(y, loss, self.balancing_loss_scale)
-        routed = plan.routed_per_expert.detach()
-        slots = max(plan.num_slots, 1)
+        routed = assignment.routed_per_expert.detach()
+        slots = max(assignment.num_slots, 1)
         self.last_stats = {
             "tokens_per_expert": routed,  # this rank's token-slots per expert (all E), before drops
             "tokens_per_local_expert": local_counts.detach(),  # slots my experts computed (whole ep group)
             "load_max": routed.max() / slots,
             "load_min": routed.min() / slots,
-            "dropped": plan.num_dropped / slots,
+            "dropped": assignment.num_dropped / slots,
             "aux_loss": aux.detach(),
             "z_loss": z.detach(),
         }

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from moe import MoELayer, shard_experts
-from moe.dispatch import make_plan, make_static_plan, permute
+from moe.dispatch import assign_slots, assign_slots_static, permute
 from tests.multirank import run_multirank
 
 DIM, FFN, E = 16, 32, 8
@@ -110,12 +110,12 @@ def test_dropped_slots_cannot_poison_the_device_path(activation):
     _assert_same(got, want)
 
 
-def test_static_plan_keeps_make_plans_slots_in_order_and_the_dropped_ones_last():
+def test_static_assignment_keeps_assign_slots_order_and_the_dropped_ones_last():
     torch.manual_seed(0)
     indices = torch.randint(0, E, (40, 2))
     weights = torch.rand(40, 2)
     for capacity in (None, 3, 7):
-        host, static = make_plan(indices, weights, E, capacity), make_static_plan(indices, weights, E, capacity)
+        host, static = assign_slots(indices, weights, E, capacity), assign_slots_static(indices, weights, E, capacity)
         kept = int(host.tokens_per_expert.sum())
         assert static.num_slots == static.token_index.numel() == 80  # sized before routing
         torch.testing.assert_close(static.slot_index[:kept], host.slot_index, rtol=0, atol=0)
@@ -160,8 +160,9 @@ def test_device_path_reads_nothing_on_the_host_and_the_host_path_does(capacity_f
 
 def _route_and_permute(layer, x, capacity):
     routing = layer.router(x)
-    plan = make_static_plan(routing.indices, routing.weights, layer.num_experts, capacity)
-    return routing.weights, plan.token_index, plan.tokens_per_expert, plan.kept_mask(), permute(x, plan)
+    assignment = assign_slots_static(routing.indices, routing.weights, layer.num_experts, capacity)
+    return (routing.weights, assignment.token_index, assignment.tokens_per_expert, assignment.kept_mask(),
+            permute(x, assignment))
 
 
 @pytest.mark.parametrize("capacity", [None, 5])

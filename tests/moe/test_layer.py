@@ -232,16 +232,17 @@ def test_fused_expert_path_loop_fallback_and_chunking_agree(monkeypatch, activat
     layer = _layer(activation=activation, capacity_factor=1.0)
     x = torch.randn(30, 16)
     routing = layer.router(x)
-    from moe.dispatch import make_plan
-    plan = make_plan(routing.indices, routing.weights, 8, capacity=8)
-    gate = routing.weights.reshape(-1)[plan.slot_index].detach().requires_grad_(True)
+    from moe.dispatch import assign_slots
+    assignment = assign_slots(routing.indices, routing.weights, 8, capacity=8)
+    gate = routing.weights.reshape(-1)[assignment.slot_index].detach().requires_grad_(True)
     outs = []
     for supported, chunks in [(True, 8), (True, 1), (True, 3), (False, 8)]:
         monkeypatch.setattr(experts_mod, "grouped_mm_supported", lambda *a, s=supported: s)
         xi = x.clone().requires_grad_(True)
         gate.grad = None
         layer.zero_grad()
-        y = layer.experts.forward_tokens(xi, plan.token_index, gate, plan.tokens_per_expert, max_chunks=chunks)
+        y = layer.experts.forward_tokens(xi, assignment.token_index, gate, assignment.tokens_per_expert,
+                                         max_chunks=chunks)
         y.backward(torch.cos(y))
         outs.append([y, xi.grad, gate.grad, layer.experts.w_in.grad, layer.experts.w_out.grad])
     assert len(outs) == 4 and all(t is not None for o in outs for t in o)
