@@ -173,8 +173,8 @@ def test_a_missing_contract_part_is_one_line_naming_it():
     from zero.parallel.tensor import apply_tensor_parallel
 
     assert isinstance(_build(), ModelContract)
-    with pytest.raises(ContractError, match=r"Tiny does not offer tensor_parallel_plan\(tp\) of the model contract"):
-        _build().tensor_parallel_plan(2)
+    with pytest.raises(ContractError, match=r"Tiny does not offer tensor_parallel_styles\(tp\) of the model contract"):
+        _build().tensor_parallel_styles(2)
     with pytest.raises(ContractError, match=r"apply_ulysses needs Linear.attention_sites\(\) of the model contract"):
         from sequence_parallel import apply_ulysses
 

@@ -6,7 +6,7 @@ A model states its parts by implementing `ModelContract` (structurally, or by su
 - `blocks()`: its repeated blocks, in order: ZeRO-3 gather units, activation checkpointing, pipeline splits;
 - `attention_sites()`: where an attention function is called and may be swapped (Ulysses, sparse);
 - `mlp_sites()`: its token-wise MLPs (tiling);
-- `tensor_parallel_plan(tp)`: module name -> `zero.parallel.tensor.Style`;
+- `tensor_parallel_styles(tp)`: module name -> `zero.parallel.tensor.Style`;
 - `pipeline_stage(layers, first, last)` and `pipeline_shapes(tokens_shape)`: the module of one pipeline stage
   (itself a contract model for its blocks) and the shapes of what stages exchange;
 - `init_parameter(name, tensor)`: a parameter's initial values, for models built on the meta device.
@@ -64,9 +64,9 @@ class ModelContract(Protocol):
         """Every token-wise MLP (`forward(x [..., s, dim]) -> [..., s, dim]`, each token on its own), by name."""
         raise _missing(self, "mlp_sites()")
 
-    def tensor_parallel_plan(self, tp: int) -> dict[str, Any]:
+    def tensor_parallel_styles(self, tp: int) -> dict[str, Any]:
         """How the model splits over `tp` ranks: module name -> zero.parallel.tensor.Style."""
-        raise _missing(self, "tensor_parallel_plan(tp)")
+        raise _missing(self, "tensor_parallel_styles(tp)")
 
     def pipeline_stage(self, layers: range, first: bool, last: bool) -> nn.Module:
         """A module running blocks `layers` (embedding when `first`; the output the loss reads when `last`)

@@ -1,4 +1,4 @@
-"""The Llama's parallel parts of the model contract: its tensor-parallel plan and divisibility rules, and its
+"""The Llama's parallel parts of the model contract: its tensor-parallel styles and divisibility rules, and its
 pipeline stages (consecutive layers sharing the model's modules and names) with the shapes they exchange."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from zero.parallel.tensor import ColwiseParallel, RowwiseParallel, SequenceParal
 
 
 def check_tensor_parallel(cfg, tp: int) -> None:
-    """The divisibility rules of this model's tensor-parallel plan, with the rule in the message."""
+    """The divisibility rules of this model's tensor-parallel styles, with the rule in the message."""
     if cfg.attention == "nsa" and tp > 1:
         raise ValueError(f"model.attention=nsa with tp={tp} is not supported (its compressors are shared by all "
                          "heads, so their gradients would need a reduction over tp); use sp for long sequences")
@@ -32,31 +32,31 @@ def check_tensor_parallel(cfg, tp: int) -> None:
                          "(expert tensor parallelism)")
 
 
-def tensor_parallel_plan(model, tp: int) -> dict:
+def tensor_parallel_styles(model, tp: int) -> dict:
     """How this model splits over tp ranks (zero.parallel.tensor.apply_tensor_parallel): vocabulary-
     parallel embedding (and tied head), sequence-parallel norms, column-parallel q/k/v and MLP input,
     row-parallel attention output and MLP output, expert tensor parallelism for MoE layers."""
     check_tensor_parallel(model.cfg, tp)
-    plan: dict = {"tok_embeddings": VocabParallelEmbedding()}
+    styles: dict = {"tok_embeddings": VocabParallelEmbedding()}
     for i in range(len(model.layers)):
         p = f"layers.{i}"
-        plan[f"{p}.attention_norm"] = SequenceParallelNorm(gather_output=True)
-        plan[f"{p}.attention.wq"] = ColwiseParallel(units=model.cfg.n_heads)
-        plan[f"{p}.attention.wk"] = ColwiseParallel(units=model.cfg.n_kv_heads)
-        plan[f"{p}.attention.wv"] = ColwiseParallel(units=model.cfg.n_kv_heads)
-        plan[f"{p}.attention.wo"] = RowwiseParallel()
-        plan[f"{p}.ffn_norm"] = SequenceParallelNorm(gather_output=True)
+        styles[f"{p}.attention_norm"] = SequenceParallelNorm(gather_output=True)
+        styles[f"{p}.attention.wq"] = ColwiseParallel(units=model.cfg.n_heads)
+        styles[f"{p}.attention.wk"] = ColwiseParallel(units=model.cfg.n_kv_heads)
+        styles[f"{p}.attention.wv"] = ColwiseParallel(units=model.cfg.n_kv_heads)
+        styles[f"{p}.attention.wo"] = RowwiseParallel()
+        styles[f"{p}.ffn_norm"] = SequenceParallelNorm(gather_output=True)
         if model.cfg.is_moe_layer(i):
-            plan[f"{p}.feed_forward"] = ExpertTensorParallel()
+            styles[f"{p}.feed_forward"] = ExpertTensorParallel()
         else:
-            plan[f"{p}.feed_forward.w1"] = ColwiseParallel()
-            plan[f"{p}.feed_forward.w3"] = ColwiseParallel()
-            plan[f"{p}.feed_forward.w2"] = RowwiseParallel()
+            styles[f"{p}.feed_forward.w1"] = ColwiseParallel()
+            styles[f"{p}.feed_forward.w3"] = ColwiseParallel()
+            styles[f"{p}.feed_forward.w2"] = RowwiseParallel()
     # The final norm gathers the sequence: the (tied or own) head then gives vocabulary-sliced logits.
-    plan["norm"] = SequenceParallelNorm(gather_output=True)
+    styles["norm"] = SequenceParallelNorm(gather_output=True)
     if model.output is not None:
-        plan["output"] = ColwiseParallel()
-    return plan
+        styles["output"] = ColwiseParallel()
+    return styles
 
 
 def pipeline_shapes(model, tokens_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:

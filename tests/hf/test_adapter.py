@@ -152,8 +152,8 @@ def test_contract_parts_and_refusals():
     assert [s.name for s in model.attention_sites()] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert [n for n, _ in model.mlp_sites()] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert model.output_weight is model.model.embed_tokens.weight  # tied
-    with pytest.raises(ContractError, match="tensor_parallel_plan"):
-        model.tensor_parallel_plan(2)
+    with pytest.raises(ContractError, match="tensor_parallel_styles"):
+        model.tensor_parallel_styles(2)
     with pytest.raises(ContractError, match="pipeline_stage"):
         model.pipeline_stage(range(1), True, False)
     x, _ = _batch(0)

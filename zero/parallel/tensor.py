@@ -1,6 +1,6 @@
 """Tensor parallelism (Megatron-style, with sequence-parallel norms) over plain local tensors.
 
-`apply_tensor_parallel(model, tp_group)` reads the model's plan (`model.tensor_parallel_plan(tp)`: module
+`apply_tensor_parallel(model, tp_group)` reads the model's styles (`model.tensor_parallel_styles(tp)`: module
 name -> style) and converts each named module in place: its weights are sliced to this rank's part
 and its forward gains the collectives around it. Parameters stay ordinary tensors holding the local
 slice (no DTensor wrapper), so the ZeRO engine flattens, shards over dp, offloads, checkpoints and
@@ -12,7 +12,7 @@ parallel projections that follow; row-parallel projections reduce-scatter their 
 sequence shards. So each block does one all-gather and one reduce-scatter for attention and one
 each for the MLP, and no rank stores a full-sequence activation between blocks.
 
-Styles (the vocabulary of a plan):
+Styles (what `tensor_parallel_styles` maps each module name to):
   SequenceParallelNorm(gather_output)  replicated weights over a sequence shard; grads summed over tp
   ColwiseParallel(units)               output features sliced; `units` < tp replicates whole units
                                        (GQA kv heads when kv_heads < tp)
@@ -412,22 +412,22 @@ class TensorParallel(Plan):
 
 
 def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup | None,
-                          plan: Mapping[str, Style] | None = None) -> TensorParallel:
-    """Split `model` over `tp_group` per `plan` (default: the model contract's `tensor_parallel_plan(tp)`),
+                          styles: Mapping[str, Style] | None = None) -> TensorParallel:
+    """Split `model` over `tp_group` per `styles` (default: the model contract's `tensor_parallel_styles(tp)`),
     in place. Returns the plan for zero.initialize. A tp group of one rank changes nothing.
     """
     tp = group_size(tp_group)
     if tp == 1:
         return TensorParallel(tp_group)
-    if plan is None:
-        plan = contract_of(model, "apply_tensor_parallel (or pass plan=)", "tensor_parallel_plan")
-        plan = plan.tensor_parallel_plan(tp)
+    if styles is None:
+        styles = contract_of(model, "apply_tensor_parallel (or pass styles=)", "tensor_parallel_styles")
+        styles = styles.tensor_parallel_styles(tp)
     modules = dict(model.named_modules())
-    missing = [n for n in plan if n not in modules]
+    missing = [n for n in styles if n not in modules]
     if missing:
-        raise ValueError(f"the tensor-parallel plan names modules the model does not have: {missing[:5]}")
+        raise ValueError(f"the tensor-parallel styles name modules the model does not have: {missing[:5]}")
     splits = {}
-    for name, style in plan.items():
+    for name, style in styles.items():
         for pname, split in style.apply(modules[name], tp_group).items():
             splits[f"{name}.{pname}"] = split
     return TensorParallel(tp_group, model, splits)
