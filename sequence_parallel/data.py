@@ -50,6 +50,57 @@ def shard_sequence(tokens: torch.Tensor, labels: torch.Tensor, sp_group: Process
     return tokens[:, sl].contiguous(), labels[:, sl].contiguous(), position_ids[:, sl].contiguous()
 
 
+def context_parallel_indices(seq_len: int, sp: int, sp_rank: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """The positions (in the whole row) of the tokens that rank (sp_rank, cp_rank) holds under Ulysses x ring.
+
+    The row is cut into 2 * cp chunks; ring rank c owns chunks c and 2cp-1-c (mirrored, so that causal work is
+    even over the ring), and each of those is cut into sp pieces, one per Ulysses rank: the rank holds piece
+    sp_rank of chunk c then piece sp_rank of chunk 2cp-1-c. Ulysses' all-to-all then gives each ring rank its two
+    whole chunks (for a block of heads). Raises a ValueError unless 2 * sp * cp divides `seq_len`.
+    """
+    check_context_parallel_length(seq_len, sp, cp)
+    chunk = seq_len // (2 * cp)
+    piece = chunk // sp
+    first = cp_rank * chunk + sp_rank * piece
+    mirror = (2 * cp - 1 - cp_rank) * chunk + sp_rank * piece
+    return torch.cat([torch.arange(first, first + piece), torch.arange(mirror, mirror + piece)])
+
+
+def check_context_parallel_length(seq_len: int, sp: int, cp: int) -> None:
+    """Raise a ValueError unless `seq_len` splits into 2 * cp mirrored chunks of sp equal pieces."""
+    if seq_len % (2 * sp * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 * sp * cp = 2 * {sp} * {cp} = "
+                         f"{2 * sp * cp}: ring attention cuts each row into 2 * cp mirrored chunks of sp pieces; "
+                         f"use a sequence length that is a multiple of {2 * sp * cp}")
+
+
+def shard_context_parallel(x: torch.Tensor, sp_group: ProcessGroup | None, cp_group: ProcessGroup | None,
+                           dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of `x` (the whole rows along `dim`) under Ulysses `sp_group` x ring `cp_group`
+    (`context_parallel_indices`), contiguous."""
+    idx = context_parallel_indices(x.shape[dim], group_size(sp_group), group_rank(sp_group), group_size(cp_group),
+                                   group_rank(cp_group))
+    return x.index_select(dim, idx.to(x.device)).contiguous()
+
+
+def gather_context_parallel(x: torch.Tensor, sp_group: ProcessGroup | None, cp_group: ProcessGroup | None,
+                            dim: int = 1) -> torch.Tensor:
+    """The whole rows of `x` from every rank's tokens (`shard_context_parallel`'s inverse), in row order.
+
+    Not differentiable; meant for tests, evaluation and logging.
+    """
+    sp, cp = group_size(sp_group), group_size(cp_group)
+    local = gather_sequence(x, sp_group, dim)  # sp pieces of both chunks: [piece u of c, piece u of mirror]...
+    local = gather_sequence(local, cp_group, dim)
+    n = x.shape[dim]
+    seq_len = n * sp * cp
+    # Position of every gathered token in the row, in the gathered order (cp rank major, then sp rank).
+    order = torch.cat([context_parallel_indices(seq_len, sp, u, cp, c) for c in range(cp) for u in range(sp)])
+    out = torch.empty_like(local)
+    out.index_copy_(dim, order.to(x.device), local)
+    return out
+
+
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor,
                       ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of token losses, number of non-ignored labels) of logits [..., V] against labels [...]."""

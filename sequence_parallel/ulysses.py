@@ -75,8 +75,8 @@ def head_split(n_heads: int, n_kv_heads: int, sp: int) -> HeadSplit:
     if sp > n_heads:
         raise ValueError(
             f"Ulysses sequence parallelism splits attention heads over ranks, so sp={sp} cannot exceed the "
-            f"number of query heads ({n_heads}); ring attention for sp > heads is not implemented. Fix: use "
-            f"sp <= {n_heads} (put the remaining ranks into data parallelism) or a model with more heads"
+            f"number of query heads ({n_heads}). Fix: use sp <= {n_heads} and put the remaining ranks into ring "
+            f"attention (parallel.cp) or data parallelism"
         )
     group = n_heads // n_kv_heads
     best: HeadSplit | None = None
@@ -115,6 +115,7 @@ class UlyssesAttention(nn.Module):
     """
 
     handles_documents = True
+    wraps_attention = True  # `attn_fn` is the attention it runs (local_attention unwraps it)
 
     def __init__(self, sp_group: ProcessGroup | None,
                  attn_fn: Callable[..., torch.Tensor] = attention) -> None:
@@ -225,7 +226,8 @@ def apply_ulysses(model: nn.Module, sp_group: ProcessGroup | None) -> nn.Module:
 
 @contextlib.contextmanager
 def local_attention(model: nn.Module) -> Iterator[nn.Module]:
-    """Within the block, every attention site that `apply_ulysses` wrapped calls its inner attention again.
+    """Within the block, every attention site that `apply_ulysses` (or `apply_context_parallel`) wrapped calls its
+    inner attention again.
 
     Each rank then attends over exactly the sequence it is given, with no all-to-all: for running the
     whole of one sequence on every rank (e.g. sampling) while the model stays set up for sequence
@@ -233,14 +235,16 @@ def local_attention(model: nn.Module) -> Iterator[nn.Module]:
     A model that is not a contract model has no sites to unwrap. Yields the model.
     """
     sites = model.attention_sites() if isinstance(model, ModelContract) else []
-    swapped: list[tuple[AttentionSite, UlyssesAttention]] = []
+    swapped: list[tuple[AttentionSite, nn.Module]] = []
     try:
         for site in sites:
-            ulysses = site.get()
-            if isinstance(ulysses, UlyssesAttention):
-                site.set(ulysses.attn_fn)
-                swapped.append((site, ulysses))
+            wrapper = inner = site.get()
+            while getattr(inner, "wraps_attention", False):  # Ulysses, ring attention, or both
+                inner = inner.attn_fn
+            if inner is not wrapper:
+                site.set(inner)
+                swapped.append((site, wrapper))
         yield model
     finally:
-        for site, ulysses in reversed(swapped):
-            site.set(ulysses)
+        for site, wrapper in reversed(swapped):
+            site.set(wrapper)

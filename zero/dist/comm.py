@@ -326,6 +326,27 @@ def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
         dist.recv(tensor, src, group=group)
 
 
+def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+              group: ProcessGroup | None, tag: int = 0) -> list[WatchedWork]:
+    """Start point-to-point sends (tensor, destination) and receives (buffer, source) at once, ranks given within
+    `group`; returns the handles to `wait()` on (watched), so the transfers run while the caller computes (ring
+    attention's next block). The sender counts the bytes, as p2p. Pairs exchanging several messages must post
+    them in the same order on both sides, or pass distinct `tag`s."""
+    global _issued
+    if not sends and not recvs:
+        return []
+    _issued = True
+    handles = []
+    for tensor, dst in sends:
+        stats.record("p2p", _nbytes(tensor))
+        work = dist.isend(tensor, dist.get_global_rank(group, dst), group=group, tag=tag)
+        handles.append(WatchedWork(work, "p2p", 2))
+    for tensor, src in recvs:
+        work = dist.irecv(tensor, dist.get_global_rank(group, src), group=group, tag=tag)
+        handles.append(WatchedWork(work, "p2p", 2))
+    return handles
+
+
 def all_gather_object(obj, group: ProcessGroup | None) -> list:
     n = group_size(group)
     if n == 1:
