@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from moe_lst.models import spec as families
 from omegaconf import DictConfig
 
 import zero
-from recipes.config import is_hf, is_moe, model_config
+from recipes.config import is_moe
 from zero.sharding.policy import BucketSpec, Layout, plan_buckets
 
 __all__ = ["BucketSpec", "Layout", "RankModel", "bucket_specs", "fake_world", "gradient_passes", "rank_model",
@@ -63,16 +64,15 @@ def rank_model(cfg: DictConfig, rank: int) -> RankModel:
     """Build rank `rank`'s model (call inside `fake_world`)."""
     from moe import MoELayer, apply_expert_parallel
     from recipes.losses import logits_loss
-    from moe_lst.models.llama import Transformer
     from sequence_parallel import apply_activation_checkpointing, apply_tiled_mlp, apply_ulysses
     from zero.parallel.pipeline import apply_pipeline
     from zero.parallel.tensor import apply_tensor_parallel
 
-    if is_hf(cfg):
-        raise NotImplementedError("the planner covers the project's Llama family (model=hf is not planned yet)")
+    family = families.get(cfg)
+    family.check_plannable(cfg)
     dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")})
     with torch.device("meta"):
-        model = Transformer(model_config(cfg), device="meta")
+        model = family.build(cfg, dims, meta=True)
     plans = [apply_expert_parallel(model, dims)] if is_moe(cfg) else []
     plans.append(apply_tensor_parallel(model, dims.tp_group))
     apply_ulysses(model, dims.sp_group)
@@ -80,7 +80,7 @@ def rank_model(cfg: DictConfig, rank: int) -> RankModel:
         apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp, exclude=(MoELayer,))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model, offload=cfg.train.offload_activations)
-    layers = list(range(cfg.model.n_layers))
+    layers = list(range(family.num_layers(cfg)))
     out = RankModel(dims, model, model, None, layers, True, True)
     if dims.pp > 1:
         p = cfg.parallel
@@ -89,10 +89,10 @@ def rank_model(cfg: DictConfig, rank: int) -> RankModel:
                               split=None if p.pp_split is None else list(p.pp_split))
         plans.append(pipe)
         out.module = pipe.module
-        out.stage_layers = sorted(i for plan in pipe.plans for i in plan.layers)
-        out.first = any(plan.first for plan in pipe.plans)
-        out.last = any(plan.last for plan in pipe.plans)
-        out.stages = len(pipe.plans)
+        out.stage_layers = sorted(i for span in pipe.spans for i in span.layers)
+        out.first = any(span.first for span in pipe.spans)
+        out.last = any(span.last for span in pipe.spans)
+        out.stages = len(pipe.spans)
         out.pipe = pipe
     out.plan = zero.Plan.merge(plans)
     return out

@@ -274,7 +274,9 @@ class StepTimeline:
 
 
 @dataclass
-class StagePlan:
+class StageSpan:
+    """The layers one pipeline stage holds, and whether it holds the embedding (first) or the head (last)."""
+
     index: int  # global stage index
     layers: range
     first: bool
@@ -282,7 +284,8 @@ class StagePlan:
 
 
 class Pipeline(Plan):
-    """This rank's part of a pipeline: its stage modules, their plan, and the schedule (built on first use).
+    """This rank's part of a pipeline: its stage modules, the layers each holds, and the schedule (built on first
+    use).
     As a `zero.Plan` it declares the tied parameters' copies and how backward runs.
 
     `loss_fn(output, target) -> loss` (a micro-batch's mean loss) runs on the last stage per
@@ -291,14 +294,14 @@ class Pipeline(Plan):
     """
 
     def __init__(self, model: ModelContract, dims: ParallelDims, schedule: str, virtual_stages: int,
-                 plans: list[StagePlan], microbatches: int,
+                 spans: list[StageSpan], microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         # zero-bubble schedules run an input- and a weight-gradient pass over the same forward graph
         super().__init__("pipeline", pipelined=True, splits_backward=schedule in ("interleaved_zb", "zbv", "dualpipev"))
         self.dims, self.schedule_name, self.v = dims, schedule, virtual_stages
-        self.plans, self.microbatches, self.loss_fn = plans, microbatches, loss_fn
+        self.spans, self.microbatches, self.loss_fn = spans, microbatches, loss_fn
         self.num_stages = dims.pp * virtual_stages
-        self.stage_modules = [model.pipeline_stage(p.layers, p.first, p.last) for p in plans]
+        self.stage_modules = [model.pipeline_stage(p.layers, p.first, p.last) for p in spans]
         self.module = LocalStages(self.stage_modules, model)
         self._shapes = model.pipeline_shapes
         self._schedule = None
@@ -307,8 +310,8 @@ class Pipeline(Plan):
         self._grads_done, self._counted, self._stage_done = 0, 0, {}
         self._loss_values: list[torch.Tensor] = []
         self.timeline = StepTimeline()  # the last step's computations on this rank
-        self.holds_last_stage = any(p.last for p in plans)
-        self.holds_first_stage = any(p.first for p in plans)
+        self.holds_last_stage = any(p.last for p in spans)
+        self.holds_first_stage = any(p.first for p in spans)
         self.tied_params = self._tie(model)
         release_other_stages(model, self.module)
 
@@ -373,12 +376,12 @@ class Pipeline(Plan):
         device = engine.device
         meta = {"device": "meta"}
         stages = []
-        for plan, module in zip(self.plans, self.stage_modules):
-            inp = (torch.empty(mb_shape, dtype=tokens.dtype, **meta) if plan.first
+        for span, module in zip(self.spans, self.stage_modules):
+            inp = (torch.empty(mb_shape, dtype=tokens.dtype, **meta) if span.first
                    else torch.empty(act_shape, dtype=dtype, **meta, requires_grad=True))
             # requires_grad marks what carries gradients back (the static metadata derives the grads from it)
-            out = torch.empty(out_shape if plan.last else act_shape, dtype=dtype, **meta, requires_grad=True)
-            stages.append(_EngineStage(module, plan.index, self.num_stages, device, input_args=(inp,),
+            out = torch.empty(out_shape if span.last else act_shape, dtype=dtype, **meta, requires_grad=True)
+            stages.append(_EngineStage(module, span.index, self.num_stages, device, input_args=(inp,),
                                        output_args=(out,), group=self.dims.pp_group, runner=self))
         cls = getattr(pl, SCHEDULES[self.schedule_name][0])
         kwargs = {"n_microbatches": m, "loss_fn": self._loss, "scale_grads": False}
@@ -434,7 +437,7 @@ class Pipeline(Plan):
         is another rank; the last stage's losses land in self._loss_values as the schedules' do."""
         p, me, m = self.dims.pp, self.dims.coordinate()["pp"], self.microbatches
         owner = [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
-        mine = {plan.index: module for plan, module in zip(self.plans, self.stage_modules)}
+        mine = {span.index: module for span, module in zip(self.spans, self.stage_modules)}
         _, kwarg_chunks = split_args_kwargs_into_chunks((), kwargs, m)
         token_chunks = tokens.tensor_split(m)
         target_chunks = target.tensor_split(m)
@@ -501,8 +504,8 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, schedule: str = "1f1b",
         split = balance(costs, stages, own(True, False), own(False, True) if stages > 1 else 0)
     starts = [sum(split[:k]) for k in range(stages)]
     pp_rank = dims.coordinate()["pp"] if dims.distributed else 0
-    plans = [StagePlan(i, range(starts[i], starts[i] + split[i]), i == 0, i == stages - 1)
+    spans = [StageSpan(i, range(starts[i], starts[i] + split[i]), i == 0, i == stages - 1)
              for i in stage_indices(pp_rank, dims.pp, v, SCHEDULES[schedule][2])]
     if not dist.is_initialized() and dims.pp > 1:
         raise LayoutError("pipeline parallelism needs torch.distributed (launch with torchrun)")
-    return Pipeline(model, dims, schedule, v, plans, microbatches, loss_fn)
+    return Pipeline(model, dims, schedule, v, spans, microbatches, loss_fn)
