@@ -5,7 +5,8 @@ namespace (pyproject.toml's package-dir says where each lives)."""
 from setuptools import find_namespace_packages, setup
 
 TOP_LEVEL = ("moe", "sequence_parallel", "zero", "recipes")
-NAMESPACED = {"moe_lst.kernels": "kernels", "moe_lst.models": "models", "moe_lst.integrations": "integrations"}
+NAMESPACED = {"moe_lst.kernels": "kernels", "moe_lst.models": "models", "moe_lst.data": "data",
+              "moe_lst.integrations": "integrations"}
 SKIP = ("__pycache__", "*.__pycache__")  # (namespace discovery would take any folder, bytecode caches too)
 
 

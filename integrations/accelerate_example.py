@@ -29,10 +29,11 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
+from moe_lst.data.build import build_streams  # noqa: E402
+from moe_lst.data.streams import BatchSpec, TokenStream  # noqa: E402
+from moe_lst.models.llama import ModelConfig, Transformer  # noqa: E402
 
 import zero  # noqa: E402
-from recipes.data import BatchSpec, TokenStream, build_streams  # noqa: E402
-from moe_lst.models.llama import ModelConfig, Transformer  # noqa: E402
 
 
 class StreamRows(torch.utils.data.Dataset):

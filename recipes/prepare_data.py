@@ -3,8 +3,10 @@
 `python -m recipes.prepare_data --tokenizer PATH --out DIR INPUT...` reads .txt files (one document each), .jsonl
 (one per line) and .parquet (one per row), tokenizes them over worker processes and writes DIR/train.bin and val.bin
 (token ids, each document followed by the tokenizer's EOS), train.idx and val.idx (where documents start) and
-meta.json. The same inputs give the same bytes whatever the number of workers; memory is bounded by the work in
-flight, not by the corpus; meta.json, written last, is what makes a preparation complete.
+meta.json; with `--format megatron`, Megatron-LM's indexed dataset (DIR/train_text_document.bin / .idx, ...) instead.
+The layouts are moe_lst.data.format's, which the readers import too. The same inputs give the same bytes whatever
+the number of workers; memory is bounded by the work in flight, not by the corpus; meta.json, written last, is what
+makes a preparation complete.
 """
 
 from __future__ import annotations
@@ -25,14 +27,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from moe_lst.data.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    FORMATS,
+    INDEX_DTYPE,
+    MEGATRON_FORMAT,
+    META,
+    PARTIAL,
+    SPLITS,
+    index_name,
+    megatron_prefix,
+    shard_name,
+    split_files,
+    token_dtype,
+)
+from moe_lst.data.megatron import MegatronWriter
 from tqdm import tqdm
 
-FORMAT = "moe-lst-tokenized"
-FORMAT_VERSION = 1
-META = "meta.json"
-SPLITS = ("train", "val")
-PARTIAL = ".partial"  # suffix of the files of a preparation in progress (never read as data)
-INDEX_DTYPE = np.dtype("<u8")  # document start offsets, in tokens
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 # Files of a Hugging Face tokenizer directory that define its tokenization (the hash covers these, not weights).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -48,19 +60,6 @@ BATCH_CHARS = 1 << 18
 
 class PrepareError(ValueError):
     """An input, tokenizer or output that cannot be prepared; the message names it and the fix."""
-
-
-def shard_name(split: str) -> str:
-    return f"{split}.bin"
-
-
-def index_name(split: str) -> str:
-    return f"{split}.idx"
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 while every id fits (vocab_size <= 65,536), else uint32."""
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 # ---------------------------------------------------------------------------- tokenizers
@@ -575,6 +574,40 @@ class SplitWriter:
         os.replace(self.files["index"], self.out / index_name(self.split))
 
 
+class MegatronSplitWriter:
+    """One split written in Megatron-LM's indexed layout (SPLIT_text_document.bin / .idx, one sequence per
+    document; moe_lst.data.megatron), with SplitWriter's interface."""
+
+    def __init__(self, out: Path, split: str, dtype: np.dtype) -> None:
+        self.split = split
+        self.writer = MegatronWriter(out / megatron_prefix(split), dtype)
+
+    @property
+    def documents(self) -> int:
+        return self.writer.documents
+
+    def append(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        self.writer.append(tokens, lengths)
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def discard(self) -> None:
+        self.writer.discard()
+
+    def describe(self) -> dict:
+        self.writer.close()
+        file, index = split_files(self.split, MEGATRON_FORMAT)
+        return {"file": file, "index": index, "tokens": self.writer.tokens, "documents": self.writer.documents,
+                "sha256": self.writer.digest.hexdigest(), "index_sha256": self.writer.index_sha256()}
+
+    def publish(self) -> None:
+        self.writer.publish()
+
+
+WRITERS = {FORMAT: SplitWriter, MEGATRON_FORMAT: MegatronSplitWriter}
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -583,7 +616,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def commit(out: Path, writers: dict[str, SplitWriter], meta: dict) -> None:
+def commit(out: Path, writers: dict, meta: dict) -> None:
     """Make the preparation complete in an order that no interruption can leave looking complete: the old
     meta.json goes first, then the shards move into place, then the new meta.json (written whole, then renamed)."""
     for writer in writers.values():
@@ -626,7 +659,7 @@ def claim_output(out: Path, force: bool, say) -> object:
         lock.close()
         raise PrepareError(f"--out {out} already holds a prepared corpus ({META}); pass --force to replace it or "
                            "choose another --out")
-    names = [shard_name(s) for s in SPLITS] + [index_name(s) for s in SPLITS]
+    names = [n for s in SPLITS for fmt in FORMATS for n in split_files(s, fmt)]
     leftovers = sorted(p.name for p in out.iterdir() if p.name.endswith(PARTIAL)
                        or (p.name in names and not (out / META).exists()))
     if leftovers:
@@ -654,21 +687,24 @@ class Prepared:
 
 def prepare(inputs: list[str], tokenizer: str, out: str | os.PathLike, *, val_fraction: float = 0.01,
             text_field: str = "text", workers: int | None = None, chunk_bytes: int = 4 << 20, force: bool = False,
-            progress: bool = True, eos: str | None = None, bos: bool = True, say=print) -> Prepared:
+            progress: bool = True, eos: str | None = None, bos: bool = True, say=print,
+            fmt: str = FORMAT) -> Prepared:
     """Tokenize `inputs` with `tokenizer` into `out` (see the module docstring); PrepareError before any work for
     bad arguments, inputs or tokenizer, and for inputs found bad while working (then nothing is left behind)."""
     start = time.perf_counter()
     if chunk_bytes < 1:
         raise PrepareError(f"--chunk-mb gives {chunk_bytes} bytes per unit; it must be > 0")
+    if fmt not in WRITERS:
+        raise PrepareError(f"--format {fmt!r} is not one of {', '.join(WRITERS)}")
     job, tok, described = resolve_job(tokenizer, val_fraction, text_field, eos, bos)
     files = expand_inputs(inputs)
     units = plan_units(files, chunk_bytes, text_field)
     workers = max(1, min(workers or len(os.sched_getaffinity(0)), len(units)))
     out = Path(out)
     lock = claim_output(out, force, say)
-    writers: dict[str, SplitWriter] = {}
+    writers: dict = {}
     try:
-        writers.update({s: SplitWriter(out, s, job.dtype) for s in SPLITS})
+        writers.update({s: WRITERS[fmt](out, s, job.dtype) for s in SPLITS})
         total = sum(u.size for u in units)
         empty = 0
         with tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not progress,
@@ -682,7 +718,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str | os.PathLike, *, val_fr
             except BaseException:
                 bar.leave = False  # the error's line replaces the bar's
                 raise
-        meta = build_meta(job, described, inputs, files, writers, empty)
+        meta = build_meta(job, described, inputs, files, writers, empty, fmt)
         commit(out, writers, meta)
     except BaseException:
         for writer in writers.values():
@@ -693,8 +729,8 @@ def prepare(inputs: list[str], tokenizer: str, out: str | os.PathLike, *, val_fr
     return Prepared(meta, time.perf_counter() - start, total, len(units), workers)
 
 
-def build_meta(job: Job, described: dict, inputs: list[str], files: list[Path], writers: dict[str, SplitWriter],
-               empty: int) -> dict:
+def build_meta(job: Job, described: dict, inputs: list[str], files: list[Path], writers: dict,
+               empty: int, fmt: str = FORMAT) -> dict:
     """meta.json: the format, the tokenizer (identity and hash), the framing, the split and the counts. Nothing
     in it depends on the run (time, workers, output path), so the same inputs give the same file."""
     splits = {s: w.describe() for s, w in writers.items()}
@@ -708,7 +744,7 @@ def build_meta(job: Job, described: dict, inputs: list[str], files: list[Path], 
     for path in files:
         listing.update(f"{path}\0{path.stat().st_size}\n".encode())
     return {
-        "format": FORMAT, "version": FORMAT_VERSION, "tokenizer": described, "vocab_size": job.vocab_size,
+        "format": fmt, "version": FORMAT_VERSION, "tokenizer": described, "vocab_size": job.vocab_size,
         "dtype": job.dtype.name, "bos_id": job.bos_id, "eos_id": job.eos_id, "index_dtype": INDEX_DTYPE.name,
         "layout": "[BOS] text EOS per document" if job.bos_id is not None else "text EOS per document",
         "split": {"rule": "blake2b-64 of the UTF-8 text / 2**64 < val_fraction", "val_fraction": job.val_fraction},
@@ -737,6 +773,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-mb", type=float, default=4.0, help="input MiB per unit of work (4)")
     p.add_argument("--eos", default=None, help="the end-of-document token, where the tokenizer declares none")
     p.add_argument("--no-bos", action="store_true", help="no BOS before documents, even if the tokenizer has one")
+    p.add_argument("--format", default="moe-lst", choices=("moe-lst", "megatron"), help="moe-lst: SPLIT.bin + "
+                   "SPLIT.idx (default); megatron: Megatron-LM's indexed dataset, SPLIT_text_document.bin / .idx")
     p.add_argument("--force", action="store_true", help="replace a complete preparation in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -749,7 +787,8 @@ def main(argv: list[str] | None = None) -> None:
             raise PrepareError(f"--workers {args.workers} must be >= 1")
         done = prepare(args.inputs, args.tokenizer, args.out, val_fraction=args.val_fraction,
                        text_field=args.text_field, workers=args.workers, chunk_bytes=int(args.chunk_mb * 2**20),
-                       force=args.force, progress=not args.quiet, eos=args.eos, bos=not args.no_bos)
+                       force=args.force, progress=not args.quiet, eos=args.eos, bos=not args.no_bos,
+                       fmt=MEGATRON_FORMAT if args.format == "megatron" else FORMAT)
     except (PrepareError, OSError) as e:  # (an input that cannot be read while working: permissions, a disk error)
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -24,7 +24,8 @@ from tests.doccommands import REPO, all_commands, shrink
 
 #: Source folder -> its place in the wheel (kernels/, models/ and integrations/ install under the moe_lst namespace).
 INSTALLED_AS = {"moe": "moe", "sequence_parallel": "sequence_parallel", "zero": "zero", "recipes": "recipes",
-                "kernels": "moe_lst/kernels", "models": "moe_lst/models", "integrations": "moe_lst/integrations"}
+                "kernels": "moe_lst/kernels", "models": "moe_lst/models", "data": "moe_lst/data",
+                "integrations": "moe_lst/integrations"}
 NOT_SHIPPED = (".md",)  # documentation beside the code (integrations/README.md)
 
 
