@@ -33,7 +33,7 @@ from zero.state.reshard import CheckpointReader, ReshardError, resharded_state
 from zero.state.shardfile import ShardFormatError, dump, load
 
 if TYPE_CHECKING:
-    from zero.state.interface import Engine
+    from zero.state.interface import CheckpointedEngine
 
 
 #: meta.json's format: shards are safetensors files (zero.state.shardfile). zero-checkpoint-v2 and older were pickles.
@@ -89,7 +89,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(engine: Engine, path: str | os.PathLike, client_state: dict | None = None,
+def save_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike, client_state: dict | None = None,
                     run_id: str | None = None) -> None:
     """Collective: every rank writes its shard; the directory appears at `path` only if all succeeded.
 
@@ -154,7 +154,7 @@ def _publish(tmp: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _degrees(engine: Engine) -> dict[str, int]:
+def _degrees(engine: CheckpointedEngine) -> dict[str, int]:
     d = engine.dims
     return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "sp": d.sp, "ep": d.ep}
 
@@ -265,7 +265,7 @@ def _verify(path: Path, rank: int, world: int, group) -> dict:
     return meta
 
 
-def verify_checkpoint(engine: Engine | None, path: str | os.PathLike) -> dict:
+def verify_checkpoint(engine: CheckpointedEngine | None, path: str | os.PathLike) -> dict:
     """Collective: check the checkpoint at `path` (metadata, every shard's presence, size and checksum)
     on every rank and agree; raise the same CheckpointError on every rank if any part is unusable.
     Returns the checkpoint's metadata. (A checkpoint of another layout verifies: loading reshards it.)"""
@@ -307,7 +307,7 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
     return CheckpointReader(path, meta, lambda r: _load_shard(path, meta, r))
 
 
-def load_checkpoint(engine: Engine, path: str | os.PathLike) -> dict | None:
+def load_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike) -> dict | None:
     """Collective: restore engine state and RNG from `path`; returns this rank's client_state.
 
     A checkpoint written under the same layout is loaded shard by shard. Under another layout (world

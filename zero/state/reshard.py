@@ -29,7 +29,7 @@ import torch
 from zero.plan import Placement
 
 if TYPE_CHECKING:
-    from zero.state.interface import Engine
+    from zero.state.interface import CheckpointedEngine
 
 
 class ReshardError(ValueError):
@@ -193,7 +193,7 @@ class CheckpointReader:
         return [], {}
 
 
-def resharded_state(engine: Engine, reader: CheckpointReader) -> dict:
+def resharded_state(engine: CheckpointedEngine, reader: CheckpointReader) -> dict:
     """The state dict `engine` would have saved (engine.state_dict()) built from a checkpoint of any layout."""
     keys, scalars = reader.optimizer_keys()
     shards, entries = [], {}
