@@ -14,7 +14,7 @@ from zero.plan import Placement
 from zero.sharding.buckets import FlatBucket
 
 
-class Engine(Protocol):
+class CheckpointedEngine(Protocol):
     """What `zero.state` reads and calls on an engine to save, verify, load and reshard its state."""
 
     module: nn.Module
