@@ -26,7 +26,7 @@ from sequence_parallel.checkpointing import (
     checkpoint_module,
     is_checkpointed,
 )
-from sequence_parallel.data import cross_entropy_sum, gather_sequence, shard_sequence, sp_loss
+from sequence_parallel.data import collect_sequence, cross_entropy_sum, shard_sequence, sp_loss
 from sequence_parallel.tiling import TiledMLP, apply_tiled_mlp, tiled_cross_entropy
 from sequence_parallel.ulysses import HeadSplit, UlyssesAttention, apply_ulysses, head_split, local_attention
 
@@ -39,8 +39,8 @@ __all__ = [
     "apply_tiled_mlp",
     "apply_ulysses",
     "checkpoint_module",
+    "collect_sequence",
     "cross_entropy_sum",
-    "gather_sequence",
     "head_split",
     "is_checkpointed",
     "local_attention",

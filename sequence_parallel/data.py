@@ -90,8 +90,8 @@ def gather_context_parallel(x: torch.Tensor, sp_group: ProcessGroup | None, cp_g
     Not differentiable; meant for tests, evaluation and logging.
     """
     sp, cp = group_size(sp_group), group_size(cp_group)
-    local = gather_sequence(x, sp_group, dim)  # sp pieces of both chunks: [piece u of c, piece u of mirror]...
-    local = gather_sequence(local, cp_group, dim)
+    local = collect_sequence(x, sp_group, dim)  # sp pieces of both chunks: [piece u of c, piece u of mirror]...
+    local = collect_sequence(local, cp_group, dim)
     n = x.shape[dim]
     seq_len = n * sp * cp
     # Position of every gathered token in the row, in the gathered order (cp rank major, then sp rank).
@@ -125,8 +125,8 @@ def sp_loss(loss_sum: torch.Tensor, count: torch.Tensor | int, sp_group: Process
     return total / count_t[0].clamp(min=1).to(total.dtype)
 
 
-def gather_sequence(x: torch.Tensor, sp_group: ProcessGroup | None, dim: int = 1,
-                    length: int | None = None) -> torch.Tensor:
+def collect_sequence(x: torch.Tensor, sp_group: ProcessGroup | None, dim: int = 1,
+                     length: int | None = None) -> torch.Tensor:
     """All SP ranks' chunks of `x` concatenated along `dim` (rank order), trimmed to `length`.
 
     Not differentiable; meant for tests, evaluation and logging.

@@ -111,7 +111,7 @@ def _sp2_worker(attention: str) -> dict:
     import torch.distributed as dist
 
     import zero
-    from sequence_parallel import apply_ulysses, gather_sequence, shard_sequence
+    from sequence_parallel import apply_ulysses, collect_sequence, shard_sequence
 
     dims = zero.ParallelDims(sp=dist.get_world_size())
     model = _model(attention)
@@ -122,7 +122,7 @@ def _sp2_worker(attention: str) -> dict:
     tok, lab, pos = shard_sequence(tokens, labels, dims.sp_group, position_ids=positions)
     with torch.no_grad():
         local = _per_token(model, tok, lab, pos, packed=True)
-    losses = gather_sequence(local[None], dims.sp_group, length=tokens.shape[1])[0]
+    losses = collect_sequence(local[None], dims.sp_group, length=tokens.shape[1])[0]
     _tiled_loss_sum(model, tok, lab, pos).backward()  # this rank's share of the summed loss
     grads = {}
     for n, p in model.named_parameters():
