@@ -21,7 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from moe_lst.models.llama import ModelConfig, MoEConfig
 from zero.config import ZeroConfig
-from zero.diloco import DELTA_DTYPES
+from zero.optim.diloco import DELTA_DTYPES
 from zero.optim.onebit import REFRESH_DTYPES
 
 

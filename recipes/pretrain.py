@@ -74,7 +74,7 @@ from sequence_parallel import (
     local_attention,
     shard_sequence,
 )
-from zero.diloco import DiLoCo, ReplicaDims
+from zero.optim.diloco import DiLoCo, ReplicaDims
 from zero.dist import comm
 from zero.dist.topology import default_device
 from zero.optim import OneBitAdam
@@ -218,7 +218,7 @@ def optimizer_factory(cfg: DictConfig, dims: zero.ParallelDims):
 
 
 def build_dims(cfg: DictConfig) -> zero.ParallelDims:
-    """The layout of this rank's replica (with parallel.replicas > 1, zero.diloco.ReplicaDims)."""
+    """The layout of this rank's replica (with parallel.replicas > 1, zero.optim.diloco.ReplicaDims)."""
     degrees = {k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")}
     return ReplicaDims(replicas=cfg.parallel.replicas, **degrees) if cfg.parallel.replicas > 1 \
         else zero.ParallelDims(**degrees)

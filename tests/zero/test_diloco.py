@@ -17,7 +17,7 @@ import torch.distributed as dist
 import zero
 from tests.multirank import run_multirank
 from tests.zero.models import build, global_batch, lm_loss
-from zero.diloco import DiLoCo, ReplicaDims
+from zero.optim.diloco import DiLoCo, ReplicaDims
 from zero.dist import comm
 from zero.optim.compression import ChunkLayout, quantized_all_reduce, simulate_quantized_all_reduce
 

@@ -93,7 +93,7 @@ class ParallelDims:
 
     @property
     def world_group(self) -> ProcessGroup | None:
-        """Every rank of this layout (None for one rank): the world (zero.diloco.ReplicaDims: its replica)."""
+        """Every rank of this layout (None for one rank): the world (zero.optim.diloco.ReplicaDims: its replica)."""
         return dist.group.WORLD if self.distributed else None
 
     # ---------------------------------------------------------------- mesh
