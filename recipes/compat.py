@@ -24,7 +24,7 @@ from recipes.config import CONFIG_DIR, ConfigError, check_config, compose_comman
 from recipes.planner.layouts import world_env
 
 #: The refusals `python -m recipes.pretrain` reports in one line with exit 2 (its main's config errors).
-REFUSALS = (ConfigError, zero.ConfigError, zero.LayoutError, NotImplementedError)
+REFUSALS = (ConfigError, zero.LayoutError, NotImplementedError)
 #: The documentation page this command writes.
 DOC = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
 #: Every feature is composed on this: the small dense Llama, one process unless a feature asks for more.

@@ -20,13 +20,9 @@ from moe_lst.kernels.sparse import SparseConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from moe_lst.models.llama import ModelConfig, MoEConfig
-from zero.config import ZeroConfig
+from zero.config import ConfigError, ZeroConfig
 from zero.optim.diloco import DELTA_DTYPES
 from zero.optim.onebit import REFRESH_DTYPES
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key, the rule and the fix."""
 
 
 # Every section of the config is a dataclass registered in Hydra's ConfigStore: one source for its keys, their

@@ -705,7 +705,7 @@ def main(cfg: DictConfig) -> None:
         stop = StopSignals.from_config(cfg)
         train(cfg, stop)
         stop.close()
-    except (ConfigError, zero.ConfigError, DataError, zero.LayoutError, zero.CheckpointError, zero.ReshardError,
+    except (ConfigError, DataError, zero.LayoutError, zero.CheckpointError, zero.ReshardError,
             NotImplementedError) as e:
         report(e, 2, stop)
     except DivergenceError as e:

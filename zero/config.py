@@ -17,7 +17,8 @@ GRADIENT_CODECS = ("none", "int8", "int4")
 
 
 class ConfigError(ValueError):
-    """A ZeroConfig field with an invalid value."""
+    """A configuration value that cannot work (a ZeroConfig field, or a recipe key: recipes.config raises this
+    class too); the message names the key, the rule and the fix."""
 
 
 def _int_at_least(name: str, value: object, low: int) -> None:
