@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
+from moe_lst.data.format import DataError
+from moe_lst.data.mixture import check_mixture_config
 from moe_lst.kernels.nsa import NSAConfig
 from moe_lst.kernels.sparse import SparseConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -180,6 +182,54 @@ class TokenizedDataConfig:
 
 
 @dataclass
+class MixtureSourceConfig:
+    """One source of `data=mixture` (`data.sources[i].*`)."""
+
+    path: str = MISSING  # a directory prepare_data wrote (either --format), or a Megatron dataset's PREFIX
+    weight: float = 1.0  # relative share of the rows (0.7 and 0.3, or 7 and 3)
+    max_epochs: float | None = None  # with data.on_exhausted=repeat: passes over the source allowed (null: no limit)
+    val_path: str | None = None  # a bare Megatron prefix's validation PREFIX (a prepared directory has its val split)
+    name: str | None = None  # in metrics (tokens/NAME, val_loss/NAME); null: the last part of path
+
+
+@dataclass
+class MixtureDataConfig:
+    """`data=mixture`: weighted sources (moe_lst.data.mixture); each global batch's composition is a function of
+    (train.seed, step, global batch size), so a resume under another layout continues the same samples."""
+
+    kind: str = "mixture"  # the corpus reader (recipes.data.build_streams); comes with the data=... choice
+    sources: list[MixtureSourceConfig] = field(default_factory=list)  # at least one (required)
+    # a source used up: stop (a run that would read any source twice is refused before training) or repeat (another
+    # epoch in a new order, said once, up to the source's max_epochs)
+    on_exhausted: str = "stop"
+    packing: str = "document"  # as data=tokenized's, across the mixture (each row's documents are its source's)
+
+
+@dataclass
+class RetrievalEvalConfig:
+    """`eval.retrieval.*`: pass-key retrieval prompts built from validation text, scored by the likelihood of the
+    key (recipes/evals.py)."""
+
+    enabled: bool = False
+    lengths: list[int] | None = None  # prompt lengths in tokens, each <= train.seq_len (null: seq_len/4, /2, seq_len)
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])  # the needle's place: 0 start .. 1 end
+    prompts: int = 2  # prompts per (length, depth) cell, each with its own key and text
+    digits: int = 5  # digits of the pass key
+
+
+@dataclass
+class EvalConfig:
+    """`eval.*`: evaluations in the loop, every `eval.every` steps and at the end, into metrics.jsonl and W&B
+    (recipes/evals.py)."""
+
+    every: int | None = None  # null: train.eval_every
+    per_source: bool = True  # with data=mixture: each source's validation loss (val_loss/NAME)
+    retrieval: RetrievalEvalConfig = field(default_factory=RetrievalEvalConfig)
+    # your evaluations: "package.module:function", each called as function(model, step) -> {name: number}
+    hooks: list[str] = field(default_factory=list)
+
+
+@dataclass
 class WandbConfig:
     """`wandb.*`: Weights & Biases; metrics.jsonl is written whatever the mode."""
 
@@ -237,6 +287,8 @@ _store.store(group="parallel", name="base", node=ParallelConfig)
 _store.store(group="data", name="base_stdlib", node=StdlibDataConfig)
 _store.store(group="data", name="base_bin", node=BinDataConfig)
 _store.store(group="data", name="base_tokenized", node=TokenizedDataConfig)
+_store.store(group="data", name="base_mixture", node=MixtureDataConfig)
+_store.store(group="eval", name="base", node=EvalConfig)
 _store.store(group="wandb", name="base", node=WandbConfig)
 _store.store(group="zero", name="base", node=ZeroSection)
 # The MoE, sparse-attention and NSA blocks of every model config (`defaults: [moe: base, sparse: base,
@@ -247,11 +299,12 @@ _store.store(group="model/nsa", name="base", node=NSAConfig)
 _store.store(group="model", name="hf_base", node=HFModelConfig)  # conf/model/hf.yaml
 
 #: The keys of the config's root: one section per group, and run_dir.
-ROOT_KEYS = ("model", "data", "parallel", "optim", "zero", "train", "wandb", "run_dir")
+ROOT_KEYS = ("model", "data", "parallel", "optim", "zero", "train", "eval", "wandb", "run_dir")
 #: The schema of a section whose node carries no type of its own (the model files are plain yaml; their `moe`,
 #: `sparse` and `nsa` blocks are typed) and the other choices of a group whose choices have different keys.
 UNTYPED_SCHEMAS = {"model": ModelConfig}
-GROUP_CHOICES = {"data": {"stdlib": StdlibDataConfig, "bin": BinDataConfig, "tokenized": TokenizedDataConfig}}
+GROUP_CHOICES = {"data": {"stdlib": StdlibDataConfig, "bin": BinDataConfig, "tokenized": TokenizedDataConfig,
+                          "mixture": MixtureDataConfig}}
 
 
 _type_hints = functools.lru_cache(maxsize=None)(get_type_hints)
@@ -415,6 +468,33 @@ def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> int:
     return value
 
 
+def check_eval(cfg: DictConfig) -> None:
+    """`eval.*`: cadence, retrieval lengths and depths that fit train.seq_len, hooks named module:function."""
+    e = cfg.get("eval")
+    if e is None:
+        return
+    if e.every is not None:
+        _positive_int(cfg, "eval.every", minimum=0)
+    r = e.retrieval
+    _positive_int(cfg, "eval.retrieval.prompts")
+    if not 1 <= r.digits <= 12:
+        raise ConfigError(f"eval.retrieval.digits={r.digits} must be between 1 and 12")
+    seq = cfg.train.seq_len
+    for length in r.lengths or []:
+        if not 8 * r.digits <= length <= seq:
+            raise ConfigError(f"eval.retrieval.lengths has {length}: each length must be between {8 * r.digits} (room "
+                              f"for the needle, the question and some text) and train.seq_len={seq}")
+    if not r.depths or any(not 0 <= d <= 1 for d in r.depths):
+        raise ConfigError(f"eval.retrieval.depths={list(r.depths)} must be fractions in [0, 1] (0: the needle "
+                          "opens the text, 1: it closes it)")
+    if r.enabled and cfg.parallel.pp > 1:
+        raise ConfigError(f"eval.retrieval.enabled=true with parallel.pp={cfg.parallel.pp}: the retrieval evaluation "
+                          "through pipeline stages is not implemented; set eval.retrieval.enabled=false or pp=1")
+    for hook in e.hooks:
+        if not isinstance(hook, str) or hook.count(":") != 1 or not all(hook.split(":")):
+            raise ConfigError(f"eval.hooks has {hook!r}: name each hook package.module:function")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Validate the keys the recipe reads; raise ConfigError on the first bad value."""
     check_keys(cfg)
@@ -428,6 +508,12 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.data.get("packing", "concat") not in ("document", "concat"):
         raise ConfigError(f"data.packing={cfg.data.packing!r} must be document (attention and loss stay inside each "
                           "document) or concat")
+    if cfg.data.kind == "mixture":
+        try:
+            check_mixture_config(cfg.data)  # (the rule's home: moe_lst.data.mixture)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+    check_eval(cfg)
     for key in ("train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum"):
         _positive_int(cfg, key)
     try:  # zero.* is zero.ZeroConfig: its own rules (e.g. zero.quantize_weights needs stage 3), before any process

@@ -37,11 +37,15 @@ def load_tokenized(path: str):
 
 
 def build_streams(data_cfg, spec: BatchSpec, seed: int, vocab_size: int, steps: int | None = None,
-                  say=None) -> tuple:
+                  say=None, needs_val: bool = False) -> tuple:
     """(train, val) streams for the recipe's `data` config group. For a mixture and `steps` (train.steps), what
     the run will read of each source is checked now: past a source's limit the run is refused in one line (before
-    any training), and a source read more than once (data.on_exhausted=repeat) is said once through `say`."""
+    any training), and a source read more than once (data.on_exhausted=repeat) is said once through `say`.
+    `needs_val`: a mixture none of whose sources has a validation split is refused."""
     train, val = _library_streams(data_cfg, spec, seed, vocab_size)
+    if val is None and needs_val:
+        raise DataError("no source of data.sources has a validation split (a bare Megatron prefix has one only with "
+                        "val_path): give one a val_path, or set train.eval_batches=0")
     if isinstance(train, MixtureStream) and steps is not None:
         for k, epochs, allowed in train.exhaustion(steps):
             s = train.sources[k]

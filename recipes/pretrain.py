@@ -48,7 +48,8 @@ from recipes.config import (
     vocab_size,
 )
 from recipes.crop_check import crop_check
-from recipes.data import BatchSpec, DataError, build_streams, check_data_identity, stream_tokenizer
+from recipes.data import BatchSpec, DataError, build_streams, check_data_identity, stream_metrics, stream_tokenizer
+from recipes.evals import Evaluations
 from recipes.losses import IGNORE_INDEX, lm_loss, logits_loss, mean_over_dp
 from moe_lst.models.llama import Transformer
 from moe_lst.models.llama.state_dict import ExportError, import_hf, weight_mismatches
@@ -420,8 +421,10 @@ class Run:
         check_resumed_config(cfg, self.run_dir, self.dims, self.is_rank0)
         torch.manual_seed(t.seed)
         self.spec = BatchSpec(t.micro_batch_size, t.grad_accum, self.dims.dp * cfg.parallel.replicas, t.seq_len)
-        self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, vocab_size(cfg))
+        self.train_stream, self.val_stream = build_streams(cfg.data, self.spec, t.seed, vocab_size(cfg), t.steps,
+                                                           print if self.is_rank0 else None, bool(t.eval_batches))
         check_data_identity(self.train_stream, self.run_dir, resumes(cfg, self.run_dir), self.is_rank0)
+        self.evals = Evaluations(cfg, self.dims, self.train_stream, self.val_stream, self.is_rank0)  # (eval.*)
         initial = initial_weights(cfg, self.run_dir, self.is_rank0)
         self.model, self.parallel = build_model(cfg, self.dims, initial)
         self.pipe = self.parallel.pipe
@@ -472,6 +475,10 @@ class Run:
                         self.val_loss = record["val_loss"] = evaluate(self.engine, self.val_stream, self.cfg,
                                                                       self.dims, self.pipe)
                         self.log_load_media(done)
+                    if self.evals.due(done, t.steps):
+                        record.update(self.evals.run(
+                            done, self.engine, lambda s: evaluate(self.engine, s, self.cfg, self.dims, self.pipe),
+                            self.logger, self.cfg.wandb.get("mode", "offline") != "disabled"))
                     self.logger.log(done, record)
                     if is_due(done, t.ckpt_every, t.steps):
                         self.save(done)
@@ -560,7 +567,8 @@ class Run:
         record = {"loss": loss, "lr": lr, "grad_norm": float(self.engine.global_grad_norm),
                   "skipped_steps": engine_metrics["skipped_steps"],
                   "tokens_per_s": self.spec.global_batch * self.cfg.train.seq_len / dt, "step_time_s": dt,
-                  "comm_bytes": engine_metrics["comm_bytes_per_step"], **memory_metrics()}
+                  "comm_bytes": engine_metrics["comm_bytes_per_step"], **memory_metrics(),
+                  **stream_metrics(self.train_stream, step + 1)}  # (a mixture: tokens/SOURCE so far)
         if self.cfg.zero.dtype == "fp16":
             record.update(loss_scale=engine_metrics["loss_scale"])
         if is_moe(self.cfg):  # (under pp, moe_stats gathers every stage's: not for a dense model)
