@@ -3,8 +3,9 @@
 Tokens arrive sorted into contiguous per-expert segments; `torch._grouped_mm` computes all experts in
 one call where the installed torch supports it for the device/dtype, else a loop over the segments.
 Weights are stored [E, in, out], or transposed [E, out, in] (the nn.Linear layout of Hugging Face's fused
-experts), which every path reads in place. Importing it bounds oneDNN's per-shape caches
-(`bound_onednn_caches`): routing gives the expert GEMMs new row counts every step.
+experts), which every path reads in place. Routing gives the expert GEMMs new row counts every step, so a
+process that trains bf16 experts on CPU bounds oneDNN's per-shape caches first (`bound_onednn_caches`, which
+recipes.pretrain calls before its first GEMM); importing this module changes nothing in the process.
 """
 
 from __future__ import annotations
@@ -32,21 +33,20 @@ def bound_onednn_caches() -> None:
     primitive is only reused, never computes differently, so the bound changes no value; a shape evicted and
     seen again is compiled again (1-2 ms for a 1024x256 @ 256x768 GEMM on an AVX-512 core).
 
-    Both capacities are read when oneDNN first runs in the process: they are set here, on import, so they hold
-    for a run that imports `moe` before its first GEMM; a variable already in the environment wins. Where
-    oneDNN runs before `moe` is imported, set them in the environment that starts the process, e.g.
-    `ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 LRU_CACHE_CAPACITY=16`. (LRU_CACHE_CAPACITY=0 crashes torch 2.13.)"""
+    Both capacities are read when oneDNN first runs in the process, so this sets them in `os.environ` and must
+    run before the process's first GEMM: call it at the start of a training process (recipes.pretrain's train
+    does); a variable already in the environment wins. Where oneDNN has run before, set them in the environment
+    that starts the process, e.g. `ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 LRU_CACHE_CAPACITY=16`.
+    (LRU_CACHE_CAPACITY=0 crashes torch 2.13.)"""
     for name, value in ONEDNN_CACHE_CAPACITY.items():
         os.environ.setdefault(name, value)
 
 
-bound_onednn_caches()
-
-
 def onednn_cache_capacities() -> tuple[int, int]:
-    """(oneDNN's primitive cache, ideep's cache): the shapes each keeps in this process's environment (what
-    `bound_onednn_caches` set, or what the environment had set before)."""
-    return tuple(int(os.environ[name]) for name in ONEDNN_CACHE_CAPACITY)
+    """(oneDNN's primitive cache, ideep's cache): the shapes each keeps in a process that called
+    `bound_onednn_caches` (a training run of the recipe): the environment's value where it sets one, else the
+    bound."""
+    return tuple(int(os.environ.get(name, value)) for name, value in ONEDNN_CACHE_CAPACITY.items())
 
 _GROUPED_MM_OK: dict[tuple, bool] = {}
 

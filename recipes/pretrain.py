@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 import zero
 from moe import MoELayer, apply_expert_parallel, update_router_biases
+from moe.experts import bound_onednn_caches
 from recipes.config import (
     HF_CONFIG_FILE,
     ConfigError,
@@ -667,6 +668,7 @@ def train(cfg: DictConfig, stop: StopSignals | None = None) -> dict:
     already complete (resumed at train.steps) keeps its results and says so. train.stop_signals are caught
     for its duration (by `stop` when given, which the caller then closes): such a signal stops the run at the
     next step boundary with a checkpoint (Preempted)."""
+    bound_onednn_caches()  # (before the run's first GEMM: moe.experts)
     own = stop is None
     try:
         stop = StopSignals.from_config(cfg) if own else stop
