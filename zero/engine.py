@@ -24,7 +24,7 @@ from zero.optim.bound import BoundOptimizer, StepOverride
 from zero.plan import Placement, Plan, RuntimeFacts
 from zero.sharding.buckets import FlatBucket
 from zero.sharding.optimizer import FullGradReducer, ZeroOptimizer
-from zero.sharding.policy import DEFAULT_REDUCE_GROUP, BucketSpec, Layout, plan_buckets
+from zero.sharding.policy import DEFAULT_REDUCE_GROUP, BucketSpec, Layout, module_bucket_layout
 from zero.sharding.stage3 import Stage3Hooks
 from zero.state.checkpoint import load_checkpoint, save_checkpoint
 
@@ -141,7 +141,7 @@ class Engine:
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage3: Stage3Hooks | None = None
         #: The bucket policy's layout (zero.sharding.policy), the one the planner predicts: buckets in reduction order.
-        self.layout = plan_buckets(model, plan, dims, config, resolve=lambda p: self._meta_ids.get(id(p), p))
+        self.layout = module_bucket_layout(model, plan, dims, config, resolve=lambda p: self._meta_ids.get(id(p), p))
         # Gradient reductions run on twins of the reduction groups (see ParallelDims.twin_groups).
         twins = dims.twin_groups({r.name: r.group for r in self.layout.reductions})
         self._check_param_offload_space(self.layout)

@@ -200,14 +200,14 @@ class _BlockSparseFn(torch.autograd.Function):
         dtype = torch.promote_types(q.dtype, torch.float32)
         qb = _q_blocks(q, hk, B, dtype).mul_(scale)  # [n, b, hk, gB, d], pre-scaled
         kb, vb = _kv_blocks(k, B, dtype), _kv_blocks(v, B, dtype)  # [b * hk * n, B, d]
-        plan = _Plan(cols, counts, b, hk, s, B, causal, qb.shape[-2])
-        ws = _Workspace(plan, d, dtype, q.device, backward=False)
+        schedule = _Schedule(cols, counts, b, hk, s, B, causal, qb.shape[-2])
+        ws = _Workspace(schedule, d, dtype, q.device, backward=False)
         out = torch.empty_like(qb)
         lse = torch.empty(qb.shape[:-1] + (1,), dtype=dtype, device=q.device)
-        for r0, r1, m in plan.chunks:
-            idx = plan.index(r0, r1, m)
+        for r0, r1, m in schedule.chunks:
+            idx = schedule.index(r0, r1, m)
             kg, vg = ws.gather(ws.k, kb, idx, r1 - r0, m), ws.gather(ws.v, vb, idx, r1 - r0, m)  # [R, b, hk, mB, d]
-            scores = plan.scores(qb[r0:r1], kg, r0, r1, m, ws.take(ws.scores, (r1 - r0, b, hk, plan.gB, m * B)))
+            scores = schedule.scores(qb[r0:r1], kg, r0, r1, m, ws.take(ws.scores, (r1 - r0, b, hk, schedule.gB, m * B)))
             mx = scores.amax(-1, keepdim=True)
             scores.sub_(mx).exp_()
             total = scores.sum(-1, keepdim=True)
@@ -216,13 +216,13 @@ class _BlockSparseFn(torch.autograd.Function):
         del ws, qb, kb, vb
         result = _q_tokens(out, s, h, q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.schedule, ctx.scale = schedule, scale
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, B = ctx.plan, ctx.plan.B
+        schedule, B = ctx.schedule, ctx.schedule.B
         (b, s, h, d), hk, dtype = q.shape, k.shape[2], lse.dtype
         delta = _q_rows((grad_out.to(dtype) * out).sum(-1), hk, B)  # [n, b, hk, gB, 1]
         qb = _q_blocks(q, hk, B, dtype).mul_(ctx.scale)
@@ -230,12 +230,12 @@ class _BlockSparseFn(torch.autograd.Function):
         dob = _q_blocks(grad_out, hk, B, dtype)  # [n, b, hk, gB, d]
         dq = torch.empty_like(qb)
         dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
-        ws = _Workspace(plan, d, dtype, q.device, backward=True)
-        for r0, r1, m in plan.chunks:
-            R, idx = r1 - r0, plan.index(r0, r1, m)
+        ws = _Workspace(schedule, d, dtype, q.device, backward=True)
+        for r0, r1, m in schedule.chunks:
+            R, idx = r1 - r0, schedule.index(r0, r1, m)
             kg, vg = ws.gather(ws.k, kb, idx, R, m), ws.gather(ws.v, vb, idx, R, m)
             qc, doc = qb[r0:r1], dob[r0:r1]
-            p = plan.scores(qc, kg, r0, r1, m, ws.take(ws.scores, (R, b, hk, plan.gB, m * B)))
+            p = schedule.scores(qc, kg, r0, r1, m, ws.take(ws.scores, (R, b, hk, schedule.gB, m * B)))
             p.sub_(lse[r0:r1]).exp_()  # [R, b, hk, gB, m * B]
             grad_blocks = ws.take(ws.grad, (R, b, hk, m * B, d))
             dv.index_add_(0, idx, torch.matmul(p.transpose(-1, -2), doc, out=grad_blocks).view(-1, B, d))
@@ -252,12 +252,12 @@ class _BlockSparseFn(torch.autograd.Function):
 class _Workspace:
     """Buffers sized for the largest chunk, reused by every chunk of one call."""
 
-    def __init__(self, plan: _Plan, d: int, dtype: torch.dtype, device, backward: bool) -> None:
-        self.b, self.hk = plan.b, plan.hk
-        rows_slots = max((r1 - r0) * m for r0, r1, m in plan.chunks)
-        blocks = rows_slots * plan.b * plan.hk  # gathered K/V blocks of the largest chunk
-        self.scores = torch.empty(blocks * plan.gB * plan.B, dtype=dtype, device=device)
-        self.k = torch.empty(blocks * plan.B * d, dtype=dtype, device=device)
+    def __init__(self, schedule: _Schedule, d: int, dtype: torch.dtype, device, backward: bool) -> None:
+        self.b, self.hk = schedule.b, schedule.hk
+        rows_slots = max((r1 - r0) * m for r0, r1, m in schedule.chunks)
+        blocks = rows_slots * schedule.b * schedule.hk  # gathered K/V blocks of the largest chunk
+        self.scores = torch.empty(blocks * schedule.gB * schedule.B, dtype=dtype, device=device)
+        self.k = torch.empty(blocks * schedule.B * d, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         if backward:
             self.dp, self.grad = torch.empty_like(self.scores), torch.empty_like(self.k)
@@ -274,7 +274,7 @@ class _Workspace:
         return picked.view(R, self.b, self.hk, m * B, d)
 
 
-class _Plan:
+class _Schedule:
     """Index bookkeeping of one call: chunks of query-block rows, the K/V block rows they gather, and the
     token mask of each row's last attended block."""
 

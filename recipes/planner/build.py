@@ -3,8 +3,8 @@
 `rank_model` builds the recipe's model on the meta device and applies expert, tensor, sequence and pipeline
 parallelism with the recipe's own `apply_*` functions for one rank of a world that exists only as
 torch's fake process group (collectives do nothing; `zero.dist.comm` still counts them). `bucket_specs`
-lays that rank's parameters out with the engine's own bucket policy (`zero.sharding.policy.plan_buckets`, given
-the plans the engine would get) without allocating them.
+lays that rank's parameters out with the engine's own bucket policy (`zero.sharding.policy.module_bucket_layout`,
+given the plans the engine would get) without allocating them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 import zero
 from recipes.config import is_hf, is_moe, model_config
-from zero.sharding.policy import BucketSpec, Layout, plan_buckets
+from zero.sharding.policy import BucketSpec, Layout, module_bucket_layout
 
 __all__ = ["BucketSpec", "Layout", "RankModel", "bucket_specs", "fake_world", "gradient_passes", "rank_model",
            "zero_config"]
@@ -108,7 +108,7 @@ def zero_config(cfg: DictConfig) -> zero.ZeroConfig:
 def bucket_specs(rm: RankModel, config: zero.ZeroConfig) -> Layout:
     """The engine's buckets for this rank (same order, sizes, groups), nothing allocated: the engine's own policy
     applied to this rank's module and plans."""
-    return plan_buckets(rm.module, rm.plan, rm.dims, config)
+    return module_bucket_layout(rm.module, rm.plan, rm.dims, config)
 
 
 def gradient_passes(rm: RankModel, cfg: DictConfig) -> list[int] | None:

@@ -17,8 +17,8 @@ def _count_a2a_rows(counter: dict) -> None:
 
     original = dispatch.AllToAllDispatcher.dispatch
 
-    def counted(self, x, plan, weights):
-        out, state = original(self, x, plan, weights)
+    def counted(self, x, assignment, weights):
+        out, state = original(self, x, assignment, weights)
         me = group_rank(self.group)
         sent = sum(state.input_splits) - state.input_splits[me]
         received = sum(state.output_splits) - state.output_splits[me]

@@ -1,8 +1,9 @@
 """THE bucket policy: which parameters share a flat buffer, over which group each bucket reduces, and in what order.
 
-`bucket_layout` is a pure function of parameter descriptions (`ParamSpec`) and reductions; `plan_buckets` describes
-a model and its merged `zero.Plan` and applies it. The engine builds its FlatBuckets from the layout it returns and
-the planner (recipes.planner) reads the same layout for a model on the meta device, so the two cannot disagree.
+`bucket_layout` is a pure function of parameter descriptions (`ParamSpec`) and reductions; `module_bucket_layout`
+describes a model and its merged `zero.Plan` and applies it. The engine builds its FlatBuckets from the layout it
+returns and the planner (recipes.planner) reads the same layout for a model on the meta device, so the two cannot
+disagree.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def plan_reductions(module: nn.Module, dims: ParallelDims, declared: Sequence[ReduceGroup], *,
+def module_reductions(module: nn.Module, dims: ParallelDims, declared: Sequence[ReduceGroup], *,
                     skip_absent: bool = False, resolve: Callable[[nn.Parameter], nn.Parameter] = _same,
                     ) -> tuple[list[Reduction], dict[int, int]]:
     """The reductions (the default first, then the declared ones) and which one owns each parameter of `module`
@@ -242,12 +243,12 @@ def plan_reductions(module: nn.Module, dims: ParallelDims, declared: Sequence[Re
     return [Reduction(n, g, (rank,) if g is None else tuple(dist.get_process_group_ranks(g))) for n, g in groups], owner
 
 
-def plan_buckets(module: nn.Module, plan: Plan, dims: ParallelDims, config: ZeroConfig, *,
+def module_bucket_layout(module: nn.Module, plan: Plan, dims: ParallelDims, config: ZeroConfig, *,
                  resolve: Callable[[nn.Parameter], nn.Parameter] = _same) -> Layout:
     """The bucket layout of `module` (what the engine wraps: under pp this rank's stages) given the merged plan of
     what was applied to it (reduce groups, tensor-parallel replicas, tied copies): the engine's and the planner's.
     `resolve` maps the plan's parameters to those `module` holds (the identity but for meta-device stand-ins)."""
-    reductions, owner = plan_reductions(module, dims, plan.reduce_groups, skip_absent=plan.pipelined, resolve=resolve)
+    reductions, owner = module_reductions(module, dims, plan.reduce_groups, skip_absent=plan.pipelined, resolve=resolve)
     replicas = {id(resolve(p)): k for p, k in plan.replicated_params.items() if k > 1}
     tied = {id(resolve(p)): group_size(g) for p, g in plan.tied_params.items() if g is not None}
     units = find_units(module, config.stage3_unit_classes) if config.stage == 3 else []
