@@ -253,7 +253,7 @@ def open_source(i: int, cfg, split: str) -> tuple[Corpus | None, dict | None]:
     """Source i's corpus of `split` (None: a bare Megatron prefix has no validation split unless val_path names
     one) and its prepared meta.json (None for a bare prefix)."""
     path, key = _item(cfg, "path"), f"data.sources[{i}].path"
-    if describe_source(path) == "prepared":
+    if describe_source(path, key) == "prepared":
         meta, splits = load_prepared(path, key)
         return splits[split], meta
     if split == "train":
@@ -261,7 +261,7 @@ def open_source(i: int, cfg, split: str) -> tuple[Corpus | None, dict | None]:
     val = _item(cfg, "val_path")
     if val is None:
         return None, None
-    if describe_source(val) != "megatron":
+    if describe_source(val, f"data.sources[{i}].val_path") != "megatron":
         raise DataError(f"data.sources[{i}].val_path={val!r} is not a Megatron prefix (PREFIX.bin + PREFIX.idx)")
     return open_megatron(val), None
 

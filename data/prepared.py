@@ -148,7 +148,7 @@ def open_megatron(prefix: str) -> Corpus:
     return Corpus(dataset.tokens, MegatronDocuments(dataset), f"{prefix}.bin")
 
 
-def describe_source(path: str) -> str:
+def describe_source(path: str, key: str = "data.path") -> str:
     """What kind of corpus `path` is: "prepared" (a directory with meta.json), "megatron" (a PREFIX of PREFIX.bin
     and PREFIX.idx) or a DataError naming both forms."""
     if Path(path).is_dir() and (Path(path) / META).is_file():
@@ -156,7 +156,7 @@ def describe_source(path: str) -> str:
     if is_megatron_prefix(path):
         return "megatron"
     if Path(path).is_dir():
-        load_prepared(path)  # (its own message: an unfinished preparation, or no corpus)
+        load_prepared(path, key)  # (its own message: an unfinished preparation, or no corpus)
     if Path(f"{path}.bin").exists() != Path(f"{path}.idx").exists():
         there, missing = (".bin", ".idx") if Path(f"{path}.bin").exists() else (".idx", ".bin")
         raise DataError(f"{path}{there} has no {path}{missing} beside it: a Megatron dataset is PREFIX.bin + "

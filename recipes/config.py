@@ -22,9 +22,12 @@ from moe_lst.kernels.sparse import SparseConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from moe_lst.models.llama import ModelConfig, MoEConfig
-from zero.config import ConfigError, ZeroConfig
-from zero.optim.diloco import DELTA_DTYPES
-from zero.optim.onebit import REFRESH_DTYPES
+from moe.dispatch import check_expert_parallel
+from zero.config import ConfigError, ZeroConfig, int_at_least
+from zero.dist.topology import ParallelDims
+from zero.optim import BoundOptimizer, DiLoCo, OneBitAdam, ReplicaDims
+from zero.optim.diloco import replica_world
+from zero.sharding.optimizer import FastAdamW
 
 
 # Every section of the config is a dataclass registered in Hydra's ConfigStore: one source for its keys, their
@@ -280,6 +283,29 @@ ZeroSection.__module__ = __name__
 ZeroSection.__doc__ = ("`zero.*`: the ZeRO runtime, the fields of zero.ZeroConfig (see its docstring) but "
                        f"{' and '.join(ZERO_FROM_RECIPE)}, which come from {' and '.join(ZERO_FROM_RECIPE.values())}.")
 
+#: The one translation of the library's names into the recipe's keys ("<owner>.<name>" -> key, zero.config.key_name):
+#: the recipe's checks call the library's own rules (ZeroConfig, OneBitAdam, DiLoCo and their refuse_layout,
+#: replica_world, moe's check_expert_parallel) with it, so each rule is written once, beside what it protects, and
+#: its refusal names the key to change. (A ZeroConfig field's key is zero.<field> unless listed here.)
+RECIPE_KEYS = {
+    **{f"ZeroConfig.{name}": key for name, key in ZERO_FROM_RECIPE.items()},
+    **{f"ParallelDims.{d}": f"parallel.{d}" for d in ("dp", "tp", "pp", "sp", "ep")},
+    "ReplicaDims.replicas": "parallel.replicas",
+    "MoELayer.ep": "parallel.ep",
+    **{f"OneBitAdam.{a}": f"optim.onebit.{a}"
+       for a in ("warmup_steps", "block", "precondition", "refresh_every", "refresh_dtype", "max_update")},
+    **{f"DiLoCo.{a}": f"optim.diloco.{a}" for a in ("inner_steps", "outer_lr", "outer_momentum", "delta_dtype",
+                                                     "warmup_steps")},
+    "DiLoCo.inner": "optim.name",
+}
+
+
+def zero_config(cfg: DictConfig) -> ZeroConfig:
+    """The run's zero.ZeroConfig: `zero.*` with train.grad_accum and optim.grad_clip; its own rules refuse a bad
+    value in one line, naming the recipe's key."""
+    return ZeroConfig(grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.optim.grad_clip,
+                      **OmegaConf.to_container(cfg.zero, resolve=True), keys=RECIPE_KEYS)
+
 _store = ConfigStore.instance()
 _store.store(group="train", name="base", node=TrainConfig)
 _store.store(group="optim", name="base", node=OptimConfig)
@@ -462,10 +488,7 @@ def refuse_bad_command_line(hydra_main):
 
 
 def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> int:
-    value = OmegaConf.select(cfg, key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{key}={value!r} must be an integer >= {minimum}")
-    return value
+    return int_at_least(key, OmegaConf.select(cfg, key), minimum)
 
 
 def check_eval(cfg: DictConfig) -> None:
@@ -514,12 +537,11 @@ def check_config(cfg: DictConfig) -> None:
         except DataError as e:
             raise ConfigError(str(e)) from None
     check_eval(cfg)
-    for key in ("train.steps", "train.micro_batch_size", "train.seq_len", "train.grad_accum"):
+    for key in ("train.steps", "train.micro_batch_size", "train.seq_len"):
         _positive_int(cfg, key)
-    try:  # zero.* is zero.ZeroConfig: its own rules (e.g. zero.quantize_weights needs stage 3), before any process
-        ZeroConfig(**OmegaConf.to_container(cfg.zero, resolve=True))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    # zero.* is zero.ZeroConfig (with train.grad_accum and optim.grad_clip): its own rules, e.g. zero.quantize_weights
+    # needs stage 3, train.grad_accum >= 1, before any process
+    zero_config(cfg)
     for key in ("train.eval_every", "train.ckpt_every", "train.eval_batches", "train.sample_tokens",
                 "train.tiled_mlp", "optim.warmup_steps", "train.keep_checkpoints"):
         _positive_int(cfg, key, minimum=0)
@@ -540,8 +562,6 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"optim.lr={cfg.optim.lr!r} must be > 0")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio!r} must be in [0, 1]")
-    if cfg.optim.grad_clip < 0:
-        raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip!r} must be >= 0 (0 turns clipping off)")
     check_optimizer(cfg)
     check_activations(cfg)
     if cfg.wandb.mode not in ("offline", "online", "disabled"):
@@ -563,8 +583,9 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_optimizer(cfg: DictConfig) -> None:
-    """optim.name and what it cannot be combined with, refused before any process starts work."""
-    o, z, par = cfg.optim, cfg.zero, cfg.parallel
+    """optim.name and what it cannot be combined with, refused before any process starts work: the optimizer is
+    built as the run builds it (its arguments checked by the library's rules) and asked to refuse the layout."""
+    o = cfg.optim
     if o.name == "zero_one_adam":
         raise NotImplementedError("optim.name=zero_one_adam is not implemented: 0/1 Adam's local steps (momentum "
                                   "synchronised only at growing intervals) are missing; optim=onebit_adam with "
@@ -572,71 +593,41 @@ def check_optimizer(cfg: DictConfig) -> None:
     if o.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={o.name!r} must be one of {', '.join(OPTIMIZERS)}")
     check_diloco(cfg)
-    if o.name != "onebit_adam":
-        return
-    _positive_int(cfg, "optim.onebit.warmup_steps")
-    if not isinstance(o.onebit.block, int) or o.onebit.block < 8 or o.onebit.block % 8:
-        raise ConfigError(f"optim.onebit.block={o.onebit.block!r} must be a positive multiple of 8 (signs pack 8 "
-                          "to a byte)")
-    if isinstance(o.onebit.refresh_every, bool) or not isinstance(o.onebit.refresh_every, int) \
-            or o.onebit.refresh_every < 0:
-        raise ConfigError(f"optim.onebit.refresh_every={o.onebit.refresh_every!r} must be an integer >= 0 (0: the "
-                          "variance stays frozen)")
-    if o.onebit.max_update is not None and (isinstance(o.onebit.max_update, bool)
-                                            or not isinstance(o.onebit.max_update, (int, float))
-                                            or o.onebit.max_update <= 0):
-        raise ConfigError(f"optim.onebit.max_update={o.onebit.max_update!r} must be a number > 0, or null (no bound)")
-    if o.onebit.refresh_dtype not in REFRESH_DTYPES:
-        raise ConfigError(f"optim.onebit.refresh_dtype={o.onebit.refresh_dtype!r} must be "
-                          f"{', '.join(REFRESH_DTYPES[:-1])} or {REFRESH_DTYPES[-1]}")
-    if not isinstance(o.onebit.precondition, bool):
-        raise ConfigError(f"optim.onebit.precondition={o.onebit.precondition!r} must be true or false")
-    refusal = None
-    if z.stage >= 2:
-        refusal = (f"zero.stage={z.stage}: stages 2-3 reduce-scatter gradients during backward, but the compressed "
-                   "phase needs each rank's whole local gradient; use zero.stage=0 or 1")
-    elif z.dtype == "fp16":
-        refusal = "zero.dtype=fp16 (loss-scale overflows and error feedback do not mix); use bf16 or fp32"
-    elif o.grad_clip:
-        refusal = (f"optim.grad_clip={o.grad_clip} (gradients are never reduced, so their global norm is unknown); "
-                   "set optim.grad_clip=0")
-    elif z.offload_optimizer != "none":
-        refusal = f"zero.offload_optimizer={z.offload_optimizer} (not implemented); use zero.offload_optimizer=none"
-    elif z.quantize_gradients != "none":
-        refusal = (f"zero.quantize_gradients={z.quantize_gradients} (1-bit Adam compresses the momentum itself); use "
-                   "zero.quantize_gradients=none")
-    elif par.tp > 1 or par.pp > 1:
-        refusal = f"parallel.tp={par.tp}, parallel.pp={par.pp} (not implemented); use tp=1 and pp=1"
-    if refusal:
-        raise ConfigError(f"optim.name=onebit_adam does not work with {refusal}")
+    factory = optimizer_factory(cfg)
+    if isinstance(factory, BoundOptimizer):
+        factory.refuse_layout(zero_config(cfg), cfg.parallel)
 
 
 def check_diloco(cfg: DictConfig) -> None:
-    """parallel.replicas and optim.diloco.*, refused in one line where they cannot work."""
-    d, par = cfg.optim.diloco, cfg.parallel
-    _positive_int(cfg, "parallel.replicas")
-    _positive_int(cfg, "optim.diloco.inner_steps", minimum=0)
-    if par.replicas > 1 and not d.inner_steps:
-        raise ConfigError(f"parallel.replicas={par.replicas} needs DiLoCo: set optim.diloco.inner_steps > 0 (the "
-                          "optimizer steps each replica takes between synchronisations)")
-    if not d.inner_steps:
-        return
-    _positive_int(cfg, "optim.diloco.warmup_steps", minimum=0)
-    if d.warmup_steps and cfg.zero.offload_optimizer != "none":
-        raise ConfigError(f"optim.diloco.warmup_steps={d.warmup_steps} with zero.offload_optimizer="
-                          f"{cfg.zero.offload_optimizer} is not implemented; use optim.diloco.warmup_steps=0 or "
-                          "zero.offload_optimizer=none")
-    if d.delta_dtype not in DELTA_DTYPES:
-        raise ConfigError(f"optim.diloco.delta_dtype={d.delta_dtype!r} must be one of {', '.join(DELTA_DTYPES)}")
-    if not d.outer_lr > 0 or not 0 <= d.outer_momentum < 1:
-        raise ConfigError(f"optim.diloco.outer_lr={d.outer_lr!r} must be > 0 and optim.diloco.outer_momentum="
-                          f"{d.outer_momentum!r} in [0, 1)")
-    if cfg.optim.name != "adamw":
-        raise ConfigError(f"optim.diloco with optim.name={cfg.optim.name} is not supported: the inner optimizer is "
-                          "AdamW; use optim.name=adamw")
-    if par.pp > 1:
-        raise ConfigError(f"optim.diloco with parallel.pp={par.pp} is not implemented (tied copies across stages); "
-                          "use parallel.pp=1")
+    """parallel.replicas against the processes, and replicas only with DiLoCo (optim.diloco.inner_steps > 0; 0 is
+    off); DiLoCo's own rules run when check_optimizer builds it."""
+    replica_world(cfg.parallel.replicas, world_size(), RECIPE_KEYS)
+    inner_steps = _positive_int(cfg, "optim.diloco.inner_steps", minimum=0)
+    if cfg.parallel.replicas > 1 and not inner_steps:
+        raise ConfigError(f"parallel.replicas={cfg.parallel.replicas} needs DiLoCo: set optim.diloco.inner_steps > 0 "
+                          "(the optimizer steps each replica takes between synchronisations)")
+
+
+def optimizer_factory(cfg: DictConfig, dims: ParallelDims | None = None):
+    """optim.name's optimizer: the fastest AdamW where the step runs (fused on CPU and CUDA), offloaded or not;
+    onebit_adam: that AdamW for optim.onebit.warmup_steps, then 1-bit compressed momentum; with
+    optim.diloco.inner_steps > 0 the inner steps of DiLoCo over `dims`' replicas. Its arguments are checked as it
+    is built (the library's rules, naming the recipe's keys): check_optimizer builds it before any process group."""
+    o = cfg.optim
+    hyper = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    optimizer = FastAdamW(**hyper)
+    if o.name == "onebit_adam":
+        optimizer = OneBitAdam(warmup_steps=o.onebit.warmup_steps, block=o.onebit.block,
+                               precondition=o.onebit.precondition, refresh_every=o.onebit.refresh_every,
+                               refresh_dtype=o.onebit.refresh_dtype, max_update=o.onebit.max_update, **hyper,
+                               keys=RECIPE_KEYS)
+    d = o.diloco
+    if d.inner_steps:
+        replica_group = dims.replica_group if isinstance(dims, ReplicaDims) else None  # (one replica: none)
+        optimizer = DiLoCo(optimizer, replica_group, inner_steps=d.inner_steps, outer_lr=d.outer_lr,
+                           outer_momentum=d.outer_momentum, delta_dtype=d.delta_dtype, warmup_steps=d.warmup_steps,
+                           keys=RECIPE_KEYS)
+    return optimizer
 
 
 def stop_signal(name: str) -> signal.Signals:
@@ -671,10 +662,7 @@ def data_parallel_degree(cfg: DictConfig, world: int | None = None) -> int:
     """parallel.dp as a number: auto (or null) is what the `world` processes leave after tp x pp x sp; a number
     is checked against them. ConfigError in one line when they do not fit."""
     par, world = cfg.parallel, world_size() if world is None else world
-    if world % par.replicas:
-        raise ConfigError(f"parallel.replicas={par.replicas} does not divide the {world} process(es): start a "
-                          f"multiple of {par.replicas} processes")
-    world //= par.replicas  # each replica's layout
+    world = replica_world(par.replicas, world, RECIPE_KEYS)  # each replica's layout
     others = par.tp * par.pp * par.sp
     if par.dp is None or par.dp == "auto":
         if world % others:
@@ -817,9 +805,7 @@ def check_degrees(cfg: DictConfig) -> None:
         raise ConfigError(f"{e}{fix}") from None
     experts = (hf_model_config(cfg).num_local_experts if is_hf(cfg) else cfg.model.moe.num_experts) \
         if par.ep > 1 else 0
-    if experts % par.ep:
-        raise ConfigError(f"parallel.ep={par.ep} must divide the model's {experts} experts (each ep rank holds "
-                          f"num_experts / ep of them); use an ep that divides {experts}")
+    check_expert_parallel(experts, par.ep, RECIPE_KEYS)
 
 
 def check_hpz(cfg: DictConfig) -> None:

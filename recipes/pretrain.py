@@ -45,8 +45,10 @@ from recipes.config import (
     is_moe,
     model_config,
     num_params,
+    optimizer_factory,
     refuse_bad_command_line,
     vocab_size,
+    zero_config,
 )
 from recipes.crop_check import crop_check
 from recipes.data import BatchSpec, DataError, build_streams, check_data_identity, stream_metrics, stream_tokenizer
@@ -76,10 +78,9 @@ from sequence_parallel import (
     local_attention,
     shard_sequence,
 )
-from zero.optim.diloco import DiLoCo, ReplicaDims
+from zero.optim.diloco import ReplicaDims
 from zero.dist import comm
 from zero.dist.topology import default_device
-from zero.optim import OneBitAdam
 from zero.parallel.pipeline import Pipeline, apply_pipeline
 from zero.parallel.tensor import apply_tensor_parallel, gather_sequence
 
@@ -200,25 +201,6 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
     return model, parallel
 
 
-def optimizer_factory(cfg: DictConfig, dims: zero.ParallelDims):
-    """optim.name's optimizer: the fastest AdamW where the step runs (fused on CPU and CUDA), offloaded or not;
-    onebit_adam: that AdamW for optim.onebit.warmup_steps, then 1-bit compressed momentum; with
-    optim.diloco.inner_steps > 0 the AdamW steps are DiLoCo's inner steps."""
-    o = cfg.optim
-    hyper = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
-    if o.name == "onebit_adam":
-        return OneBitAdam(warmup_steps=o.onebit.warmup_steps, block=o.onebit.block,
-                          precondition=o.onebit.precondition, refresh_every=o.onebit.refresh_every,
-                          refresh_dtype=o.onebit.refresh_dtype, max_update=o.onebit.max_update, **hyper)
-    d = o.diloco
-    if d.inner_steps:
-        replica_group = dims.replica_group if isinstance(dims, ReplicaDims) else None  # (one replica: none)
-        return DiLoCo(zero.FastAdamW(**hyper), replica_group, inner_steps=d.inner_steps,
-                      outer_lr=d.outer_lr, outer_momentum=d.outer_momentum, delta_dtype=d.delta_dtype,
-                      warmup_steps=d.warmup_steps)
-    return zero.FastAdamW(**hyper)
-
-
 def build_dims(cfg: DictConfig) -> zero.ParallelDims:
     """The layout of this rank's replica (with parallel.replicas > 1, zero.optim.diloco.ReplicaDims)."""
     degrees = {k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")}
@@ -238,8 +220,7 @@ def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims,
     return zero.initialize(
         model if parallel.pipe is None else parallel.pipe.module,
         optimizer=optimizer_factory(cfg, dims),
-        config=zero.ZeroConfig(grad_accum_steps=cfg.train.grad_accum, clip_grad_norm=cfg.optim.grad_clip,
-                               **OmegaConf.to_container(cfg.zero, resolve=True)),
+        config=zero_config(cfg),
         dims=dims,
         lr_scheduler=functools.partial(ScheduleLR, cfg=cfg),
         plans=parallel.plans,  # a meta-device model is materialised by the engine through its init_parameter
