@@ -44,13 +44,13 @@ class ExpertParallel(Plan):
 
 def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> ExpertParallel:
     """Shard the experts of every MoELayer in `model` over `dims.ep_group` (in place) and sum their
-    balancing statistics over `dims.sp_group` (a sequence split over sp ranks routes as a whole); returns
+    balancing statistics over `dims.sequence_group` (a sequence split over sp x cp ranks routes as a whole); returns
     the plan for `zero.initialize(..., plans=[...])`. Build optimizers after this call."""
     if not isinstance(dims, ParallelDims):
         raise TypeError(f"apply_expert_parallel takes the ParallelDims of the run, not a {type(dims).__name__}; "
                         "for a bare ep group use moe.shard_experts(model, ep_group)")
     shard_experts(model, dims.ep_group)
-    set_stats_group(model, dims.sp_group)
+    set_stats_group(model, dims.sequence_group)
     return ExpertParallel(model, dims)
 
 

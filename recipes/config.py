@@ -143,6 +143,9 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel: heads, MLP and vocabulary split, sequence-parallel norms
     pp: int = 1  # pipeline stages; its micro-batches are the train.grad_accum micro-batches
     sp: int = 1  # Ulysses sequence parallel (splits the heads left after tp)
+    # ring attention (context parallelism): the sequence split over cp x sp ranks, Ulysses' all-to-all inside each
+    # group of sp, the ring across the cp groups (sequence_parallel.ring); for sp past the heads, or across nodes
+    cp: int = 1
     ep: int = 1  # expert parallel (MoE models): experts split over ep of the dp * sp ranks
     # DiLoCo replicas (optim.diloco.*): the processes split into this many copies of the dp/tp/pp/sp/ep layout,
     # which synchronise every optim.diloco.inner_steps; the degrees above then fill world size / replicas
@@ -663,10 +666,11 @@ def data_parallel_degree(cfg: DictConfig, world: int | None = None) -> int:
     is checked against them. ConfigError in one line when they do not fit."""
     par, world = cfg.parallel, world_size() if world is None else world
     world = replica_world(par.replicas, world, RECIPE_KEYS)  # each replica's layout
-    others = par.tp * par.pp * par.sp
+    others = par.tp * par.pp * par.sp * par.get("cp", 1)
     if par.dp is None or par.dp == "auto":
         if world % others:
-            raise ConfigError(f"parallel.dp=auto: tp={par.tp} x pp={par.pp} x sp={par.sp} = {others} does not divide "
+            raise ConfigError(f"parallel.dp=auto: tp={par.tp} x pp={par.pp} x sp={par.sp} x cp={par.get('cp', 1)} = "
+                              f"{others} does not divide "
                               f"the {world} process(es), so no data-parallel degree fills them: start a multiple of "
                               f"{others} processes or choose degrees whose product divides {world}")
         return world // others
@@ -674,7 +678,8 @@ def data_parallel_degree(cfg: DictConfig, world: int | None = None) -> int:
     if dp * others != world:
         fix = f"leave parallel.dp=auto (here dp={world // others}) or " if world % others == 0 else ""
         raise ConfigError(f"parallel.dp={dp} on {world} process(es): dp={dp} x tp={par.tp} x pp={par.pp} x "
-                          f"sp={par.sp} = {dp * others} does not match the world size {world}; {fix}start "
+                          f"sp={par.sp} x cp={par.get('cp', 1)} = {dp * others} does not match the world size {world}; "
+                          f"{fix}start "
                           f"{dp * others} processes")
     return dp
 
@@ -743,12 +748,13 @@ def check_layout(cfg: DictConfig) -> None:
     from zero.parallel.pipeline import check_pipeline_layout
 
     par, model = cfg.parallel, cfg.model
-    for key in ("tp", "pp", "sp", "ep"):
+    for key in ("tp", "pp", "sp", "ep", "cp"):
         _positive_int(cfg, f"parallel.{key}")
     if par.dp is not None and par.dp != "auto" and (not isinstance(par.dp, int) or isinstance(par.dp, bool)
                                                      or par.dp < 1):
         raise ConfigError(f"parallel.dp={par.dp!r} must be auto or an integer >= 1")
     tp, sp, pp = par.tp, par.sp, par.pp
+    check_context_parallel(cfg)
     if is_hf(cfg):
         check_hf_layout(cfg)
         check_degrees(cfg)
@@ -792,6 +798,40 @@ def check_layout(cfg: DictConfig) -> None:
     check_degrees(cfg)  # (after the rules against the model: they name what to change first)
 
 
+def check_context_parallel(cfg: DictConfig) -> None:
+    """parallel.cp (ring attention) against the sequence, the attention and the other degrees, before any process
+    group exists."""
+    par = cfg.parallel
+    cp = par.get("cp", 1)
+    if cp == 1:
+        return
+    from sequence_parallel.data import check_context_parallel_length
+
+    for key, fix in (("tp", "tensor parallelism"), ("pp", "pipeline stages"), ("replicas", "DiLoCo replicas")):
+        if par[key] > 1:
+            raise ConfigError(f"parallel.cp={cp} with parallel.{key}={par[key]} is not implemented (ring attention "
+                              f"is not wired with {fix}); set parallel.{key}=1 or parallel.cp=1")
+    try:
+        check_context_parallel_length(cfg.train.seq_len, par.sp, cp)
+    except ValueError as e:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} with parallel.cp={cp}: {e}") from None
+    attention = cfg.model.get("attention", "dense")
+    if attention not in ("dense", "sparse"):
+        raise ConfigError(f"parallel.cp={cp} runs ring attention, which supports model.attention=dense and sparse, "
+                          f"not {attention!r} (native sparse attention's selected branch routes key blocks per query "
+                          "over the whole row's compressed keys, which the ring does not exchange); use parallel.sp")
+    if attention == "sparse":
+        block, chunk = cfg.model.sparse.block_size, cfg.train.seq_len // (2 * cp)
+        if chunk % block:
+            raise ConfigError(f"train.seq_len={cfg.train.seq_len} with parallel.cp={cp}: each of the {2 * cp} ring "
+                              f"chunks ({chunk} tokens) must be whole blocks of model.sparse.block_size={block}; use "
+                              f"a multiple of {2 * cp * block}")
+        if cfg.data.get("packing", "concat") == "document":
+            raise ConfigError(f"parallel.cp={cp} with model.attention=sparse and data.packing=document is not "
+                              "implemented (a layout per packed document under the ring); use packing=concat or "
+                              "parallel.sp")
+
+
 def check_degrees(cfg: DictConfig) -> None:
     """The degrees against the number of processes (parallel.dp=auto fills them), then as the runtime's
     ParallelDims takes them (its own rules: ep borrowed from dp x sp) and the experts over ep, on numbers alone."""
@@ -799,9 +839,11 @@ def check_degrees(cfg: DictConfig) -> None:
 
     par, dp = cfg.parallel, data_parallel_degree(cfg)
     try:
-        ParallelDims(dp=dp, tp=par.tp, pp=par.pp, sp=par.sp, ep=par.ep, world_size=dp * par.tp * par.pp * par.sp)
+        cp = par.get("cp", 1)
+        ParallelDims(dp=dp, tp=par.tp, pp=par.pp, sp=par.sp, ep=par.ep, cp=cp,
+                     world_size=dp * par.tp * par.pp * par.sp * cp)
     except LayoutError as e:
-        fix = f"; use an ep that divides {dp * par.sp}" if dp * par.sp % par.ep else ""
+        fix = f"; use an ep that divides {dp * cp * par.sp}" if dp * cp * par.sp % par.ep else ""
         raise ConfigError(f"{e}{fix}") from None
     experts = (hf_model_config(cfg).num_local_experts if is_hf(cfg) else cfg.model.moe.num_experts) \
         if par.ep > 1 else 0

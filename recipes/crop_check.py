@@ -36,18 +36,19 @@ def last_token_losses(engine, tokens: torch.Tensor, labels: torch.Tensor, n: int
     model as trained: tiled, checkpointed, the sequence split over sp); the same on every rank."""
     s = tokens.shape[1]
     positions = torch.arange(s, device=tokens.device)[None]
-    if dims.sp > 1:
+    if dims.sp > 1 or dims.cp > 1:
         from sequence_parallel import shard_sequence
 
-        tokens, labels, positions = shard_sequence(tokens, labels, dims.sp_group)
+        tokens, labels, positions = shard_sequence(tokens, labels, dims.sp_group, position_ids=positions,
+                                                   cp_group=dims.cp_group)
     hidden = engine(tokens, positions, return_hidden=True)[0]  # [local s, dim]
     mine = (positions[0] >= s - n) & (positions[0] < s)
     out = torch.zeros(n, dtype=torch.float64, device=hidden.device)
     if bool(mine.any()):
         logits = F.linear(hidden[mine], engine.module.output_weight).float()
         out[positions[0][mine] - (s - n)] = F.cross_entropy(logits, labels[0][mine], reduction="none").double()
-    if dims.sp > 1:
-        comm.all_reduce(out, dims.sp_group)
+    if dims.sp > 1 or dims.cp > 1:
+        comm.all_reduce(out, dims.sequence_group)
     return out
 
 

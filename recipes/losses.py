@@ -26,21 +26,21 @@ def lm_loss(engine, tokens: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
     """
     packed = {"packed": True} if position_ids is not None else {}  # (unpacked: the model's call is unchanged)
     tokens, labels, position_ids = shard_sequence(tokens, labels, dims.sp_group, position_ids=position_ids,
-                                                  ignore_index=IGNORE_INDEX)
+                                                  ignore_index=IGNORE_INDEX, cp_group=dims.cp_group)
     if cfg.train.tiled_loss:
         hidden = engine(tokens, position_ids, return_hidden=True, **packed)
         loss_sum, count = tiled_cross_entropy(hidden.flatten(0, 1), engine.module.output_weight,
                                               labels.flatten(), ignore_index=IGNORE_INDEX)
-        return sp_loss(loss_sum, count, dims.sp_group)
+        return sp_loss(loss_sum, count, dims.sequence_group)
     return logits_loss(engine(tokens, position_ids, **packed), labels, dims)
 
 
 def logits_loss(logits: torch.Tensor, labels: torch.Tensor, dims: zero.ParallelDims) -> torch.Tensor:
     """Mean next-token cross-entropy from logits [b, s, vocab] (vocabulary-sliced under tp, never gathered)
-    over the whole sequence (sp) of this data shard. Also the last pipeline stage's loss function."""
+    over the whole sequence (sp x cp) of this data shard. Also the last pipeline stage's loss function."""
     loss_sum, count = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), dims.tp_group,
                                                    IGNORE_INDEX)
-    return sp_loss(loss_sum, count, dims.sp_group)
+    return sp_loss(loss_sum, count, dims.sequence_group)
 
 
 def mean_over_dp(value: float, dims: zero.ParallelDims) -> float:

@@ -78,6 +78,7 @@ from sequence_parallel import (
     local_attention,
     shard_sequence,
 )
+from sequence_parallel.ring import apply_context_parallel
 from zero.optim.diloco import ReplicaDims
 from zero.dist import comm
 from zero.dist.topology import default_device
@@ -179,7 +180,10 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
     if is_moe(cfg):
         parallel.plans.append(apply_expert_parallel(model, dims))
     parallel.plans.append(apply_tensor_parallel(model, dims.tp_group))  # slices heads; Ulysses splits the rest
-    apply_ulysses(model, dims.sp_group)
+    if dims.cp > 1:  # ring attention over cp, Ulysses over sp inside it
+        apply_context_parallel(model, dims.cp_group, dims.sp_group)
+    else:
+        apply_ulysses(model, dims.sp_group)
     if cfg.train.tiled_mlp:
         # MoE layers stay untiled: tiling would make router statistics per tile (see TiledMLP)
         apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp, exclude=(MoELayer,))
@@ -203,7 +207,7 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
 
 def build_dims(cfg: DictConfig) -> zero.ParallelDims:
     """The layout of this rank's replica (with parallel.replicas > 1, zero.optim.diloco.ReplicaDims)."""
-    degrees = {k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")}
+    degrees = {k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep", "cp")}
     return ReplicaDims(replicas=cfg.parallel.replicas, **degrees) if cfg.parallel.replicas > 1 \
         else zero.ParallelDims(**degrees)
 

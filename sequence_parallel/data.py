@@ -22,13 +22,16 @@ def padded_length(seq_len: int, sp: int) -> int:
 
 def shard_sequence(tokens: torch.Tensor, labels: torch.Tensor, sp_group: ProcessGroup | None,
                    position_ids: torch.Tensor | None = None, ignore_index: int = -100,
-                   pad_token: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   pad_token: int = 0, cp_group: ProcessGroup | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's contiguous chunk of `tokens`, `labels` and global `position_ids`, all [b, s_pad/sp].
 
     `labels` must already be shifted (labels[:, i] is the target of tokens[:, i]), so each rank's
     chunk is self-contained. When s is not divisible by sp the end is padded: tokens with `pad_token`,
     labels with `ignore_index` (no loss), position ids continuing the count. Padding at the end of a
     causal sequence cannot change the outputs of the real tokens before it, so losses are unchanged.
+    With a ring (`cp_group` of more than one rank) the rank's tokens are its two mirrored pieces instead
+    (`context_parallel_indices`, no padding: 2 * sp * cp must divide s), [b, s/(sp*cp)] each.
     """
     position_ids = position_ids_for(tokens, position_ids)  # also checks that tokens are [batch, seq]
     if labels.shape != tokens.shape:
@@ -37,6 +40,8 @@ def shard_sequence(tokens: torch.Tensor, labels: torch.Tensor, sp_group: Process
             "already shifted by one (labels[:, i] is the target of tokens[:, i])"
         )
     s = tokens.shape[1]
+    if group_size(cp_group) > 1:
+        return tuple(shard_context_parallel(x, sp_group, cp_group) for x in (tokens, labels, position_ids))
     sp, rank = group_size(sp_group), group_rank(sp_group)
     pad = padded_length(s, sp) - s
     if pad:
@@ -83,7 +88,7 @@ def shard_context_parallel(x: torch.Tensor, sp_group: ProcessGroup | None, cp_gr
     return x.index_select(dim, idx.to(x.device)).contiguous()
 
 
-def gather_context_parallel(x: torch.Tensor, sp_group: ProcessGroup | None, cp_group: ProcessGroup | None,
+def collect_context_parallel(x: torch.Tensor, sp_group: ProcessGroup | None, cp_group: ProcessGroup | None,
                             dim: int = 1) -> torch.Tensor:
     """The whole rows of `x` from every rank's tokens (`shard_context_parallel`'s inverse), in row order.
 

@@ -35,8 +35,8 @@ _KV_TAG, _GRAD_TAG = 0, 1
 def ring_attention_kind(attn_fn: Callable[..., torch.Tensor]) -> SparseConfig | None:
     """What the ring runs for `attn_fn`: None for the dense `attention`, the layout's config for a
     `SparseAttention`; raises NotImplementedError naming any other attention (NSA, a model's own function)."""
-    if attn_fn is attention:
-        return None
+    if attn_fn is attention or getattr(attn_fn, "takes_window_and_sinks", False):
+        return None  # dense (a Hugging Face model's dense attention also passes sliding windows: masked exactly)
     if isinstance(attn_fn, SparseAttention):
         return attn_fn.config
     if isinstance(attn_fn, NativeSparseAttention):
@@ -172,13 +172,17 @@ class _PairMasks:
     and their forward and backward (dense masks from global positions and documents; a layout's blocks through the
     block-sparse CPU kernel, or as a token mask where that kernel does not run)."""
 
-    def __init__(self, chunk: int, causal: bool, doc_ids: torch.Tensor | None, layout: BlockLayout | None) -> None:
-        self.chunk, self.causal, self.doc_ids, self.layout = chunk, causal, doc_ids, layout
+    def __init__(self, chunk: int, causal: bool, doc_ids: torch.Tensor | None, layout: BlockLayout | None,
+                 window: int | None = None) -> None:
+        self.chunk, self.causal, self.doc_ids, self.layout, self.window = chunk, causal, doc_ids, layout, window
         self._local: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def needed(self, i: int, j: int) -> bool:
         if self.layout is not None:
             return self._local_layout(i, j) is not None
+        L = self.chunk
+        if self.window is not None and (j + 1) * L - 1 <= i * L - self.window:  # every key before every window
+            return False
         return not (self.causal and j > i)
 
     def _local_layout(self, i: int, j: int):
@@ -221,9 +225,9 @@ class _PairMasks:
             if self.causal and i == j:
                 token &= torch.ones(L, L, dtype=torch.bool, device=device).tril()
             return lambda r0, r1: token[None, r0:r1]
-        docs = self.doc_ids
+        docs, window = self.doc_ids, self.window
         diagonal = self.causal and i == j
-        if docs is None and not diagonal:
+        if docs is None and not diagonal and window is None:
             return lambda r0, r1: None
         keys = torch.arange(L, device=device)
 
@@ -231,6 +235,9 @@ class _PairMasks:
             mask = None
             if diagonal:
                 mask = (keys[None, :] <= torch.arange(r0, r1, device=device)[:, None])[None]
+            if window is not None:  # key j is seen by query i when i - window < j (global positions)
+                near = (j * L + keys[None, :] > i * L + torch.arange(r0, r1, device=device)[:, None] - window)[None]
+                mask = near if mask is None else mask & near
             if docs is not None:
                 same = docs[:, i * L + r0:i * L + r1, None] == docs[:, None, j * L:(j + 1) * L]
                 mask = same if mask is None else mask & same
@@ -460,8 +467,15 @@ class RingAttention(nn.Module):
         return x.reshape(b, *shape, n // (2 * U), *x.shape[2:]).transpose(1, 2).reshape(x.shape)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                documents: Documents | None = None, scale: float | None = None) -> torch.Tensor:
+                documents: Documents | None = None, scale: float | None = None, window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         check_qkv(q, k, v, same_seq=True, what="RingAttention", seq="local sequence")
+        if sinks is not None:
+            raise NotImplementedError("ring attention (parallel.cp) does not run attention sinks (a sink logit per "
+                                      "head joins every query's softmax); use parallel.sp for this model")
+        if window is not None and self.sparse is not None:
+            raise ValueError("RingAttention: window= is a dense attention's sliding window; a block-sparse layout "
+                             "has its own")
         cp, n = self.cp, q.shape[1]
         if n % (2 * self.ulysses):
             raise ValueError(f"RingAttention: a rank's {n} tokens must split into 2 chunks of ulysses="
@@ -480,7 +494,7 @@ class RingAttention(nn.Module):
         slots = None
         if self.sparse is not None:
             slots = ring_slots(sparse_chunk_pairs(self.sparse, seq_len, cp, causal), cp)
-        ring = _Ring(self.cp_group, cp, group_rank(self.cp_group), L, _PairMasks(L, causal, doc_ids, layout),
+        ring = _Ring(self.cp_group, cp, group_rank(self.cp_group), L, _PairMasks(L, causal, doc_ids, layout, window),
                      1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, slots)
         q, k, v = (self._chunk_order(x) for x in (q, k, v))
         return self._chunk_order(_RingFunction.apply(q, k, v, ring), inverse=True)

@@ -21,6 +21,7 @@ import zero
 from moe import apply_expert_parallel, update_router_biases
 from moe_lst.models.llama import ModelConfig, MoEConfig, Transformer
 from sequence_parallel import apply_ulysses, shard_sequence, sp_loss
+from sequence_parallel.ring import apply_context_parallel
 from tests.equivalence import Recorder, as_reference, assert_equivalent, read_values
 from zero.parallel.pipeline import apply_pipeline
 from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -87,7 +88,7 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
         from moe_lst.models.hf import build
         from tests.hf.tiny import tiny_config
 
-        model = build(tiny_config(hf, **(model_overrides or {})), sp_group=dims.sp_group)
+        model = build(tiny_config(hf, **(model_overrides or {})), sp_group=dims.sequence_group)
         plans.append(model.loss_plan())
         if model.moe_blocks:
             plans.append(apply_expert_parallel(model, dims))
@@ -97,14 +98,17 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
             plans.append(apply_expert_parallel(model, dims))
     tp = apply_tensor_parallel(model, dims.tp_group)
     plans.append(tp)
-    apply_ulysses(model, dims.sp_group)
+    if dims.cp > 1:  # as the recipe: ring attention over cp, Ulysses over sp inside it
+        apply_context_parallel(model, dims.cp_group, dims.sp_group)
+    else:
+        apply_ulysses(model, dims.sp_group)
     if not placements:  # a run that declares no placements (checkpoints resume only at their own layout)
         for plan in plans:
             plan.placements = {}
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss_sum, count = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), dims.tp_group, IGNORE)
-        return sp_loss(loss_sum, count, dims.sp_group)
+        return sp_loss(loss_sum, count, dims.sequence_group)
 
     pipe = None
     module = model
@@ -133,7 +137,8 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
         for part in range(split_rows):
             rows = slice((coord["dp"] * split_rows + part) * per, (coord["dp"] * split_rows + part + 1) * per)
             yield shard_sequence(tokens[rows], labels[rows], dims.sp_group,
-                                 position_ids=None if positions is None else positions[rows], ignore_index=IGNORE)
+                                 position_ids=None if positions is None else positions[rows], ignore_index=IGNORE,
+                                 cp_group=dims.cp_group)
 
     def micro_batches(step: int) -> list:
         return [part for i in range(MICRO) for part in shard(*(packed_batch if packed else batch)(step, i))]

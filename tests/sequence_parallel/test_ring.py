@@ -45,7 +45,7 @@ def _run_case(case: str, sp_group, cp_group) -> dict[str, float]:
     import torch
     from moe_lst.kernels.documents import attend
 
-    from sequence_parallel.data import gather_context_parallel, shard_context_parallel
+    from sequence_parallel.data import collect_context_parallel, shard_context_parallel
     from sequence_parallel.ring import RingAttention
     from sequence_parallel.ulysses import UlyssesAttention
     from zero.dist.topology import group_size
@@ -64,7 +64,7 @@ def _run_case(case: str, sp_group, cp_group) -> dict[str, float]:
     docs = None if positions is None else documents(shard(positions))
     out = module(*local, causal=causal, documents=docs)
     grads = torch.autograd.grad(out, local, shard(dout))
-    got = [gather_context_parallel(x, sp_group, cp_group) for x in (out, *grads)]
+    got = [collect_context_parallel(x, sp_group, cp_group) for x in (out, *grads)]
     return {name: float((g - w).abs().max() / w.abs().max())
             for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want, *want_grads))}
 

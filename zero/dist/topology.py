@@ -1,4 +1,4 @@
-"""Parallel layout: `ParallelDims(dp, tp, pp, sp, ep)` validated against the world size.
+"""Parallel layout: `ParallelDims(dp, tp, pp, sp, ep, cp)` validated against the world size.
 
 It builds one DeviceMesh over the world and exposes every process group the layers need. Expert
 parallelism borrows its ranks from the dense data x sequence region: ep divides dp * sp, and the
@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 from zero.dist import comm
 from zero.dist.comm import group_rank, group_size  # noqa: F401  (re-exported: the groups' queries)
 
-_AXES = ("dp", "tp", "pp", "sp", "ep")
+_AXES = ("dp", "tp", "pp", "sp", "ep", "cp")
 
 
 class LayoutError(ValueError):
@@ -25,13 +25,14 @@ class LayoutError(ValueError):
 
 @dataclass
 class ParallelDims:
-    """Degrees of each parallelism; their product (dp * tp * pp * sp) must equal the world size.
+    """Degrees of each parallelism; their product (dp * tp * pp * sp * cp) must equal the world size.
 
     `dp` left unset takes the rest of the world: `ParallelDims()` on N processes is dp=N.
 
-    Rank order, outermost to innermost: pp, dp, sp, tp. Tensor parallel ranks are the closest
-    neighbours (they talk most), pipeline stages the farthest. The ep ranks are the innermost
-    `ep` ranks of the flattened dp x sp region.
+    Rank order, outermost to innermost: pp, dp, cp, sp, tp. Tensor parallel ranks are the closest
+    neighbours (they talk most), pipeline stages the farthest; Ulysses (sp) sits inside the ring (cp), so its
+    all-to-all stays among near ranks. The ep ranks are the innermost `ep` ranks of the flattened dp x cp x sp
+    region ("dp_sp": every rank that holds the same dense weights, cp included).
     """
 
     dp: int | None = None  # None: whatever the other degrees leave of the world (pure data parallel)
@@ -39,6 +40,7 @@ class ParallelDims:
     pp: int = 1
     sp: int = 1
     ep: int = 1
+    cp: int = 1  # ring attention (context parallelism): the sequence split over cp x sp ranks
     world_size: int | None = None
     device_type: str = "cpu"
     _mesh: object = field(default=None, init=False, repr=False)
@@ -56,36 +58,43 @@ class ParallelDims:
             self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.dp is None:
             # Like DeepSpeed and FSDP: ranks not claimed by another axis do data parallelism.
-            others = self.tp * self.pp * self.sp
+            others = self.tp * self.pp * self.sp * self.cp
             if self.world_size % others:
                 raise LayoutError(
-                    f"tp={self.tp} x pp={self.pp} x sp={self.sp} = {others} does not divide the world size "
-                    f"{self.world_size}, so no data-parallel degree fills it: choose degrees whose product "
+                    f"tp={self.tp} x pp={self.pp} x sp={self.sp} x cp={self.cp} = {others} does not divide the world "
+                    f"size {self.world_size}, so no data-parallel degree fills it: choose degrees whose product "
                     "divides the number of processes"
                 )
             self.dp = self.world_size // others
-        product = self.dp * self.tp * self.pp * self.sp
+        product = self.dp * self.tp * self.pp * self.sp * self.cp
         if product != self.world_size:
             raise LayoutError(
-                f"parallel layout dp={self.dp} x tp={self.tp} x pp={self.pp} x sp={self.sp} = {product} "
+                f"parallel layout dp={self.dp} x tp={self.tp} x pp={self.pp} x sp={self.sp} x cp={self.cp} = {product} "
                 f"does not match the world size {self.world_size}: the degrees must multiply to the number "
                 f"of processes (e.g. torchrun --nproc_per_node {product})"
             )
-        if (self.dp * self.sp) % self.ep != 0:
+        if self.dp_sp % self.ep != 0:
             raise LayoutError(
-                f"parallel.ep={self.ep} must divide dp * sp = {self.dp * self.sp}: expert parallel ranks are "
+                f"parallel.ep={self.ep} must divide dp * {'cp * ' if self.cp > 1 else ''}sp = {self.dp_sp}: expert "
+                "parallel ranks are "
                 f"borrowed from the data x sequence parallel region"
             )
 
     # ---------------------------------------------------------------- sizes
     @property
     def dp_sp(self) -> int:
-        return self.dp * self.sp
+        """Ranks holding the same dense weights: data x context x sequence parallel."""
+        return self.dp * self.cp * self.sp
+
+    @property
+    def _dense_axes(self) -> tuple[str, ...]:
+        # The cp mesh dimension exists only when cp > 1: layouts without it build the mesh they always did.
+        return ("dp", "cp", "sp") if self.cp > 1 else ("dp", "sp")
 
     @property
     def edp(self) -> int:
         """Expert-data-parallel degree: replicas of each expert."""
-        return self.dp * self.sp // self.ep
+        return self.dp_sp // self.ep
 
     @property
     def distributed(self) -> bool:
@@ -99,7 +108,7 @@ class ParallelDims:
     # ---------------------------------------------------------------- mesh
     @property
     def mesh(self):
-        """The world DeviceMesh with dims (pp, dp, sp, tp), built on first use (None for world size 1)."""
+        """The world DeviceMesh with dims (pp, dp, [cp,] sp, tp), built on first use (None for world size 1)."""
         if self._mesh is None and self.distributed:
             if not dist.is_initialized():
                 raise LayoutError(
@@ -108,12 +117,15 @@ class ParallelDims:
                 )
             from torch.distributed.device_mesh import init_device_mesh
 
+            cp = (self.cp,) if self.cp > 1 else ()
             mesh = init_device_mesh(
                 self.device_type,
-                (self.pp, self.dp, self.sp, self.tp),
-                mesh_dim_names=("pp", "dp", "sp", "tp"),
+                (self.pp, self.dp, *cp, self.sp, self.tp),
+                mesh_dim_names=("pp", "dp", *(("cp",) if cp else ()), "sp", "tp"),
             )
-            dp_sp = mesh["dp", "sp"]._flatten("dp_sp")
+            dp_sp = mesh[self._dense_axes]._flatten("dp_sp")
+            if cp:
+                mesh["cp", "sp"]._flatten("cp_sp")
             # The expert view of the same ranks: dp x sp re-factored as (edp, ep), ep innermost.
             dp_sp._unflatten(0, (self.edp, self.ep), ("edp", "ep"))
             self._mesh = mesh
@@ -123,16 +135,18 @@ class ParallelDims:
         """The process group of one mesh axis, or None where it has a single rank (no communication)."""
         size = {
             "dp": self.dp, "sp": self.sp, "tp": self.tp, "pp": self.pp,
-            "dp_sp": self.dp_sp, "ep": self.ep, "edp": self.edp,
+            "dp_sp": self.dp_sp, "ep": self.ep, "edp": self.edp, "cp": self.cp, "cp_sp": self.cp * self.sp,
         }[name]
         if size == 1:
             return None
         mesh = self.mesh
-        if name in ("dp", "sp", "tp", "pp"):
+        if name in ("dp", "sp", "tp", "pp", "cp"):
             return mesh[name].get_group()
+        if name == "cp_sp":
+            return mesh["cp", "sp"]._flatten("cp_sp").get_group() if self.cp > 1 else mesh["sp"].get_group()
         if name == "dp_sp":
-            return mesh["dp", "sp"]._flatten("dp_sp").get_group()
-        sub = mesh["dp", "sp"]._flatten("dp_sp")._unflatten(0, (self.edp, self.ep), ("edp", "ep"))
+            return mesh[self._dense_axes]._flatten("dp_sp").get_group()
+        sub = mesh[self._dense_axes]._flatten("dp_sp")._unflatten(0, (self.edp, self.ep), ("edp", "ep"))
         return sub[name].get_group()
 
     @property
@@ -142,6 +156,17 @@ class ParallelDims:
     @property
     def sp_group(self) -> ProcessGroup | None:
         return self._group("sp")
+
+    @property
+    def cp_group(self) -> ProcessGroup | None:
+        """The ring of ring attention: ranks at the same Ulysses place in each of the cp sequence slices."""
+        return self._group("cp")
+
+    @property
+    def sequence_group(self) -> ProcessGroup | None:
+        """Every rank holding a shard of the same sequences (cp x sp): where a loss or a router's statistics sum
+        over the sequence. The sp group itself when cp = 1."""
+        return self._group("cp_sp") if self.cp > 1 else self.sp_group
 
     @property
     def tp_group(self) -> ProcessGroup | None:
@@ -230,15 +255,17 @@ class ParallelDims:
                 if all(self.coordinate(r)[a] == me[a] for a in axes)]
 
     def coordinate(self, rank: int | None = None) -> dict[str, int]:
-        """This rank's index along each axis (pp, dp, sp, tp, ep, edp)."""
+        """This rank's index along each axis (pp, dp, sp, tp, ep, edp; cp too when cp > 1)."""
         if rank is None:
             rank = dist.get_rank() if self.distributed else 0
         tp_i = rank % self.tp
         sp_i = (rank // self.tp) % self.sp
-        dp_i = (rank // (self.tp * self.sp)) % self.dp
-        pp_i = rank // (self.tp * self.sp * self.dp)
-        dp_sp_i = dp_i * self.sp + sp_i
-        return {"pp": pp_i, "dp": dp_i, "sp": sp_i, "tp": tp_i, "ep": dp_sp_i % self.ep, "edp": dp_sp_i // self.ep}
+        cp_i = (rank // (self.tp * self.sp)) % self.cp
+        dp_i = (rank // (self.tp * self.sp * self.cp)) % self.dp
+        pp_i = rank // (self.tp * self.sp * self.cp * self.dp)
+        dp_sp_i = (dp_i * self.cp + cp_i) * self.sp + sp_i
+        out = {"pp": pp_i, "dp": dp_i, "sp": sp_i, "tp": tp_i, "ep": dp_sp_i % self.ep, "edp": dp_sp_i // self.ep}
+        return {**out, "cp": cp_i} if self.cp > 1 else out
 
     @property
     def dp_rank(self) -> int:
@@ -253,7 +280,8 @@ class ParallelDims:
         return self.coordinate()["ep"]
 
     def __str__(self) -> str:
-        return (f"ParallelDims(dp={self.dp}, tp={self.tp}, pp={self.pp}, sp={self.sp}, ep={self.ep}, "
+        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        return (f"ParallelDims(dp={self.dp}, tp={self.tp}, pp={self.pp}, sp={self.sp}{cp}, ep={self.ep}, "
                 f"world={self.world_size})")
 
 

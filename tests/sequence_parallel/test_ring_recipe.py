@@ -1,0 +1,91 @@
+"""parallel.cp through the recipe's own parallelize (tests/parallel/harness.py): 4 ranks equal one, step by step.
+
+The tiny Llama (4 heads, 2 kv heads) trains three SGD steps with ZeRO-3 under ring attention alone (cp=4, more ranks
+than kv heads), under Ulysses x ring (sp=2 x cp=2) on packed documents, an MoE model with ep=2 under sp=2 x cp=2
+(its routing statistics summed over the whole sequence), and a Hugging Face Llama through the attention interface;
+losses, gradient norms and every parameter after the first step (the gradient) and at the end are compared on every
+rank (`tests.equivalence`). One spawn runs every case. The config's refusals come first, on one process.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.multirank import run_multirank
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+CONF = Path(__file__).resolve().parents[2] / "recipes" / "conf"
+
+# The default suite runs the case that composes the most (ZeRO-3, ep=2 MoE, Ulysses x ring); the rest are slow.
+CASES = [({"sp": 2, "cp": 2, "ep": 2}, {"stage": 3, "moe": True, "steps": 2})]
+SLOW_CASES = [
+    ({"cp": 4}, {"stage": 3, "steps": 2}),
+    ({"sp": 2, "cp": 2}, {"stage": 3, "packed": True, "steps": 2}),
+    ({"sp": 2, "cp": 2}, {"hf": "llama", "steps": 2}),
+]
+
+
+def _many(cases: list) -> list[dict]:
+    from tests.parallel.harness import train
+
+    return [train(layout, **options) for layout, options in cases]
+
+
+@functools.cache
+def _reference(key: str) -> dict:
+    from tests.parallel.harness import reference
+
+    return reference(**json.loads(key))
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_multirank(_many, 4, CASES, timeout=600)
+
+
+def _check(per_rank: list[list[dict]], cases: list) -> None:
+    from tests.parallel.harness import assert_matches
+
+    for index, (layout, options) in enumerate(cases):
+        assert_matches([r[index] for r in per_rank], _reference(json.dumps(options, sort_keys=True)),
+                       label=f"layout {layout} {options}")
+
+
+def test_context_parallel_training_equals_one_process(per_rank):
+    _check(per_rank, CASES)
+
+
+@pytest.mark.slow
+def test_context_parallel_training_equals_one_process_more_layouts():
+    """cp=4 alone (more ranks than kv heads), packed documents under sp=2 x cp=2, a Hugging Face Llama."""
+    _check(run_multirank(_many, 4, SLOW_CASES, timeout=900), SLOW_CASES)
+
+
+REFUSALS = [
+    (["parallel.cp=2", "train.seq_len=30"], "not divisible by 2 \\* sp \\* cp = 2 \\* 1 \\* 2 = 4"),
+    (["parallel.cp=2", "parallel.sp=2", "train.seq_len=36"], "not divisible by 2 \\* sp \\* cp = 2 \\* 2 \\* 2 = 8"),
+    (["parallel.cp=2", "model.attention=nsa", "train.seq_len=64"], "not 'nsa'"),
+    (["parallel.cp=3", "train.seq_len=60"], "cp=3 = 3 does not divide the 2 process"),
+    (["parallel.cp=2", "parallel.dp=2", "train.seq_len=64"], "dp=2 x tp=1 x pp=1 x sp=1 x cp=2 = 4 does not match"),
+    (["parallel.cp=2", "parallel.tp=2", "train.seq_len=64"], "parallel.cp=2 with parallel.tp=2 is not implemented"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", REFUSALS, ids=[" ".join(o) for o, _ in REFUSALS])
+def test_context_parallel_config_refused_in_one_line(overrides, message, monkeypatch):
+    """Refused by the config check, before any process group exists (two processes claimed, none started)."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.config import check_config
+    from zero.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with initialize_config_dir(version_base=None, config_dir=str(CONF)):
+        cfg = compose("config", overrides=overrides)
+    with pytest.raises(ConfigError, match=message) as info:
+        check_config(cfg)
+    assert "\n" not in str(info.value)
