@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             return 0
         cfg = resolve_world(cfg, args.world)
-        world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp
+        world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp * cfg.parallel.get("cp", 1)
         ests = estimate(cfg, cluster, world)
     except (ConfigError, ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)

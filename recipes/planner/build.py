@@ -70,7 +70,7 @@ def rank_model(cfg: DictConfig, rank: int) -> RankModel:
 
     if is_hf(cfg):
         raise NotImplementedError("the planner covers the project's Llama family (model=hf is not planned yet)")
-    dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep")})
+    dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep", "cp")})
     with torch.device("meta"):
         model = Transformer(model_config(cfg), device="meta")
     plans = [apply_expert_parallel(model, dims)] if is_moe(cfg) else []

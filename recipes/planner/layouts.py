@@ -13,19 +13,19 @@ from recipes.config import ConfigError, check_config, is_moe
 
 
 def resolve_world(cfg: DictConfig, world: int | None) -> DictConfig:
-    """A copy of `cfg` whose parallel.dp is a number: what `world` processes leave after tp x pp x sp (world
+    """A copy of `cfg` whose parallel.dp is a number: what `world` processes leave after tp x pp x sp x cp (world
     None: dp must already be a number, or auto means 1)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     par = cfg.parallel
-    others = par.tp * par.pp * par.sp
+    others = par.tp * par.pp * par.sp * par.get("cp", 1)
     if world is None:
         world = others * (1 if par.dp in (None, "auto") else par.dp)
     if par.dp in (None, "auto"):
         if world % others:
-            raise ConfigError(f"tp x pp x sp = {others} does not divide the {world} devices")
+            raise ConfigError(f"tp x pp x sp x cp = {others} does not divide the {world} devices")
         par.dp = world // others
     elif par.dp * others != world:
-        raise ConfigError(f"parallel.dp={par.dp} x tp x pp x sp = {par.dp * others} is not the {world} devices")
+        raise ConfigError(f"parallel.dp={par.dp} x tp x pp x sp x cp = {par.dp * others} is not the {world} devices")
     return cfg
 
 
@@ -36,7 +36,7 @@ def world_env(cfg: DictConfig) -> Iterator[None]:
     par = cfg.parallel
     dp = par.dp if isinstance(par.dp, int) and not isinstance(par.dp, bool) else 1
     old = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(par.get("replicas", 1) * dp * par.tp * par.pp * par.sp)
+    os.environ["WORLD_SIZE"] = str(par.get("replicas", 1) * dp * par.tp * par.pp * par.sp * par.get("cp", 1))
     try:
         yield
     finally:

@@ -167,7 +167,7 @@ def model_collectives(out: _Counter, trace: Trace, cfg: DictConfig, rm: RankMode
     dims, m = rm.dims, cfg.train.grad_accum
     groups = {"all_to_all": ("sp" if dims.sp > 1 else "ep", dims.sp if dims.sp > 1 else dims.ep),
               "reduce_scatter": ("tp", dims.tp), "all_gather": ("tp" if dims.tp > 1 else "sp", max(dims.tp, dims.sp)),
-              "all_reduce": ("tp/sp", max(dims.tp, dims.sp))}
+              "all_reduce": ("tp/sp", max(dims.tp, dims.sp)), "p2p": ("cp ring", dims.cp)}
     for kind, nbytes in trace.bytes.items():
         name, ranks = groups.get(kind, (kind, 2))
         c = out.entries.setdefault((kind, f"model {name}"), Collective(kind, f"model {name}", ranks))
@@ -301,7 +301,7 @@ def _saved_per_layer(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float)
     """(tokens per micro-batch on this rank, bytes each of its layers saves for backward without checkpointing,
     routed expert slots)."""
     mc, t, d = cfg.model, cfg.train, rm.dims
-    tokens = t.micro_batch_size * -(-t.seq_len // d.sp)
+    tokens = t.micro_batch_size * -(-t.seq_len // (d.sp * d.cp))
     head_dim = mc.dim // mc.n_heads
     kv = mc.n_kv_heads * head_dim
     ffn = mc.ffn_dim // d.tp
@@ -440,7 +440,7 @@ def flops_per_micro_batch(cfg: DictConfig, rm: RankModel) -> float:
     from moe import MoELayer
 
     mc, t, d = cfg.model, cfg.train, rm.dims
-    tokens = t.micro_batch_size * -(-t.seq_len // d.sp)
+    tokens = t.micro_batch_size * -(-t.seq_len // (d.sp * d.cp))
     model = rm.model
     active = 0.0
     for i in rm.stage_layers:
@@ -595,13 +595,14 @@ def estimate(cfg: DictConfig, cluster: Cluster | None = None, world: int | None 
     cfg = resolve_world(cfg, world)
     with world_env(cfg):
         check_config(cfg)
-    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp
+    world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.sp * cfg.parallel.cp
     stride = world // cfg.parallel.pp
     wanted = list(range(world)) if ranks is None else ranks
     built: dict[int, RankEstimate] = {}
     out = []
     for r in wanted:
-        key = r // stride if a2a_rows is None else r
+        # (the ring ranks of a layout-aware ring send different bytes: each is planned on its own)
+        key = r // stride if a2a_rows is None and cfg.parallel.cp == 1 else r
         if key not in built:
             with fake_world(world, r):
                 built[key] = _plan_rank(cfg, r, cluster, None if a2a_rows is None else a2a_rows.get(r), imbalance)

@@ -108,6 +108,46 @@ def _moe_replaced(trace: Trace, ep: int):
         MoELayer.forward = original
 
 
+class _BackwardBytes(torch.autograd.Function):
+    """Identity whose backward records `nbytes` point-to-point bytes (ring attention's backward traffic)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, nbytes: int) -> torch.Tensor:
+        ctx.nbytes = nbytes
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        comm.stats.record("p2p", ctx.nbytes)
+        return grad, None
+
+
+@contextlib.contextmanager
+def _ring_replaced(dims):
+    """Ring attention on the meta device: it sends what `sequence_parallel.ring.ring_bytes_per_rank` says (the
+    formula its test checks against comm's counts), recorded by a stand-in at each forward (recomputation
+    included) and once in backward; the stand-in returns a tensor of q's shape that depends on q, k and v."""
+    if dims.cp == 1:
+        yield
+        return
+    from sequence_parallel.ring import RingAttention, ring_bytes_per_rank
+
+    original = RingAttention.forward
+    me = dims.coordinate()["cp"]
+
+    def forward(ring, q, k, v, causal=True, documents=None, scale=None, window=None, sinks=None):
+        sent = ring_bytes_per_rank(q.shape[1] * ring.cp, q.shape[0], k.shape[2], k.shape[3], ring.cp, k.element_size(),
+                                   ring.sparse, causal)[me]
+        comm.stats.record("p2p", sent["forward"])
+        return _BackwardBytes.apply(q + 0 * (k.sum() + v.sum()), sent["backward"])
+
+    RingAttention.forward = forward
+    try:
+        yield
+    finally:
+        RingAttention.forward = original
+
+
 def _loss(rm: RankModel, cfg: DictConfig, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     from recipes.losses import IGNORE_INDEX, logits_loss
     from sequence_parallel import sp_loss
@@ -117,7 +157,7 @@ def _loss(rm: RankModel, cfg: DictConfig, h: torch.Tensor, labels: torch.Tensor)
     if cfg.train.tiled_loss:  # (tiled_cross_entropy checks its labels' values: a stand-in of its outputs)
         loss_sum = (h.float().sum() + model.output_weight.float().sum()) * 0.0
         count = (labels != IGNORE_INDEX).sum()
-        return sp_loss(loss_sum, count, rm.dims.sp_group)
+        return sp_loss(loss_sum, count, rm.dims.sequence_group)
     return logits_loss(F.linear(h, model.output_weight), labels, rm.dims)
 
 
@@ -130,7 +170,7 @@ def trace_micro_batch(rm: RankModel, cfg: DictConfig, dtype: torch.dtype, gemms:
                                   "parallel.tp > 1) is not implemented")
     model.to(dtype)
     b = cfg.train.micro_batch_size
-    s_local = -(-cfg.train.seq_len // dims.sp)  # shard_sequence pads to a multiple of sp
+    s_local = -(-cfg.train.seq_len // (dims.sp * dims.cp))  # shard_sequence pads to a multiple of sp (cp: divides)
     meta = {"device": "meta"}
     tokens = torch.zeros(b, s_local, dtype=torch.long, **meta)
     positions = torch.arange(s_local, **meta).expand(b, s_local)
@@ -140,7 +180,7 @@ def trace_micro_batch(rm: RankModel, cfg: DictConfig, dtype: torch.dtype, gemms:
     # (boolean masks on meta tensors: the vocabulary-parallel loss's backward indexes with one; no collective
     # depends on its size)
     recorder = _GemmRecorder(trace.gemms) if gemms else contextlib.nullcontext()
-    with comm.counting() as stats, _moe_replaced(trace, dims.ep), \
+    with comm.counting() as stats, _moe_replaced(trace, dims.ep), _ring_replaced(dims), \
             fx_config.patch(meta_nonzero_assume_all_nonzero=True), recorder:
         stats.enabled = True
         if rm.first:
@@ -158,6 +198,10 @@ def trace_micro_batch(rm: RankModel, cfg: DictConfig, dtype: torch.dtype, gemms:
         # packed documents: Ulysses gathers the whole rows' position ids once per forward of each stage
         for _ in range(rm.stages):
             _add(trace, "all_gather", (dims.sp - 1) * b * s_local * 8)
+    if dims.cp > 1 and rm.stage_layers and cfg.data.get("packing", "concat") == "document":
+        # ... and ring attention those of every ring rank's two chunks, once per forward
+        for _ in range(rm.stages):
+            _add(trace, "all_gather", (dims.cp - 1) * b * (cfg.train.seq_len // dims.cp) * 8)
     return trace
 
 

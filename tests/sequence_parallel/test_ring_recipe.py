@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 
 from tests.multirank import run_multirank
 
@@ -78,8 +79,6 @@ REFUSALS = [
 @pytest.mark.parametrize("overrides,message", REFUSALS, ids=[" ".join(o) for o, _ in REFUSALS])
 def test_context_parallel_config_refused_in_one_line(overrides, message, monkeypatch):
     """Refused by the config check, before any process group exists (two processes claimed, none started)."""
-    from hydra import compose, initialize_config_dir
-
     from recipes.config import check_config
     from zero.config import ConfigError
 
@@ -89,3 +88,23 @@ def test_context_parallel_config_refused_in_one_line(overrides, message, monkeyp
     with pytest.raises(ConfigError, match=message) as info:
         check_config(cfg)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.cp=4"], ["parallel.sp=2", "parallel.cp=2", "model.attention=sparse",
+                                                        "model.sparse.layout=sliding_window",
+                                                        "model.sparse.block_size=8", "model.sparse.window_blocks=2"]])
+def test_recipe_comm_bytes_equal_the_planner(layout):
+    """Four ranks of the recipe count (zero.dist.comm) what recipes.plan predicts for them, the ring's p2p
+    included, per rank (the layout-aware ring sends rank 0 and rank cp-1 less)."""
+    import recipes.config  # noqa: F401 (registers the config's schema, which the yaml files pull in)
+    from recipes.planner import estimate
+    from recipes.planner.measure import measure
+
+    overrides = ["model=tiny", "train.micro_batch_size=2", "train.seq_len=64", "zero.stage=3", *layout]
+    measured = run_multirank(measure, 4, overrides, 2, timeout=600, fresh=True)
+    with initialize_config_dir(version_base=None, config_dir=str(CONF)):
+        cfg = compose("config", overrides=overrides)
+    predicted = estimate(cfg, world=4)
+    assert [m["comm"] for m in measured] == [p.comm_bytes_by_kind for p in predicted]
+    assert all(m["comm"]["p2p"] > 0 for m in measured)
