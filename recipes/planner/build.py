@@ -75,7 +75,12 @@ def rank_model(cfg: DictConfig, rank: int) -> RankModel:
         model = Transformer(model_config(cfg), device="meta")
     plans = [apply_expert_parallel(model, dims)] if is_moe(cfg) else []
     plans.append(apply_tensor_parallel(model, dims.tp_group))
-    apply_ulysses(model, dims.sp_group)
+    if dims.cp > 1:  # as the recipe: ring attention over cp, Ulysses over sp inside it
+        from sequence_parallel.ring import apply_context_parallel
+
+        apply_context_parallel(model, dims.cp_group, dims.sp_group)
+    else:
+        apply_ulysses(model, dims.sp_group)
     if cfg.train.tiled_mlp:
         apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp, exclude=(MoELayer,))
     if cfg.train.activation_checkpointing:
