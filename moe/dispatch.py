@@ -10,15 +10,26 @@ kept in a fixed-size buffer, no host synchronisation: the device path).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from zero.config import ConfigError, key_namer
 from zero.dist import comm
 from zero.dist.topology import group_size
 from zero.parallel.tensor import reduce_scatter_sequence
+
+
+def check_expert_parallel(num_experts: int, ep: int, keys: Mapping[str, str] | None = None) -> None:
+    """ConfigError unless `ep` expert-parallel ranks split `num_experts` experts evenly (each holds num_experts / ep
+    of them); `keys` names ep and num_experts in the text (zero.config.key_name)."""
+    k = key_namer(keys, "MoELayer")
+    if num_experts % ep:
+        raise ConfigError(f"{k('ep')}={ep} must divide the {num_experts} experts ({k('num_experts')}): each "
+                          f"expert-parallel rank holds num_experts / ep of them; use an ep that divides {num_experts}")
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -328,9 +339,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def __init__(self, ep_group: ProcessGroup | None, num_experts: int) -> None:
         self.group = ep_group
         self.ep_size = group_size(ep_group)
-        if num_experts % self.ep_size:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size "
-                             f"{self.ep_size}; choose num_experts as a multiple of ep")
+        check_expert_parallel(num_experts, self.ep_size)
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep_size
 

@@ -22,6 +22,7 @@ from .dispatch import (
     LocalDispatcher,
     TokenDispatcher,
     assign_slots,
+    check_expert_parallel,
     assign_slots_static,
     expert_capacity,
 )
@@ -83,9 +84,7 @@ class MoELayer(nn.Module):
         if num_shared_experts < 0:
             raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
         ep_size = group_size(ep_group)
-        if num_experts % ep_size:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size "
-                             f"{ep_size}; choose num_experts as a multiple of ep")
+        check_expert_parallel(num_experts, ep_size)
         self.router = TopKRouter(dim, num_experts, top_k, score_func=router, renormalize=renormalize,
                                  jitter_eps=jitter_eps, num_groups=num_groups, topk_groups=topk_groups,
                                  init_std=init_std)

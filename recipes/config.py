@@ -604,11 +604,11 @@ def check_optimizer(cfg: DictConfig) -> None:
 def check_diloco(cfg: DictConfig) -> None:
     """parallel.replicas against the processes, and replicas only with DiLoCo (optim.diloco.inner_steps > 0; 0 is
     off); DiLoCo's own rules run when check_optimizer builds it."""
-    replica_world(cfg.parallel.replicas, world_size(), RECIPE_KEYS)
     inner_steps = _positive_int(cfg, "optim.diloco.inner_steps", minimum=0)
-    if cfg.parallel.replicas > 1 and not inner_steps:
+    if cfg.parallel.replicas != 1 and not inner_steps:
         raise ConfigError(f"parallel.replicas={cfg.parallel.replicas} needs DiLoCo: set optim.diloco.inner_steps > 0 "
                           "(the optimizer steps each replica takes between synchronisations)")
+    replica_world(cfg.parallel.replicas, world_size(), RECIPE_KEYS)
 
 
 def optimizer_factory(cfg: DictConfig, dims: ParallelDims | None = None):

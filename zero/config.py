@@ -6,7 +6,8 @@ and the fix before any process group or buffer is touched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import InitVar, dataclass, fields
 
 import torch
 
@@ -21,12 +22,30 @@ class ConfigError(ValueError):
     class too); the message names the key, the rule and the fix."""
 
 
-def _int_at_least(name: str, value: object, low: int) -> None:
+def key_name(keys: Mapping[str, str] | None, owner: str, name: str) -> str:
+    """How a refusal names the value `name` of `owner` (a ZeroConfig field, a degree of ParallelDims, an argument of
+    OneBitAdam, DiLoCo, MoELayer...): the caller's own key for "<owner>.<name>" in `keys` where it has one (the
+    recipe passes recipes.config.RECIPE_KEYS, e.g. ZeroConfig.clip_grad_norm -> optim.grad_clip), else the
+    library's name (zero.<field> for a ZeroConfig field). A rule is written once, in the library, and its text
+    names whatever the caller calls the value."""
+    default = f"zero.{name}" if owner == "ZeroConfig" else name
+    return keys.get(f"{owner}.{name}", default) if keys else default
+
+
+def key_namer(keys: Mapping[str, str] | None, owner: str) -> Callable[[str], str]:
+    """key_name for one owner: `name -> the key a refusal prints`."""
+    return lambda name: key_name(keys, owner, name)
+
+
+def int_at_least(key: str, value: object, low: int, why: str = "") -> int:
+    """`value`, or ConfigError unless it is an int (not a bool) >= low; `key` is how the text names it, `why` (e.g.
+    " (0: off)") follows the rule."""
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ConfigError(f"zero.{name}={value!r} is invalid: it must be an int >= {low}")
+        raise ConfigError(f"{key}={value!r} must be an integer >= {low}{why}")
+    return value
 
 
-def _number_at_least(name: str, value: object, low: float, strict: bool = False) -> None:
+def _number_at_least(key: str, value: object, low: float, strict: bool = False) -> None:
     ok = (
         isinstance(value, (int, float))
         and not isinstance(value, bool)
@@ -34,7 +53,7 @@ def _number_at_least(name: str, value: object, low: float, strict: bool = False)
     )
     if not ok:
         rule = ">" if strict else ">="
-        raise ConfigError(f"zero.{name}={value!r} is invalid: it must be a number {rule} {low}")
+        raise ConfigError(f"{key}={value!r} is invalid: it must be a number {rule} {low}")
 
 
 @dataclass
@@ -141,21 +160,24 @@ class ZeroConfig:
     quantize_gradients: str = "none"
     quantize_block: int = 256
     hpz_partition_size: int = 1
+    #: How the refusals name the fields (not a field: see key_name); None: zero.<field>.
+    keys: InitVar[Mapping[str, str] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, keys: Mapping[str, str] | None = None) -> None:
+        k = key_namer(keys, "ZeroConfig")
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
             raise ConfigError(f"zero.stage={self.stage!r} is invalid: it must be one of 0, 1, 2, 3")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"zero.dtype={self.dtype!r} is invalid: use one of {sorted(_DTYPES)}")
-        _int_at_least("grad_accum_steps", self.grad_accum_steps, 1)
+        int_at_least(k("grad_accum_steps"), self.grad_accum_steps, 1)
         if self.clip_grad_norm is not None:
-            _number_at_least("clip_grad_norm", self.clip_grad_norm, 0.0)
-        _int_at_least("reduce_bucket_size", self.reduce_bucket_size, 1)
-        _int_at_least("allgather_bucket_size", self.allgather_bucket_size, 1)
+            _number_at_least(k("clip_grad_norm"), self.clip_grad_norm, 0.0)
+        int_at_least(k("reduce_bucket_size"), self.reduce_bucket_size, 1)
+        int_at_least(k("allgather_bucket_size"), self.allgather_bucket_size, 1)
         if not isinstance(self.overlap_comm, bool):
             raise ConfigError(f"zero.overlap_comm={self.overlap_comm!r} is invalid: it must be true or false")
-        _int_at_least("prefetch_depth", self.prefetch_depth, 0)
-        _int_at_least("param_persistence_threshold", self.param_persistence_threshold, 0)
+        int_at_least(k("prefetch_depth"), self.prefetch_depth, 0)
+        int_at_least(k("param_persistence_threshold"), self.param_persistence_threshold, 0)
         if self.stage3_unit_classes is not None:
             if isinstance(self.stage3_unit_classes, str):
                 self.stage3_unit_classes = (self.stage3_unit_classes,)
@@ -166,19 +188,19 @@ class ZeroConfig:
                     "list of module class names (e.g. ['TransformerBlock']) or None for the ModuleList "
                     "children"
                 )
-        _number_at_least("initial_loss_scale", self.initial_loss_scale, 0.0, strict=True)
-        _int_at_least("loss_scale_window", self.loss_scale_window, 1)
-        _number_at_least("min_loss_scale", self.min_loss_scale, 0.0, strict=True)
+        _number_at_least(k("initial_loss_scale"), self.initial_loss_scale, 0.0, strict=True)
+        int_at_least(k("loss_scale_window"), self.loss_scale_window, 1)
+        _number_at_least(k("min_loss_scale"), self.min_loss_scale, 0.0, strict=True)
         if self.min_loss_scale > self.initial_loss_scale:
             raise ConfigError(
                 f"zero.min_loss_scale={self.min_loss_scale} exceeds zero.initial_loss_scale="
                 f"{self.initial_loss_scale}: the minimum must not be above the starting scale"
             )
-        _int_at_least("loss_scale_hysteresis", self.loss_scale_hysteresis, 1)
-        self._check_offload()
-        self._check_quantization()
+        int_at_least(k("loss_scale_hysteresis"), self.loss_scale_hysteresis, 1)
+        self._check_offload(k)
+        self._check_quantization(k)
 
-    def _check_offload(self) -> None:
+    def _check_offload(self, k: Callable[[str], str]) -> None:
         for name in ("offload_optimizer", "offload_params"):
             value = getattr(self, name)
             if value not in OFFLOAD_TARGETS:
@@ -200,19 +222,19 @@ class ZeroConfig:
             )
         if self.nvme_path is not None and not isinstance(self.nvme_path, str):
             raise ConfigError(f"zero.nvme_path={self.nvme_path!r} is invalid: give a directory path")
-        _int_at_least("offload_chunk_size", self.offload_chunk_size, 1)
-        _int_at_least("offload_buffer_count", self.offload_buffer_count, 2)
-        _int_at_least("offload_io_threads", self.offload_io_threads, 1)
+        int_at_least(k("offload_chunk_size"), self.offload_chunk_size, 1)
+        int_at_least(k("offload_buffer_count"), self.offload_buffer_count, 2)
+        int_at_least(k("offload_io_threads"), self.offload_io_threads, 1)
         if not isinstance(self.offload_delayed_update, bool):
             raise ConfigError(f"zero.offload_delayed_update={self.offload_delayed_update!r} is invalid: it must be "
                               "true or false")
         if self.offload_delayed_update and self.offload_optimizer != "cpu":
             raise ConfigError(f"zero.offload_delayed_update=true needs zero.offload_optimizer=cpu (the host step is "
                               f"what it delays; zero.offload_optimizer={self.offload_optimizer!r})")
-        _int_at_least("offload_delayed_warmup_steps", self.offload_delayed_warmup_steps, 1)
-        _int_at_least("host_mmap_threshold", self.host_mmap_threshold, 0)
+        int_at_least(k("offload_delayed_warmup_steps"), self.offload_delayed_warmup_steps, 1)
+        int_at_least(k("host_mmap_threshold"), self.host_mmap_threshold, 0)
 
-    def _check_quantization(self) -> None:
+    def _check_quantization(self, k: Callable[[str], str]) -> None:
         if self.quantize_weights not in WEIGHT_CODECS:
             raise ConfigError(f"zero.quantize_weights={self.quantize_weights!r} is invalid: use one of "
                               f"{list(WEIGHT_CODECS)}")
@@ -225,10 +247,10 @@ class ZeroConfig:
         if self.quantize_gradients != "none" and self.stage == 0:
             raise ConfigError(f"zero.quantize_gradients={self.quantize_gradients} needs zero.stage >= 1 (it replaces the "
                               "reduce-scatter of the sharded stages; stage 0 all-reduces)")
-        _int_at_least("quantize_block", self.quantize_block, 8)
+        int_at_least(k("quantize_block"), self.quantize_block, 8)
         if self.quantize_block % 8:
             raise ConfigError(f"zero.quantize_block={self.quantize_block} is invalid: it must be a multiple of 8")
-        _int_at_least("hpz_partition_size", self.hpz_partition_size, 1)
+        int_at_least(k("hpz_partition_size"), self.hpz_partition_size, 1)
         if self.hpz_partition_size > 1 and self.stage != 3:
             raise ConfigError(f"zero.hpz_partition_size={self.hpz_partition_size} needs zero.stage=3 (the secondary "
                               f"partition holds stage-3 parameters; zero.stage={self.stage})")
@@ -244,7 +266,7 @@ class ZeroConfig:
     @classmethod
     def from_dict(cls, values: dict) -> ZeroConfig:
         """Build from a plain mapping (e.g. a Hydra node), rejecting unknown keys by name."""
-        known = set(cls.__dataclass_fields__)
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown zero config keys {unknown}: valid keys are {sorted(known)}")

@@ -44,8 +44,8 @@ def test_every_refusal_is_one_line_naming_a_key(table):
 def test_refusals_and_acceptances_the_rules_state(table):
     # a few cells read by hand from the rules in recipes/config.py and zero/config.py
     assert table.cell("tp2", "tiled_loss").startswith("train.tiled_loss with parallel.tp > 1 is not supported")
-    assert table.cell("zero2", "onebit").startswith("optim.name=onebit_adam does not work with zero.stage=2")
-    assert table.cell("pp2", "diloco").startswith("optim.diloco with parallel.pp=2 is not implemented")
+    assert table.cell("zero2", "onebit").startswith("1-bit Adam at zero.stage=2 is not supported")
+    assert table.cell("pp2", "diloco").startswith("DiLoCo with parallel.pp=2 is not implemented")
     assert table.cell("ep2", "hf").startswith("parallel.ep=2 needs an MoE model")
     assert table.cell("zero1", "qwz").startswith("zero.quantize_weights=int8 needs zero.stage=3")
     assert table.cell("zero1", "zero3") == "alt:zero.stage"
@@ -96,10 +96,11 @@ def test_every_named_equivalence_test_is_collected():
     (["model=moe_tiny", "parallel.ep=4"], 2,
      "parallel.ep=4 must divide dp * sp = 2: expert parallel ranks are borrowed from the data x sequence parallel "
      "region; use an ep that divides 2"),
-    # moe.MoELayer refuses this while the model is built (num_experts not divisible by the expert-parallel size)
+    # moe.MoELayer refuses this while the model is built: its own rule (moe.dispatch.check_expert_parallel), called by
+    # the check first with the recipe's keys
     (["model=moe_tiny", "parallel.ep=3"], 3,
-     "parallel.ep=3 must divide the model's 8 experts (each ep rank holds num_experts / ep of them); use an ep that "
-     "divides 8"),
+     "parallel.ep=3 must divide the 8 experts (num_experts): each expert-parallel rank holds num_experts / ep of "
+     "them; use an ep that divides 8"),
 ])
 def test_expert_layouts_the_runtime_refuses_are_refused_before_any_process_group(monkeypatch, overrides, world,
                                                                                   message):
@@ -114,6 +115,12 @@ def test_expert_layouts_the_runtime_refuses_are_refused_before_any_process_group
         with pytest.raises(zero.LayoutError) as late:
             zero.ParallelDims(dp=world, ep=cfg.parallel.ep, world_size=world)
         assert message.startswith(str(late.value))
+    else:
+        from moe.dispatch import check_expert_parallel
+
+        with pytest.raises(ConfigError) as late:
+            check_expert_parallel(8, cfg.parallel.ep)  # the rule MoELayer applies, in the library's own names
+        assert message == f"parallel.{late.value}"
 
 
 def test_composition_is_put_back_after_each_check(tmp_path):

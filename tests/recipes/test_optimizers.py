@@ -20,22 +20,38 @@ def _cfg(run_dir, *overrides):
         return compose("config", overrides=[*TINY, f"run_dir={run_dir}", "wandb.mode=disabled", *overrides])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["optim.name=lion"], "optim.name='lion' must be one of adamw, onebit_adam"),
-    ([*ONEBIT, "zero.stage=2"], "onebit_adam does not work with zero.stage=2: stages 2-3 reduce-scatter"),
-    ([*ONEBIT, "zero.stage=3"], "onebit_adam does not work with zero.stage=3"),
-    ([*ONEBIT, "zero.dtype=fp16"], "onebit_adam does not work with zero.dtype=fp16"),
-    ([*ONEBIT, "optim.grad_clip=1.0"], "onebit_adam does not work with optim.grad_clip=1.0"),
-    ([*ONEBIT, "zero.stage=1", "zero.offload_optimizer=cpu"], "does not work with zero.offload_optimizer=cpu"),
-    ([*ONEBIT, "optim.onebit.block=12"], "optim.onebit.block=12 must be a positive multiple of 8"),
-    ([*ONEBIT, "optim.onebit.warmup_steps=0"], "optim.onebit.warmup_steps=0 must be an integer >= 1"),
-    ([*ONEBIT, "optim.onebit.refresh_every=-1"], "optim.onebit.refresh_every=-1 must be an integer >= 0"),
-    ([*ONEBIT, "optim.onebit.refresh_dtype=int4"], "optim.onebit.refresh_dtype='int4' must be int8, bf16 or fp32"),
-    ([*ONEBIT, "optim.onebit.max_update=0"], "optim.onebit.max_update=0.0 must be a number > 0, or null"),
-])
-def test_refused_before_training(tmp_path, overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+#: (overrides, what is raised, the start of its text): the library's rules (zero.optim.onebit), naming the recipe's keys
+REFUSED = [
+    (["optim.name=lion"], ConfigError, "optim.name='lion' must be one of adamw, onebit_adam"),
+    ([*ONEBIT, "zero.stage=2"], ConfigError, "1-bit Adam at zero.stage=2 is not supported: stages 2-3 reduce-scatter "
+     "every gradient during backward"),
+    ([*ONEBIT, "zero.stage=3"], ConfigError, "1-bit Adam at zero.stage=3 is not supported"),
+    ([*ONEBIT, "zero.dtype=fp16"], ConfigError, "1-bit Adam with zero.dtype=fp16 is not supported"),
+    ([*ONEBIT, "optim.grad_clip=1.0"], ConfigError, "1-bit Adam with optim.grad_clip=1.0 is not supported: the "
+     "compressed phase never reduces gradients, so their global norm is unknown; set optim.grad_clip=0"),
+    ([*ONEBIT, "zero.stage=1", "zero.quantize_gradients=int8"], ConfigError,
+     "1-bit Adam with zero.quantize_gradients=int8 is not supported"),
+    ([*ONEBIT, "zero.stage=1", "zero.offload_optimizer=cpu"], NotImplementedError,
+     "1-bit Adam with zero.offload_optimizer=cpu is not implemented"),
+    ([*ONEBIT, "parallel.tp=2"], NotImplementedError,
+     "1-bit Adam with parallel.tp=2, parallel.pp=1 is not implemented"),
+    ([*ONEBIT, "optim.onebit.block=12"], ConfigError,
+     "optim.onebit.block=12 must be a positive multiple of 8 (signs pack 8 to a byte)"),
+    ([*ONEBIT, "optim.onebit.warmup_steps=0"], ConfigError, "optim.onebit.warmup_steps=0 must be an integer >= 1"),
+    ([*ONEBIT, "optim.onebit.refresh_every=-1"], ConfigError,
+     "optim.onebit.refresh_every=-1 must be an integer >= 0 (0: the variance stays frozen)"),
+    ([*ONEBIT, "optim.onebit.refresh_dtype=int4"], ConfigError,
+     "optim.onebit.refresh_dtype='int4' must be one of int8, bf16, fp32"),
+    ([*ONEBIT, "optim.onebit.max_update=0"], ConfigError,
+     "optim.onebit.max_update=0.0 must be a number > 0, or null (no bound)"),
+]
+
+
+@pytest.mark.parametrize("overrides, error, message", REFUSED)
+def test_refused_before_training(tmp_path, overrides, error, message):
+    with pytest.raises(error) as refused:
         check_config(_cfg(tmp_path, *overrides))
+    assert str(refused.value).startswith(message), str(refused.value)
 
 
 def test_zero_one_adam_is_named_as_missing(tmp_path):
@@ -77,19 +93,25 @@ def test_torchrun_onebit_comm_bytes_per_step(tmp_path):
 DILOCO = ["optim.diloco.inner_steps=3", "optim.diloco.delta_dtype=int8"]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["parallel.replicas=2"], "parallel.replicas=2 needs DiLoCo: set optim.diloco.inner_steps > 0"),
-    ([*DILOCO, "optim.diloco.delta_dtype=fp8"], "optim.diloco.delta_dtype='fp8' must be one of fp32, bf16, int8"),
-    ([*DILOCO, "optim.diloco.outer_momentum=1.0"], "outer_momentum=1.0 in [0, 1)"),
-    ([*DILOCO, *ONEBIT], "optim.diloco with optim.name=onebit_adam is not supported"),
-    ([*DILOCO, "parallel.replicas=3"], "parallel.replicas=3 does not divide the 1 process"),
-    ([*DILOCO, "optim.diloco.warmup_steps=-1"], "optim.diloco.warmup_steps=-1 must be an integer >= 0"),
-    ([*DILOCO, "optim.diloco.warmup_steps=2", "zero.stage=1", "zero.offload_optimizer=cpu"],
-     "optim.diloco.warmup_steps=2 with zero.offload_optimizer=cpu is not implemented"),
+@pytest.mark.parametrize("overrides, error, message", [
+    (["parallel.replicas=2"], ConfigError, "parallel.replicas=2 needs DiLoCo: set optim.diloco.inner_steps > 0"),
+    ([*DILOCO, "optim.diloco.delta_dtype=fp8"], ConfigError,
+     "optim.diloco.delta_dtype='fp8' must be one of fp32, bf16, int8"),
+    ([*DILOCO, "optim.diloco.outer_momentum=1.0"], ConfigError,
+     "optim.diloco.outer_lr=0.7 must be > 0 and optim.diloco.outer_momentum=1.0 in [0, 1)"),
+    ([*DILOCO, *ONEBIT], ConfigError,
+     "DiLoCo's inner optimizer (optim.name: OneBitAdam) takes over the engine's steps itself"),
+    ([*DILOCO, "parallel.replicas=3"], ConfigError,
+     "parallel.replicas=3 does not divide the 1 process(es): start a multiple of 3 processes"),
+    ([*DILOCO, "optim.diloco.warmup_steps=-1"], ConfigError, "optim.diloco.warmup_steps=-1 must be an integer >= 0"),
+    ([*DILOCO, "optim.diloco.warmup_steps=2", "zero.stage=1", "zero.offload_optimizer=cpu"], NotImplementedError,
+     "DiLoCo's optim.diloco.warmup_steps=2 with zero.offload_optimizer=cpu is not implemented"),
+    ([*DILOCO, "parallel.pp=2"], NotImplementedError, "DiLoCo with parallel.pp=2 is not implemented"),
 ])
-def test_diloco_refused_before_training(tmp_path, overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+def test_diloco_refused_before_training(tmp_path, overrides, error, message):
+    with pytest.raises(error) as refused:
         check_config(_cfg(tmp_path, *overrides))
+    assert str(refused.value).startswith(message), str(refused.value)
 
 
 def test_diloco_resume_between_syncs_is_bitwise(tmp_path):

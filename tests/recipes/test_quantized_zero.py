@@ -17,7 +17,7 @@ QUANTIZED = ["zero.stage=3", "zero.quantize_weights=int8", "zero.quantize_gradie
     (["zero.stage=2", "zero.quantize_weights=int8"], "zero.quantize_weights=int8 needs zero.stage=3"),
     (["zero.stage=0", "zero.quantize_gradients=int4"], "zero.quantize_gradients=int4 needs zero.stage >= 1"),
     ([*ONEBIT, "zero.stage=1", "zero.quantize_gradients=int8"],
-     "onebit_adam does not work with zero.quantize_gradients=int8"),
+     "1-bit Adam with zero.quantize_gradients=int8 is not supported"),
     (["zero.stage=3", "zero.hpz_partition_size=2"],
      "zero.hpz_partition_size=2 does not divide the 1 process(es): set it to the devices per node"),
 ])

@@ -223,9 +223,9 @@ def test_refusals() -> None:
         DiLoCo(INNER_SGD, None, inner_steps=2, delta_dtype="fp16")
     with pytest.raises(ValueError, match="inner_steps=0 must be"):
         DiLoCo(INNER_SGD, None, inner_steps=0)
-    with pytest.raises(ValueError, match="warmup_steps=-1 must be an int >= 0"):
+    with pytest.raises(ValueError, match="warmup_steps=-1 must be an integer >= 0"):
         DiLoCo(INNER_SGD, None, inner_steps=2, warmup_steps=-1)
-    with pytest.raises(ValueError, match="binds to the engine itself"):
+    with pytest.raises(ValueError, match="takes over the engine's steps itself"):
         DiLoCo(DiLoCo(INNER_SGD, None, inner_steps=1), None, inner_steps=2)
 
 

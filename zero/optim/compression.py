@@ -17,10 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from zero.config import ConfigError
 from zero.dist import comm
 from zero.dist.quantized import decode, encode
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def check_block(key: str, block: object) -> None:
+    """ConfigError unless `block` (elements per scale, named `key` in the text) is a positive multiple of 8."""
+    if not isinstance(block, int) or isinstance(block, bool) or block < 8 or block % 8:
+        raise ConfigError(f"{key}={block!r} must be a positive multiple of 8 (signs pack 8 to a byte)")
 
 
 @dataclass(frozen=True)
@@ -37,8 +44,7 @@ class ChunkLayout:
     block: int
 
     def __post_init__(self) -> None:
-        if self.block < 8 or self.block % 8:
-            raise ValueError(f"block={self.block} must be a positive multiple of 8 (signs are packed 8 to a byte)")
+        check_block("block", self.block)
 
     @property
     def chunk(self) -> int:

@@ -13,6 +13,7 @@ leaves a replica: its layout's groups, its gradient norm included (`world_group`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,13 +22,25 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
+from zero.config import ConfigError, int_at_least, key_namer
 from zero.dist import comm
-from zero.dist.topology import LayoutError, ParallelDims
+from zero.dist.topology import ParallelDims
 from zero.optim.bound import BoundOptimizer
-from zero.optim.compression import ChunkLayout, quantized_all_reduce
+from zero.optim.compression import ChunkLayout, check_block, quantized_all_reduce
 from zero.sharding.optimizer import collect_grads
 
 DELTA_DTYPES = ("fp32", "bf16", "int8")
+
+
+def replica_world(replicas: object, world: int, keys: Mapping[str, str] | None = None) -> int:
+    """The processes of one replica when `world` processes hold `replicas` replicas; ConfigError in one line
+    where they do not split (`keys`: how the text names replicas, zero.config.key_name)."""
+    k = key_namer(keys, "ReplicaDims")
+    int_at_least(k("replicas"), replicas, 1)
+    if world % replicas:
+        raise ConfigError(f"{k('replicas')}={replicas} does not divide the {world} process(es): start a multiple of "
+                          f"{replicas} processes")
+    return world // replicas
 
 
 @dataclass
@@ -39,12 +52,8 @@ class ReplicaDims(ParallelDims):
     _root: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 1:
-            raise LayoutError(f"parallel.replicas={self.replicas!r} is invalid: it must be an int >= 1")
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world % self.replicas:
-            raise LayoutError(f"parallel.replicas={self.replicas} must divide the number of processes {world}")
-        self.world_size = world // self.replicas  # the inner layout's processes
+        self.world_size = replica_world(self.replicas, world)  # the inner layout's processes
         super().__post_init__()
 
     @property
@@ -98,37 +107,46 @@ class DiLoCo(BoundOptimizer):
     inner steps (engine steps, taken or skipped) the deltas are averaged over `replica_group` in `delta_dtype`
     (int8: one fp32 scale per `block` elements) and applied by SGD(outer_lr, momentum=outer_momentum, nesterov=True).
     The first `warmup_steps` optimizer steps average the gradients over `replica_group` before every inner step
-    (fp32, an all-reduce: ordinary data parallelism over all replicas); the local periods start after them."""
+    (fp32, an all-reduce: ordinary data parallelism over all replicas); the local periods start after them.
+    `keys`: how the refusals name the arguments and the layout (zero.config.key_name)."""
 
     def __init__(self, inner: Any, replica_group: ProcessGroup | None, *, inner_steps: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, delta_dtype: str = "fp32", block: int = 2048,
-                 warmup_steps: int = 0) -> None:
+                 warmup_steps: int = 0, keys: Mapping[str, str] | None = None) -> None:
+        k = key_namer(keys, "DiLoCo")
         if isinstance(inner, BoundOptimizer):
-            raise ValueError(f"DiLoCo's inner optimizer {type(inner).__name__} binds to the engine itself; use an "
-                             "ordinary factory such as zero.FastAdamW")
-        if not isinstance(inner_steps, int) or inner_steps < 1:
-            raise ValueError(f"inner_steps={inner_steps!r} must be an int >= 1")
+            raise ConfigError(f"DiLoCo's inner optimizer ({k('inner')}: {type(inner).__name__}) takes over the "
+                              "engine's steps itself, as DiLoCo does; use an ordinary optimizer such as AdamW "
+                              "(zero.FastAdamW)")
+        int_at_least(k("inner_steps"), inner_steps, 1)
         if not outer_lr > 0 or not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_lr={outer_lr!r} must be > 0 and outer_momentum={outer_momentum!r} in [0, 1)")
+            raise ConfigError(f"{k('outer_lr')}={outer_lr!r} must be > 0 and {k('outer_momentum')}="
+                              f"{outer_momentum!r} in [0, 1)")
         if delta_dtype not in DELTA_DTYPES:
-            raise ValueError(f"delta_dtype={delta_dtype!r} must be one of {', '.join(DELTA_DTYPES)}")
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 0")
-        ChunkLayout(1, 1, block)  # checks the block
-        self.warmup_steps = warmup_steps
+            raise ConfigError(f"{k('delta_dtype')}={delta_dtype!r} must be one of {', '.join(DELTA_DTYPES)}")
+        int_at_least(k("warmup_steps"), warmup_steps, 0)
+        check_block(k("block"), block)
+        self.warmup_steps, self.keys = warmup_steps, keys
         self.inner, self.replica_group, self.inner_steps = inner, replica_group, inner_steps
         self.outer_lr, self.outer_momentum, self.delta_dtype, self.block = outer_lr, outer_momentum, delta_dtype, block
 
     def __call__(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         return self.inner(params)
 
+    def refuse_layout(self, config: Any, dims: Any) -> None:
+        k, z = key_namer(self.keys, "DiLoCo"), key_namer(self.keys, "ZeroConfig")
+        d = key_namer(self.keys, "ParallelDims")
+        if dims.pp > 1:
+            raise NotImplementedError(f"DiLoCo with {d('pp')}={dims.pp} is not implemented (tied embedding copies "
+                                      f"across stages); use {d('pp')}=1")
+        if self.warmup_steps and config.offload_optimizer != "none":
+            raise NotImplementedError(f"DiLoCo's {k('warmup_steps')}={self.warmup_steps} with {z('offload_optimizer')}="
+                                      f"{config.offload_optimizer} is not implemented (the store takes the gradients "
+                                      f"before the replicas average them); use {k('warmup_steps')}=0 or "
+                                      f"{z('offload_optimizer')}=none")
+
     def bind(self, engine: Any) -> DiLoCoSteps:
-        if engine.dims.pp > 1:
-            raise NotImplementedError("DiLoCo with pp > 1 is not implemented (tied embedding copies across stages)")
-        if self.warmup_steps and engine.config.offload_optimizer != "none":
-            raise NotImplementedError(f"DiLoCo's warmup_steps={self.warmup_steps} with offload_optimizer="
-                                      f"{engine.config.offload_optimizer!r} is not implemented (the store takes the "
-                                      "gradients before the replicas average them); use warmup_steps=0")
+        self.refuse_layout(engine.config, engine.dims)
         return DiLoCoSteps(self, engine)
 
 

@@ -34,17 +34,19 @@ The bound keeps every element's pace at most c learning rates per step.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from zero.config import ConfigError, int_at_least, key_namer
 from zero.dist import comm
 from zero.dist.comm import group_rank
 from zero.dist.topology import group_size
 from zero.optim.bound import BoundOptimizer
-from zero.optim.compression import ChunkLayout, compressed_all_reduce, quantized_all_reduce
+from zero.optim.compression import ChunkLayout, check_block, compressed_all_reduce, quantized_all_reduce
 from zero.sharding.optimizer import collect_grads
 
 
@@ -58,36 +60,42 @@ class OneBitAdam(BoundOptimizer):
     then 1-bit compressed momentum with one fp32 scale per `block` elements (a multiple of 8).
 
     Built like any factory (the engine calls it with its master shards); the engine then calls
-    `bind(engine)`, which refuses what cannot work and returns the object that takes over the compressed
-    steps.
+    `bind(engine)`, which refuses what cannot work (`refuse_layout`) and returns the object that takes over the
+    compressed steps. `keys`: how the refusals name the arguments and the layout (zero.config.key_name), so a
+    caller with keys of its own (the recipe) checks with these rules before any process group exists.
     """
 
     def __init__(self, *, warmup_steps: int, block: int = 2048, precondition: bool = True, refresh_every: int = 0,
                  refresh_dtype: str = "int8", max_update: float | None = None, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
-        if not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 1: the compressed phase freezes the "
-                             "variance the warm-up's AdamW steps estimated")
-        ChunkLayout(1, 1, block)  # checks the block
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 keys: Mapping[str, str] | None = None) -> None:
+        k = key_namer(keys, "OneBitAdam")
+        int_at_least(k("warmup_steps"), warmup_steps, 1, " (the compressed phase freezes the variance the warm-up's "
+                     "AdamW steps estimated)")
+        check_block(k("block"), block)
         if not isinstance(precondition, bool):
-            raise ValueError(f"precondition={precondition!r} must be True or False")
-        if isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 0:
-            raise ValueError(f"refresh_every={refresh_every!r} must be an int >= 0 (0: the variance stays frozen)")
-        self.warmup_steps, self.block, self.precondition = warmup_steps, block, precondition
+            raise ConfigError(f"{k('precondition')}={precondition!r} must be true or false")
+        int_at_least(k("refresh_every"), refresh_every, 0, " (0: the variance stays frozen)")
         if refresh_dtype not in REFRESH_DTYPES:
-            raise ValueError(f"refresh_dtype={refresh_dtype!r} must be one of {', '.join(REFRESH_DTYPES)}")
-        if max_update is not None and not (isinstance(max_update, (int, float)) and max_update > 0):
-            raise ValueError(f"max_update={max_update!r} must be a number > 0, or None (no bound)")
+            raise ConfigError(f"{k('refresh_dtype')}={refresh_dtype!r} must be one of {', '.join(REFRESH_DTYPES)}")
+        if max_update is not None and (isinstance(max_update, bool) or not isinstance(max_update, (int, float))
+                                       or not max_update > 0):
+            raise ConfigError(f"{k('max_update')}={max_update!r} must be a number > 0, or null (no bound)")
+        self.warmup_steps, self.block, self.precondition = warmup_steps, block, precondition
         self.refresh_every, self.refresh_dtype, self.max_update = refresh_every, refresh_dtype, max_update
         self.hyper = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        self.keys = keys
 
     def __call__(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         from zero.sharding.optimizer import FastAdamW  # (the engine's own AdamW: the warm-up is exactly it)
 
         return FastAdamW(**self.hyper)(params)
 
+    def refuse_layout(self, config: Any, dims: Any) -> None:
+        refuse_layout(config, dims, self.keys)
+
     def bind(self, engine: Any) -> OneBitAdamSteps:
-        refuse_layout(engine.config, engine.dims)
+        self.refuse_layout(engine.config, engine.dims)
         return OneBitAdamSteps(engine, self.warmup_steps, self.block, self.precondition, self.refresh_every,
                                self.refresh_dtype, self.max_update)
 
@@ -97,27 +105,32 @@ class OneBitAdam(BoundOptimizer):
                 f"{self.hyper})")
 
 
-def refuse_layout(config: Any, dims: Any) -> None:
-    """Raise, in one line, for an engine configuration 1-bit Adam cannot train correctly."""
+def refuse_layout(config: Any, dims: Any, keys: Mapping[str, str] | None = None) -> None:
+    """Raise, in one line, for an engine configuration (a ZeroConfig; `dims`: anything with tp and pp) 1-bit Adam
+    cannot train correctly; `keys` names the values (zero.config.key_name)."""
+    z, d = key_namer(keys, "ZeroConfig"), key_namer(keys, "ParallelDims")
     if config.stage >= 2:
-        raise ValueError(f"1-bit Adam at zero.stage={config.stage} is not supported: stages 2-3 reduce-scatter every "
-                         "gradient during backward, but the compressed phase needs each rank's own whole gradient to "
-                         "build its local momentum; use zero.stage=0 or 1")
+        raise ConfigError(f"1-bit Adam at {z('stage')}={config.stage} is not supported: stages 2-3 reduce-scatter "
+                          "every gradient during backward, but the compressed phase needs each rank's own whole "
+                          f"gradient to build its local momentum; use {z('stage')}=0 or 1")
     if config.offload_optimizer != "none":
-        raise NotImplementedError(f"1-bit Adam with zero.offload_optimizer={config.offload_optimizer} is not "
-                                  "implemented: its compressed step updates masters in device memory")
+        raise NotImplementedError(f"1-bit Adam with {z('offload_optimizer')}={config.offload_optimizer} is not "
+                                  "implemented: its compressed step updates masters in device memory; use "
+                                  f"{z('offload_optimizer')}=none")
     if config.dtype == "fp16":
-        raise ValueError("1-bit Adam with zero.dtype=fp16 is not supported: a loss-scale overflow would have to be "
-                         "detected before the error feedback absorbs the gradient; use bf16 or fp32")
+        raise ConfigError(f"1-bit Adam with {z('dtype')}=fp16 is not supported: a loss-scale overflow would have to "
+                          "be detected before the error feedback absorbs the gradient; use bf16 or fp32")
     if config.quantize_gradients != "none":
-        raise ValueError(f"1-bit Adam with zero.quantize_gradients={config.quantize_gradients} is not supported: it "
-                         "compresses the momentum itself; use zero.quantize_gradients=none")
+        raise ConfigError(f"1-bit Adam with {z('quantize_gradients')}={config.quantize_gradients} is not supported: "
+                          f"it compresses the momentum itself; use {z('quantize_gradients')}=none")
     if config.clip_grad_norm:
-        raise ValueError(f"1-bit Adam with clip_grad_norm={config.clip_grad_norm} is not supported: the compressed "
-                         "phase never reduces gradients, so their global norm is unknown; turn clipping off")
+        raise ConfigError(f"1-bit Adam with {z('clip_grad_norm')}={config.clip_grad_norm} is not supported: the "
+                          "compressed phase never reduces gradients, so their global norm is unknown; set "
+                          f"{z('clip_grad_norm')}=0")
     if dims.tp > 1 or dims.pp > 1:
-        raise NotImplementedError(f"1-bit Adam with tp={dims.tp}, pp={dims.pp} is not implemented (tied pipeline "
-                                  "copies and tensor-parallel replicas are not compressed): use tp=1, pp=1")
+        raise NotImplementedError(f"1-bit Adam with {d('tp')}={dims.tp}, {d('pp')}={dims.pp} is not implemented "
+                                  "(tied pipeline copies and tensor-parallel replicas are not compressed): use "
+                                  f"{d('tp')}=1, {d('pp')}=1")
 
 
 @dataclass
