@@ -566,22 +566,39 @@ class Engine:
         missing = [n for b in self.buckets for n in b.names if n not in state]
         if missing:
             raise KeyError(f"state dict lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        masters = []
-        for b in self.buckets:
-            flat = torch.zeros(b.padded, dtype=torch.float32)
-            for n, o, k in zip(b.names, b.offsets, b.numels):
-                flat[o : o + k].copy_(state[n].reshape(-1))
-            shard = b.shard_of(flat).to(b.device)
-            if b.trainable:
-                masters.append(shard)
-            b.write_shard(shard)
-            if b.resident:
-                b.full.copy_(flat)
-        self.zero_optimizer.load_masters(masters)
+        self.load_parameters(lambda name, start, stop: state[name].reshape(-1)[start:stop])
         buffers = dict(self.module.named_buffers())
         for n, v in state.items():
             if n in buffers:
                 buffers[n].copy_(v)
+
+    @torch.no_grad()
+    def load_parameters(self, read: Callable[[str, int, int], torch.Tensor]) -> None:
+        """Load weights piece by piece: `read(name, start, stop)` gives elements [start, stop) of this rank's
+        parameter `name` (as this rank holds it: its tensor- or expert-parallel slice), flattened. Only what the rank
+        keeps is asked for: its shard of a partitioned (stage-3) bucket, every element of a resident one, so a
+        streaming reader never brings in more than the rank's own part of the model."""
+        if self.stage3 is not None:
+            self.stage3.release_all()
+        optimizer = self.zero_optimizer
+        for b in self.buckets:
+            flat = None
+            if b.resident:
+                flat = torch.zeros(b.padded, dtype=torch.float32)
+                for n, o, k in zip(b.names, b.offsets, b.numels):
+                    flat[o : o + k].copy_(read(n, 0, k))
+                shard = b.shard_of(flat)
+            else:
+                shard = torch.zeros(b.shard_size, dtype=torch.float32)
+                for i, lo, hi in b.shard_ranges():
+                    start = b.shard_start + lo - b.offsets[i]
+                    shard[lo:hi].copy_(read(b.names[i], start, start + hi - lo))
+            shard = shard.to(b.device)
+            if b.trainable:  # (bucket by bucket: never a second copy of all of this rank's masters)
+                optimizer.masters.write_master(optimizer._index[b], shard)
+            b.write_shard(shard)
+            if flat is not None:
+                b.full.copy_(flat)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, client_state: dict | None = None, run_id: str | None = None) -> None:

@@ -7,6 +7,7 @@ parallelize.py), and sequence, expert, tensor and pipeline parallelism and the r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass, field, fields
@@ -19,9 +20,11 @@ from moe_lst.kernels.documents import Documents, attend
 from moe_lst.kernels.nsa import Compressor, NativeSparseAttention, NSAConfig
 from moe_lst.kernels.positions import position_ids_for
 from moe_lst.kernels.sparse import LAYOUT_FIELDS, SparseAttention, SparseConfig
-
+from moe_lst.models import init_replay
 from moe_lst.models.llama import parallelize
+
 from zero.contract import AttentionSite, ModelContract
+from zero.plan import Placement
 
 ATTENTIONS = ("dense", "sparse", "nsa")
 
@@ -273,16 +276,22 @@ class FeedForward(nn.Module):
 
 
 def build_moe(cfg: ModelConfig, device=None) -> nn.Module:
+    """The MoE feed-forward. On the meta device it allocates and draws nothing (a recorder notes the fills an
+    eager build would draw: see Transformer); elsewhere it is built on the CPU, drawing from the global generator,
+    and moved."""
     from moe import MoELayer
 
     m = cfg.moe
-    return MoELayer(
-        cfg.dim, m.ffn_dim or cfg.ffn_dim, m.num_experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
-        router=m.router, aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef,
-        num_shared_experts=m.num_shared_experts, activation=m.activation, renormalize=m.renormalize,
-        jitter_eps=m.jitter_eps, num_groups=m.num_groups, topk_groups=m.topk_groups,
-        bias_update_rate=m.bias_update_rate, seq_aux=m.seq_aux, init_std=cfg.init_std,
-    ).to(device)
+    on_meta = device is not None and torch.device(device).type == "meta"
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        layer = MoELayer(
+            cfg.dim, m.ffn_dim or cfg.ffn_dim, m.num_experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
+            router=m.router, aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef,
+            num_shared_experts=m.num_shared_experts, activation=m.activation, renormalize=m.renormalize,
+            jitter_eps=m.jitter_eps, num_groups=m.num_groups, topk_groups=m.topk_groups,
+            bias_update_rate=m.bias_update_rate, seq_aux=m.seq_aux, init_std=cfg.init_std,
+        )
+    return layer if on_meta else layer.to(device)
 
 
 class TransformerBlock(nn.Module):
@@ -293,7 +302,8 @@ class TransformerBlock(nn.Module):
         self.attention = (NSAAttention if cfg.attention == "nsa" else Attention)(cfg, device=device)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device=device)
         if cfg.is_moe_layer(layer_id):
-            self.feed_forward = build_moe(cfg, device=device)
+            with init_replay.scope(f"layers.{layer_id}.feed_forward"):
+                self.feed_forward = build_moe(cfg, device=device)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, device=device)
 
@@ -304,8 +314,28 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module, ModelContract):
-    def __init__(self, cfg: ModelConfig, device=None) -> None:
+    """The model. Built on the meta device (`device="meta"`) it holds no values: `init_parameter` gives any
+    parameter, or any rank's slice of one, the values an eager build with the same seed gives (MoE layers' fills
+    from the global generator replayed: moe_lst.models.init_replay), and its buffers (the routers' zero
+    statistics) are made on `buffer_device`."""
+
+    def __init__(self, cfg: ModelConfig, device=None, buffer_device=None) -> None:
         super().__init__()
+        on_meta = device is not None and torch.device(device).type == "meta"
+        self._replay: init_replay.Replay | None = None
+        if on_meta:
+            _, self._replay = init_replay.recorded_build(lambda: self._build(cfg, device))
+        else:
+            self._build(cfg, device)
+        if on_meta:
+            for module in self.modules():
+                for name, b in list(module._buffers.items()):
+                    if b is not None and b.is_meta:  # (MoE statistics and the selection bias start at zero)
+                        module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=buffer_device)
+        elif not self.tok_embeddings.weight.is_meta:  # (built under a meta device context: no values either)
+            self.reset_parameters()
+
+    def _build(self, cfg: ModelConfig, device) -> None:
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, device=device)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i, device=device) for i in range(cfg.n_layers))
@@ -314,10 +344,14 @@ class Transformer(nn.Module, ModelContract):
         # Every parameter's init is seeded by this and its name: the same values in any order, so a
         # meta-device model materialised piece by piece (zero.initialize(param_init=...)) equals this one.
         self.init_seed = torch.initial_seed()
-        self._moe_params = {f"layers.{i}.feed_forward.{n}" for i, layer in enumerate(self.layers)
-                            if cfg.is_moe_layer(i) for n, _ in layer.feed_forward.named_parameters()}
-        if not self.tok_embeddings.weight.is_meta:  # built on the meta device (argument or context): no values
-            self.reset_parameters()
+        self._moe_params = {f"layers.{i}.feed_forward.{n}": tuple(p.shape) for i, layer in enumerate(self.layers)
+                            if cfg.is_moe_layer(i) for n, p in layer.feed_forward.named_parameters()}
+
+    def continue_global_generator(self) -> None:
+        """Leave torch's global generator where an eager build of this (meta-built) model would have left it, so
+        whatever draws from it next draws the same numbers."""
+        if self._replay is not None:
+            torch.default_generator.set_state(self._replay.end_state())
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -331,14 +365,27 @@ class Transformer(nn.Module, ModelContract):
                 self.init_parameter(name, p)
 
     @torch.no_grad()
-    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
-        """Fill `tensor` with the initial values of parameter `name`: N(0, init_std), output projections of
+    def init_parameter(self, name: str, tensor: torch.Tensor, placement: Placement | None = None) -> None:
+        """Fill `tensor` with the initial values of parameter `name`, or with its slice `placement` (a tensor- or
+        expert-parallel rank's local part of the whole parameter): N(0, init_std), output projections of
         residual branches scaled by 1/sqrt(2L) so the residual stream's variance does not grow with depth,
         RMSNorm gains 1. Seeded by (init_seed, name), so the order of calls does not matter; drawn on the CPU
-        wherever `tensor` lives, as an eager build draws them before the model moves to its device."""
+        wherever `tensor` lives, as an eager build draws them before the model moves to its device. MoE layers'
+        values are those their eager build drew from the global generator (replayed for a meta-built model)."""
         if name in self._moe_params:
-            raise NotImplementedError(f"{name}: per-parameter (meta-device) init of MoE layers is not implemented; "
-                                      "build MoE models on a real device")
+            if self._replay is None:
+                raise NotImplementedError(f"{name}: this model was built eagerly, its MoE layers drew their values "
+                                          "as they were built; build it on the meta device to initialise them "
+                                          "per parameter")
+            scope_name = name.split(".feed_forward.")[0] + ".feed_forward"
+            index = self._replay.find(scope_name, self._moe_params[name])
+            self._replay.values(index, tensor, placement)
+            return
+        if placement is not None and not placement.is_whole:
+            whole = torch.empty(placement.shape, dtype=torch.float32)
+            self.init_parameter(name, whole)
+            tensor.copy_(placement.take(whole))
+            return
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
             return

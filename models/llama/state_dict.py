@@ -284,3 +284,69 @@ def weight_mismatches(ours: ModelConfig, theirs: ModelConfig) -> dict[str, tuple
     """Key -> (ours, theirs) for every weight-shaping setting on which two model configs differ."""
     a, b = weight_keys(ours), weight_keys(theirs)
     return {k: (a.get(k), b.get(k)) for k in list(a) + [k for k in b if k not in a] if a.get(k) != b.get(k)}
+
+
+def hf_sources(cfg: ModelConfig, names: set[str] | dict) -> dict[str, list]:
+    """How each parameter of our model is made of the tensors of a Hugging Face Llama / Mixtral directory holding
+    `names` (moe_lst.models.loading.Source): renamed tensors as they are, q / k with their rows reordered per head,
+    expert weights from fused or per-expert tensors, transposed; for streaming loads that read only a rank's
+    slices."""
+    from moe_lst.models.loading import Source
+
+    def same(ours: tuple[int, ...], theirs: str, rows=None) -> list[Source]:
+        return [Source(theirs, (0,) * len(ours), ours, tuple(range(len(ours))), rows)]
+
+    shapes = {n: tuple(p.shape) for n, p in Transformer(cfg, device="meta").named_parameters()}
+    pairs = list(_TOP) + ([] if cfg.tie_embeddings else [("output.weight", "lm_head.weight")])
+    for i in range(cfg.n_layers):
+        pairs += [(f"layers.{i}.{a}", f"model.layers.{i}.{b}") for a, b in
+                  (_LAYER if cfg.is_moe_layer(i) else _LAYER + _MLP)]
+    out = {ours: same(shapes[ours], theirs) for ours, theirs in pairs}
+    for i in range(cfg.n_layers):
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        for ours, theirs in (("attention.wq.weight", "self_attn.q_proj.weight"),
+                             ("attention.wk.weight", "self_attn.k_proj.weight")):
+            shape = shapes[p + ours]
+            out[p + ours] = same(shape, q + theirs, tuple(_rope_order(shape[0], cfg.head_dim, inverse=True).tolist()))
+        if not cfg.is_moe_layer(i):
+            continue
+        f = p + "feed_forward."
+        n, w_in, w_out, router = cfg.moe.num_experts, shapes[f + "experts.w_in"], shapes[f + "experts.w_out"], \
+            shapes[f + "router.weight"]
+        ffn = w_out[1]
+        if q + "mlp.experts.gate_up_proj" in names:  # fused [E, 2I, H] and [E, H, I]
+            out[f + "router.weight"] = same(router, q + "mlp.gate.weight")
+            out[f + "experts.w_in"] = [Source(q + "mlp.experts.gate_up_proj", (0, 0, 0), w_in, (0, 2, 1))]
+            out[f + "experts.w_out"] = [Source(q + "mlp.experts.down_proj", (0, 0, 0), w_out, (0, 2, 1))]
+            continue
+        block = next((b for b in ("block_sparse_moe.", "mlp.") if f"{q}{b}gate.weight" in names), "block_sparse_moe.")
+        x = f"{q}{block}experts."
+        out[f + "router.weight"] = same(router, f"{q}{block}gate.weight")
+        out[f + "experts.w_in"] = [Source(f"{x}{e}.{w}.weight", (e, 0, half * ffn), (1, w_in[1], ffn), (None, 1, 0))
+                                   for e in range(n) for half, w in enumerate(("w1", "w3"))]
+        out[f + "experts.w_out"] = [Source(f"{x}{e}.w2.weight", (e, 0, 0), (1, ffn, w_out[2]), (None, 1, 0))
+                                    for e in range(n)]
+    return out
+
+
+def open_hf_checkpoint(directory: str | Path, ours: ModelConfig):
+    """A Hugging Face Llama / Mixtral directory checked against the run's model without reading any weight: its
+    config.json (every weight-shaping key that differs is named), its shards and every tensor's shape and dtype.
+    Returns (the moe_lst.models.loading.Checkpoint, the sources of each parameter); raises ExportError for a config
+    that differs and CheckpointError for the files."""
+    from moe_lst.models.loading import Checkpoint
+
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise ExportError(f"{directory} is not a Hugging Face model directory: it needs config.json and "
+                          "*.safetensors (as `python -m recipes.export` writes)")
+    theirs = model_config_from_hf(json.loads((directory / "config.json").read_text()))
+    differ = weight_mismatches(ours, theirs)
+    if differ:
+        raise ExportError("holds another model: " + ", ".join(f"{k}={a} here but {b} there" for k, (a, b) in
+                                                             differ.items())
+                          + "; set those keys to the directory's values or choose another directory")
+    checkpoint = Checkpoint.open(directory)
+    sources = hf_sources(ours, checkpoint.where)
+    checkpoint.check(sources)
+    return checkpoint, sources

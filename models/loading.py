@@ -1,0 +1,322 @@
+"""Streaming loads of a safetensors model directory: each rank reads only the bytes of the slices it keeps.
+
+A `Checkpoint` is a directory of one `model.safetensors` or shards named by `model.safetensors.index.json`. It is
+checked whole before anything is read or built (every shard present and long enough for the tensors its header
+places, every tensor the model needs named, each of the shape and a floating dtype the model expects), each problem
+refused in one line naming the tensor and the file. A family says how its parameters are made of the file's
+tensors (`Source`: a box of the parameter taken from a tensor, its axes perhaps permuted, its rows perhaps
+reordered); `Checkpoint.reader` then answers "elements [start, stop) of this rank's local parameter" (its tp / ep
+slice, described by its `zero.Placement`) with `safe_open(...).get_slice` reads of exactly those elements,
+converted to fp32: what the engine asks of it is a stage-3 shard, or the whole local slice of a resident bucket.
+`bytes_read` counts the headers and every byte the slices return.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from zero.plan import Placement
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+#: safetensors dtype names of the floating tensors a model's weights may be stored in, and their sizes.
+FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_DTYPE_SIZES = {**FLOAT_DTYPES, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
+                "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+class CheckpointError(ValueError):
+    """A model directory that cannot be loaded into the run's model; the message names the tensor and file."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Part of a parameter that lies in one file tensor: the parameter's box at `start` of `size` equals the file
+    tensor `name` with its axes taken by `axes` (axes[d] is the file axis of the parameter's dim d, None for a dim
+    of size 1 the file tensor lacks, e.g. one expert of a stacked weight), and when `rows` is given, the box's row
+    i (dim 0) is the file's row rows[i] (a per-head reordering)."""
+
+    name: str
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+    axes: tuple[int | None, ...]
+    rows: tuple[int, ...] | None = None
+
+    def file_shape(self) -> tuple[int, ...]:
+        """The shape the file tensor must have."""
+        shape = [0] * sum(a is not None for a in self.axes)
+        for d, a in enumerate(self.axes):
+            if a is not None:
+                shape[a] = self.size[d]
+        return tuple(shape)
+
+
+@dataclass
+class _File:
+    path: Path
+    header_bytes: int
+    tensors: dict[str, dict]
+    handle: object = None
+
+
+@dataclass
+class Checkpoint:
+    """A safetensors model directory whose headers have been read and checked (see the module docstring)."""
+
+    directory: Path
+    files: dict[str, _File]
+    where: dict[str, str]  # tensor name -> file name
+    bytes_read: int = 0  # headers and data
+    data_bytes_read: int = 0
+    reads: int = 0
+    _headers_counted: set = field(default_factory=set)
+
+    # ------------------------------------------------------------------ opening and checking
+    @staticmethod
+    def open(directory: str | Path) -> Checkpoint:
+        """Read and check the index (if any) and every shard's header: a shard the index names that is absent, a
+        shard too short for its header's tensors, a header that does not parse, are refused in one line."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise CheckpointError(f"{directory} is not a directory (a model directory holds config.json and "
+                                  f"{SINGLE} or shards named by {INDEX})")
+        index = directory / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a shard index ({type(e).__name__}: {e}); it must hold a "
+                                      "weight_map of tensor name -> shard file") from None
+            names = sorted(set(weight_map.values()))
+        elif (directory / SINGLE).is_file():
+            weight_map, names = None, [SINGLE]
+        else:
+            raise CheckpointError(f"{directory} holds neither {SINGLE} nor {INDEX}; point train.init_from at a "
+                                  "model directory as save_pretrained or python -m recipes.export writes")
+        files = {name: _read_header(directory, name, index if weight_map is not None else None) for name in names}
+        where: dict[str, str] = {}
+        for name, f in files.items():
+            for t in f.tensors:
+                where[t] = name
+        if weight_map is not None:
+            for t, name in weight_map.items():
+                if t not in files[name].tensors:
+                    raise CheckpointError(f"{index} places tensor {t} in {name}, whose header does not hold it; "
+                                          "the index and its shards do not belong together")
+            where = {t: where[t] for t in weight_map}  # (a shard's tensor the index leaves out is not the model's)
+        return Checkpoint(directory, files, where)
+
+    def check(self, sources: Mapping[str, list[Source]], index_named: bool | None = None) -> None:
+        """Every file tensor `sources` needs is there, of the shape they imply and a floating dtype."""
+        described = INDEX if (self.directory / INDEX).is_file() else SINGLE
+        for param, parts in sources.items():
+            for s in parts:
+                if s.name not in self.where:
+                    raise CheckpointError(f"{self.directory}: tensor {s.name} (for {param}) is missing from "
+                                          f"{described}; the directory does not hold the run's model")
+                info = self.files[self.where[s.name]].tensors[s.name]
+                shape, dtype = tuple(info["shape"]), info["dtype"]
+                if shape != s.file_shape():
+                    raise CheckpointError(f"{self.directory / self.where[s.name]}: tensor {s.name} has shape "
+                                          f"{list(shape)} where the run's model needs {list(s.file_shape())} (for "
+                                          f"{param}); the directory holds another model")
+                if dtype not in FLOAT_DTYPES:
+                    raise CheckpointError(f"{self.directory / self.where[s.name]}: tensor {s.name} is {dtype}, not "
+                                          f"a floating dtype ({', '.join(FLOAT_DTYPES)}); it cannot give {param} "
+                                          "its values")
+
+    def header_bytes(self) -> int:
+        return sum(f.header_bytes for f in self.files.values())
+
+    # ------------------------------------------------------------------ reading
+    def _slice(self, name: str):
+        f = self.files[self.where[name]]
+        if f.handle is None:
+            from safetensors import safe_open
+
+            f.handle = safe_open(str(f.path), framework="pt")
+            self.bytes_read += f.header_bytes  # safe_open reads the header
+        return f.handle.get_slice(name)
+
+    def read_box(self, name: str, start: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+        """The file tensor's box (start, size), as stored (its dtype)."""
+        t = self._slice(name)[tuple(slice(a, a + s) for a, s in zip(start, size))]
+        self.bytes_read += t.numel() * t.element_size()
+        self.data_bytes_read += t.numel() * t.element_size()
+        self.reads += 1
+        return t
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.handle = None
+
+    def reader(self, sources: Mapping[str, list[Source]], placements: Mapping[str, Placement],
+               shapes: Mapping[str, tuple[int, ...]]) -> Callable[[str, int, int], torch.Tensor]:
+        """read(name, start, stop): elements [start, stop) of this rank's local parameter `name` (its placement's
+        local tensor, flattened; the whole parameter of `shapes` where it has none), fp32 on the CPU."""
+
+        def read(name: str, start: int, stop: int) -> torch.Tensor:
+            placement = placements.get(name) or Placement.whole(shapes[name])
+            out = []
+            for lstart, lsize in flat_boxes(placement.local_shape, start, stop):
+                box = torch.empty(lsize, dtype=torch.float32)
+                for piece in placement.pieces:
+                    lo = [max(a, b) for a, b in zip(lstart, piece.local)]
+                    hi = [min(a + s, b + t) for a, s, b, t in zip(lstart, lsize, piece.local, piece.size)]
+                    if any(a >= b for a, b in zip(lo, hi)):
+                        continue
+                    gstart = tuple(g + a - p for g, a, p in zip(piece.start, lo, piece.local))
+                    gsize = tuple(b - a for a, b in zip(lo, hi))
+                    target = box[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, lstart))]
+                    self._fill_global(sources[name], gstart, gsize, target)
+                out.append(box.reshape(-1))
+            return out[0] if len(out) == 1 else torch.cat(out) if out else torch.empty(0)
+
+        return read
+
+    def _fill_global(self, parts: list[Source], gstart, gsize, target: torch.Tensor) -> None:
+        """Write the parameter's global box (gstart, gsize) into `target` from the file tensors of `parts`."""
+        for s in parts:
+            lo = [max(a, b) for a, b in zip(gstart, s.start)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(gstart, gsize, s.start, s.size)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            rel = [a - b for a, b in zip(lo, s.start)]
+            dst = target[tuple(slice(a - g, b - g) for a, b, g in zip(lo, hi, gstart))]
+            if s.rows is None:
+                dst.copy_(self._read_part(s, rel, [b - a for a, b in zip(lo, hi)]))
+                continue
+            # Rows reordered (dim 0): read the file rows in sorted runs, then put each where it belongs.
+            wanted = torch.tensor(s.rows[rel[0]: rel[0] + hi[0] - lo[0]])
+            order = torch.argsort(wanted)
+            ordered = wanted[order].tolist()
+            i = 0
+            while i < len(ordered):
+                j = i
+                while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+                    j += 1
+                values = self._read_part(s, [ordered[i]] + rel[1:], [j - i + 1] + [b - a for a, b in
+                                                                                    zip(lo[1:], hi[1:])])
+                dst[order[i: j + 1]] = values
+                i = j + 1
+
+    def _read_part(self, s: Source, rel: list[int], size: list[int]) -> torch.Tensor:
+        """The parameter-ordered box (rel, size) of source `s` (relative to its start), read from its file
+        tensor and converted to fp32."""
+        fdims = len(s.file_shape())
+        fstart, fsize = [0] * fdims, [0] * fdims
+        for d, a in enumerate(s.axes):
+            if a is not None:
+                fstart[a], fsize[a] = rel[d], size[d]
+        t = self.read_box(s.name, tuple(fstart), tuple(fsize)).to(torch.float32)
+        kept = [a for a in s.axes if a is not None]
+        t = t.permute(*kept) if kept != sorted(kept) else t
+        for d, a in enumerate(s.axes):
+            if a is None:
+                t = t.unsqueeze(d)
+        return t
+
+
+def _read_header(directory: Path, name: str, index: Path | None) -> _File:
+    path = directory / name
+    if not path.is_file():
+        raise CheckpointError(f"shard {name} named by {index} is missing from {directory}; copy it there or point "
+                              "train.init_from at a complete model directory")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path} is truncated: {size} bytes, not even a safetensors header length")
+        n = struct.unpack("<Q", head)[0]
+        if 8 + n > size:
+            raise CheckpointError(f"{path} is truncated: its header needs {8 + n} bytes but the file holds {size}")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: its safetensors header does not parse ({e})") from None
+    header.pop("__metadata__", None)
+    end = 0
+    for t, info in header.items():
+        count = math.prod(info["shape"])
+        lo, hi = info["data_offsets"]
+        if hi - lo != count * _DTYPE_SIZES.get(info["dtype"], 0):
+            raise CheckpointError(f"{path}: tensor {t}'s byte range ({hi - lo} bytes) does not match its shape "
+                                  f"{info['shape']} in {info['dtype']}")
+        end = max(end, hi)
+    if 8 + n + end > size:
+        last = max(header, key=lambda t: header[t]["data_offsets"][1])
+        raise CheckpointError(f"{path} is truncated: its header places tensor {last} up to byte {8 + n + end} but "
+                              f"the file holds {size} bytes; copy the shard again")
+    return _File(path, 8 + n, header)
+
+
+def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes (start, size) of a tensor of `shape` that cover its flat (row-major) elements [start, stop), in
+    order, each contiguous in that order."""
+    if start >= stop:
+        return
+    if len(shape) <= 1:
+        yield (start,), (stop - start,)
+        return
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (stop - 1) // inner
+    if first == last:
+        for s, z in flat_boxes(shape[1:], start - first * inner, stop - first * inner):
+            yield (first, *s), (1, *z)
+        return
+    if start % inner:
+        for s, z in flat_boxes(shape[1:], start % inner, inner):
+            yield (first, *s), (1, *z)
+        first += 1
+    whole_end = stop // inner
+    if whole_end > first:
+        yield (first,) + (0,) * (len(shape) - 1), (whole_end - first, *shape[1:])
+    if stop % inner:
+        for s, z in flat_boxes(shape[1:], 0, stop % inner):
+            yield (whole_end, *s), (1, *z)
+
+
+def identity_sources(shapes: Mapping[str, tuple[int, ...]], names: Mapping[str, str] | None = None
+                     ) -> dict[str, list[Source]]:
+    """Each parameter is the file tensor of the same (or the mapped) name, as it is."""
+    names = names or {}
+    return {n: [Source(names.get(n, n), (0,) * len(s), tuple(s), tuple(range(len(s))))] for n, s in shapes.items()}
+
+
+@dataclass
+class StreamingWeights:
+    """train.init_from's weights, not yet read: a checked Checkpoint and how each parameter is made of its tensors.
+    `load_into(engine)` reads, on each rank, only the elements that rank keeps (Engine.load_parameters)."""
+
+    checkpoint: Checkpoint
+    sources: dict[str, list[Source]]
+
+    def load_into(self, engine) -> None:
+        shapes = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+        try:
+            engine.load_parameters(self.checkpoint.reader(self.sources, engine.placements, shapes))
+        finally:
+            self.checkpoint.close()
+
+
+def init_with_placements(model, plans) -> Callable[[str, torch.Tensor], None]:
+    """The engine's param_init for a meta-built `model` parallelised by `plans`: each parameter's values, or its
+    slice's, from the model's init_parameter (given the parameter's placement where it is split)."""
+    from zero.plan import Plan
+
+    placements = Plan.merge(plans).placements
+
+    def init(name: str, tensor: torch.Tensor) -> None:
+        if name in placements and not placements[name].is_whole:
+            model.init_parameter(name, tensor, placements[name])
+        else:
+            model.init_parameter(name, tensor)
+
+    return init

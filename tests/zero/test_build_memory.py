@@ -1,0 +1,235 @@
+"""No rank ever holds the whole model: an accounting of live tensor storages (not RSS) through the recipe's build,
+its materialisation by the engine, train.init_from and the first step of the MoE Llama at ZeRO-3 with ep=2, at tp=2
+and at pp=2; and the meta build gives every parameter, and every rank's slice of one, an eager build's values.
+
+`StorageLedger` sees every CPU storage an op creates or touches (a TorchDispatchMode) and forgets it when torch
+frees it (weakref.finalize on the storage, whose Python object torch keeps exactly as long as the storage lives),
+re-reading sizes as it goes (stage 3 resizes its gathered buffers in place): live bytes and their peak per phase.
+"""
+
+import functools
+import gc
+import weakref
+
+import pytest
+import torch
+from moe_lst.models.llama import ModelConfig, MoEConfig, Transformer
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tests.multirank import run_multirank
+from zero.plan import Placement
+
+
+class StorageLedger(TorchDispatchMode):
+    """Live bytes of the CPU storages that ops created or touched since it started, and their peak per phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[weakref.ref, int]] = {}
+        self.total = 0
+        self.phase = "start"
+        self.peaks: dict[str, int] = {}
+        self.probe = None  # () -> bytes: a second figure whose peak per phase is kept (the engine's gathered units)
+        self.probe_peaks: dict[str, int] = {}
+        self.starts: dict[str, int] = {}
+
+    def set_phase(self, name: str) -> None:
+        gc.collect()  # (storages held only by reference cycles are freed now, not at some later collection)
+        self.refresh()
+        self.phase = name
+        self.starts.setdefault(name, self.total)
+        self.peaks[name] = max(self.peaks.get(name, 0), self.total)
+
+    def _forget(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.total -= entry[1]
+
+    def _see(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu" or t.is_meta:
+            return
+        s = t.untyped_storage()
+        key, n = s._cdata, s.nbytes()
+        if key in self.live:
+            self.total += n - self.live[key][1]
+            self.live[key] = (self.live[key][0], n)
+            return
+        self.live[key] = (weakref.ref(s), n)
+        self.total += n
+        weakref.finalize(s, self._forget, key)
+
+    def refresh(self) -> None:
+        """Re-read every live storage's size (a storage resized without an op: a stage-3 unit freed)."""
+        for key, (ref, n) in list(self.live.items()):
+            s = ref()
+            if s is not None and s.nbytes() != n:
+                self.total += s.nbytes() - n
+                self.live[key] = (ref, s.nbytes())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves((out, args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+        self.refresh()
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), self.total)
+        if self.probe is not None:
+            self.probe_peaks[self.phase] = max(self.probe_peaks.get(self.phase, 0), self.probe())
+        return out
+
+
+MODEL = ["model=moe_tiny", "model.n_layers=4", "model.dim=64", "model.moe.num_experts=4", "model.moe.ffn_dim=64",
+         "train.seq_len=32", "train.micro_batch_size=2", "train.steps=1", "optim.warmup_steps=1"]
+LAYOUTS = {"ep2_zero3": ["parallel.ep=2", "zero.stage=3"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
+
+
+def _unit_bytes(cfg) -> tuple[int, int, int]:
+    """(the largest unit's fp32 bytes: a block of the full model, or the embedding / head; the largest single
+    parameter's; the whole model's)."""
+    from recipes.config import model_config
+
+    model = Transformer(model_config(cfg), device="meta")
+    units = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    units.append(model.tok_embeddings.weight.numel())
+    largest = max(p.numel() for p in model.parameters())
+    return 4 * max(units), 4 * largest, 4 * sum(p.numel() for p in model.parameters())
+
+
+def _measure(overrides: list[str], run_dir: str, old_path: bool) -> dict:
+    """One rank of a recipe run under the ledger: peaks of the build, the engine's materialisation, the load and
+    the first step, what the rank keeps once loaded, and the peak of gathered stage-3 units during the step."""
+    from moe_lst.models import loading
+    from moe_lst.models.llama.spec import LlamaSpec
+    from moe_lst.models.spec import FamilySpec
+
+    import recipes.pretrain as pretrain
+    from tests.recipes.test_pretrain import _cfg
+
+    ledger = StorageLedger()
+    wrapped = {}
+
+    def phase(name, fn):
+        @functools.wraps(fn)
+        def run(*a, **k):
+            ledger.set_phase(name)
+            try:
+                return fn(*a, **k)
+            finally:
+                ledger.set_phase(name + " done")
+        return run
+
+    for name, owner, attr in (("build", pretrain, "build_model"), ("engine", pretrain, "build_engine"),
+                              ("load", loading.StreamingWeights, "load_into")):
+        wrapped[(owner, attr)] = getattr(owner, attr)
+        setattr(owner, attr, phase(name, getattr(owner, attr)))
+    old_rule = LlamaSpec.builds_on_meta
+    if old_path:  # the rule before meta builds for every model: dense at stage 3 or pp, tp=1
+        LlamaSpec.builds_on_meta = FamilySpec.builds_on_meta
+    cfg = _cfg(run_dir, *overrides)
+    try:
+        with ledger:
+            run = pretrain.Run(cfg)
+            ledger.set_phase("settled")
+            base = ledger.starts["build"]  # (live when the build began: the data, the run directory's state)
+            kept = ledger.total - base
+            buckets = run.engine.buckets
+            resident = sum(b.full.untyped_storage().nbytes() for b in buckets if b.resident)
+            ledger.probe = lambda: sum(b.full.untyped_storage().nbytes() for b in buckets if not b.resident)
+            ledger.set_phase("step")
+            pretrain.train_step(run.engine, run.train_stream, 0, cfg, run.dims, run.pipe)
+            ledger.set_phase("end")
+        unit, param, whole = _unit_bytes(cfg)
+        units: dict = {}
+        root = 0  # (the embedding and head: gathered for the whole step)
+        for b, spec in zip(buckets, run.engine.layout.buckets):
+            if b.resident:
+                continue
+            if spec.role == "root":
+                root += b.padded * b.full.element_size()
+            else:
+                units[spec.unit] = units.get(spec.unit, 0) + b.padded * b.full.element_size()
+        gathered_units = max(units.values(), default=0)  # this rank's largest unit, gathered
+        return {"peaks": {k: v - base for k, v in ledger.peaks.items()}, "kept": kept, "unit": unit, "param": param, "whole": whole, "resident": resident,
+                "probe": ledger.probe_peaks.get("step", 0), "largest_bucket": gathered_units,
+                "prefetch": run.engine.config.prefetch_depth, "root": root}
+    finally:
+        LlamaSpec.builds_on_meta = old_rule
+        for (owner, attr), fn in wrapped.items():
+            setattr(owner, attr, fn)
+        if "run" in locals():
+            run.logger.finish()
+            if run.lock is not None:
+                run.lock.close()
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    from moe_lst.models.llama.state_dict import save_hf
+
+    from recipes.config import model_config
+    from tests.recipes.test_pretrain import _cfg
+
+    out = tmp_path_factory.mktemp("pretrained")
+    model_cfg = model_config(_cfg(out / "unused", *MODEL))
+    torch.manual_seed(7)
+    save_hf(Transformer(model_cfg).state_dict(), model_cfg, out / "hf")
+    return out / "hf"
+
+
+def _check(results: list[dict], layout: str) -> None:
+    """During build (nothing owned yet: the model is on the meta device), materialisation and load, live bytes
+    never pass what the rank keeps plus the largest unit being materialised and the one-parameter temporary its
+    values are drawn or read into; during the first step the gathered stage-3 buffers never pass the root's
+    (embedding, head) and (1 + prefetch depth) of the rank's largest unit."""
+    for rank, r in enumerate(results):
+        for name, owned in (("build", 0), ("engine", r["kept"]), ("load", r["kept"])):
+            peak = r["peaks"].get(name, 0)
+            assert peak <= owned + r["unit"] + r["param"], (
+                f"{layout} rank {rank}: {name} peaked at {peak} bytes of live storages, more than the {owned} it "
+                f"owns then plus the largest unit {r['unit']} (whole model {r['whole']}, fp32; peaks {r['peaks']})")
+        assert r["probe"] <= r["root"] + (1 + r["prefetch"]) * r["largest_bucket"], (layout, rank, r["probe"], r)
+
+
+@pytest.mark.parametrize("layout", [pytest.param("ep2_zero3"), pytest.param("tp2", marks=pytest.mark.slow),
+                                    pytest.param("pp2", marks=pytest.mark.slow)])
+def test_no_rank_holds_more_than_its_part_plus_one_unit(pretrained, tmp_path, layout):
+    results = run_multirank(_measure, 2, [*MODEL, *LAYOUTS[layout], f"train.init_from={pretrained}"],
+                            str(tmp_path / "run"), False, timeout=300)
+    _check(results, layout)
+
+
+def test_the_eager_build_of_the_old_path_fails_the_same_check(tmp_path):
+    """Built whole on every rank (the rule before: MoE models eagerly), the build's peak passes the bound: the
+    accounting sees what it is there to see."""
+    results = run_multirank(_measure, 2, [*MODEL, *LAYOUTS["ep2_zero3"]], str(tmp_path / "run"), True, timeout=300)
+    with pytest.raises(AssertionError, match="build peaked at"):
+        _check(results, "ep2_zero3 (old path)")
+
+
+def test_a_meta_build_gives_every_parameter_and_slice_the_eager_values():
+    """Dense and MoE parameters (experts, router, shared experts), whole and as any rank's slice (experts along
+    dim 0, tensor-parallel rows or columns), equal an eager build's with the same seed bit for bit, and the global
+    generator continues where the eager build left it."""
+    cfg = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64,
+                      moe=MoEConfig(num_experts=4, top_k=2, ffn_dim=48, num_shared_experts=1, first_dense=0))
+    torch.manual_seed(3)
+    eager = Transformer(cfg)
+    after = torch.empty(8).normal_()
+    torch.manual_seed(3)
+    meta = Transformer(cfg, device="meta")
+    for name, p in eager.named_parameters():
+        got = torch.empty_like(p)
+        meta.init_parameter(name, got)
+        assert torch.equal(got, p), name
+        for dim, n in enumerate(p.shape):
+            if n % 2:
+                continue
+            local = p.shape[:dim] + (n // 2,) + p.shape[dim + 1:]
+            placement = Placement.along(local, dim, n, [(0, n // 2, n // 2)])
+            got = torch.empty(local)
+            meta.init_parameter(name, got, placement)
+            assert torch.equal(got, p.narrow(dim, n // 2, n // 2)), (name, dim)
+    meta.continue_global_generator()
+    assert torch.equal(torch.empty(8).normal_(), after)
+    assert all(b.device.type == "cpu" and not b.any() for b in meta.buffers())
