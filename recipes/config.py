@@ -852,10 +852,9 @@ def check_degrees(cfg: DictConfig) -> None:
 
 def check_hpz(cfg: DictConfig) -> None:
     """zero.hpz_partition_size is the devices per node: nodes are blocks of that many consecutive ranks."""
-    hpz, world = cfg.zero.hpz_partition_size, world_size()
-    if hpz > 1 and world % hpz:
-        raise ConfigError(f"zero.hpz_partition_size={hpz} does not divide the {world} process(es): set it to the "
-                          "devices per node")
+    from zero.dist.topology import check_node_size
+
+    check_node_size(cfg.zero.hpz_partition_size, world_size(), RECIPE_KEYS)
 
 
 def _tp_that_works(cfg: DictConfig, tp: int) -> int:

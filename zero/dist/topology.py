@@ -7,20 +7,22 @@ remaining factor of that region is the expert-data-parallel group over which exp
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from zero.config import ConfigError, key_namer
 from zero.dist import comm
 from zero.dist.comm import group_rank, group_size  # noqa: F401  (re-exported: the groups' queries)
 
 _AXES = ("dp", "tp", "pp", "sp", "ep", "cp")
 
 
-class LayoutError(ValueError):
-    """A parallel layout that cannot be built on the given world."""
+class LayoutError(ConfigError):
+    """A parallel layout that cannot be built on the given world (a ConfigError: the degrees are configuration)."""
 
 
 @dataclass
@@ -233,9 +235,7 @@ class ParallelDims:
         order."""
         if not self.distributed or node_size == 1:
             return {name: None for name in groups}
-        if self.world_size % node_size:
-            raise LayoutError(f"zero.hpz_partition_size={node_size} does not divide the world size {self.world_size}: "
-                              "set it to the devices per node")
+        check_node_size(node_size, self.world_size)
         mine = {name: None if g is None else dist.get_process_group_ranks(g) for name, g in groups.items()}
         everyone = comm.all_gather_object(mine, dist.group.WORLD)
         out: dict[str, ProcessGroup | None] = {}
@@ -283,6 +283,15 @@ class ParallelDims:
         cp = f", cp={self.cp}" if self.cp > 1 else ""
         return (f"ParallelDims(dp={self.dp}, tp={self.tp}, pp={self.pp}, sp={self.sp}{cp}, ep={self.ep}, "
                 f"world={self.world_size})")
+
+
+def check_node_size(node_size: int, world: int, keys: Mapping[str, str] | None = None) -> None:
+    """LayoutError unless nodes of `node_size` consecutive ranks (ZeroConfig.hpz_partition_size: the devices per
+    node) tile the `world` processes; `keys` names the value (zero.config.key_name)."""
+    if node_size > 1 and world % node_size:
+        k = key_namer(keys, "ZeroConfig")
+        raise LayoutError(f"{k('hpz_partition_size')}={node_size} does not divide the {world} process(es): set it to "
+                          "the devices per node")
 
 
 def node_partition(ranks: list[int], node_size: int, name: str = "parameter") -> list[list[int]]:
