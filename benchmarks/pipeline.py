@@ -182,7 +182,7 @@ def _pipeline_case(schedule: str, m: int, args, memory: bool) -> dict:
                                            for k in "FBIW"}})
     actions = [(a.kind, a.stage, a.microbatch, a.start, a.end, a.held) for a in pipe.timeline.actions]
     out = {"schedule": schedule, "m": m, "steps": steps, "losses": losses, "actions": actions,
-           "stages": [p.index for p in pipe.plans], "layers": [list(p.layers) for p in pipe.plans]}
+           "stages": [p.index for p in pipe.spans], "layers": [list(p.layers) for p in pipe.spans]}
     if memory:
         counter = SavedActivations(engine.module.parameters())
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):

@@ -96,11 +96,11 @@ def _measure(extra: list[str], run_dir: str) -> dict:
         whole = dict(Transformer(model_config(cfg), device="meta").named_parameters())
         pipe = run.pipe
         tied = cfg.model.tie_embeddings
-        mine = {name for plan in pipe.plans for i in plan.layers for name in whole if name.startswith(f"layers.{i}.")}
-        for plan in pipe.plans:
-            if plan.first or (plan.last and tied):
+        mine = {name for span in pipe.spans for i in span.layers for name in whole if name.startswith(f"layers.{i}.")}
+        for span in pipe.spans:
+            if span.first or (span.last and tied):
                 mine |= {n for n in whole if n.startswith("tok_embeddings.")}
-            if plan.last:
+            if span.last:
                 mine |= {n for n in whole if n.startswith(("norm.", "output."))}
         stage_params = dict(pipe.module.named_parameters())
         engine = run.engine
