@@ -21,6 +21,7 @@ window are found by binary search (a few pages touched), so a corpus of billions
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import struct
@@ -87,6 +88,9 @@ class MegatronIndexed:
                             f"{int(self.doc_idx[-1])}, not 0 to its {sequences} sequences: the file is damaged")
         self.tokens = np.memmap(bin_, self.dtype, "r")
         self.sequences = sequences
+        # Plain views to search: the arrays sit at offsets that are not multiples of 8 (the header is 34 bytes), and
+        # numpy's searchsorted copies an unaligned array whole; bisect reads only the entries it compares.
+        self._pointers, self._doc_idx = self.pointers.view(np.ndarray), self.doc_idx.view(np.ndarray)
 
     @property
     def documents(self) -> int:
@@ -102,10 +106,11 @@ class MegatronIndexed:
     def starts_between(self, lo: int, hi: int) -> np.ndarray:
         """Token offsets in [lo, hi) at which a document starts (binary searches of the memory-mapped index)."""
         item = self.dtype.itemsize
-        a, b = np.searchsorted(self.pointers, [lo * item, hi * item])  # sequences starting in the window
-        d0, d1 = np.searchsorted(self.doc_idx, [a, b])  # documents whose first sequence is one of them
-        firsts = np.asarray(self.doc_idx[d0:d1], dtype=np.int64)
-        return np.asarray(self.pointers[firsts], dtype=np.int64) // item
+        pointers, doc_idx = self._pointers, self._doc_idx
+        a, b = bisect.bisect_left(pointers, lo * item), bisect.bisect_left(pointers, hi * item)  # sequences in it
+        d0, d1 = bisect.bisect_left(doc_idx, a), bisect.bisect_left(doc_idx, b)  # documents starting with one
+        firsts = np.asarray(doc_idx[d0:d1], dtype=np.int64)
+        return np.asarray(pointers[firsts], dtype=np.int64) // item
 
 
 class MegatronWriter:

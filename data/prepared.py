@@ -4,6 +4,7 @@ index), checked before any training: a damaged or foreign file is refused in one
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,14 +37,16 @@ class OffsetIndex:
 
     def __init__(self, starts: np.ndarray) -> None:
         self.starts = starts
+        self._view = np.asarray(starts).view(np.ndarray)  # (searched by bisect: reads only what it compares)
 
     @property
     def documents(self) -> int:
         return len(self.starts) - 1
 
     def starts_between(self, lo: int, hi: int) -> np.ndarray:
-        a, b = np.searchsorted(self.starts, [lo, hi])
-        return np.asarray(self.starts[a:b], dtype=np.int64)
+        # (not np.searchsorted: uint64 offsets against Python ints would convert the whole index to float64)
+        a, b = bisect.bisect_left(self._view, lo), bisect.bisect_left(self._view, hi)
+        return np.asarray(self._view[a:b], dtype=np.int64)
 
 
 class MegatronDocuments:

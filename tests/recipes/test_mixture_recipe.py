@@ -91,7 +91,8 @@ def test_bad_mixtures_are_refused_before_training(tmp_path, sources):
                                         (("2", []), ("2", ["parallel.sp=2", "train.micro_batch_size=8"]))])
 def test_torchrun_resume_at_another_dp_or_sp_continues_the_same_samples(tmp_path, sources, first, then):
     """dp 2 -> 1, dp 1 -> 4, and dp 2 -> sp 2 (dp 1): the global batch of 8 rows split another way."""
-    common = [*BASE, sources, "train.steps=4", "zero.stage=1"]
+    common = [*BASE, sources, "train.steps=4", "zero.stage=1", "train.eval_every=4", "eval.retrieval.enabled=true",
+              "eval.retrieval.prompts=1"]
     reference = tmp_path / "reference"
     done = _run_cli(*common, f"run_dir={reference}", "train.micro_batch_size=8")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -110,3 +111,6 @@ def test_torchrun_resume_at_another_dp_or_sp_continues_the_same_samples(tmp_path
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5)
         assert {k: v for k, v in got[step].items() if k.startswith("tokens/")} == \
             {k: v for k, v in want[step].items() if k.startswith("tokens/")}
+    # the evaluations of the resumed layout (retrieval under Ulysses at sp=2) score what one process scores
+    for key in ("val_loss/web", "val_loss/math", "eval/retrieval_logprob", "eval/retrieval_control_logprob"):
+        assert got[4][key] == pytest.approx(want[4][key], rel=1e-4), key
