@@ -9,6 +9,7 @@ refining between the last fit and the first failure.
     python benchmarks/long_sequence.py --cap-gib 8 --max-seq 1048576   # the 8 GiB cap (hours on 2 cores)
     python benchmarks/long_sequence.py --quick        # cap 0.65 GiB, up to 1k tokens, no bisection
     python benchmarks/long_sequence.py --skip alst,sp,deepspeed --sparse-budget-s 60   # dense vs sparse only
+    python benchmarks/long_sequence.py --skip alst,sp,deepspeed,sparse   # ring / Ulysses x ring / Ulysses only
 
 The dense vs sparse section (on by default; `--skip sparse` leaves it out) runs the million-token preset's
 model with ALST, dense or sliding-window sparse attention, sp 1 and 2 (quick: 2), doubling from 8k x sp tokens up to
@@ -77,8 +78,8 @@ def probe_rank(seq: int, mode: str, cap_bytes: int, sp: int, model_name: str = "
     sliding-window block-sparse attention (64-token blocks, 4-block window)."""
     import torch
     import torch.distributed as dist
-
     from moe_lst.models.llama import Transformer
+
     from sequence_parallel import shard_sequence, sp_loss
     from zero.dist import comm
 
@@ -278,6 +279,8 @@ def main() -> None:
         rows += sps
     if "sparse" not in skip:
         sparse_section(args, rows, log)
+    if "ring" not in skip:
+        ring_section(args)
     _print_summary(rows, sps, cap)
     print(f"total {time.time() - t_start:.0f}s")
 
@@ -291,7 +294,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--refine", type=int, default=None, help="bisection probes after the doubling "
                         "(default 2; quick 0)")
     parser.add_argument("--probe-timeout", type=float, default=600.0)
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: alst,sp,deepspeed,sparse")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: alst,sp,deepspeed,sparse,ring")
+    parser.add_argument("--ring-seq", type=int, default=32768, help="tokens of the ring vs Ulysses section")
     parser.add_argument("--sparse-cap-gib", type=float, default=6.0,
                         help="per-rank RSS cap of the dense vs sparse section")
     parser.add_argument("--sparse-budget-s", type=float, default=120.0,
@@ -326,6 +330,79 @@ def sp_section(args, sp_cap: int, start: int, max_seq: int, log: list) -> list[t
                                    args.probe_timeout, log, refine=args.refine)
         sps.append((f"sp={sp}", "baseline", sp_cap, best, info, note))
     return sps
+
+
+def ring_rank(seq: int, sp: int, cp: int, attention: str, head_dim: int) -> dict:
+    """One attention forward + backward over `seq` tokens split over sp x cp ranks (Ulysses inside the ring), 4
+    query / 2 kv heads: wall time, bytes this rank sent by kind (zero.dist.comm), peak RSS."""
+    import torch
+    from moe_lst.kernels.attention import attention as dense
+    from moe_lst.kernels.sparse import SparseAttention, SparseConfig
+
+    from sequence_parallel.data import shard_context_parallel
+    from sequence_parallel.ring import RingAttention
+    from sequence_parallel.ulysses import UlyssesAttention
+    from zero.dist import comm
+
+    dims = common.parallel_dims(sp=sp, cp=cp)
+    fn = dense if attention == "dense" else SparseAttention(
+        SparseConfig(layout="sliding_window", block_size=64, window_blocks=4))
+    inner = RingAttention(dims.cp_group, fn, ulysses=sp) if cp > 1 else fn
+    module = UlyssesAttention(dims.sp_group, inner) if sp > 1 else inner
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, seq, n, head_dim, generator=gen) for n in (4, 2, 2))
+    if cp > 1:
+        q, k, v = (shard_context_parallel(x, dims.sp_group, dims.cp_group) for x in (q, k, v))
+    else:
+        q, k, v = (x.chunk(sp, dim=1)[dims.coordinate()["sp"]].contiguous() for x in (q, k, v))  # Ulysses: in order
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    common.reset_peak_rss()
+    comm.barrier(dims.world_group)
+    with comm.counting() as stats:
+        t0 = time.perf_counter()
+        out = module(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+        seconds = time.perf_counter() - t0
+        sent = dict(stats.bytes)
+    return {"seconds": seconds, "bytes": sent, "peak_mb": common.peak_rss_mb()}
+
+
+def ring_section(args) -> None:
+    """Ulysses alone (sp=4 = the query heads), ring attention alone (cp=4) and Ulysses x ring (sp=2 x cp=2) on 4
+    processes at the same length: time and bytes per rank, dense causal and sliding-window attention."""
+    seq = 2048 if args.quick else args.ring_seq
+    print(f"ring attention vs Ulysses, {seq} tokens on 4 processes, 4 query / 2 kv heads, head dim 64, one attention "
+          "forward + backward")
+    table, found = [], {}
+    for attention in ("dense", "sliding_window"):
+        for sp, cp in ((4, 1), (1, 4), (2, 2)):
+            ranks = None
+            for attempt in range(2):  # (a second try: another job may take the rendezvous port first)
+                try:
+                    ranks = common.spawn(ring_rank, seq, sp, cp, attention, 64, world=4, timeout=args.probe_timeout)
+                    break
+                except Exception as e:  # noqa: BLE001 - one line per failed layout, the others go on
+                    if attempt:
+                        common.failed(f"sp={sp} x cp={cp} {attention}", e)
+            if ranks is None:
+                continue
+            seconds = max(r["seconds"] for r in ranks)
+            sent = [sum(r["bytes"].values()) for r in ranks]
+            found[(attention, sp, cp)] = (seconds, max(sent))
+            kinds = sorted({k for r in ranks for k in r["bytes"]})
+            table.append([attention, f"sp={sp} x cp={cp}", f"{seconds:.2f}", f"{max(sent) / 2**20:.1f}",
+                          f"{sum(sent) / 2**20:.1f}", ", ".join(kinds), f"{max(r['peak_mb'] for r in ranks):.0f}"])
+    print(common.table(["attention", "layout", "time s", "max MiB sent by a rank", "MiB sent, all ranks", "kinds",
+                        "peak RSS MiB"], table))
+    for attention in ("dense", "sliding_window"):
+        base = found.get((attention, 4, 1))
+        for sp, cp in ((1, 4), (2, 2)):
+            mine = found.get((attention, sp, cp))
+            if base and mine:
+                common.print_ratio(f"{attention} sp={sp} x cp={cp} / Ulysses sp=4 time at {seq} tokens",
+                                   mine[0] / base[0])
+                common.print_ratio(f"{attention} sp={sp} x cp={cp} / Ulysses sp=4 bytes at {seq} tokens",
+                                   mine[1] / base[1])
 
 
 def _print_summary(rows: list[tuple], sps: list[tuple], cap: int) -> None:
