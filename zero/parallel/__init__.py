@@ -1,1 +1,1 @@
-"""Tensor parallelism (styles, plans, vocab-parallel loss) and pipeline parallelism over torch's schedules."""
+"""Tensor parallelism (styles, vocab-parallel loss) and pipeline parallelism over torch's schedules."""
