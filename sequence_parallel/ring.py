@@ -291,19 +291,22 @@ class _Ring:
     scale: float
     slots: tuple | None
 
-    def _fetch(self, t: int, own: torch.Tensor, current: torch.Tensor | None):
+    def _fetch(self, t: int, own: tuple, current):
         """Start the transfer of step t's keys and values (of ring rank me - t): (handles, buffer, slots)."""
         if t >= self.cp:
             return [], None, ()
         cp, me, L = self.cp, self.me, self.chunk
+        k = own[0]
+        shape = (k.shape[0], L, k.shape[2], 2 * k.shape[3])  # one chunk's keys and values: one message
         if self.slots is None:  # a ring: pass on what this rank computed with, take the previous rank's
-            buffer = torch.empty_like(own)
-            handles = comm.send_recv([(current, (me + 1) % cp)], [(buffer, (me - 1) % cp)], self.group, _KV_TAG)
+            buffer = k.new_empty((shape[0], 2 * L, *shape[2:]))
+            handles = comm.send_recv([(_message(current, (0, 1), L), (me + 1) % cp)], [(buffer, (me - 1) % cp)],
+                                     self.group, _KV_TAG)
             return handles, buffer, (0, 1)
         src, dst = (me - t) % cp, (me + t) % cp
         send_slots, recv_slots = self.slots[dst][me], self.slots[me][src]
-        sends = [(_take(own, send_slots, L), dst)] if send_slots else []
-        buffer = own.new_empty((own.shape[0], len(recv_slots) * L, *own.shape[2:])) if recv_slots else None
+        sends = [(_message(own, send_slots, L), dst)] if send_slots else []
+        buffer = k.new_empty((shape[0], len(recv_slots) * L, *shape[2:])) if recv_slots else None
         recvs = [(buffer, src)] if recv_slots else []
         return comm.send_recv(sends, recvs, self.group, _KV_TAG), buffer, recv_slots
 
@@ -317,16 +320,17 @@ class _Ring:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         L, d = self.chunk, k.shape[-1]
-        own = torch.cat([k, v], dim=-1).contiguous()  # [b, 2L, hk, 2d]: one message per step
+        own = (k, v)  # this rank's chunks, read in place; messages are packed per send
         acc = [None, None]
         current, slots = own, (0, 1)
         for t in range(self.cp):
             src = (self.me - t) % self.cp
             handles, nxt, nxt_slots = self._fetch(t + 1, own, current)  # in flight while this step computes
             for qs, n, i, j in self._pairs(src, slots):
-                kv = current[:, n * L:(n + 1) * L]
-                part = self.masks.forward(i, j, q[:, qs * L:(qs + 1) * L], kv[..., :d], kv[..., d:], self.scale)
+                kj, vj = _keys_values(current, n, L, d)
+                part = self.masks.forward(i, j, q[:, qs * L:(qs + 1) * L], kj, vj, self.scale)
                 acc[qs] = _merge(acc[qs], part)
+                del part
             for h in handles:
                 h.wait()
             current, slots = nxt, nxt_slots
@@ -341,40 +345,43 @@ class _Ring:
 
     def backward(self, q, k, v, dout, out, lse):
         L, d, cp, me = self.chunk, k.shape[-1], self.cp, self.me
-        own = torch.cat([k, v], dim=-1).contiguous()
+        own = (k, v)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        d_own = torch.zeros(own.shape, dtype=torch.float32, device=own.device)
+        # dK and dV of this rank's chunks side by side [b, 2L, hk, 2d], as they travel
+        d_own = torch.zeros((*k.shape[:3], 2 * d), dtype=torch.float32, device=k.device)
         current, slots = own, (0, 1)
         pending: list = []  # dK/dV transfers of the previous step: (handles, what to do once they arrive)
         for t in range(cp):
             src = (me - t) % cp
             handles, nxt, nxt_slots = self._fetch(t + 1, own, current)
-            part = None if current is None else torch.zeros(current.shape, dtype=torch.float32, device=q.device)
+            if t == 0:
+                part = d_own  # this rank's own chunks: accumulated in place
+            else:
+                part = None if current is None else torch.zeros(current.shape, dtype=torch.float32, device=q.device)
             for qs, n, i, j in self._pairs(src, slots):
                 rows = slice(qs * L, (qs + 1) * L)
-                kv = current[:, n * L:(n + 1) * L]
-                dqp, dkp, dvp = self.masks.backward(i, j, q[:, rows], kv[..., :d], kv[..., d:], dout[:, rows],
-                                                    out[:, rows], lse[:, :, rows], self.scale)
+                kj, vj = _keys_values(current, n, L, d)
+                dqp, dkp, dvp = self.masks.backward(i, j, q[:, rows], kj, vj, dout[:, rows], out[:, rows],
+                                                    lse[:, :, rows], self.scale)
                 dq[:, rows] += dqp
                 part[:, n * L:(n + 1) * L, :, :d] += dkp
                 part[:, n * L:(n + 1) * L, :, d:] += dvp
+                del dqp, dkp, dvp
             for done in pending:
                 for h in done[0]:
                     h.wait()
                 done[1](part)
             pending = []
             if t == 0:
-                d_own += part
+                pass
             elif self.slots is None:  # pass the sum of dK/dV on with the block; its owner receives it last
                 incoming = torch.empty_like(d_own)
-                sent = part
-                pending.append((comm.send_recv([(sent, (me + 1) % cp)], [(incoming, (me - 1) % cp)], self.group,
+                pending.append((comm.send_recv([(part, (me + 1) % cp)], [(incoming, (me - 1) % cp)], self.group,
                                                _GRAD_TAG), _relay_add(incoming, d_own, t == cp - 1)))
             else:  # send the dK/dV of the chunks taken from src back to it, take those of ours from me + t
                 dst = (me + t) % cp
                 back = self.slots[dst][me]
-                incoming = own.new_empty((own.shape[0], len(back) * L, *own.shape[2:]),
-                                         dtype=torch.float32) if back else None
+                incoming = d_own.new_empty((d_own.shape[0], len(back) * L, *d_own.shape[2:])) if back else None
                 sends = [(part, src)] if slots else []
                 recvs = [(incoming, dst)] if back else []
                 pending.append((comm.send_recv(sends, recvs, self.group, _GRAD_TAG),
@@ -389,11 +396,24 @@ class _Ring:
         return dq, d_own[..., :d], d_own[..., d:]
 
 
-def _take(x: torch.Tensor, slots: tuple[int, ...], L: int) -> torch.Tensor:
-    """The chunks `slots` of x [b, 2L, ...] side by side, contiguous (a message)."""
-    if slots == (0, 1):
-        return x
-    return torch.cat([x[:, s * L:(s + 1) * L] for s in slots], dim=1).contiguous()
+def _keys_values(current, n: int, L: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk n's keys and values [b, L, hk, d] of what this step holds: this rank's own (k, v), or a received
+    message [b, chunks * L, hk, 2d]."""
+    if isinstance(current, tuple):
+        return current[0][:, n * L:(n + 1) * L], current[1][:, n * L:(n + 1) * L]
+    kv = current[:, n * L:(n + 1) * L]
+    return kv[..., :d], kv[..., d:]
+
+
+def _message(current, slots: tuple[int, ...], L: int) -> torch.Tensor:
+    """The chunks `slots` of what this step holds, keys and values side by side [b, len(slots) * L, hk, 2d]."""
+    if not isinstance(current, tuple):
+        if slots == (0, 1):
+            return current
+        return torch.cat([current[:, s * L:(s + 1) * L] for s in slots], dim=1).contiguous()
+    k, v = current
+    return torch.cat([torch.cat([k[:, s * L:(s + 1) * L], v[:, s * L:(s + 1) * L]], dim=-1) for s in slots],
+                     dim=1).contiguous()
 
 
 def _relay_add(incoming: torch.Tensor, d_own: torch.Tensor, last: bool):
