@@ -19,16 +19,17 @@ from moe_lst.data.format import DataError
 from moe_lst.data.mixture import check_mixture_config
 from moe_lst.kernels.nsa import NSAConfig
 from moe_lst.kernels.sparse import SparseConfig
+from moe_lst.models import spec as families
+from moe_lst.models.llama import MoEConfig
+from moe_lst.models.spec import check_tiled_mlp  # noqa: F401 (the rule's home is the families' spec module)
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from moe_lst.models.llama import ModelConfig, MoEConfig
 from moe.dispatch import check_expert_parallel
 from zero.config import ConfigError, ZeroConfig, int_at_least
 from zero.dist.topology import ParallelDims
 from zero.optim import BoundOptimizer, DiLoCo, OneBitAdam, ReplicaDims
 from zero.optim.diloco import replica_world
 from zero.sharding.optimizer import FastAdamW
-
 
 # Every section of the config is a dataclass registered in Hydra's ConfigStore: one source for its keys, their
 # types and defaults (the embedded default run's values) and what they mean. The yaml files under conf/ pull them
@@ -329,9 +330,8 @@ _store.store(group="model", name="hf_base", node=HFModelConfig)  # conf/model/hf
 
 #: The keys of the config's root: one section per group, and run_dir.
 ROOT_KEYS = ("model", "data", "parallel", "optim", "zero", "train", "eval", "wandb", "run_dir")
-#: The schema of a section whose node carries no type of its own (the model files are plain yaml; their `moe`,
-#: `sparse` and `nsa` blocks are typed) and the other choices of a group whose choices have different keys.
-UNTYPED_SCHEMAS = {"model": ModelConfig}
+#: The other choices of a group whose choices have different keys. (The schema of the model section, a plain yaml
+#: node whose `moe`, `sparse` and `nsa` blocks are typed, is its family's: moe_lst.models.spec.FamilySpec.schema.)
 GROUP_CHOICES = {"data": {"stdlib": StdlibDataConfig, "bin": BinDataConfig, "tokenized": TokenizedDataConfig,
                           "mixture": MixtureDataConfig}}
 
@@ -342,7 +342,9 @@ _type_hints = functools.lru_cache(maxsize=None)(get_type_hints)
 def _schema(node: DictConfig, path: str) -> type | None:
     """The dataclass that defines `node` (the config at `path`), or None where none does."""
     schema = OmegaConf.get_type(node)
-    return schema if is_dataclass(schema) else UNTYPED_SCHEMAS.get(path)
+    if is_dataclass(schema):
+        return schema
+    return families.get(node).schema if path == "model" else None
 
 
 def _schema_keys(node: DictConfig, path: str) -> list[str] | None:
@@ -350,7 +352,9 @@ def _schema_keys(node: DictConfig, path: str) -> list[str] | None:
     if not path:
         return list(ROOT_KEYS)
     schema = _schema(node, path)
-    return None if schema is None else [f.name for f in fields(schema)]
+    if schema is None:
+        return None
+    return [f.name for f in fields(schema)] + ([families.FAMILY_KEY] if path == "model" else [])
 
 
 def _closest(name: str, known: list[str]) -> list[str]:
@@ -555,10 +559,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"train.resume={cfg.train.resume!r} must be auto, true, false or a checkpoint directory")
     if any(not 0 <= b < 1 for b in cfg.optim.betas) or len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas={list(cfg.optim.betas)} must be two values in [0, 1)")
-    if is_hf(cfg):
-        check_hf_model(cfg)
-    else:
-        check_model(cfg)
+    families.get(cfg).check_model(cfg)  # the model's own rules and those it sets the run
     if not isinstance(cfg.train.seed, int):
         raise ConfigError(f"train.seed={cfg.train.seed!r} must be an integer")
     if not cfg.optim.lr > 0:
@@ -571,15 +572,6 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"wandb.mode={cfg.wandb.mode!r} must be one of offline, online, disabled")
     if not cfg.wandb.init_timeout_s > 0:
         raise ConfigError(f"wandb.init_timeout_s={cfg.wandb.init_timeout_s!r} must be > 0 (seconds)")
-    if not is_hf(cfg):  # (model=hf: check_hf_model)
-        if cfg.train.seq_len > cfg.model.max_seq_len:
-            raise ConfigError(
-                f"train.seq_len={cfg.train.seq_len} does not fit the model: model.max_seq_len={cfg.model.max_seq_len}; "
-                "lower train.seq_len or raise model.max_seq_len"
-            )
-        if cfg.parallel.ep > 1 and cfg.model.moe.num_experts == 0:
-            raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model.moe.num_experts > 0)")
-        check_crop(cfg)
     check_stop(cfg)
     check_layout(cfg)
     check_hpz(cfg)
@@ -684,54 +676,6 @@ def data_parallel_degree(cfg: DictConfig, world: int | None = None) -> int:
     return dp
 
 
-def check_crop(cfg: DictConfig) -> None:
-    """train.crop_check_tokens needs a bounded receptive field, a data/sequence-parallel layout and room."""
-    n = _positive_int(cfg, "train.crop_check_tokens", minimum=0)
-    if not n:
-        return
-    if cfg.model.attention != "sparse" or cfg.model.sparse.layout != "sliding_window":
-        raise ConfigError(f"train.crop_check_tokens={n} needs model.attention=sparse with model.sparse.layout="
-                          "sliding_window (a receptive field bounded by window x layers)")
-    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
-        raise ConfigError(f"train.crop_check_tokens={n} runs with data and sequence parallelism only "
-                          "(parallel.tp=1 parallel.pp=1)")
-    if cfg.model.moe.num_experts:
-        raise ConfigError(f"train.crop_check_tokens={n} needs a dense FFN (model.moe.num_experts=0): routing with "
-                          "capacity or jitter depends on the whole sequence")
-    if cfg.zero.dtype != "fp32":
-        raise ConfigError(f"train.crop_check_tokens={n} compares with an fp32 forward: it needs zero.dtype=fp32")
-    if n > cfg.train.seq_len:
-        raise ConfigError(f"train.crop_check_tokens={n} must be <= train.seq_len={cfg.train.seq_len}")
-
-
-def check_model(cfg: DictConfig) -> None:
-    """The model's own rules (dims, heads, MoE routing, sparse layouts) as one-line errors, before any process
-    group."""
-    try:
-        model = model_config(cfg)
-        if model.attention == "sparse":
-            model.sparse.check_sequence(cfg.train.seq_len)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e)) from None
-    m = cfg.model.moe
-    if m.num_experts:
-        if not 1 <= m.top_k <= m.num_experts:
-            raise ConfigError(f"model.moe.top_k={m.top_k} must be in [1, model.moe.num_experts={m.num_experts}]")
-        if m.router not in ("softmax", "sigmoid"):
-            raise ConfigError(f"model.moe.router={m.router!r} must be softmax or sigmoid")
-    check_tiled_mlp(cfg, sum(not model.is_moe_layer(i) for i in range(model.n_layers)),
-                    f"the model (model.moe.num_experts={m.num_experts}, every={m.every}, first_dense={m.first_dense})")
-
-
-def check_tiled_mlp(cfg: DictConfig, dense_mlps: int, model: str) -> None:
-    """train.tiled_mlp tiles the dense MLPs only (MoE layers stay whole: their router statistics are per sequence),
-    so a model whose every feed-forward is MoE would tile nothing: refused. `dense_mlps`: its dense MLP layers;
-    `model`: how the message names it."""
-    if cfg.train.tiled_mlp and not dense_mlps:
-        raise ConfigError(f"train.tiled_mlp={cfg.train.tiled_mlp}: {model} has no dense MLP to tile (its MoE layers "
-                          "are not tiled: their router statistics are per sequence); set train.tiled_mlp=0")
-
-
 def check_activations(cfg: DictConfig) -> None:
     """train.offload_activations moves the layer inputs that activation checkpointing saves: without it there is
     nothing to offload."""
@@ -743,11 +687,12 @@ def check_activations(cfg: DictConfig) -> None:
 
 
 def check_layout(cfg: DictConfig) -> None:
-    """Tensor, sequence and pipeline parallel rules against the model, then the degrees against the number of
-    processes (parallel.dp=auto fills them), before any process group exists."""
+    """Tensor, sequence and pipeline parallel rules against the model (its family's, then those of any model),
+    then the degrees against the number of processes (parallel.dp=auto fills them), before any process group
+    exists."""
     from zero.parallel.pipeline import check_pipeline_layout
 
-    par, model = cfg.parallel, cfg.model
+    par, family = cfg.parallel, families.get(cfg)
     for key in ("tp", "pp", "sp", "ep", "cp"):
         _positive_int(cfg, f"parallel.{key}")
     if par.dp is not None and par.dp != "auto" and (not isinstance(par.dp, int) or isinstance(par.dp, bool)
@@ -755,44 +700,17 @@ def check_layout(cfg: DictConfig) -> None:
         raise ConfigError(f"parallel.dp={par.dp!r} must be auto or an integer >= 1")
     tp, sp, pp = par.tp, par.sp, par.pp
     check_context_parallel(cfg)
-    if is_hf(cfg):
-        check_hf_layout(cfg)
-        check_degrees(cfg)
-        return
-    if tp > 1:
-        from moe_lst.models.llama import check_tensor_parallel
-
-        try:
-            check_tensor_parallel(model_config(cfg), tp)
-        except ValueError as e:
-            raise ConfigError(f"{e}; e.g. parallel.tp={_tp_that_works(cfg, tp)}") from None
-        for key in ("tiled_loss", "tiled_mlp"):
-            if cfg.train[key]:
-                raise ConfigError(f"train.{key} with parallel.tp > 1 is not supported (the tensor-parallel MLP and "
-                                  "vocabulary-parallel loss already split that work); turn it off")
-    if sp > 1 and model.n_heads // tp < sp:
-        raise ConfigError(f"tp={tp} leaves {model.n_heads // tp} attention heads per rank and Ulysses splits them "
-                          f"over sp={sp}: the rule is sp <= n_heads / tp; use sp <= {max(model.n_heads // tp, 1)}")
-    if sp > 1 and model.attention == "nsa":
-        from sequence_parallel.ulysses import head_split
-
-        if head_split(model.n_heads, model.n_kv_heads, sp).kv_repeat > 1:
-            raise ConfigError(f"model.attention=nsa with parallel.sp={sp} and {model.n_kv_heads} kv heads: NSA "
-                              "selects blocks once per GQA group, so each rank must hold whole groups; use an sp "
-                              f"that divides model.n_kv_heads={model.n_kv_heads}")
+    family.check_layout(cfg)
     if tp > 1 and cfg.train.seq_len % (tp * sp):  # (sp alone pads the sequence to a multiple of sp)
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of tp x sp = {tp * sp} "
                           "(the sequence is split over both)")
-    if pp > 1 and model.tie_embeddings and cfg.zero.offload_optimizer == "nvme" and cfg.zero.stage >= 2:
-        raise ConfigError("model.tie_embeddings=true with parallel.pp > 1 and zero.offload_optimizer=nvme at "
-                          "zero.stage >= 2 is not supported (the tied gradients would be summed in nvme files); "
-                          "use zero.offload_optimizer=cpu, zero.stage=1 or model.tie_embeddings=false")
     if pp > 1 and cfg.train.tiled_loss:
         raise ConfigError("train.tiled_loss with parallel.pp > 1 is not supported (the last stage computes the "
                           "loss from its logits); turn it off")
     if pp > 1:
         split = None if par.pp_split is None else list(par.pp_split)
-        check_pipeline_layout(par.pp_schedule, pp, par.pp_virtual_stages, model.n_layers, cfg.train.grad_accum, split)
+        check_pipeline_layout(par.pp_schedule, pp, par.pp_virtual_stages, family.num_layers(cfg), cfg.train.grad_accum,
+                              split)
     elif par.pp_split is not None:
         raise ConfigError("parallel.pp_split is set but parallel.pp=1; set pp to the number of stages")
     check_degrees(cfg)  # (after the rules against the model: they name what to change first)
@@ -845,8 +763,7 @@ def check_degrees(cfg: DictConfig) -> None:
     except LayoutError as e:
         fix = f"; use an ep that divides {dp * cp * par.sp}" if dp * cp * par.sp % par.ep else ""
         raise ConfigError(f"{e}{fix}") from None
-    experts = (hf_model_config(cfg).num_local_experts if is_hf(cfg) else cfg.model.moe.num_experts) \
-        if par.ep > 1 else 0
+    experts = families.get(cfg).num_experts(cfg) if par.ep > 1 else 0
     check_expert_parallel(experts, par.ep, RECIPE_KEYS)
 
 
@@ -857,146 +774,24 @@ def check_hpz(cfg: DictConfig) -> None:
     check_node_size(cfg.zero.hpz_partition_size, world_size(), RECIPE_KEYS)
 
 
-def _tp_that_works(cfg: DictConfig, tp: int) -> int:
-    """The largest tensor-parallel degree below `tp` that this model accepts (a layout that would work)."""
-    from moe_lst.models.llama import check_tensor_parallel
-
-    for degree in range(tp - 1, 1, -1):
-        try:
-            check_tensor_parallel(model_config(cfg), degree)
-            return degree
-        except ValueError:
-            continue
-    return 1
-
-
-#: The transformers config.json of a model=hf run, written into its run_dir (recipes.export writes it out again).
-HF_CONFIG_FILE = "hf_config.json"
-
-
-def is_hf(cfg: DictConfig) -> bool:
-    """Whether the run's model is a Hugging Face causal LM (model=hf) rather than the project's Llama."""
-    # (over keys(): `in` on a structured config answers a missing key through an exception whose traceback OmegaConf
-    # keeps, and with it the caller's frames, e.g. the Run that holds run_dir's lock)
-    return "hf" in cfg.model.keys()
-
-
-def hf_model_config(cfg: DictConfig):
-    """The transformers config of a model=hf run: model.hf.config (else train.init_from's) with model.hf.overrides,
-    checked (moe_lst.models.hf.load_config); ConfigError in one line."""
-    from moe_lst.models.hf import HFConfigError, load_config
-
-    source = cfg.model.hf.config or cfg.train.init_from
-    if source is None:
-        raise ConfigError("model=hf needs model.hf.config=<a config.json or a model directory> (or train.init_from="
-                          "<a Hugging Face model directory>, whose config it then takes)")
-    key = "model.hf.config" if cfg.model.hf.config else "train.init_from"
-    overrides = cfg.model.hf.overrides
-    if overrides is not None and not isinstance(overrides, DictConfig):
-        raise ConfigError(f"model.hf.overrides={overrides!r} must be a mapping of config.json keys to values, e.g. "
-                          "model.hf.overrides='{hidden_size: 64, num_hidden_layers: 2}'")
-    try:
-        return load_config(source, None if overrides is None else OmegaConf.to_container(overrides, resolve=True))
-    except HFConfigError as e:
-        raise ConfigError(f"{key}={source}: {e}") from None
-
-
 def is_moe(cfg: DictConfig) -> bool:
-    """Whether the run's model has MoE layers (the Llama's model.moe.num_experts; a Mixtral or Qwen3-MoE config)."""
-    if is_hf(cfg):
-        from moe_lst.models.hf import is_moe as hf_is_moe
-
-        return hf_is_moe(hf_model_config(cfg))
-    return bool(cfg.model.moe.num_experts)
+    """Whether the run's model has MoE layers (its family's spec says)."""
+    return families.get(cfg).is_moe(cfg)
 
 
 def num_params(cfg: DictConfig) -> int:
-    """Parameters of the full (unsharded) model, a tied embedding counted once (built on the meta device)."""
-    if is_hf(cfg):
-        from moe_lst.models.hf import num_params as hf_num_params
-
-        return hf_num_params(hf_model_config(cfg))
-    return model_config(cfg).num_params()
+    """Parameters of the full (unsharded) model, a tied embedding counted once."""
+    return families.get(cfg).num_params(cfg)
 
 
 def vocab_size(cfg: DictConfig) -> int:
-    """The model's vocabulary size: model.vocab_size, or the Hugging Face config's."""
-    return hf_model_config(cfg).vocab_size if is_hf(cfg) else cfg.model.vocab_size
-
-
-def check_hf_attention(cfg: DictConfig) -> None:
-    """model.attention of a model=hf run: dense or sparse, with model.sparse keys only for sparse."""
-    m = cfg.model
-    if m.attention not in ("dense", "sparse"):
-        raise ConfigError(f"model.attention={m.attention!r} with model=hf must be dense or sparse (nsa needs the "
-                          "project's Llama: its gates and compressors are parameters a Hugging Face model lacks)")
-    sparse = SparseConfig(**OmegaConf.to_container(m.sparse, resolve=True))
-    changed = [f.name for f in fields(sparse) if getattr(sparse, f.name) != getattr(SparseConfig(), f.name)]
-    if changed and m.attention != "sparse":
-        raise ConfigError(f"model.sparse.{changed[0]} is set but model.attention={m.attention}; it applies only with "
-                          "model.attention=sparse: set that, or drop the key")
-    if m.attention == "sparse":
-        unused = sparse.unused_fields()
-        if unused:
-            raise ConfigError(f"model.sparse.{unused[0]} has no effect with model.sparse.layout={sparse.layout}; drop "
-                              "the key or choose a layout that reads it")
-        try:
-            sparse.check_sequence(cfg.train.seq_len)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-
-def check_hf_model(cfg: DictConfig) -> None:
-    """The model=hf rules before any process group: a config the adapter covers (moe_lst.models.hf), its attention
-    options, the sequence against its positions and window, MoE needs, and what its runtime does not offer."""
-    from moe_lst.models.hf import dense_mlp_layers, moe_supported, sliding_window
-    from moe_lst.models.hf import is_moe as hf_is_moe
-
-    config = hf_model_config(cfg)
-    check_hf_attention(cfg)
-    seq_len, fix = cfg.train.seq_len, "lower train.seq_len or set model.hf.overrides.{key}"
-    if seq_len > config.max_position_embeddings:
-        raise ConfigError(f"train.seq_len={seq_len} does not fit the model: its max_position_embeddings="
-                          f"{config.max_position_embeddings}; {fix.format(key='max_position_embeddings')}")
-    window = sliding_window(config)
-    if window is not None and window < seq_len:
-        raise ConfigError(f"train.seq_len={seq_len} is longer than the model's sliding_window={window}: the Hugging "
-                          f"Face adapter's attention is full causal attention; {fix.format(key='sliding_window')}")
-    if hf_is_moe(config) and not moe_supported():
-        raise ConfigError(f"model_type={config.model_type} has sparse-MoE blocks and moe_lst.models.hf.moe "
-                          "(adopt_moe_blocks, which swaps them for this project's MoE) is not available")
-    if cfg.parallel.ep > 1 and not hf_is_moe(config):
-        raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model_type {config.model_type} is dense)")
-    check_tiled_mlp(cfg, len(dense_mlp_layers(config)), f"model_type {config.model_type}")
-    if _positive_int(cfg, "train.crop_check_tokens", minimum=0):
-        raise ConfigError("train.crop_check_tokens needs the project's Llama with sliding-window sparse attention; "
-                          "set it to 0 with model=hf")
-
-
-def check_hf_layout(cfg: DictConfig) -> None:
-    """Parallel degrees a model=hf run can take: no tensor or pipeline parallelism (the adapter offers neither
-    plan), Ulysses over at most the model's query heads, and position-independent rotary tables under it."""
-    from moe_lst.models.hf.config import LENGTH_DEPENDENT_ROPE, rope_type
-
-    par, config = cfg.parallel, hf_model_config(cfg)
-    for key, what in (("tp", "tensor-parallel plan"), ("pp", "pipeline stages")):
-        if par[key] > 1:
-            raise ConfigError(f"parallel.{key}={par[key]} with model=hf is not supported (the Hugging Face adapter "
-                              f"offers no {what}); use data, sequence (sp) and expert parallelism")
-    heads = config.num_attention_heads
-    if par.sp > heads:
-        raise ConfigError(f"parallel.sp={par.sp} splits the model's {heads} attention heads over sp ranks: the rule "
-                          f"is sp <= num_attention_heads; use sp <= {heads}")
-    if par.sp > 1 and rope_type(config) in LENGTH_DEPENDENT_ROPE:
-        raise ConfigError(f"rope_type={rope_type(config)} scales its tables by the longest position a forward sees, "
-                          f"which differs per rank under parallel.sp={par.sp}; use parallel.sp=1 or another rope type")
+    """The model's vocabulary size (its family's spec reads it from the model section or the model's own config)."""
+    return families.get(cfg).vocab_size(cfg)
 
 
 def model_config(cfg: DictConfig):
-    """The model's config from the recipe's `model` group."""
-    from moe_lst.models.llama import ModelConfig
-
-    return ModelConfig(**OmegaConf.to_container(cfg.model, resolve=True))  # its moe dict becomes a MoEConfig
+    """The run's model config as its family takes it (the Llama's ModelConfig, a transformers config, ...)."""
+    return families.get(cfg).model_config(cfg)
 
 
 def check_run_dir(run_dir: str) -> Path:

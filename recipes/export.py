@@ -14,10 +14,11 @@ config.json (the run directory's hf_config.json) and the consolidated weights, w
 names: any model type the adapter trains (moe_lst.models.hf) exports, loading back to the same logits, with its dense
 attention (a run with model.attention=sparse is refused: no transformers config expresses block-sparse attention).
 
-Every rule is checked from the run's config before a checkpoint is read (`check_exportable`, `check_hf_exportable`):
-an MoE Llama trained with aux-loss-free balancing (model.moe.bias_update_rate > 0) has a router bias Mixtral lacks and
-is refused there. The recipe itself never exports (export is this separate command), so a run is not refused for what
-its export would refuse; these two functions are the one place such a rule is written.
+The run's model family (moe_lst.models.spec) writes it: its spec's `check_exportable` checks every rule from the
+run's config before a checkpoint is read (an MoE Llama trained with aux-loss-free balancing, model.moe.bias_update_rate
+> 0, has a router bias Mixtral lacks and is refused there), its `export` writes the directory. The recipe itself never
+exports (export is this separate command), so a run is not refused for what its export would refuse; the families'
+specs are the one place such a rule is written.
 
 The weight adapter itself (config.json and tensor names / layouts, both directions) is
 `moe_lst.models.llama.state_dict`; its names are importable from here as well: `import_hf(directory)` reads
@@ -33,14 +34,9 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
-
-import zero
-from recipes.config import HF_CONFIG_FILE, ConfigError, checkpoints, hf_model_config, is_hf, model_config
-from moe_lst.models.llama import Transformer
+from moe_lst.models import spec as families
 from moe_lst.models.llama.state_dict import (
     EXPERT_LAYOUTS,
-    ExportError,
     check_exportable,
     from_hf,
     hf_config,
@@ -51,10 +47,14 @@ from moe_lst.models.llama.state_dict import (
     weight_keys,
     weight_mismatches,
 )
+from moe_lst.models.spec import ExportError
+from omegaconf import OmegaConf
 
-__all__ = ["EXPERT_LAYOUTS", "ExportError", "check_exportable", "check_hf_exportable", "consolidate", "export", "from_hf",
-           "hf_config", "import_hf", "main", "model_config_from_hf", "save_hf", "to_hf", "weight_keys",
-           "weight_mismatches"]
+import zero
+from recipes.config import checkpoints
+
+__all__ = ["EXPERT_LAYOUTS", "ExportError", "check_exportable", "consolidate", "export", "from_hf", "hf_config",
+           "import_hf", "main", "model_config_from_hf", "save_hf", "to_hf", "weight_keys", "weight_mismatches"]
 
 
 def consolidate(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -79,45 +79,12 @@ def export(source: str | Path, out_dir: str | Path, experts: str = "per_expert")
     else:
         raise ExportError(f"{source} is neither a run directory nor a checkpoint directory")
     run_cfg = OmegaConf.load(run_dir / "config.yaml")
-    if is_hf(run_cfg):
-        return export_hf(run_dir, run_cfg, checkpoint, out_dir, experts)
-    cfg = model_config(run_cfg)
-    check_exportable(cfg)  # before the consolidation, which reads every shard
-    flat = consolidate(checkpoint)
-    shapes = {n: p.shape for n, p in Transformer(cfg, device="meta").state_dict().items()}
-    state = {n: (v.reshape(shapes[n]) if n in shapes else v) for n, v in flat.items()}
-    if cfg.tie_embeddings:
-        state.pop("output.weight", None)
-    return save_hf(state, cfg, out_dir, experts)
-
-
-def check_hf_exportable(run_cfg, run_dir: Path) -> None:
-    """Raise ExportError unless a model=hf run's model is what its transformers config describes: its attention
-    (model.attention=sparse trains block-sparse attention, which no transformers config can express, so the
-    exported model would attend densely and give other logits)."""
-    attention = run_cfg.model.get("attention", "dense")
-    if attention != "dense":
-        layout = run_cfg.model.sparse.get("layout") if attention == "sparse" else None
-        raise ExportError(f"{run_dir} was trained with model.attention={attention}"
-                          f"{f' (layout {layout})' if layout else ''}: transformers has "
-                          "no block-sparse attention to express it, so the export would be a dense-attention model "
-                          "with other outputs; only model=hf runs with model.attention=dense export")
-
-
-def export_hf(run_dir: Path, run_cfg, checkpoint: Path, out_dir: str | Path, experts: str) -> Path:
-    """A model=hf run's checkpoint as a Hugging Face directory (save_pretrained), MoE experts per expert or fused."""
-    from moe_lst.models.hf import HFConfigError, load_config, save_weights
-
-    check_hf_exportable(run_cfg, run_dir)  # before the consolidation, which reads every shard
-    written = run_dir / HF_CONFIG_FILE
     try:
-        config = load_config(written) if written.is_file() else hf_model_config(run_cfg)
-        flat = consolidate(checkpoint)
-        parameters = set(zero.open_checkpoint(checkpoint).names())  # (the rest are the trained model's buffers)
-        return save_weights(flat, config, out_dir, original_format=experts == "per_expert",
-                            buffers=set(flat) - parameters)
-    except (HFConfigError, ConfigError) as e:
+        family = families.get(run_cfg)
+    except zero.ConfigError as e:
         raise ExportError(f"{run_dir}: {e}") from None
+    family.check_exportable(run_cfg, run_dir)  # before the consolidation, which reads every shard
+    return family.export(run_dir, run_cfg, checkpoint, out_dir, experts, consolidate)
 
 
 def main(argv: list[str] | None = None) -> None:

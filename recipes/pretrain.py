@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from moe_lst.kernels.attention import attention
-from moe_lst.kernels.sparse import SparseAttention, SparseConfig
+from moe_lst.models import spec as families
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -34,14 +33,11 @@ import zero
 from moe import MoELayer, apply_expert_parallel, update_router_biases
 from moe.experts import bound_onednn_caches
 from recipes.config import (
-    HF_CONFIG_FILE,
     ConfigError,
     atomic_write_text,
     check_config,
     check_run_dir,
     data_parallel_degree,
-    hf_model_config,
-    is_hf,
     is_moe,
     model_config,
     num_params,
@@ -54,8 +50,6 @@ from recipes.crop_check import crop_check
 from recipes.data import BatchSpec, DataError, build_streams, check_data_identity, stream_metrics, stream_tokenizer
 from recipes.evals import Evaluations
 from recipes.losses import IGNORE_INDEX, lm_loss, logits_loss, mean_over_dp
-from moe_lst.models.llama import Transformer
-from moe_lst.models.llama.state_dict import ExportError, import_hf, weight_mismatches
 from recipes.preempt import Preempted, StopSignals, exit_code
 from recipes.reports import expert_load_media, memory_metrics, moe_stats, moe_step_metrics, report_expert_load
 from recipes.run_dir import (
@@ -79,9 +73,9 @@ from sequence_parallel import (
     shard_sequence,
 )
 from sequence_parallel.ring import apply_context_parallel
-from zero.optim.diloco import ReplicaDims
 from zero.dist import comm
 from zero.dist.topology import default_device
+from zero.optim.diloco import ReplicaDims
 from zero.parallel.pipeline import Pipeline, apply_pipeline
 from zero.parallel.tensor import apply_tensor_parallel, gather_sequence
 
@@ -133,26 +127,16 @@ class ScheduleLR(torch.optim.lr_scheduler.LRScheduler):
 
 
 def builds_on_meta(cfg: DictConfig) -> bool:
-    """Dense models at stage 3 or under pipeline parallelism are built on the meta device and materialised by the
-    engine (the model's init_parameter gives the values an eager build would): at stage 3 unit by unit, under pp
-    only this rank's stages, so no rank holds the whole model. (Not under tensor parallelism: its parameters are
-    slices of what init_parameter fills; nor MoE models, whose experts take their values as they are built: under
-    pp those are built whole and the pipeline drops the other stages' weights.)"""
-    return (cfg.zero.stage == 3 or cfg.parallel.pp > 1) and not is_moe(cfg) and cfg.parallel.tp == 1
+    """Whether the model is built on the meta device and materialised by the engine (the model's init_parameter
+    gives the values an eager build would): at stage 3 unit by unit, under pp only this rank's stages, so no rank
+    holds the whole model. Its family's spec says when (moe_lst.models.spec.FamilySpec.builds_on_meta)."""
+    return families.get(cfg).builds_on_meta(cfg)
 
 
 def new_model(cfg: DictConfig, meta: bool, dims: zero.ParallelDims) -> nn.Module:
-    """The full model before any parallelism: the project's Llama, or with model=hf a Hugging Face causal LM
-    behind the model contract (moe_lst.models.hf; its buffers on this rank's device, an MoE model's balancing
-    loss over the sequence's sp ranks)."""
-    if not is_hf(cfg):
-        return Transformer(model_config(cfg), device="meta" if meta else None)
-    from moe_lst.models.hf import build
-
-    fn = SparseAttention(SparseConfig(**OmegaConf.to_container(cfg.model.sparse))) \
-        if cfg.model.attention == "sparse" else attention
-    return build(hf_model_config(cfg), meta=meta, device=default_device() if meta else None, attention_fn=fn,
-                 sp_group=dims.sp_group)
+    """The full model before any parallelism, built by its family's spec (the project's Llama; with model=hf a
+    Hugging Face causal LM behind the model contract; a family of model.family's own)."""
+    return families.get(cfg).build(cfg, dims, meta)
 
 
 @dataclass
@@ -165,7 +149,7 @@ class Parallelism:
 
 
 def build_model(cfg: DictConfig, dims: zero.ParallelDims,
-                initial: dict[str, torch.Tensor] | None = None) -> tuple[Transformer, Parallelism]:
+                initial: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, Parallelism]:
     """The full model, identically initialised on every rank (with the `initial` weights when given), then
     parallelised from outside: experts over ep, tensor parallel over tp, heads over sp (Ulysses), then this
     rank's pipeline stages over pp. Each keeps its slice of the values the full model holds, so initial
@@ -174,9 +158,7 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims,
     model = new_model(cfg, meta, dims)
     if initial is not None and not meta:
         load_initial_weights(model, initial)
-    parallel = Parallelism()
-    if is_hf(cfg):
-        parallel.plans.append(model.loss_plan())  # (a balancing loss attached inside the model)
+    parallel = Parallelism(plans=families.get(cfg).plans(model, dims))  # (the model's own: a balancing loss)
     if is_moe(cfg):
         parallel.plans.append(apply_expert_parallel(model, dims))
     parallel.plans.append(apply_tensor_parallel(model, dims.tp_group))  # slices heads; Ulysses splits the rest
@@ -217,7 +199,7 @@ def data_rank(dims: zero.ParallelDims) -> int:
     return dims.coordinate().get("replica", 0) * dims.dp + dims.dp_rank
 
 
-def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims,
+def build_engine(cfg: DictConfig, model: nn.Module, dims: zero.ParallelDims,
                  parallel: Parallelism) -> zero.Engine:
     """The ZeRO engine over this rank's part of `model` (under pp: its stages only), told by the plans
     what parallelism applied from outside needs from it."""
@@ -232,9 +214,9 @@ def build_engine(cfg: DictConfig, model: Transformer, dims: zero.ParallelDims,
 
 
 def initial_weights(cfg: DictConfig, run_dir: Path, is_rank0: bool) -> dict[str, torch.Tensor] | None:
-    """The full weights train.init_from names (a Hugging Face Llama / Mixtral directory, as recipes.export
-    writes; with model=hf any directory of the run's model) for a fresh run, refused in one line naming every
-    model key on which they differ from the run's model. None without it, and when the run resumes (its
+    """The full weights train.init_from names for a fresh run, read by the model family's spec (the Llama: a
+    Hugging Face Llama / Mixtral directory, as recipes.export writes; with model=hf any directory of the run's
+    model), refused in one line when they are another model's. None without it, and when the run resumes (its
     checkpoint holds the weights: said once)."""
     source = cfg.train.init_from
     if source is None:
@@ -244,23 +226,7 @@ def initial_weights(cfg: DictConfig, run_dir: Path, is_rank0: bool) -> dict[str,
             print(f"train.init_from={source} is not used: the run resumes from its checkpoint "
                   f"(train.resume={cfg.train.resume})", flush=True)
         return None
-    if is_hf(cfg):
-        from moe_lst.models.hf import HFConfigError, load_weights
-
-        try:
-            return load_weights(source, hf_model_config(cfg))
-        except HFConfigError as e:
-            raise ConfigError(f"train.init_from={source}: {e}") from None
-    try:
-        theirs, state = import_hf(source)
-    except ExportError as e:
-        raise ConfigError(f"train.init_from={source}: {e}") from None
-    differ = weight_mismatches(model_config(cfg), theirs)
-    if differ:
-        raise ConfigError(f"train.init_from={source} holds another model: "
-                          + ", ".join(f"{k}={a} here but {b} there" for k, (a, b) in differ.items())
-                          + "; set those keys to the directory's values or choose another directory")
-    return state
+    return families.get(cfg).init_from(cfg, source)
 
 
 def load_initial_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -423,8 +389,8 @@ class Run:
             else None
         if self.is_rank0:
             save_config(cfg, self.run_dir)
-            if is_hf(cfg):  # the model's own config, which recipes.export writes beside the weights
-                atomic_write_text(self.run_dir / HF_CONFIG_FILE, hf_model_config(cfg).to_json_string())
+            for name, text in families.get(cfg).run_files(cfg).items():  # (e.g. the config.json export reads)
+                atomic_write_text(self.run_dir / name, text)
         self.logger = MetricsLogger(self.run_dir, self.is_rank0, OmegaConf.to_container(cfg.wandb),
                                     OmegaConf.to_container(cfg, resolve=True), resume_step=self.start_step,
                                     run_id=self.run_id)

@@ -9,11 +9,12 @@ from pathlib import Path
 import matplotlib
 import torch
 import torch.distributed as dist
+from moe_lst.models import spec as families
 from omegaconf import DictConfig
 
 import zero
 from moe import collect_moe_stats
-from recipes.config import atomic_write_text, model_config
+from recipes.config import atomic_write_text
 from zero.dist import comm
 from zero.dist.topology import default_device, peak_rss_bytes
 from zero.parallel.pipeline import Pipeline
@@ -56,10 +57,10 @@ def moe_stats(engine, cfg: DictConfig, dims: zero.ParallelDims, pipe: Pipeline |
     after the MoE layers of the stages before it, and every rank gets every stage's (one gather)."""
     if pipe is None:
         return collect_moe_stats(engine.module)
-    model_cfg = model_config(cfg)
+    moe_layers = families.get(cfg).moe_layers(cfg)
     mine = {}
     for span, stage in zip(pipe.spans, pipe.stage_modules):
-        before = sum(model_cfg.is_moe_layer(i) for i in range(span.layers.start))
+        before = sum(i < span.layers.start for i in moe_layers)
         mine.update(collect_moe_stats(stage, start=before))
     out = {}
     for part in comm.all_gather_object(mine, dims.pp_group):

@@ -29,16 +29,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-
 from moe_lst.models.llama.model import ModelConfig, MoEConfig, Transformer
+from moe_lst.models.spec import ExportError  # (every family's export refuses with it)
 
 EXPERT_LAYOUTS = ("per_expert", "fused")
 # The rotary base `transformers` assumes when a config.json names none (its config classes' default_theta).
 _DEFAULT_THETA = {"llama": 10000.0, "mixtral": 1000000.0}
-
-
-class ExportError(ValueError):
-    """A model, config or checkpoint that cannot be exported or imported in the requested layout."""
 
 
 def _rope_order(rows: int, head_dim: int, inverse: bool = False) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """One rank's part of a run, built from the runtime's own objects on the meta device under a fake process group.
 
-`rank_model` builds the recipe's model on the meta device and applies expert, tensor, sequence and pipeline
-parallelism with the recipe's own `apply_*` functions for one rank of a world that exists only as
-torch's fake process group (collectives do nothing; `zero.dist.comm` still counts them). `bucket_specs`
-lays that rank's parameters out with the engine's own bucket policy (`zero.sharding.policy.module_bucket_layout`,
-given the plans the engine would get) without allocating them.
+`rank_model` builds the recipe's model on the meta device (its family's spec) and parallelises it with the recipe's
+own `recipes.parallelize` for one rank of a world that exists only as torch's fake process group (collectives do
+nothing; `zero.dist.comm` still counts them). `bucket_specs` lays that rank's parameters out with the engine's own
+bucket policy (`zero.sharding.policy.module_bucket_layout`, given the plans the engine would get) without allocating
+them.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from moe_lst.models import spec as families
 from omegaconf import DictConfig
 
 import zero
-from recipes.config import is_hf, is_moe, model_config
+from recipes.config import is_moe
 from zero.sharding.policy import BucketSpec, Layout, module_bucket_layout
 
 __all__ = ["BucketSpec", "Layout", "RankModel", "bucket_specs", "fake_world", "gradient_passes", "rank_model",
@@ -63,16 +64,15 @@ def rank_model(cfg: DictConfig, rank: int) -> RankModel:
     """Build rank `rank`'s model (call inside `fake_world`)."""
     from moe import MoELayer, apply_expert_parallel
     from recipes.losses import logits_loss
-    from moe_lst.models.llama import Transformer
     from sequence_parallel import apply_activation_checkpointing, apply_tiled_mlp, apply_ulysses
     from zero.parallel.pipeline import apply_pipeline
     from zero.parallel.tensor import apply_tensor_parallel
 
-    if is_hf(cfg):
-        raise NotImplementedError("the planner covers the project's Llama family (model=hf is not planned yet)")
+    family = families.get(cfg)
+    family.check_plannable(cfg)
     dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep", "cp")})
     with torch.device("meta"):
-        model = Transformer(model_config(cfg), device="meta")
+        model = family.build(cfg, dims, meta=True)
     plans = [apply_expert_parallel(model, dims)] if is_moe(cfg) else []
     plans.append(apply_tensor_parallel(model, dims.tp_group))
     if dims.cp > 1:  # as the recipe: ring attention over cp, Ulysses over sp inside it
@@ -85,7 +85,7 @@ def rank_model(cfg: DictConfig, rank: int) -> RankModel:
         apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp, exclude=(MoELayer,))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model, offload=cfg.train.offload_activations)
-    layers = list(range(cfg.model.n_layers))
+    layers = list(range(family.num_layers(cfg)))
     out = RankModel(dims, model, model, None, layers, True, True)
     if dims.pp > 1:
         p = cfg.parallel

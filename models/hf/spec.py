@@ -1,0 +1,210 @@
+"""A Hugging Face transformers causal LM as a registered model family (moe_lst.models.spec), selected with
+`model=hf` (conf/model/hf.yaml, whose `model.hf` block names this family: moe_lst.models.spec.BUILTIN_BLOCKS): its
+config.json with typed overrides, its rules against a run's layout, weights from and to model directories, and its
+export through transformers' own save_pretrained."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from moe_lst.kernels.sparse import SparseConfig
+from moe_lst.models.spec import ConfigError, ExportError, FamilySpec, check_tiled_mlp, positive_int, register
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+import zero
+
+#: The transformers config.json of a run, written into its run_dir (export writes it out again).
+HF_CONFIG_FILE = "hf_config.json"
+
+
+def hf_model_config(cfg: Any):
+    """The transformers config of a model=hf run: model.hf.config (else train.init_from's) with model.hf.overrides,
+    checked (moe_lst.models.hf.load_config); ConfigError in one line."""
+    from moe_lst.models.hf import HFConfigError, load_config
+
+    source = cfg.model.hf.config or cfg.train.init_from
+    if source is None:
+        raise ConfigError("model=hf needs model.hf.config=<a config.json or a model directory> (or train.init_from="
+                          "<a Hugging Face model directory>, whose config it then takes)")
+    key = "model.hf.config" if cfg.model.hf.config else "train.init_from"
+    overrides = cfg.model.hf.overrides
+    if overrides is not None and not isinstance(overrides, DictConfig):
+        raise ConfigError(f"model.hf.overrides={overrides!r} must be a mapping of config.json keys to values, e.g. "
+                          "model.hf.overrides='{hidden_size: 64, num_hidden_layers: 2}'")
+    try:
+        return load_config(source, None if overrides is None else OmegaConf.to_container(overrides, resolve=True))
+    except HFConfigError as e:
+        raise ConfigError(f"{key}={source}: {e}") from None
+
+
+def check_attention(cfg: Any) -> None:
+    """model.attention of a model=hf run: dense or sparse, with model.sparse keys only for sparse."""
+    m = cfg.model
+    if m.attention not in ("dense", "sparse"):
+        raise ConfigError(f"model.attention={m.attention!r} with model=hf must be dense or sparse (nsa needs the "
+                          "project's Llama: its gates and compressors are parameters a Hugging Face model lacks)")
+    sparse = SparseConfig(**OmegaConf.to_container(m.sparse, resolve=True))
+    changed = [f.name for f in fields(sparse) if getattr(sparse, f.name) != getattr(SparseConfig(), f.name)]
+    if changed and m.attention != "sparse":
+        raise ConfigError(f"model.sparse.{changed[0]} is set but model.attention={m.attention}; it applies only with "
+                          "model.attention=sparse: set that, or drop the key")
+    if m.attention == "sparse":
+        unused = sparse.unused_fields()
+        if unused:
+            raise ConfigError(f"model.sparse.{unused[0]} has no effect with model.sparse.layout={sparse.layout}; drop "
+                              "the key or choose a layout that reads it")
+        try:
+            sparse.check_sequence(cfg.train.seq_len)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+class HFSpec(FamilySpec):
+    """Any causal LM of a model type the adapter covers (moe_lst.models.hf): data, sequence (Ulysses) and expert
+    parallelism; no tensor or pipeline parallelism (the adapter offers neither plan)."""
+
+    # (its model section is typed: recipes.config.HFModelConfig, stored for conf/model/hf.yaml; the recipe's schema
+    # keeps it so that a Llama run never imports this family, whose package imports transformers' model classes)
+
+    def model_config(self, cfg: Any):
+        return hf_model_config(cfg)
+
+    def check_model(self, cfg: Any) -> None:
+        """A config the adapter covers, its attention options, the sequence against its positions and window,
+        MoE needs, and what its runtime does not offer."""
+        from moe_lst.models.hf import dense_mlp_layers, is_moe, moe_supported, sliding_window
+
+        config = hf_model_config(cfg)
+        check_attention(cfg)
+        seq_len, fix = cfg.train.seq_len, "lower train.seq_len or set model.hf.overrides.{key}"
+        if seq_len > config.max_position_embeddings:
+            raise ConfigError(f"train.seq_len={seq_len} does not fit the model: its max_position_embeddings="
+                              f"{config.max_position_embeddings}; {fix.format(key='max_position_embeddings')}")
+        window = sliding_window(config)
+        if window is not None and window < seq_len:
+            raise ConfigError(f"train.seq_len={seq_len} is longer than the model's sliding_window={window}: the "
+                              f"Hugging Face adapter's attention is full causal attention; "
+                              f"{fix.format(key='sliding_window')}")
+        if is_moe(config) and not moe_supported():
+            raise ConfigError(f"model_type={config.model_type} has sparse-MoE blocks and moe_lst.models.hf.moe "
+                              "(adopt_moe_blocks, which swaps them for this project's MoE) is not available")
+        if cfg.parallel.ep > 1 and not is_moe(config):
+            raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model_type {config.model_type} is "
+                              "dense)")
+        check_tiled_mlp(cfg, len(dense_mlp_layers(config)), f"model_type {config.model_type}")
+        if positive_int(cfg, "train.crop_check_tokens", minimum=0):
+            raise ConfigError("train.crop_check_tokens needs the project's Llama with sliding-window sparse "
+                              "attention; set it to 0 with model=hf")
+
+    def check_layout(self, cfg: Any) -> None:
+        """No tensor or pipeline parallelism, Ulysses over at most the model's query heads, and
+        position-independent rotary tables under it."""
+        from moe_lst.models.hf.config import LENGTH_DEPENDENT_ROPE, rope_type
+
+        par, config = cfg.parallel, hf_model_config(cfg)
+        for key, what in (("tp", "tensor-parallel plan"), ("pp", "pipeline stages")):
+            if par[key] > 1:
+                raise ConfigError(f"parallel.{key}={par[key]} with model=hf is not supported (the Hugging Face "
+                                  f"adapter offers no {what}); use data, sequence (sp) and expert parallelism")
+        heads = config.num_attention_heads
+        if par.sp > heads:
+            raise ConfigError(f"parallel.sp={par.sp} splits the model's {heads} attention heads over sp ranks: the "
+                              f"rule is sp <= num_attention_heads; use sp <= {heads}")
+        if par.sp > 1 and rope_type(config) in LENGTH_DEPENDENT_ROPE:
+            raise ConfigError(f"rope_type={rope_type(config)} scales its tables by the longest position a forward "
+                              f"sees, which differs per rank under parallel.sp={par.sp}; use parallel.sp=1 or "
+                              "another rope type")
+
+    def num_layers(self, cfg: Any) -> int:
+        return hf_model_config(cfg).num_hidden_layers
+
+    def vocab_size(self, cfg: Any) -> int:
+        return hf_model_config(cfg).vocab_size
+
+    def is_moe(self, cfg: Any) -> bool:
+        from moe_lst.models.hf import is_moe
+
+        return is_moe(hf_model_config(cfg))
+
+    def num_experts(self, cfg: Any) -> int:
+        return hf_model_config(cfg).num_local_experts if self.is_moe(cfg) else 0
+
+    def moe_layers(self, cfg: Any) -> list[int]:
+        from moe_lst.models.hf import dense_mlp_layers
+
+        config = hf_model_config(cfg)
+        dense = set(dense_mlp_layers(config))
+        return [i for i in range(config.num_hidden_layers) if i not in dense]
+
+    def num_params(self, cfg: Any) -> int:
+        from moe_lst.models.hf import num_params
+
+        return num_params(hf_model_config(cfg))
+
+    def build(self, cfg: Any, dims: zero.ParallelDims, meta: bool) -> nn.Module:
+        """The adapted model (its buffers on this rank's device when built on meta; an MoE model's balancing loss
+        over the sequence's sp ranks), its attention block-sparse with model.attention=sparse."""
+        from moe_lst.kernels.attention import attention
+        from moe_lst.kernels.sparse import SparseAttention
+        from moe_lst.models.hf import build
+
+        from zero.dist.topology import default_device
+
+        fn = SparseAttention(SparseConfig(**OmegaConf.to_container(cfg.model.sparse))) \
+            if cfg.model.attention == "sparse" else attention
+        return build(hf_model_config(cfg), meta=meta, device=default_device() if meta else None, attention_fn=fn,
+                     sp_group=dims.sp_group)
+
+    def plans(self, model: nn.Module, dims: zero.ParallelDims) -> list[zero.Plan]:
+        return [model.loss_plan()]  # (a balancing loss attached inside the model)
+
+    def init_from(self, cfg: Any, source: str) -> dict[str, torch.Tensor]:
+        """Any directory save_pretrained wrote for a model of the run's config."""
+        from moe_lst.models.hf import HFConfigError, load_weights
+
+        try:
+            return load_weights(source, hf_model_config(cfg))
+        except HFConfigError as e:
+            raise ConfigError(f"train.init_from={source}: {e}") from None
+
+    def run_files(self, cfg: Any) -> dict[str, str]:
+        return {HF_CONFIG_FILE: hf_model_config(cfg).to_json_string()}
+
+    def check_exportable(self, run_cfg: Any, run_dir: Path) -> None:
+        """Raise ExportError unless the run's model is what its transformers config describes: its attention
+        (model.attention=sparse trains block-sparse attention, which no transformers config can express, so the
+        exported model would attend densely and give other logits)."""
+        attention = run_cfg.model.get("attention", "dense")
+        if attention != "dense":
+            layout = run_cfg.model.sparse.get("layout") if attention == "sparse" else None
+            raise ExportError(f"{run_dir} was trained with model.attention={attention}"
+                              f"{f' (layout {layout})' if layout else ''}: transformers has "
+                              "no block-sparse attention to express it, so the export would be a dense-attention "
+                              "model with other outputs; only model=hf runs with model.attention=dense export")
+
+    def export(self, run_dir: Path, run_cfg: Any, checkpoint: Path, out_dir: str | Path, experts: str,
+               consolidate: Callable[[Path], dict[str, torch.Tensor]]) -> Path:
+        """save_pretrained from the run's config.json (its run_dir's hf_config.json) and the consolidated weights,
+        which already carry Hugging Face's names; MoE experts per expert or fused."""
+        from moe_lst.models.hf import HFConfigError, load_config, save_weights
+
+        written = run_dir / HF_CONFIG_FILE
+        try:
+            config = load_config(written) if written.is_file() else hf_model_config(run_cfg)
+            flat = consolidate(checkpoint)
+            parameters = set(zero.open_checkpoint(checkpoint).names())  # (the rest are the trained model's buffers)
+            return save_weights(flat, config, out_dir, original_format=experts == "per_expert",
+                                buffers=set(flat) - parameters)
+        except (HFConfigError, ConfigError) as e:
+            raise ExportError(f"{run_dir}: {e}") from None
+
+    def check_plannable(self, cfg: Any) -> None:
+        raise NotImplementedError("the planner covers the project's Llama family (model=hf is not planned yet)")
+
+
+register("hf", HFSpec())

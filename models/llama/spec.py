@@ -1,0 +1,182 @@
+"""The project's Llama as a registered model family (moe_lst.models.spec): its config is the `model` section
+itself (ModelConfig's fields), its rules against a run's layout, weights from and to Hugging Face Llama / Mixtral
+directories (state_dict.py) and its export."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from moe_lst.models.llama.model import ModelConfig, Transformer
+from moe_lst.models.spec import ConfigError, ExportError, FamilySpec, check_tiled_mlp, positive_int, register
+from omegaconf import OmegaConf
+from torch import nn
+
+import zero
+
+
+def model_config(cfg: Any) -> ModelConfig:
+    """The ModelConfig of a run's `model` section (its `family` key, when written, is not one of its fields)."""
+    values = OmegaConf.to_container(cfg.model, resolve=True)
+    values.pop("family", None)
+    return ModelConfig(**values)  # its moe dict becomes a MoEConfig
+
+
+def tp_that_works(cfg: Any, tp: int) -> int:
+    """The largest tensor-parallel degree below `tp` that this model accepts (a layout that would work)."""
+    from moe_lst.models.llama.parallelize import check_tensor_parallel
+
+    for degree in range(tp - 1, 1, -1):
+        try:
+            check_tensor_parallel(model_config(cfg), degree)
+            return degree
+        except ValueError:
+            continue
+    return 1
+
+
+def check_crop(cfg: Any) -> None:
+    """train.crop_check_tokens needs a bounded receptive field, a data/sequence-parallel layout and room."""
+    n = positive_int(cfg, "train.crop_check_tokens", minimum=0)
+    if not n:
+        return
+    if cfg.model.attention != "sparse" or cfg.model.sparse.layout != "sliding_window":
+        raise ConfigError(f"train.crop_check_tokens={n} needs model.attention=sparse with model.sparse.layout="
+                          "sliding_window (a receptive field bounded by window x layers)")
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        raise ConfigError(f"train.crop_check_tokens={n} runs with data and sequence parallelism only "
+                          "(parallel.tp=1 parallel.pp=1)")
+    if cfg.model.moe.num_experts:
+        raise ConfigError(f"train.crop_check_tokens={n} needs a dense FFN (model.moe.num_experts=0): routing with "
+                          "capacity or jitter depends on the whole sequence")
+    if cfg.zero.dtype != "fp32":
+        raise ConfigError(f"train.crop_check_tokens={n} compares with an fp32 forward: it needs zero.dtype=fp32")
+    if n > cfg.train.seq_len:
+        raise ConfigError(f"train.crop_check_tokens={n} must be <= train.seq_len={cfg.train.seq_len}")
+
+
+class LlamaSpec(FamilySpec):
+    """The project's Llama (dense, MoE, block-sparse or NSA attention): every layout the runtime offers."""
+
+    schema = ModelConfig
+
+    def model_config(self, cfg: Any) -> ModelConfig:
+        return model_config(cfg)
+
+    def check_model(self, cfg: Any) -> None:
+        """The model's own rules (dims, heads, MoE routing, sparse layouts), the sequence against its positions,
+        ep against its experts, the crop check and MLP tiling, as one-line errors."""
+        try:
+            model = model_config(cfg)
+            if model.attention == "sparse":
+                model.sparse.check_sequence(cfg.train.seq_len)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(str(e)) from None
+        m = cfg.model.moe
+        if m.num_experts:
+            if not 1 <= m.top_k <= m.num_experts:
+                raise ConfigError(f"model.moe.top_k={m.top_k} must be in [1, model.moe.num_experts={m.num_experts}]")
+            if m.router not in ("softmax", "sigmoid"):
+                raise ConfigError(f"model.moe.router={m.router!r} must be softmax or sigmoid")
+        check_tiled_mlp(cfg, sum(not model.is_moe_layer(i) for i in range(model.n_layers)),
+                        f"the model (model.moe.num_experts={m.num_experts}, every={m.every}, "
+                        f"first_dense={m.first_dense})")
+        if cfg.train.seq_len > cfg.model.max_seq_len:
+            raise ConfigError(f"train.seq_len={cfg.train.seq_len} does not fit the model: model.max_seq_len="
+                              f"{cfg.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len")
+        if cfg.parallel.ep > 1 and cfg.model.moe.num_experts == 0:
+            raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model.moe.num_experts > 0)")
+        check_crop(cfg)
+
+    def check_layout(self, cfg: Any) -> None:
+        """Tensor parallelism against the heads and widths, Ulysses against the heads (and NSA's GQA groups), and
+        what a tied embedding cannot do under pp."""
+        par, model = cfg.parallel, cfg.model
+        tp, sp, pp = par.tp, par.sp, par.pp
+        if tp > 1:
+            from moe_lst.models.llama.parallelize import check_tensor_parallel
+
+            try:
+                check_tensor_parallel(model_config(cfg), tp)
+            except ValueError as e:
+                raise ConfigError(f"{e}; e.g. parallel.tp={tp_that_works(cfg, tp)}") from None
+            for key in ("tiled_loss", "tiled_mlp"):
+                if cfg.train[key]:
+                    raise ConfigError(f"train.{key} with parallel.tp > 1 is not supported (the tensor-parallel MLP "
+                                      "and vocabulary-parallel loss already split that work); turn it off")
+        if sp > 1 and model.n_heads // tp < sp:
+            raise ConfigError(f"tp={tp} leaves {model.n_heads // tp} attention heads per rank and Ulysses splits "
+                              f"them over sp={sp}: the rule is sp <= n_heads / tp; use sp <= "
+                              f"{max(model.n_heads // tp, 1)}")
+        if sp > 1 and model.attention == "nsa":
+            from sequence_parallel.ulysses import head_split
+
+            if head_split(model.n_heads, model.n_kv_heads, sp).kv_repeat > 1:
+                raise ConfigError(f"model.attention=nsa with parallel.sp={sp} and {model.n_kv_heads} kv heads: NSA "
+                                  "selects blocks once per GQA group, so each rank must hold whole groups; use an "
+                                  f"sp that divides model.n_kv_heads={model.n_kv_heads}")
+        if pp > 1 and model.tie_embeddings and cfg.zero.offload_optimizer == "nvme" and cfg.zero.stage >= 2:
+            raise ConfigError("model.tie_embeddings=true with parallel.pp > 1 and zero.offload_optimizer=nvme at "
+                              "zero.stage >= 2 is not supported (the tied gradients would be summed in nvme files); "
+                              "use zero.offload_optimizer=cpu, zero.stage=1 or model.tie_embeddings=false")
+
+    def num_layers(self, cfg: Any) -> int:
+        return cfg.model.n_layers
+
+    def vocab_size(self, cfg: Any) -> int:
+        return cfg.model.vocab_size
+
+    def num_experts(self, cfg: Any) -> int:
+        return cfg.model.moe.num_experts
+
+    def moe_layers(self, cfg: Any) -> list[int]:
+        model = model_config(cfg)
+        return [i for i in range(model.n_layers) if model.is_moe_layer(i)]
+
+    def num_params(self, cfg: Any) -> int:
+        return model_config(cfg).num_params()
+
+    def build(self, cfg: Any, dims: zero.ParallelDims, meta: bool) -> nn.Module:
+        return Transformer(model_config(cfg), device="meta" if meta else None)
+
+    def init_from(self, cfg: Any, source: str) -> dict[str, torch.Tensor]:
+        """A Hugging Face Llama / Mixtral directory (as recipes.export writes), refused in one line naming every
+        model key on which it differs from the run's model."""
+        from moe_lst.models.llama.state_dict import import_hf, weight_mismatches
+
+        try:
+            theirs, state = import_hf(source)
+        except ExportError as e:
+            raise ConfigError(f"train.init_from={source}: {e}") from None
+        differ = weight_mismatches(model_config(cfg), theirs)
+        if differ:
+            raise ConfigError(f"train.init_from={source} holds another model: "
+                              + ", ".join(f"{k}={a} here but {b} there" for k, (a, b) in differ.items())
+                              + "; set those keys to the directory's values or choose another directory")
+        return state
+
+    def check_exportable(self, run_cfg: Any, run_dir: Path) -> None:
+        from moe_lst.models.llama.state_dict import check_exportable
+
+        check_exportable(model_config(run_cfg))
+
+    def export(self, run_dir: Path, run_cfg: Any, checkpoint: Path, out_dir: str | Path, experts: str,
+               consolidate: Callable[[Path], dict[str, torch.Tensor]]) -> Path:
+        """As Hugging Face Llama (dense) or Mixtral (MoE), experts per expert or fused (state_dict.save_hf)."""
+        from moe_lst.models.llama.state_dict import save_hf
+
+        cfg = model_config(run_cfg)
+        flat = consolidate(checkpoint)
+        shapes = {n: p.shape for n, p in Transformer(cfg, device="meta").state_dict().items()}
+        state = {n: (v.reshape(shapes[n]) if n in shapes else v) for n, v in flat.items()}
+        if cfg.tie_embeddings:
+            state.pop("output.weight", None)
+        return save_hf(state, cfg, out_dir, experts)
+
+    def check_plannable(self, cfg: Any) -> None:
+        """The planner models this family's layers."""
+
+
+register("llama", LlamaSpec())
