@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
@@ -30,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 import zero
-from moe import MoELayer, apply_expert_parallel, update_router_biases
+from moe import update_router_biases
 from moe.experts import bound_onednn_caches
 from recipes.config import (
     ConfigError,
@@ -49,7 +48,8 @@ from recipes.config import (
 from recipes.crop_check import crop_check
 from recipes.data import BatchSpec, DataError, build_streams, check_data_identity, stream_metrics, stream_tokenizer
 from recipes.evals import Evaluations
-from recipes.losses import IGNORE_INDEX, lm_loss, logits_loss, mean_over_dp
+from recipes.losses import IGNORE_INDEX, lm_loss, mean_over_dp
+from recipes.parallelize import Parallelism, parallelize
 from recipes.preempt import Preempted, StopSignals, exit_code
 from recipes.reports import expert_load_media, memory_metrics, moe_stats, moe_step_metrics, report_expert_load
 from recipes.run_dir import (
@@ -66,18 +66,14 @@ from recipes.run_dir import (
 )
 from recipes.tracking import MetricsLogger
 from sequence_parallel import (
-    apply_activation_checkpointing,
-    apply_tiled_mlp,
-    apply_ulysses,
     local_attention,
     shard_sequence,
 )
-from sequence_parallel.ring import apply_context_parallel
 from zero.dist import comm
 from zero.dist.topology import default_device
 from zero.optim.diloco import ReplicaDims
-from zero.parallel.pipeline import Pipeline, apply_pipeline
-from zero.parallel.tensor import apply_tensor_parallel, gather_sequence
+from zero.parallel.pipeline import Pipeline
+from zero.parallel.tensor import gather_sequence
 
 #: The backend's own collective timeout is a backstop this long after the watchdog's (zero.dist.comm).
 BACKSTOP_TIMEOUT_S = 60.0
@@ -139,47 +135,21 @@ def new_model(cfg: DictConfig, meta: bool, dims: zero.ParallelDims) -> nn.Module
     return families.get(cfg).build(cfg, dims, meta)
 
 
-@dataclass
-class Parallelism:
-    """What was applied to the model from outside: the plans the engine takes, in the order they were
-    applied, and this rank's pipeline (one of the plans) when there is one."""
-
-    plans: list[zero.Plan] = field(default_factory=list)
-    pipe: Pipeline | None = None
-
-
 def build_model(cfg: DictConfig, dims: zero.ParallelDims,
                 initial: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, Parallelism]:
     """The full model, identically initialised on every rank (with the `initial` weights when given), then
-    parallelised from outside: experts over ep, tensor parallel over tp, heads over sp (Ulysses), then this
-    rank's pipeline stages over pp. Each keeps its slice of the values the full model holds, so initial
-    weights need no slicing of their own (a meta-built model gets them from the engine: see Run)."""
+    parallelised from outside by recipes.parallelize (experts over ep, tensor parallel over tp, heads over sp,
+    tiling, checkpointing, then this rank's pipeline stages over pp). Each keeps its slice of the values the full
+    model holds, so initial weights need no slicing of their own (a meta-built model gets them from the engine:
+    see Run)."""
     meta = builds_on_meta(cfg)
     model = new_model(cfg, meta, dims)
     if initial is not None and not meta:
         load_initial_weights(model, initial)
-    parallel = Parallelism(plans=families.get(cfg).plans(model, dims))  # (the model's own: a balancing loss)
-    if is_moe(cfg):
-        parallel.plans.append(apply_expert_parallel(model, dims))
-    parallel.plans.append(apply_tensor_parallel(model, dims.tp_group))  # slices heads; Ulysses splits the rest
-    if dims.cp > 1:  # ring attention over cp, Ulysses over sp inside it
-        apply_context_parallel(model, dims.cp_group, dims.sp_group)
-    else:
-        apply_ulysses(model, dims.sp_group)
-    if cfg.train.tiled_mlp:
-        # MoE layers stay untiled: tiling would make router statistics per tile (see TiledMLP)
-        apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp, exclude=(MoELayer,))
-    if cfg.train.activation_checkpointing:
-        apply_activation_checkpointing(model, offload=cfg.train.offload_activations)
+    parallel = parallelize(model, cfg, dims)
     # One process per device: the model lives on this rank's GPU where there is one (else the CPU); under pp
     # only this rank's stages do (apply_pipeline leaves the other stages' weights on the meta device).
-    if dims.pp > 1:
-        p = cfg.parallel
-        parallel.pipe = apply_pipeline(model, dims, p.pp_schedule, microbatches=cfg.train.grad_accum,
-                                       loss_fn=functools.partial(logits_loss, dims=dims),
-                                       virtual_stages=p.pp_virtual_stages,
-                                       split=None if p.pp_split is None else list(p.pp_split))
-        parallel.plans.append(parallel.pipe)
+    if parallel.pipe is not None:
         if not meta:
             parallel.pipe.module.to(default_device())
     elif not meta:

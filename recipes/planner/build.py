@@ -10,7 +10,6 @@ them.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,7 +20,6 @@ from moe_lst.models import spec as families
 from omegaconf import DictConfig
 
 import zero
-from recipes.config import is_moe
 from zero.sharding.policy import BucketSpec, Layout, module_bucket_layout
 
 __all__ = ["BucketSpec", "Layout", "RankModel", "bucket_specs", "fake_world", "gradient_passes", "rank_model",
@@ -62,44 +60,25 @@ class RankModel:
 
 def rank_model(cfg: DictConfig, rank: int) -> RankModel:
     """Build rank `rank`'s model (call inside `fake_world`)."""
-    from moe import MoELayer, apply_expert_parallel
-    from recipes.losses import logits_loss
-    from sequence_parallel import apply_activation_checkpointing, apply_tiled_mlp, apply_ulysses
-    from zero.parallel.pipeline import apply_pipeline
-    from zero.parallel.tensor import apply_tensor_parallel
+    from recipes.parallelize import parallelize
 
     family = families.get(cfg)
     family.check_plannable(cfg)
     dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep", "cp")})
     with torch.device("meta"):
         model = family.build(cfg, dims, meta=True)
-    plans = [apply_expert_parallel(model, dims)] if is_moe(cfg) else []
-    plans.append(apply_tensor_parallel(model, dims.tp_group))
-    if dims.cp > 1:  # as the recipe: ring attention over cp, Ulysses over sp inside it
-        from sequence_parallel.ring import apply_context_parallel
-
-        apply_context_parallel(model, dims.cp_group, dims.sp_group)
-    else:
-        apply_ulysses(model, dims.sp_group)
-    if cfg.train.tiled_mlp:
-        apply_tiled_mlp(model, num_tiles=cfg.train.tiled_mlp, exclude=(MoELayer,))
-    if cfg.train.activation_checkpointing:
-        apply_activation_checkpointing(model, offload=cfg.train.offload_activations)
+    parallel = parallelize(model, cfg, dims)  # (the recipe's: the model predicted is the one that trains)
     layers = list(range(family.num_layers(cfg)))
     out = RankModel(dims, model, model, None, layers, True, True)
-    if dims.pp > 1:
-        p = cfg.parallel
-        pipe = apply_pipeline(model, dims, p.pp_schedule, microbatches=cfg.train.grad_accum,
-                              loss_fn=functools.partial(logits_loss, dims=dims), virtual_stages=p.pp_virtual_stages,
-                              split=None if p.pp_split is None else list(p.pp_split))
-        plans.append(pipe)
+    pipe = parallel.pipe
+    if pipe is not None:
         out.module = pipe.module
         out.stage_layers = sorted(i for span in pipe.spans for i in span.layers)
         out.first = any(span.first for span in pipe.spans)
         out.last = any(span.last for span in pipe.spans)
         out.stages = len(pipe.spans)
         out.pipe = pipe
-    out.plan = zero.Plan.merge(plans)
+    out.plan = zero.Plan.merge(parallel.plans)
     return out
 
 

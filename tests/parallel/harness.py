@@ -1,10 +1,10 @@
 """One training loop for every parallel layout (dp, tp, pp, sp, ep, ZeRO stage, pipeline schedule).
 
 `train(layout)` builds the tiny Llama below (or a tiny Hugging Face model) on each rank, applies the layout
-from outside (expert, tensor, sequence, pipeline parallelism), trains a few steps on fixed data through the ZeRO
-engine and returns this rank's record (`tests.equivalence.Recorder`: global-batch losses, gradient norms, and
-snapshots of every parameter this rank holds after the first step and at the end, with placements), in fp32 or
-bf16, on plain rows or rows of packed documents.
+from outside with the recipe's own `recipes.parallelize` (expert, tensor, sequence, pipeline parallelism), trains a
+few steps on fixed data through the ZeRO engine and returns this rank's record (`tests.equivalence.Recorder`:
+global-batch losses, gradient norms, and snapshots of every parameter this rank holds after the first step and at
+the end, with placements), in fp32 or bf16, on plain rows or rows of packed documents.
 Run with a world of one it is the single-rank reference the parallel runs must equal
 (`reference(...)`); `assert_matches` checks every rank of a parallel run against it.
 """
@@ -16,15 +16,15 @@ import functools
 import torch
 import torch.distributed as dist
 from moe_lst.kernels.documents import positions_from_starts
+from moe_lst.models.llama import ModelConfig, MoEConfig, Transformer
+from omegaconf import DictConfig, OmegaConf
 
 import zero
-from moe import apply_expert_parallel, update_router_biases
-from moe_lst.models.llama import ModelConfig, MoEConfig, Transformer
-from sequence_parallel import apply_ulysses, shard_sequence, sp_loss
-from sequence_parallel.ring import apply_context_parallel
+from moe import update_router_biases
+from recipes.parallelize import parallelize
+from sequence_parallel import shard_sequence, sp_loss
 from tests.equivalence import Recorder, as_reference, assert_equivalent, read_values
-from zero.parallel.pipeline import apply_pipeline
-from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from zero.parallel.tensor import vocab_parallel_cross_entropy
 
 SEQ, ROWS, MICRO, STEPS, LR = 16, 4, 4, 3, 0.5
 IGNORE = -100
@@ -40,6 +40,17 @@ def model_config(moe: bool | dict = False, **overrides) -> ModelConfig:
         settings.update(moe if isinstance(moe, dict) else {})
         base["moe"] = MoEConfig(**settings)
     return ModelConfig(**base)
+
+
+def parallel_config(family: str, microbatches: int, schedule: str = "1f1b",
+                    virtual_stages: int | None = None) -> DictConfig:
+    """The recipe-config keys `recipes.parallelize` reads, for the harness's runs: the model's family, no tiling or
+    checkpointing, and the pipeline's schedule over `microbatches` micro-batches."""
+    return OmegaConf.create({
+        "model": {"family": family},
+        "train": {"grad_accum": microbatches, "tiled_mlp": 0, "activation_checkpointing": False,
+                  "offload_activations": False},
+        "parallel": {"pp_schedule": schedule, "pp_virtual_stages": virtual_stages, "pp_split": None}})
 
 
 def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,40 +94,27 @@ def train(layout: dict, moe: bool | dict = False, model_overrides: dict | None =
         raise ValueError(f"split_rows={split_rows} x dp={dims.dp} must divide the {ROWS} rows of a micro-batch")
     micro_count = MICRO * split_rows
     torch.manual_seed(0)
-    plans: list[zero.Plan] = []
     if hf is not None:
         from moe_lst.models.hf import build
+
         from tests.hf.tiny import tiny_config
 
         model = build(tiny_config(hf, **(model_overrides or {})), sp_group=dims.sequence_group)
-        plans.append(model.loss_plan())
-        if model.moe_blocks:
-            plans.append(apply_expert_parallel(model, dims))
     else:
         model = Transformer(model_config(moe, **(model_overrides or {})))
-        if moe:
-            plans.append(apply_expert_parallel(model, dims))
-    tp = apply_tensor_parallel(model, dims.tp_group)
-    plans.append(tp)
-    if dims.cp > 1:  # as the recipe: ring attention over cp, Ulysses over sp inside it
-        apply_context_parallel(model, dims.cp_group, dims.sp_group)
-    else:
-        apply_ulysses(model, dims.sp_group)
-    if not placements:  # a run that declares no placements (checkpoints resume only at their own layout)
-        for plan in plans:
-            plan.placements = {}
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss_sum, count = vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), dims.tp_group, IGNORE)
         return sp_loss(loss_sum, count, dims.sequence_group)
 
-    pipe = None
-    module = model
-    if dims.pp > 1:
-        pipe = apply_pipeline(model, dims, schedule, microbatches=micro_count, loss_fn=loss_fn,
-                              virtual_stages=virtual_stages)
-        module = pipe.module
-        plans.append(pipe)
+    parallel = parallelize(model, parallel_config("llama" if hf is None else "hf", micro_count, schedule,
+                                                  virtual_stages), dims, loss_fn=loss_fn)
+    plans, pipe = parallel.plans, parallel.pipe
+    module = model if pipe is None else pipe.module
+    if not placements:  # a run that declares no placements (checkpoints resume only at their own layout)
+        for plan in plans:
+            if plan is not pipe:
+                plan.placements = {}
     # Adam with a large eps: elements with near-zero gradients must not turn layout noise into +-lr steps.
     factory = (functools.partial(torch.optim.SGD, lr=LR if lr is None else lr) if optim == "sgd" else
                functools.partial(torch.optim.AdamW, lr=1e-2 if lr is None else lr, eps=1e-3, weight_decay=0.1))
