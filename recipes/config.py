@@ -658,22 +658,10 @@ def data_parallel_degree(cfg: DictConfig, world: int | None = None) -> int:
     is checked against them. ConfigError in one line when they do not fit."""
     par, world = cfg.parallel, world_size() if world is None else world
     world = replica_world(par.replicas, world, RECIPE_KEYS)  # each replica's layout
-    others = par.tp * par.pp * par.sp * par.get("cp", 1)
-    if par.dp is None or par.dp == "auto":
-        if world % others:
-            raise ConfigError(f"parallel.dp=auto: tp={par.tp} x pp={par.pp} x sp={par.sp} x cp={par.get('cp', 1)} = "
-                              f"{others} does not divide "
-                              f"the {world} process(es), so no data-parallel degree fills them: start a multiple of "
-                              f"{others} processes or choose degrees whose product divides {world}")
-        return world // others
-    dp = par.dp
-    if dp * others != world:
-        fix = f"leave parallel.dp=auto (here dp={world // others}) or " if world % others == 0 else ""
-        raise ConfigError(f"parallel.dp={dp} on {world} process(es): dp={dp} x tp={par.tp} x pp={par.pp} x "
-                          f"sp={par.sp} x cp={par.get('cp', 1)} = {dp * others} does not match the world size {world}; "
-                          f"{fix}start "
-                          f"{dp * others} processes")
-    return dp
+    from zero.dist.topology import fill_data_parallel
+
+    return fill_data_parallel(None if par.dp in (None, "auto") else par.dp, world, par.tp, par.pp, par.sp,
+                              par.get("cp", 1), RECIPE_KEYS)
 
 
 def check_activations(cfg: DictConfig) -> None:

@@ -119,5 +119,5 @@ def test_default_degrees_are_data_parallel_and_twins_are_built_once():
         assert res["plain"] == (4, 1) and res["with_sp"] == (2, 2)
         assert res["twin_ranks"] == [0, 1, 2, 3] and res["twin_is_new"] and res["none"] is None
         assert res["made_by_first"] == 1 and res["made_by_second"] == 0 and res["reused"]
-    with pytest.raises(LayoutError, match="does not divide the world size 4"):
+    with pytest.raises(LayoutError, match=r"dp=auto: tp=3 x pp=1 x sp=1 = 3 does not divide the 4 process\(es\)"):
         ParallelDims(tp=3, world_size=4)

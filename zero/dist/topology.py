@@ -58,23 +58,7 @@ class ParallelDims:
                 raise LayoutError(f"parallel.{name}={value!r} is invalid: every degree must be an int >= 1")
         if self.world_size is None:
             self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if self.dp is None:
-            # Like DeepSpeed and FSDP: ranks not claimed by another axis do data parallelism.
-            others = self.tp * self.pp * self.sp * self.cp
-            if self.world_size % others:
-                raise LayoutError(
-                    f"tp={self.tp} x pp={self.pp} x sp={self.sp} x cp={self.cp} = {others} does not divide the world "
-                    f"size {self.world_size}, so no data-parallel degree fills it: choose degrees whose product "
-                    "divides the number of processes"
-                )
-            self.dp = self.world_size // others
-        product = self.dp * self.tp * self.pp * self.sp * self.cp
-        if product != self.world_size:
-            raise LayoutError(
-                f"parallel layout dp={self.dp} x tp={self.tp} x pp={self.pp} x sp={self.sp} x cp={self.cp} = {product} "
-                f"does not match the world size {self.world_size}: the degrees must multiply to the number "
-                f"of processes (e.g. torchrun --nproc_per_node {product})"
-            )
+        self.dp = fill_data_parallel(self.dp, self.world_size, self.tp, self.pp, self.sp, self.cp)
         if self.dp_sp % self.ep != 0:
             raise LayoutError(
                 f"parallel.ep={self.ep} must divide dp * {'cp * ' if self.cp > 1 else ''}sp = {self.dp_sp}: expert "
@@ -283,6 +267,27 @@ class ParallelDims:
         cp = f", cp={self.cp}" if self.cp > 1 else ""
         return (f"ParallelDims(dp={self.dp}, tp={self.tp}, pp={self.pp}, sp={self.sp}{cp}, ep={self.ep}, "
                 f"world={self.world_size})")
+
+
+def fill_data_parallel(dp: int | None, world: int, tp: int = 1, pp: int = 1, sp: int = 1, cp: int = 1,
+                       keys: Mapping[str, str] | None = None) -> int:
+    """The data-parallel degree of `world` processes: `dp`, or with dp None (auto, as DeepSpeed and FSDP do) the
+    ranks no other axis claims. LayoutError in one line where the degrees do not fill the processes; `keys` names
+    dp (zero.config.key_name)."""
+    k = key_namer(keys, "ParallelDims")
+    others = tp * pp * sp * cp
+    degrees = f"tp={tp} x pp={pp} x sp={sp}{f' x cp={cp}' if cp > 1 else ''}"
+    if dp is None:
+        if world % others:
+            raise LayoutError(f"{k('dp')}=auto: {degrees} = {others} does not divide the {world} process(es), so no "
+                              f"data-parallel degree fills them: start a multiple of {others} processes or choose "
+                              f"degrees whose product divides {world}")
+        return world // others
+    if dp * others != world:
+        fix = f"leave {k('dp')}=auto (here dp={world // others}) or " if world % others == 0 else ""
+        raise LayoutError(f"{k('dp')}={dp} on {world} process(es): dp={dp} x {degrees} = {dp * others} does not "
+                          f"match the world size {world}; {fix}start {dp * others} processes")
+    return dp
 
 
 def check_node_size(node_size: int, world: int, keys: Mapping[str, str] | None = None) -> None:
