@@ -258,7 +258,7 @@ class HFSourceConfig:
     config: str | None = None
     # keys of that config.json replaced before the model is built, a mapping such as model.hf.overrides='{hidden_size:
     # 64, num_hidden_layers: 2}'; each must be a key of that config, with a value of its type (null: none; Any, not a
-    # typed dict, so that the command line can set the whole mapping; checked by hf_model_config)
+    # typed dict, so that the command line can set the whole mapping; checked by the family's hf_model_config)
     overrides: Any = None
 
 
