@@ -741,16 +741,9 @@ def check_context_parallel(cfg: DictConfig) -> None:
 def check_degrees(cfg: DictConfig) -> None:
     """The degrees against the number of processes (parallel.dp=auto fills them), then as the runtime's
     ParallelDims takes them (its own rules: ep borrowed from dp x sp) and the experts over ep, on numbers alone."""
-    from zero.dist.topology import LayoutError, ParallelDims
-
-    par, dp = cfg.parallel, data_parallel_degree(cfg)
-    try:
-        cp = par.get("cp", 1)
-        ParallelDims(dp=dp, tp=par.tp, pp=par.pp, sp=par.sp, ep=par.ep, cp=cp,
-                     world_size=dp * par.tp * par.pp * par.sp * cp)
-    except LayoutError as e:
-        fix = f"; use an ep that divides {dp * cp * par.sp}" if dp * cp * par.sp % par.ep else ""
-        raise ConfigError(f"{e}{fix}") from None
+    par, dp, cp = cfg.parallel, data_parallel_degree(cfg), cfg.parallel.get("cp", 1)
+    ParallelDims(dp=dp, tp=par.tp, pp=par.pp, sp=par.sp, ep=par.ep, cp=cp,
+                 world_size=dp * par.tp * par.pp * par.sp * cp)  # (its own rules: a LayoutError is a ConfigError)
     experts = families.get(cfg).num_experts(cfg) if par.ep > 1 else 0
     check_expert_parallel(experts, par.ep, RECIPE_KEYS)
 

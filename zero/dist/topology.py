@@ -62,8 +62,8 @@ class ParallelDims:
         if self.dp_sp % self.ep != 0:
             raise LayoutError(
                 f"parallel.ep={self.ep} must divide dp * {'cp * ' if self.cp > 1 else ''}sp = {self.dp_sp}: expert "
-                "parallel ranks are "
-                f"borrowed from the data x sequence parallel region"
+                f"parallel ranks are borrowed from the data x sequence parallel region; use an ep that divides "
+                f"{self.dp_sp}"
             )
 
     # ---------------------------------------------------------------- sizes
