@@ -90,6 +90,19 @@ def test_in_process_unknown_and_missing_keys(tmp_path, overrides, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
+    (["train.grad_accum=0"], "train.grad_accum=0 must be an integer >= 1"),
+    (["optim.grad_clip=-1.0"], "optim.grad_clip=-1.0 is invalid: it must be a number >= 0.0"),
+    (["zero.prefetch_depth=-1"], "zero.prefetch_depth=-1 must be an integer >= 0"),
+])
+def test_zero_config_rules_name_the_recipe_keys(tmp_path, overrides, message):
+    """ZeroConfig's own rules refuse train.grad_accum and optim.grad_clip (its grad_accum_steps and clip_grad_norm),
+    named by the recipe's keys (recipes.config.RECIPE_KEYS), not a second copy of the rule in the recipe."""
+    with pytest.raises(ConfigError) as info:
+        check_config(_compose(f"run_dir={tmp_path}", *overrides))
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("overrides, message", [
     (["train.stepz=5"], "unknown config key train.stepz: did you mean train.steps?"),
     (["optim.lr=fast"], "optim.lr='fast' is refused: "),
     (["model=nosuch"], "Could not find 'model/nosuch'"),
