@@ -22,7 +22,8 @@ from recipes.config import (
     check_config,
     compose_command_line,
 )
-from tests.recipes.test_pretrain import TINY, _run_cli
+from tests.recipes.cli import run_command_lines
+from tests.recipes.test_pretrain import TINY
 
 CONF = Path(__file__).resolve().parents[2] / "recipes" / "conf"
 
@@ -32,16 +33,27 @@ def _compose(*overrides):
         return compose("config", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("arg, nearest", [
-    ("+train.stepz=5", "train.steps"),
-    ("train.stepz=5", "train.steps"),
-])
-def test_cli_unknown_key_is_one_line_naming_the_nearest_key(tmp_path, arg, nearest):
-    proc = _run_cli(*TINY, f"run_dir={tmp_path}", arg, timeout=120)
+UNKNOWN_ON_THE_COMMAND_LINE = [("+train.stepz=5", "train.steps"), ("train.stepz=5", "train.steps")]
+WRONG_TYPE = "train.steps=abc"
+
+
+@pytest.fixture(scope="module")
+def command_lines(tmp_path_factory):
+    """This file's command lines, each as `python -m recipes.pretrain` runs it, all in one process
+    (tests.recipes.cli): {arg: (run_dir, CompletedProcess)}."""
+    args = [arg for arg, _ in UNKNOWN_ON_THE_COMMAND_LINE] + [WRONG_TYPE]
+    run_dirs = [tmp_path_factory.mktemp("cli") for _ in args]
+    procs = run_command_lines([[*TINY, f"run_dir={run_dir}", arg] for arg, run_dir in zip(args, run_dirs)])
+    return {arg: (run_dir, proc) for arg, run_dir, proc in zip(args, run_dirs, procs)}
+
+
+@pytest.mark.parametrize("arg, nearest", UNKNOWN_ON_THE_COMMAND_LINE)
+def test_cli_unknown_key_is_one_line_naming_the_nearest_key(command_lines, arg, nearest):
+    run_dir, proc = command_lines[arg]
     assert proc.returncode == 2, proc.stderr[-2000:]
     key = arg.lstrip("+").split("=")[0]
     assert proc.stderr.strip() == f"error: unknown config key {key}: did you mean {nearest}?", proc.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()  # refused before any work
+    assert not (run_dir / "metrics.jsonl").exists()  # refused before any work
 
 
 @pytest.mark.parametrize("arg, nearest", [
@@ -64,8 +76,8 @@ def test_unknown_key_names_the_nearest_key_as_the_command_line_does(tmp_path, ar
     assert str(info.value) == f"unknown config key {key}: did you mean {nearest}?"
 
 
-def test_cli_wrong_type_is_one_line_and_exit_2(tmp_path):
-    proc = _run_cli(*TINY, f"run_dir={tmp_path}", "train.steps=abc", timeout=120)
+def test_cli_wrong_type_is_one_line_and_exit_2(command_lines):
+    _, proc = command_lines[WRONG_TYPE]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("error: train.steps='abc' is refused: ") and "Integer" in proc.stderr

@@ -16,7 +16,8 @@ import pytest
 import zero
 from recipes.config import ConfigError
 from recipes.pretrain import DivergenceError, train
-from tests.recipes.test_pretrain import REPO, TINY, _cfg, _losses, _run_cli
+from tests.recipes.cli import run_command_lines
+from tests.recipes.test_pretrain import REPO, TINY, _cfg, _losses
 
 
 def _ckpt(run_dir: Path, step: int) -> Path:
@@ -106,9 +107,26 @@ def test_divergence_stops_with_valid_result_and_finite_checkpoints(tmp_path):
     assert records[-1]["skipped_steps"] >= 2  # the refused steps are in the metrics
 
 
-def test_divergence_exit_code_on_the_command_line(tmp_path):
-    proc = _run_cli(*TINY, f"run_dir={tmp_path}", "train.steps=30", "optim.lr=1e6", "optim.warmup_steps=0",
-                    "train.max_nonfinite_steps=2", timeout=120)
+DIVERGES = ["train.steps=30", "optim.lr=1e6", "optim.warmup_steps=0", "train.max_nonfinite_steps=2"]
+BAD_VALUES = [
+    (["model.n_heads=3"], "model.dim=64 must be divisible by model.n_heads=3"),
+    (["model=moe_tiny", "model.moe.top_k=9"], "model.moe.top_k=9 must be in [1, model.moe.num_experts=8]"),
+    (["model=moe_tiny", "model.moe.router=relu"], "model.moe.router='relu' must be softmax or sigmoid"),
+    (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5] must be two values in [0, 1)"),
+]
+
+
+@pytest.fixture(scope="module")
+def command_lines(tmp_path_factory):
+    """The command lines of this file's exit-status tests, each as `python -m recipes.pretrain` runs it, all in one
+    process (tests.recipes.cli): {args: CompletedProcess}."""
+    cases = [DIVERGES, *(args for args, _ in BAD_VALUES)]
+    argvs = [[*TINY, f"run_dir={tmp_path_factory.mktemp('cli')}", *args] for args in cases]
+    return dict(zip(map(tuple, cases), run_command_lines(argvs)))
+
+
+def test_divergence_exit_code_on_the_command_line(command_lines):
+    proc = command_lines[tuple(DIVERGES)]
     assert proc.returncode == 3 and "training diverged" in proc.stderr
 
 
@@ -122,14 +140,9 @@ def test_second_run_on_the_same_run_dir_is_refused(tmp_path):
             train(_cfg(tmp_path, "train.steps=2"))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["model.n_heads=3"], "model.dim=64 must be divisible by model.n_heads=3"),
-    (["model=moe_tiny", "model.moe.top_k=9"], "model.moe.top_k=9 must be in [1, model.moe.num_experts=8]"),
-    (["model=moe_tiny", "model.moe.router=relu"], "model.moe.router='relu' must be softmax or sigmoid"),
-    (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5] must be two values in [0, 1)"),
-])
-def test_model_and_optimizer_values_are_one_line_errors(tmp_path, args, message):
-    proc = _run_cli(*TINY, f"run_dir={tmp_path}", *args, timeout=120)
+@pytest.mark.parametrize("args, message", BAD_VALUES)
+def test_model_and_optimizer_values_are_one_line_errors(command_lines, args, message):
+    proc = command_lines[tuple(args)]
     assert proc.returncode == 2 and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 

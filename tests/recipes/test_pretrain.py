@@ -17,6 +17,8 @@ from hydra import compose, initialize_config_dir
 import zero
 from recipes.config import ConfigError
 from recipes.pretrain import train
+from tests.multirank import run_multirank
+from tests.recipes.cli import run_command_lines
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=4", "train.eval_batches=2",
@@ -31,6 +33,21 @@ def _cfg(run_dir, *overrides):
 def _losses(run_dir, key="loss"):
     lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r[key] for r in map(json.loads, lines) if key in r}
+
+
+def _train_rank(run_dir, overrides):
+    train(_cfg(run_dir, *overrides))
+
+
+def _train_ranks(world, run_dir, *overrides, timeout=400):
+    """What `torchrun --nproc_per_node <world> -m recipes.pretrain` runs (the recipe's train() on each rank of a
+    joined process group), on the tests' process pool: no Python, torch and project start per rank (a launch
+    costs seconds of CPU per process). One rank: in this process. The launcher and the command line's own path
+    are checked by the runs through `_run_cli`."""
+    if world == 1:
+        _train_rank(run_dir, list(overrides))
+    else:
+        run_multirank(_train_rank, world, run_dir, list(overrides), timeout=timeout)
 
 
 def _run_cli(*args, nproc=1, timeout=300):
@@ -85,30 +102,46 @@ def test_in_process_config_errors(tmp_path):
         train(_cfg(tmp_path, "parallel.pp=4"))
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["train.no_such_key=1"], "no_such_key"),
     (["parallel.dp=2"], "does not match the world size 1"),
     (["data=bin", "data.train_path=/nonexistent/train.bin", "data.val_path=/nonexistent/val.bin"],
      "does not exist"),
-])
-def test_cli_bad_input_is_one_clear_error(tmp_path, args, message):
-    base = [a for a in TINY if not (a.startswith("data.") and "data=bin" in args)]
-    proc = _run_cli(*base, f"run_dir={tmp_path}", *args, timeout=120)
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
-
-
-@pytest.mark.parametrize("args, message", [
+]
+BAD_LAYOUT = [
     (["parallel.pp=4"], "parallel.pp=4 x 1 stage(s) per rank = 4 stages but the model has 2 layers"),
     (["parallel.tp=3"], "tp=3 must divide model.n_heads=4"),
     (["parallel.tp=2", "train.tiled_loss=true"], "train.tiled_loss with parallel.tp > 1 is not supported"),
     (["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=3"], "runs exactly 2 stage(s)"),
     (["parallel.tp=2", "parallel.sp=4"], "the rule is sp <= n_heads / tp"),
-])
-def test_cli_bad_layout_is_one_line_and_exit_2(tmp_path, args, message):
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """The command lines of the two tests below, each as `python -m recipes.pretrain` runs it, all in one process
+    (tests.recipes.cli): {(test, args): CompletedProcess}."""
+    cases = {}
+    for args, _ in BAD_INPUT:
+        base = [a for a in TINY if not (a.startswith("data.") and "data=bin" in args)]
+        cases["input", tuple(args)] = [*base, f"run_dir={tmp_path_factory.mktemp('cli')}", *args]
+    for args, _ in BAD_LAYOUT:
+        cases["layout", tuple(args)] = [*TINY, f"run_dir={tmp_path_factory.mktemp('cli')}", *args]
+    return dict(zip(cases, run_command_lines(list(cases.values()))))
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_cli_bad_input_is_one_clear_error(refused, args, message):
+    proc = refused["input", tuple(args)]
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("args, message", BAD_LAYOUT)
+def test_cli_bad_layout_is_one_line_and_exit_2(refused, args, message):
     # Checked against the model before any process group exists: a single process reports it.
-    proc = _run_cli(*TINY, f"run_dir={tmp_path}", *args, timeout=120)
+    proc = refused["layout", tuple(args)]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -150,9 +183,8 @@ def test_torchrun_moe_pp2_stats_and_resume(tmp_path):
     common = ["model=moe_tiny", *TINY[1:], "train.steps=6", "train.eval_every=3", "train.grad_accum=2",
               "model.moe.bias_update_rate=1e-3"]
     base, pp = tmp_path / "base", tmp_path / "pp2"
-    assert _run_cli(*common, f"run_dir={base}").returncode == 0
-    proc = _run_cli(*common, "parallel.pp=2", "train.ckpt_every=3", f"run_dir={pp}", nproc=2, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _train_ranks(1, base, *common)
+    _train_ranks(2, pp, *common, "parallel.pp=2", "train.ckpt_every=3")
     for key in ("loss", "grad_norm", "moe/layer0/aux_loss", "moe/layer1/aux_loss", "moe/layer1/z_loss",
                 "moe/layer1/load_max", "val_loss"):
         a, b = _losses(base, key), _losses(pp, key)
@@ -164,8 +196,7 @@ def test_torchrun_moe_pp2_stats_and_resume(tmp_path):
     assert sorted(full) == list(range(1, 7))
     shutil.rmtree(pp / "checkpoints" / "step_0000006")
     (pp / "checkpoints" / "latest").write_text("step_0000003")
-    proc = _run_cli(*common, "parallel.pp=2", "train.ckpt_every=3", f"run_dir={pp}", nproc=2, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _train_ranks(2, pp, *common, "parallel.pp=2", "train.ckpt_every=3")
     assert _losses(pp) == full
 
 
@@ -180,8 +211,11 @@ def test_torchrun_dp2_and_sp2_match_single_process(tmp_path):
                  "train.tiled_mlp=2", "train.activation_checkpointing=true", "train.offload_activations=true"], 2),
     }
     for name, (args, nproc) in layouts.items():
-        proc = _run_cli(*args, f"run_dir={tmp_path / name}", nproc=nproc)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        if name == "dp2":  # (through torchrun and the command line: the launcher's path of this file's runs)
+            proc = _run_cli(*args, f"run_dir={tmp_path / name}", nproc=nproc)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        else:
+            _train_ranks(nproc, tmp_path / name, *args)
     base = tmp_path / "dp1"
     steps = {"loss": list(range(1, 21)), "grad_norm": list(range(1, 21)), "val_loss": [10, 20]}
     for name in ("dp2", "sp2"):
@@ -198,8 +232,7 @@ def test_torchrun_fp16_dp2_skips_no_step_one_process_takes(tmp_path):
     # process's gradient does not (step 3 here was skipped at dp=2): the engine divides by dp before reducing.
     common = [*TINY, "train.steps=4", "train.eval_batches=0", "train.seq_len=64", "zero.dtype=fp16"]
     for name, args, nproc in (("one", ["train.grad_accum=2"], 1), ("dp2", ["parallel.dp=2"], 2)):
-        proc = _run_cli(*common, *args, f"run_dir={tmp_path / name}", nproc=nproc)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        _train_ranks(nproc, tmp_path / name, *common, *args)
     for key in ("loss", "grad_norm"):
         a, b = _losses(tmp_path / "one", key), _losses(tmp_path / "dp2", key)
         assert sorted(a) == sorted(b) == [1, 2, 3, 4], key
@@ -215,8 +248,7 @@ def test_torchrun_moe_ep2_and_sp2_match_ep1(tmp_path):
                "ep2_zero3": (["parallel.ep=2", "zero.stage=3"], 2),
                "dp2_sp2_ep2": (["parallel.sp=2", "parallel.ep=2"], 4)}
     for name, (args, nproc) in layouts.items():
-        proc = _run_cli(*common, *args, f"run_dir={tmp_path / name}", nproc=nproc)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        _train_ranks(nproc, tmp_path / name, *common, *args)
     base = tmp_path / "ep1"
     assert sorted(_losses(base)) == list(range(1, 9))
     for name in ("ep2", "ep2_zero3", "dp2_sp2_ep2"):

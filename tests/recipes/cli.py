@@ -1,0 +1,71 @@
+"""Several `python -m recipes.pretrain <args>` command lines that stop before training (a refused command line,
+a bad layout or value) in one fresh process instead of one process each: starting Python, torch and the recipe
+costs seconds of CPU, the refusal itself milliseconds.
+
+The process runs each command line as `python -m recipes.pretrain` would: sys.argv set, the module run as
+`__main__` (runpy), what it writes to file descriptors 1 and 2 captured for that command line alone, its exit status taken
+from SystemExit (an exception that escapes is printed with its traceback and counts as exit status 1, as the
+interpreter does). Between command lines, Hydra's global state is cleared, as a new process would have it. What
+the interpreter prints while importing (a warning) is seen by the first command line only: a test that needs
+it on every line runs `_run_cli` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+_DRIVER = r"""
+import json, os, runpy, sys, tempfile, traceback
+
+cases = json.loads(sys.stdin.read())
+results = []
+for argv in cases:
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    sys.argv = [os.path.abspath(os.path.join("recipes", "pretrain.py")), *argv]
+    saved = [os.dup(1), os.dup(2)]
+    files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    sys.stdout.flush(); sys.stderr.flush()
+    os.dup2(files[0].fileno(), 1); os.dup2(files[1].fileno(), 2)
+    code = 0
+    try:
+        runpy.run_module("recipes.pretrain", run_name="__main__", alter_sys=True)  # (as `python -m` runs it)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+    texts = []
+    for f in files:
+        f.seek(0)
+        texts.append(f.read().decode(errors="replace"))
+        f.close()
+    results.append({"returncode": code, "stdout": texts[0], "stderr": texts[1]})
+print("\n" + json.dumps(results))
+"""
+
+
+def run_command_lines(cases: list[list[str]], timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Each of `cases` (the arguments after `python -m recipes.pretrain`) run in one new process, in order: one
+    CompletedProcess per case with its exit status and what it wrote."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps(cases), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"the command-line driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    results = json.loads(proc.stdout.rstrip().rsplit("\n", 1)[-1])
+    return [subprocess.CompletedProcess([sys.executable, "-m", "recipes.pretrain", *argv], r["returncode"],
+                                        r["stdout"], r["stderr"]) for argv, r in zip(cases, results)]
