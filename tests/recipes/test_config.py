@@ -88,7 +88,8 @@ def test_cli_wrong_type_is_one_line_and_exit_2(command_lines):
     (["++zero.stag=1"], "unknown config key zero.stag: did you mean zero.stage?"),
     (["+model.dimm=3"], "unknown config key model.dimm: did you mean model.dim?"),
     (["+train.xyzzy=1"], "unknown config key train.xyzzy: the keys of train are steps, seed,"),
-    (["+foo=1"], "unknown config key foo: the keys are model, data, parallel, optim, zero, train, wandb, run_dir"),
+    (["+foo=1"], "unknown config key foo: the keys are model, data, parallel, optim, zero, train, eval, wandb, "
+     "run_dir"),
     (["data=bin"], "data.train_path is required (it has no default): set data.train_path=..."),
     (["data.kind=bin"], "data.kind='bin' does not go with data=stdlib"),
     (["model.moe=3"], "model.moe=3 must be a block of keys: set them one by one (model.moe.num_experts=...)"),
