@@ -13,6 +13,15 @@ over the top k, SwiGLU experts, no shared experts or expert bias) as Mixtral, wi
   and `...mlp.experts.down_proj` [E, H, I]: the parameters of `transformers` 5's MixtralExperts as they are
   (`save_pretrained(..., save_original_format=False)`), loaded without conversion.
 
+MoE models with the sigmoid router (DeepSeek-style: `model=moe_small`'s expert groups, shared experts, leading dense
+layers, aux-loss-free expert bias) export as GLM-4.5 MoE (`glm4_moe`, Glm4MoeForCausalLM), whose router is the same
+computation: sigmoid scores, the best `topk_group` of `n_group` groups by the sum of their two best biased scores,
+top k by biased score, gate weights the unbiased scores renormalised; the expert bias is its
+`mlp.gate.e_score_correction_bias`, the shared experts its `mlp.shared_experts`, the dense layers its first
+`first_k_dense_replace` ones; experts per expert (`mlp.experts.{e}.gate_proj|up_proj|down_proj.weight`, the
+published layout) or fused. (GLM masks the groups it drops with a score of 0 where ours uses -inf: the same choice
+while the biased scores of the kept groups' chosen experts stay positive, i.e. biases above -sigmoid(logit).)
+
 Import (`from_hf`, `import_hf`) reads either expert layout (and per-expert tensors under `mlp.` as well as
 `block_sparse_moe.`), from our own export or from another Llama / Mixtral directory; a config it cannot
 represent (another architecture, rotary scaling, biases, sliding window, another head width) is refused.
@@ -45,16 +54,34 @@ def _rope_order(rows: int, head_dim: int, inverse: bool = False) -> torch.Tensor
     return (torch.arange(0, rows, head_dim)[:, None] + per_head[None, :]).reshape(-1)
 
 
+def moe_model_type(cfg: ModelConfig) -> str:
+    """The transformers model type an MoE model exports as: Mixtral for the softmax router, GLM-4.5 MoE
+    (`glm4_moe`: grouped query attention, sigmoid routing over expert groups with a score-correction bias, shared
+    experts, leading dense layers) for the sigmoid one."""
+    return "glm4_moe" if cfg.moe.router == "sigmoid" else "mixtral"
+
+
 def check_exportable(cfg: ModelConfig, state: dict[str, torch.Tensor] | None = None) -> None:
-    """Raise ExportError unless the model has a Llama / Mixtral equivalent: every rule of the export, from the
-    config alone (before a checkpoint is read) and, with `state`, from its values."""
+    """Raise ExportError unless the model has a Llama / Mixtral / GLM-4.5 MoE equivalent: every rule of the export,
+    from the config alone (before a checkpoint is read) and, with `state`, from its values."""
     if cfg.attention != "dense":
-        raise ExportError(f"model.attention={cfg.attention} has no Hugging Face Llama / Mixtral equivalent (their "
-                          "attention is dense); only dense-attention models export")
+        raise ExportError(f"model.attention={cfg.attention} has no Hugging Face Llama / Mixtral / GLM-4.5 MoE "
+                          "equivalent (their attention is dense); only dense-attention models export")
     m = cfg.moe
     if not m.num_experts:
         return
     problems = []
+    if m.capacity_factor is not None:
+        problems.append(f"model.moe.capacity_factor={m.capacity_factor} drops tokens, which transformers' MoE "
+                        "does not (dropless: capacity_factor=null)")
+    if moe_model_type(cfg) == "glm4_moe":
+        if m.every != 1:
+            problems.append(f"model.moe.every={m.every}: every layer after the first_dense ones must be MoE")
+        if m.activation != "swiglu":
+            problems.append("experts must be SwiGLU")
+        if problems:
+            raise ExportError("this MoE model has no GLM-4.5 MoE (glm4_moe) equivalent: " + "; ".join(problems))
+        return
     if m.every != 1 or m.first_dense:
         problems.append("every layer must be MoE (model.moe.every=1, first_dense=0)")
     if m.router != "softmax" or not m.renormalize or m.num_groups > 1:
@@ -71,7 +98,8 @@ def check_exportable(cfg: ModelConfig, state: dict[str, torch.Tensor] | None = N
                             "Mixtral's router does not have")
             break
     if problems:
-        raise ExportError("this MoE model has no Mixtral equivalent: " + "; ".join(problems))
+        raise ExportError("this MoE model has no Mixtral equivalent: " + "; ".join(problems) + " (a sigmoid "
+                          "router exports as GLM-4.5 MoE, with groups, shared experts, dense layers and the bias)")
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -86,8 +114,17 @@ def hf_config(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
         "initializer_range": cfg.init_std, "dtype": "float32", "moe_lst": asdict(cfg),
     }
-    if cfg.moe.num_experts:
-        m = cfg.moe
+    m = cfg.moe
+    if m.num_experts and moe_model_type(cfg) == "glm4_moe":
+        # partial_rotary_factor 1: every head dimension rotates, as ours does (GLM-4.5's default rotates half)
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0}
+        return {**common, "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "rope_parameters": rope,
+                "intermediate_size": cfg.ffn_dim, "moe_intermediate_size": m.ffn_dim or cfg.ffn_dim,
+                "n_routed_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+                "n_shared_experts": m.num_shared_experts, "first_k_dense_replace": m.first_dense,
+                "n_group": m.num_groups, "topk_group": m.topk_groups, "norm_topk_prob": m.renormalize,
+                "routed_scaling_factor": 1.0, "use_qk_norm": False, "num_nextn_predict_layers": 0}
+    if m.num_experts:
         return {**common, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "intermediate_size": m.ffn_dim or cfg.ffn_dim, "num_local_experts": m.num_experts,
                 "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef,
@@ -168,6 +205,9 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, experts: str = "per_
             router = state[p + "feed_forward.router.weight"]
             # w_in [E, H, 2I] (gate columns, then up), w_out [E, I, H]
             w_in, w_out = state[p + "feed_forward.experts.w_in"], state[p + "feed_forward.experts.w_out"]
+            if moe_model_type(cfg) == "glm4_moe":
+                out.update(_glm4_moe_layer(state, p, q, cfg, experts))
+                continue
             if experts == "fused":
                 out[q + "mlp.gate.weight"] = router
                 out[q + "mlp.experts.gate_up_proj"] = w_in.transpose(1, 2)
@@ -181,6 +221,53 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, experts: str = "per_
                 out[x + "w3.weight"] = w_in[e, :, ffn:].t()
                 out[x + "w2.weight"] = w_out[e].t()
     return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+
+
+def _glm4_moe_layer(state: dict[str, torch.Tensor], p: str, q: str, cfg: ModelConfig,
+                    experts: str) -> dict[str, torch.Tensor]:
+    """One MoE layer in GLM-4.5 MoE's names: the router and its selection bias (`e_score_correction_bias`), the
+    routed experts fused ([E, 2I, H] gate | up, [E, H, I]) or per expert, the shared experts' MLP."""
+    w_in, w_out = state[p + "feed_forward.experts.w_in"], state[p + "feed_forward.experts.w_out"]
+    router = state[p + "feed_forward.router.weight"]
+    bias = state.get(p + "feed_forward.router.expert_bias", torch.zeros(router.shape[0]))
+    out = {q + "mlp.gate.weight": router, q + "mlp.gate.e_score_correction_bias": bias.to(torch.float32)}
+    if experts == "fused":
+        out[q + "mlp.experts.gate_up_proj"] = w_in.transpose(1, 2)
+        out[q + "mlp.experts.down_proj"] = w_out.transpose(1, 2)
+    else:
+        ffn = w_out.shape[1]
+        for e in range(w_in.shape[0]):
+            x = f"{q}mlp.experts.{e}."
+            out[x + "gate_proj.weight"] = w_in[e, :, :ffn].t()
+            out[x + "up_proj.weight"] = w_in[e, :, ffn:].t()
+            out[x + "down_proj.weight"] = w_out[e].t()
+    shared = cfg.moe.num_shared_experts * (cfg.moe.ffn_dim or cfg.ffn_dim)
+    s_in = state.get(p + "feed_forward.shared_experts.w_in.weight", torch.zeros(2 * shared, cfg.dim))  # [2S, H]
+    s_out = state.get(p + "feed_forward.shared_experts.w_out.weight", torch.zeros(cfg.dim, shared))  # [H, S]
+    out[q + "mlp.shared_experts.gate_proj.weight"] = s_in[:shared]
+    out[q + "mlp.shared_experts.up_proj.weight"] = s_in[shared:]
+    out[q + "mlp.shared_experts.down_proj.weight"] = s_out
+    return out
+
+
+def _glm4_moe_from_hf(hf: dict[str, torch.Tensor], p: str, q: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of _glm4_moe_layer (fused or per-expert routed experts)."""
+    n = cfg.moe.num_experts
+    if q + "mlp.experts.gate_up_proj" in hf:
+        w_in, w_out = hf[q + "mlp.experts.gate_up_proj"].transpose(1, 2), hf[q + "mlp.experts.down_proj"].transpose(1, 2)
+    else:
+        x = f"{q}mlp.experts."
+        w_in = torch.stack([torch.cat([hf[f"{x}{e}.gate_proj.weight"].t(), hf[f"{x}{e}.up_proj.weight"].t()], dim=1)
+                            for e in range(n)])
+        w_out = torch.stack([hf[f"{x}{e}.down_proj.weight"].t() for e in range(n)])
+    out = {p + "feed_forward.router.weight": hf[q + "mlp.gate.weight"],
+           p + "feed_forward.router.expert_bias": hf[q + "mlp.gate.e_score_correction_bias"],
+           p + "feed_forward.experts.w_in": w_in, p + "feed_forward.experts.w_out": w_out}
+    if cfg.moe.num_shared_experts:
+        out[p + "feed_forward.shared_experts.w_in.weight"] = torch.cat(
+            [hf[q + "mlp.shared_experts.gate_proj.weight"], hf[q + "mlp.shared_experts.up_proj.weight"]])
+        out[p + "feed_forward.shared_experts.w_out.weight"] = hf[q + "mlp.shared_experts.down_proj.weight"]
+    return out
 
 
 def _experts_from_hf(hf: dict[str, torch.Tensor], q: str, n: int) -> tuple[torch.Tensor, ...]:
@@ -206,7 +293,9 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Te
         wq, wk = hf[q + "self_attn.q_proj.weight"], hf[q + "self_attn.k_proj.weight"]
         out[p + "attention.wq.weight"] = wq[_rope_order(wq.shape[0], hd, inverse=True)]
         out[p + "attention.wk.weight"] = wk[_rope_order(wk.shape[0], hd, inverse=True)]
-        if cfg.is_moe_layer(i):
+        if cfg.is_moe_layer(i) and moe_model_type(cfg) == "glm4_moe":
+            out.update(_glm4_moe_from_hf(hf, p, q, cfg))
+        elif cfg.is_moe_layer(i):
             router, w_in, w_out = _experts_from_hf(hf, q, cfg.moe.num_experts)
             out[p + "feed_forward.router.weight"] = router
             out[p + "feed_forward.experts.w_in"], out[p + "feed_forward.experts.w_out"] = w_in, w_out

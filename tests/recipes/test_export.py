@@ -229,7 +229,8 @@ def _run_dir_of(tmp_path, *overrides):
     # aux-loss-free balancing trains a router bias Mixtral lacks: refused before the shards are consolidated
     (["model=moe_tiny", "model.moe.bias_update_rate=1e-3"],
      "this MoE model has no Mixtral equivalent: model.moe.bias_update_rate=0.001 trains a per-expert selection bias "
-     "(aux-loss-free balancing), which Mixtral's router does not have"),
+     "(aux-loss-free balancing), which Mixtral's router does not have (a sigmoid router exports as GLM-4.5 MoE, "
+     "with groups, shared experts, dense layers and the bias)"),
 ])
 def test_export_refuses_from_the_run_config_before_reading_a_checkpoint(tmp_path, capsys, overrides, message):
     from recipes.export import main
@@ -275,3 +276,106 @@ def test_exported_files_follow_the_umask(tmp_path, mask):
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in sorted(tmp_path.glob("*/*"))}
     assert {"ours/model.safetensors", "ours/config.json", "hf/model.safetensors", "hf/config.json"} <= set(modes)
     assert set(modes.values()) == {oct(0o666 & ~mask)}, modes
+
+
+# ------------------------------------------------------------------- sigmoid routing: GLM-4.5 MoE (glm4_moe)
+def _sigmoid_model(bias: float = 0.1) -> Transformer:
+    """DeepSeek-style routing as model=moe_small has it (sigmoid over 4 groups, 2 kept, a shared expert, a leading
+    dense layer), with a non-zero expert bias that changes the choices."""
+    torch.manual_seed(0)
+    m = MoEConfig(num_experts=8, top_k=2, ffn_dim=32, first_dense=1, router="sigmoid", num_groups=4, topk_groups=2,
+                  num_shared_experts=1, bias_update_rate=1e-3)
+    cfg = ModelConfig(vocab_size=96, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64, moe=m)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.uniform_(-bias, bias)
+    return model.eval()
+
+
+@pytest.mark.parametrize("experts", ["per_expert", "fused"])
+def test_sigmoid_routing_exports_as_glm4_moe_with_its_bias_and_the_same_logits(tmp_path, experts):
+    model = _sigmoid_model()
+    save_hf(model.state_dict(), model.cfg, tmp_path, experts=experts)
+    names = set(safetensors_torch.load_file(str(tmp_path / "model.safetensors")))
+    assert ("model.layers.1.mlp.experts.0.gate_proj.weight" in names) == (experts == "per_expert")
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.1.mlp.shared_experts.up_proj.weight" in names
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == "Glm4MoeForCausalLM"
+    for i in (1, 2):  # the expert bias is GLM's score-correction bias
+        bias = model.layers[i].feed_forward.router.expert_bias
+        assert bias.abs().min() > 0
+        assert torch.equal(theirs.model.layers[i].mlp.gate.e_score_correction_bias, bias)
+    with torch.no_grad():
+        ours_logits = model(TOKENS)
+        torch.testing.assert_close(theirs(TOKENS).logits, ours_logits, rtol=1e-4, atol=1e-4)
+        for i in (1, 2):  # (the bias changes the choices: without it the logits differ)
+            theirs.model.layers[i].mlp.gate.e_score_correction_bias.zero_()
+        assert (theirs(TOKENS).logits - ours_logits).abs().max() > 1e-3
+    cfg, imported = import_hf(tmp_path)
+    again = Transformer(cfg)
+    assert not again.load_state_dict(imported, strict=False).unexpected_keys
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(TOKENS), ours_logits, rtol=0, atol=0)
+
+
+def test_sigmoid_routing_that_glm4_moe_cannot_express_is_refused(tmp_path):
+    model = _sigmoid_model()
+    model.cfg.moe.every = 2
+    with pytest.raises(ExportError, match=r"no GLM-4.5 MoE \(glm4_moe\) equivalent: model.moe.every=2"):
+        save_hf(model.state_dict(), model.cfg, tmp_path)
+
+
+MOE_SMALL_SHRUNK = ["model=moe_small", "model.dim=64", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2",
+                    "model.ffn_dim=96", "model.moe.num_experts=8", "model.moe.ffn_dim=32", "model.moe.top_k=2"]
+
+
+def _trained_and_exported(tmp_path, *args: str):
+    """A short run of the recipe, its export loaded in transformers, and the run's own model with the trained
+    weights."""
+    from recipes.config import model_config
+    from recipes.export import consolidate
+    from recipes.pretrain import train
+
+    run = tmp_path / "run"
+    train(_cfg(run, "train.steps=3", "train.ckpt_every=3", *args))
+    out = export(run, tmp_path / "hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    from omegaconf import OmegaConf
+
+    cfg = model_config(OmegaConf.load(run / "config.yaml"))
+    ours = Transformer(cfg)
+    shapes = {n: t.shape for n, t in ours.state_dict().items()}
+    state = {n: t.reshape(shapes[n]) for n, t in consolidate(run / "checkpoints" / "step_0000003").items()
+             if n in shapes}
+    ours.load_state_dict(state, strict=False)
+    return theirs, ours.eval(), state
+
+
+@pytest.mark.parametrize("preset", ["moe_small", "moe_tiny"])
+def test_the_moe_presets_export_with_the_recipes_logits(tmp_path, preset):
+    """model=moe_small (shrunk to test size; its routing, groups, shared expert, dense layer and trained bias kept)
+    exports as glm4_moe, model=moe_tiny as Mixtral: transformers' logits within 1e-4 of the trained model's."""
+    args = MOE_SMALL_SHRUNK if preset == "moe_small" else ["model=moe_tiny"]
+    theirs, ours, state = _trained_and_exported(tmp_path, *args)
+    assert type(theirs).__name__ == ("Glm4MoeForCausalLM" if preset == "moe_small" else "MixtralForCausalLM")
+    if preset == "moe_small":  # aux-loss-free balancing moved the bias off zero: it is exported
+        bias = state["layers.1.feed_forward.router.expert_bias"]
+        assert bias.abs().max() > 0
+        assert torch.equal(theirs.model.layers[1].mlp.gate.e_score_correction_bias, bias)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_full_size_moe_small_exports_with_the_recipes_logits(tmp_path):
+    theirs, ours, _ = _trained_and_exported(tmp_path, "model=moe_small", "train.micro_batch_size=1",
+                                            "train.eval_batches=1")
+    tokens = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
