@@ -5,7 +5,7 @@ one call where the installed torch supports it for the device/dtype, else a loop
 Weights are stored [E, in, out], or transposed [E, out, in] (the nn.Linear layout of Hugging Face's fused
 experts), which every path reads in place. Routing gives the expert GEMMs new row counts every step, so a
 process that trains bf16 experts on CPU bounds oneDNN's per-shape caches first (`bound_onednn_caches`, which
-recipes.pretrain calls before its first GEMM); importing this module changes nothing in the process.
+recipes.pretrain's Run calls before its first GEMM); importing this module changes nothing in the process.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ def bound_onednn_caches() -> None:
     seen again is compiled again (1-2 ms for a 1024x256 @ 256x768 GEMM on an AVX-512 core).
 
     Both capacities are read when oneDNN first runs in the process, so this sets them in `os.environ` and must
-    run before the process's first GEMM: call it at the start of a training process (recipes.pretrain's train
-    does); a variable already in the environment wins. Where oneDNN has run before, set them in the environment
-    that starts the process, e.g. `ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 LRU_CACHE_CAPACITY=16`.
-    (LRU_CACHE_CAPACITY=0 crashes torch 2.13.)"""
+    run before the process's first GEMM: call it at the start of a training process (recipes.pretrain's Run
+    does, and with it the planner's measurements; a Lightning or Trainer script calls it itself); a variable
+    already in the environment wins. Where oneDNN has run before, set them in the environment that starts the
+    process, e.g. `ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 LRU_CACHE_CAPACITY=16`. (LRU_CACHE_CAPACITY=0 crashes torch
+    2.13.)"""
     for name, value in ONEDNN_CACHE_CAPACITY.items():
         os.environ.setdefault(name, value)
 

@@ -324,6 +324,7 @@ class Run:
 
     def __init__(self, cfg: DictConfig, stop: StopSignals | None = None) -> None:
         check_config(cfg)
+        bound_onednn_caches()  # (before the run's first GEMM: moe.experts)
         cfg.parallel.dp = data_parallel_degree(cfg)  # auto: what the processes leave after tp x pp x sp
         init_distributed(cfg.train.collective_timeout_s)
         self.cfg, t = cfg, cfg.train
@@ -589,7 +590,6 @@ def train(cfg: DictConfig, stop: StopSignals | None = None) -> dict:
     already complete (resumed at train.steps) keeps its results and says so. train.stop_signals are caught
     for its duration (by `stop` when given, which the caller then closes): such a signal stops the run at the
     next step boundary with a checkpoint (Preempted)."""
-    bound_onednn_caches()  # (before the run's first GEMM: moe.experts)
     own = stop is None
     try:
         stop = StopSignals.from_config(cfg) if own else stop
