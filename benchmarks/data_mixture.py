@@ -13,7 +13,7 @@ large index: 20 bytes per document), read memory-mapped. Two measurements, each 
    read over: it is compared between 10 sources and 1 source holding as much (goal: within 10%).
 
     python benchmarks/data_mixture.py            # 10 sources of 1,000,000 documents (24M tokens) each
-    python benchmarks/data_mixture.py --quick    # 20,000 documents each, few batches: a smoke run
+    python benchmarks/data_mixture.py --quick    # 5,000 documents each, 20 batches: a smoke run
 """
 
 from __future__ import annotations
@@ -110,12 +110,12 @@ def recipe_step(run_dir: str, quick: bool) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--documents", type=int, default=None, help="documents per source (1,000,000; quick: 20,000)")
-    p.add_argument("--steps", type=int, default=None, help="global batches drawn per variant (500; quick: 50)")
+    p.add_argument("--documents", type=int, default=None, help="documents per source (1,000,000; quick: 5,000)")
+    p.add_argument("--steps", type=int, default=None, help="global batches drawn per variant (500; quick: 20)")
     args = p.parse_args(argv)
     common.quick_mode(args.quick, "numpy", "torch", "moe_lst.data.mixture")
-    documents = args.documents or (20_000 if args.quick else 1_000_000)
-    steps = args.steps or (50 if args.quick else 500)
+    documents = args.documents or (5_000 if args.quick else 1_000_000)
+    steps = args.steps or (20 if args.quick else 500)
     with tempfile.TemporaryDirectory(prefix="data_mixture_") as root:
         t0 = time.perf_counter()
         prefixes = write_sources(root, 10, documents)
