@@ -10,6 +10,8 @@ refining between the last fit and the first failure.
     python benchmarks/long_sequence.py --quick        # cap 0.65 GiB, up to 1k tokens, no bisection
     python benchmarks/long_sequence.py --skip alst,sp,deepspeed --sparse-budget-s 60   # dense vs sparse only
     python benchmarks/long_sequence.py --skip alst,sp,deepspeed,sparse   # ring / Ulysses x ring / Ulysses only
+    python benchmarks/long_sequence.py --skip alst,sp,deepspeed,sparse,ring --ring-steps 262144 2097152
+        # steps of the +experiment=two_million_cp preset (torchrun, 4 processes) at those lengths
 
 The dense vs sparse section (on by default; `--skip sparse` leaves it out) runs the million-token preset's
 model with ALST, dense or sliding-window sparse attention, sp 1 and 2 (quick: 2), doubling from 8k x sp tokens up to
@@ -281,6 +283,8 @@ def main() -> None:
         sparse_section(args, rows, log)
     if "ring" not in skip:
         ring_section(args)
+    if args.ring_steps:
+        ring_steps_section(args)
     _print_summary(rows, sps, cap)
     print(f"total {time.time() - t_start:.0f}s")
 
@@ -296,6 +300,9 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--probe-timeout", type=float, default=600.0)
     parser.add_argument("--skip", default="", help="comma list of sections to skip: alst,sp,deepspeed,sparse,ring")
     parser.add_argument("--ring-seq", type=int, default=32768, help="tokens of the ring vs Ulysses section")
+    parser.add_argument("--ring-steps", type=int, nargs="*", default=[],
+                        help="lengths of +experiment=two_million_cp steps to run (4 processes, torchrun)")
+    parser.add_argument("--ring-threads", type=int, default=1, help="threads per process of those runs")
     parser.add_argument("--sparse-cap-gib", type=float, default=6.0,
                         help="per-rank RSS cap of the dense vs sparse section")
     parser.add_argument("--sparse-budget-s", type=float, default=120.0,
@@ -403,6 +410,40 @@ def ring_section(args) -> None:
                                    mine[0] / base[0])
                 common.print_ratio(f"{attention} sp={sp} x cp={cp} / Ulysses sp=4 bytes at {seq} tokens",
                                    mine[1] / base[1])
+
+
+def ring_steps_section(args) -> None:
+    """One training step of the 2M-token ring preset (`+experiment=two_million_cp`, cp=4) through the recipe under
+    torchrun at each of `--ring-steps` lengths: wall time of the step, per-rank peak RSS, loss, crop check."""
+    import json
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    table = []
+    for seq in args.ring_steps:
+        out = tempfile.mkdtemp(prefix=f"ring-{seq}-")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "-m",
+               "recipes.pretrain", "+experiment=two_million_cp", f"train.seq_len={seq}", f"run_dir={out}",
+               "wandb.mode=disabled", "train.progress=false"]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.ring_threads), WANDB_MODE="disabled")
+        start = time.time()
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        wall = time.time() - start
+        if proc.returncode != 0:
+            common.failed(f"two_million_cp at {seq} tokens", f"exit {proc.returncode}: {proc.stderr.strip()[-800:]}")
+            table.append([f"{seq:,}", "-", "-", "-", "-", f"failed (exit {proc.returncode}) after {wall:.0f} s"])
+            continue
+        record = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")).read().splitlines()][-1]
+        result = json.loads(open(os.path.join(out, "result.json")).read())
+        per_rank = [v for k, v in sorted(record.items()) if k.startswith("peak_rss_mb/rank")] or [record["peak_rss_mb"]]
+        step_s = record.get("step_time_s", record.get("step_s", float("nan")))
+        table.append([f"{seq:,}", f"{step_s:.1f}", " / ".join(f"{p / 1024:.2f}" for p in per_rank),
+                      f"{record['loss']:.4f}", f"{result.get('crop_check_max_abs_diff', float('nan')):.1e}",
+                      f"whole run {wall:.0f} s"])
+        print(f"  {seq} tokens: step {step_s:.1f} s, peak RSS per rank {[round(p / 1024, 2) for p in per_rank]} GiB, "
+              f"loss {record['loss']:.4f}", flush=True)
+    print(common.table(["tokens", "step s", "peak RSS per rank GiB", "loss", "crop check diff", "note"], table))
 
 
 def _print_summary(rows: list[tuple], sps: list[tuple], cap: int) -> None:
