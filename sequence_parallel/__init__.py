@@ -16,8 +16,10 @@ Sequence lengths reached (one training step of a dim-256, 2-layer, 32k-vocab Lla
 benchmarks/long_sequence.md): under a 1.5 GiB RSS cap, 2560 tokens without ALST and >= 16384 with
 it (>= 6.4x, bounded by CPU time, not memory: ~7 KB per token with ALST vs ~420 KB without), which
 extrapolates to ~1.1M tokens per process under 8 GiB; Ulysses sp=N multiplies the per-process length
-by about N. Ulysses needs sp <= the number of query heads (ring attention for sp > heads is not
-implemented and raises a ValueError naming the fix).
+by about N. Ulysses needs sp <= the number of query heads; past the heads, or across nodes, ring attention
+(`sequence_parallel.ring`: `apply_context_parallel(model, cp_group, sp_group)`, rows sharded by
+`shard_sequence(..., cp_group=cp_group)`, the loss summed over the cp x sp ranks) splits the sequence further
+(docs/long_context.md).
 """
 
 from sequence_parallel.checkpointing import (
