@@ -92,3 +92,23 @@ def test_hooks_load_before_training_and_refuse_in_one_line():
         with pytest.raises(ConfigError, match=f"eval.hooks has '{name}', which cannot be loaded \\({what}") as e:
             load_hook(name)
         assert "\n" not in str(e.value)
+
+
+def test_wandb_media_are_a_retrieval_heatmap_and_a_tokens_table(tmp_path):
+    from moe_lst.data.megatron import write_megatron
+    from moe_lst.data.mixture import mixture_streams
+    from moe_lst.data.streams import BatchSpec
+
+    from recipes.evals import heatmap_media, tokens_table
+
+    media = heatmap_media({(64, 0.5): 1.0, (64, 0.9): 0.5, (128, 0.5): 0.0, (128, 0.9): 0.25})
+    image, table = media["eval/retrieval_heatmap"], media["eval/retrieval_table"]
+    assert image.image.size[0] > 100 and table.columns == ["length", "depth", "accuracy"]
+    assert table.data == [[64, 0.5, 1.0], [64, 0.9, 0.5], [128, 0.5, 0.0], [128, 0.9, 0.25]]
+    for name in ("a", "b"):
+        write_megatron(tmp_path / name, [np.arange(200) % 250] * 3, np.uint16)
+    sources = [{"path": str(tmp_path / "a"), "weight": 3}, {"path": str(tmp_path / "b"), "weight": 1}]
+    train, _ = mixture_streams({"sources": sources, "on_exhausted": "repeat"}, BatchSpec(4, 1, 1, 16), 0, 256)
+    rows = tokens_table(train, 10)["data/tokens_per_source"].data
+    assert [r[0] for r in rows] == ["a", "b"] and rows[0][3] + rows[1][3] == 10 * 4 * 16
+    assert rows[0][3] == train.tokens_seen(10)["a"] and rows[0][4] == pytest.approx(0.75, abs=1 / 40)
