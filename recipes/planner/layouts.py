@@ -53,18 +53,19 @@ def _divisors(n: int) -> list[int]:
 def candidate_overrides(cfg: DictConfig, world: int, max_pp: int = 8) -> Iterator[dict]:
     """Every layout of `world` devices worth trying: degrees, ZeRO stage, offload, schedule, checkpointing."""
     moe = is_moe(cfg)
-    for tp, pp, sp in itertools.product(_divisors(world), _divisors(world), _divisors(world)):
-        if world % (tp * pp * sp) or pp > max_pp:
-            continue
-        dp = world // (tp * pp * sp)
-        for ep in (_divisors(dp * sp) if moe else [1]):
+    for tp, pp, sp, cp in itertools.product(*[_divisors(world)] * 4):
+        if world % (tp * pp * sp * cp) or pp > max_pp or (cp > 1 and (tp > 1 or pp > 1)):
+            continue  # (ring attention is not wired with tp or pp: the recipe refuses those)
+        dp = world // (tp * pp * sp * cp)
+        for ep in (_divisors(dp * cp * sp) if moe else [1]):
             for stage, offload, ckpt in itertools.product((0, 1, 2, 3), ("none", "cpu"), (False, True)):
                 if offload != "none" and stage == 0:
                     continue
                 for schedule in (("1f1b", "interleaved_1f1b", "zbv") if pp > 1 else ("1f1b",)):
-                    yield {"parallel.tp": tp, "parallel.pp": pp, "parallel.sp": sp, "parallel.ep": ep,
-                           "parallel.dp": dp, "parallel.pp_schedule": schedule, "zero.stage": stage,
-                           "zero.offload_optimizer": offload, "train.activation_checkpointing": ckpt}
+                    yield {"parallel.tp": tp, "parallel.pp": pp, "parallel.sp": sp, "parallel.cp": cp,
+                           "parallel.ep": ep, "parallel.dp": dp, "parallel.pp_schedule": schedule,
+                           "zero.stage": stage, "zero.offload_optimizer": offload,
+                           "train.activation_checkpointing": ckpt}
 
 
 def apply_overrides(cfg: DictConfig, overrides: dict) -> DictConfig:

@@ -289,7 +289,9 @@ def test_search_candidates_fill_the_devices_and_the_recipe_judges_them():
 
     cfg = config(TINY)
     candidates = list(candidate_overrides(cfg, 4))
-    assert all(c["parallel.dp"] * c["parallel.tp"] * c["parallel.pp"] * c["parallel.sp"] == 4 for c in candidates)
+    assert all(c["parallel.dp"] * c["parallel.tp"] * c["parallel.pp"] * c["parallel.sp"] * c["parallel.cp"] == 4
+               for c in candidates)
+    assert {c["parallel.cp"] for c in candidates} == {1, 2, 4}  # ring attention is ranked beside Ulysses
     assert {c["zero.stage"] for c in candidates} == {0, 1, 2, 3}
     reasons = [valid(apply_overrides(cfg, c)) for c in candidates]
     assert any(r is None for r in reasons)
