@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 
 from recipes.config import ConfigError, check_config
 from recipes.pretrain import train
-from tests.recipes.test_pretrain import TINY, _losses, _run_cli
+from tests.recipes.test_pretrain import TINY, _losses, _run_cli, _train_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 ONEBIT = ["optim=onebit_adam", "optim.onebit.warmup_steps=3", "optim.onebit.block=64"]
@@ -136,14 +136,13 @@ def test_torchrun_diloco_two_replicas_talk_only_at_syncs(tmp_path):
     assert [s for k, s in sent.items() if k % 3] == [0, 0, 0, 0] and sent[3] == sent[6] > 0, sent
 
 
-def test_torchrun_diloco_warm_start_is_data_parallel(tmp_path):
+def test_diloco_warm_start_is_data_parallel(tmp_path):
     """Two replicas warmed up for the whole run (4 steps) validate as AdamW over dp=2: the same gradients, and each
-    replica evaluates its own shard of the validation batches; the warm-up steps send the gradient all-reduce."""
+    replica evaluates its own shard of the validation batches; the warm-up steps send the gradient all-reduce.
+    (The recipe on the tests' process pool: the test above runs DiLoCo's replicas under torchrun.)"""
     common = [*TINY, "train.steps=4", "train.eval_every=2", "optim.grad_clip=0"]
-    plain = _run_cli(*common, f"run_dir={tmp_path / 'plain'}", nproc=2)
-    warm = _run_cli(*common, *DILOCO, "parallel.replicas=2", "optim.diloco.warmup_steps=4",
-                    f"run_dir={tmp_path / 'warm'}", nproc=2)
-    assert plain.returncode == 0 and warm.returncode == 0, (plain.stderr + warm.stderr)[-3000:]
+    _train_ranks(2, tmp_path / "plain", *common)
+    _train_ranks(2, tmp_path / "warm", *common, *DILOCO, "parallel.replicas=2", "optim.diloco.warmup_steps=4")
     want, got = _losses(tmp_path / "plain", "val_loss"), _losses(tmp_path / "warm", "val_loss")
     assert sorted(got) == [2, 4] and got == pytest.approx(want, rel=1e-6, abs=0)
     sent = _losses(tmp_path / "warm", "comm_bytes")

@@ -5,8 +5,11 @@ tp=2 (replicated norms) and an MoE pipeline."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 
 from recipes.config import CONFIG_DIR
 from tests.multirank import run_multirank
@@ -37,14 +40,14 @@ def _config(overrides: list[str]):
         return compose("config", overrides=overrides)
 
 
-def _engine_buckets(layouts: dict[str, list[str]]) -> dict[str, list[tuple]]:
+def _engine_buckets(layouts: dict[str, DictConfig]) -> dict[str, list[tuple]]:
     """On each rank: every layout's engine, built by the recipe's own functions, and its flat buckets as built."""
     from recipes.pretrain import build_dims, build_engine, build_model
     from zero.dist.comm import group_size
 
     out = {}
-    for name, overrides in layouts.items():
-        cfg = _config(overrides)
+    for name, composed in layouts.items():
+        cfg = copy.deepcopy(composed)
         dims = build_dims(cfg)
         model, parallel = build_model(cfg, dims)
         engine = build_engine(cfg, model, dims, parallel)
@@ -62,11 +65,11 @@ def _engine_buckets(layouts: dict[str, list[str]]) -> dict[str, list[tuple]]:
     return out
 
 
-def _planned_buckets(overrides: list[str], rank: int) -> list[tuple]:
+def _planned_buckets(composed: DictConfig, rank: int) -> list[tuple]:
     """Rank `rank`'s layout as the planner predicts it (its own model, plans and config, under its fake world)."""
     from recipes.planner.build import bucket_specs, fake_world, rank_model, zero_config
 
-    cfg = _config(overrides)
+    cfg = copy.deepcopy(composed)
     with fake_world(WORLD, rank):
         layout = bucket_specs(rank_model(cfg, rank), zero_config(cfg))
     return [(tuple(b.names), tuple(b.numels), b.world, b.group, b.group, b.reduce_group, b.trainable, b.resident,
@@ -74,10 +77,13 @@ def _planned_buckets(overrides: list[str], rank: int) -> list[tuple]:
 
 
 def test_planner_layout_is_the_engines_built_buckets():
-    built = run_multirank(_engine_buckets, WORLD, LAYOUTS, timeout=300)
-    for name, overrides in LAYOUTS.items():
+    # Each layout's config composed once (Hydra's composition costs more than the rest of the test), a copy of it
+    # for each engine and each of the planner's ranks.
+    composed = {name: _config(overrides) for name, overrides in LAYOUTS.items()}
+    built = run_multirank(_engine_buckets, WORLD, composed, timeout=300)
+    for name, cfg in composed.items():
         for rank in range(WORLD):
-            assert _planned_buckets(overrides, rank) == built[rank][name], f"{name}, rank {rank}"
+            assert _planned_buckets(cfg, rank) == built[rank][name], f"{name}, rank {rank}"
     # the layouts exercise every part of the policy
     rows = [row for per_rank in built for layout in per_rank.values() for row in layout]
     assert {"flat", "unit", "root", "persistent"} <= {row[8] for row in rows}
