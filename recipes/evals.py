@@ -22,9 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from moe_lst.data.mixture import MixtureStream, per_source_streams
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from recipes.config import ConfigError
+from recipes.config import ConfigError, EvalConfig
 from recipes.data import stream_tokenizer
 from recipes.losses import IGNORE_INDEX
 from sequence_parallel import shard_sequence
@@ -177,7 +177,7 @@ class Evaluations:
     """The run's in-loop evaluations, set up before training (hooks imported, prompts built)."""
 
     def __init__(self, cfg: DictConfig, dims, train_stream, val_stream, is_rank0: bool) -> None:
-        e, t = cfg.eval, cfg.train
+        e, t = cfg.get("eval") or OmegaConf.structured(EvalConfig), cfg.train  # (a config composed without eval.*)
         self.dims, self.is_rank0, self.train_stream = dims, is_rank0, train_stream
         self.every = t.eval_every if e.every is None else e.every
         self.per_source = per_source_streams(val_stream) \
@@ -189,7 +189,7 @@ class Evaluations:
 
     @staticmethod
     def build_prompts(cfg: DictConfig, train_stream, val_stream) -> tuple[list[Prompt], list[Prompt]]:
-        r, seq = cfg.eval.retrieval, cfg.train.seq_len
+        r, seq = (cfg.get("eval") or OmegaConf.structured(EvalConfig)).retrieval, cfg.train.seq_len
         if cfg.data.kind == "stdlib":
             encode = byte_encode
         elif train_stream.identity is not None:
