@@ -103,8 +103,11 @@ def test_this_project_and_transformers_with_and_without_hf_kernels(tmp_path):
     views = _site_without_kernels(tmp_path / "without")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    cases = {(kind, label): (where, view) for kind, view in (("with", None), ("without", views))
-             for label, where in (("repo root", REPO), ("elsewhere", elsewhere))}
+    # With Hugging Face's kernels installed, the repository root is the case where ours could shadow it (kernels/ is
+    # on sys.path there; what the installed project routes applies in every directory): "elsewhere" runs without it
+    # only, where the two directories differ (an empty namespace package or nothing).
+    cases = {("with", "repo root"): (REPO, None), ("without", "repo root"): (REPO, views),
+             ("without", "elsewhere"): (elsewhere, views)}
     procs = {case: _start(where, view) for case, (where, view) in cases.items()}  # concurrently: ~4 CPU s each
     results = {}
     try:
