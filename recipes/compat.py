@@ -364,20 +364,31 @@ class Table:
 LAYOUT_KEYS = frozenset({"parallel.dp", "parallel.tp", "parallel.pp", "parallel.sp", "parallel.ep", "zero.stage",
                          "zero.offload_optimizer", "zero.offload_params", "zero.nvme_path",
                          "zero.hpz_partition_size"})
-#: The features whose numbers depend on the layout, so that no one-process run is their reference: the pairwise runs
-#: leave them out, and their pairs are covered only by their own tests in EQUIVALENCE (why, per feature).
+#: The features whose numbers depend on the layout, so that the plain one-process run is not their reference: the
+#: pairwise runs leave them out; LAYOUT_RUNS hold them with the others, each compared with the reference said here.
 LAYOUT_DEPENDENT = {
     "qwz": "the int8 weight all-gather rounds each rank's shard to its block scales, so the weights a step computes "
-           "with depend on the sharding (one process gathers and rounds nothing); its tests compare with a plain "
-           "engine given the decoded weights",
+           "with depend on the sharding (one process gathers and rounds nothing): its runs are compared with the same "
+           "run without it on one process within a tolerance for int8 rounding that a run which does not train "
+           "(lr=1e-12) falls outside (`tests/recipes/test_layout_features.py`, QUANTIZED_TOLERANCE), and its engine "
+           "tests with a plain engine given the decoded weights",
     "qgz": "the int8 gradient reduce-scatter rounds each rank's gradient before the sum, so the gradient depends on "
-           "the ranks (one process reduces and rounds nothing); its tests compare with the codec's simulation",
-    "onebit": "1-bit Adam compresses each rank's momentum with its own error feedback, so its steps depend on the "
-              "data-parallel ranks; its tests compare with a simulation of the ranks",
+           "the ranks (one process reduces and rounds nothing): its runs are compared as qwz's are, and its engine "
+           "tests with the codec's simulation",
+    "onebit": "1-bit Adam compresses each rank's momentum with its own error feedback, so its compressed steps depend "
+              "on the data-parallel ranks: its runs train 3 steps of its warm-up (AdamW over the exactly averaged "
+              "gradient), compared with one process, then freeze and take one compressed step (its numbers are "
+              "compared with a one-process simulation of the workers by `tests/zero/test_onebit.py` only, at dp=2 "
+              "with ZeRO stages 0-1)",
     "diloco": "DiLoCo's replicas train apart between synchronisations: another algorithm than one process over the "
-              "global batch; its tests compare with the replicas simulated in one process",
-    "million": "the preset's point is its size (a 1,048,576-token sequence), far beyond a test's runs; its test trains "
-               "it at 64k tokens against a plain forward over the crop",
+              "global batch: its runs are compared with the replicas simulated in one process (each replica the "
+              "run's other features on one process, on its replica's rows, and the outer step of "
+              "`tests.zero.test_diloco.outer_step` on their masters every `optim.diloco.inner_steps` steps)",
+    "million": "the preset's point is its size (a 1,048,576-token sequence), far beyond a test's runs: its runs "
+               "train it at 128 tokens (a sliding window of 3 blocks of 16 tokens; fp32, which its crop check needs) "
+               "against one process without the layout (the gradient norm within 5e-5, the preset's model rounding "
+               "its gradient sums further than the tiny models), and `tests/recipes/test_million.py` at 64k tokens "
+               "against a plain forward over the crop",
 }
 #: Features the pairwise runs never hold all together although the check accepts them (their pairs are held by other
 #: runs), and why.
@@ -390,6 +401,45 @@ APART = {
 }
 #: The test that runs each pairwise run through the recipe under torchrun against one process.
 PAIRWISE_TEST = "tests/recipes/test_pairwise.py::test_run_equals_one_process"
+#: The runs that hold the features of LAYOUT_DEPENDENT with the others (each on at most MAX_PROCESSES processes, the
+#: check accepting it whole), which LAYOUT_TEST trains through the recipe against the reference LAYOUT_DEPENDENT
+#: names for the feature; together they hold every supported pair of such a feature.
+LAYOUT_RUNS: tuple[tuple[str, ...], ...] = (
+    # DiLoCo's 2 replicas, each of 2 processes or of one (4 processes at most); in bf16 but where another dtype is
+    # the point (fp16) or the preset refuses it (million: its crop check compares with an fp32 forward)
+    ("zero3", "bf16", "opt_cpu", "param_cpu", "hpz", "dp2", "diloco", "hf", "sparse", "packed", "ckpt", "offload_act",
+     "tiled_mlp", "tiled_loss"),
+    ("zero1", "fp16", "opt_cpu", "delayed", "tp2", "diloco"),
+    ("zero3", "bf16", "opt_nvme", "param_nvme", "sp2", "diloco", "hf_moe"),
+    ("bf16", "diloco", "nsa"),
+    ("diloco", "million"),
+    # the quantized collectives (qgZ alone at the stages below 3, which qwZ does not take)
+    ("zero3", "bf16", "qwz", "qgz", "dp2", "diloco"),
+    ("zero3", "fp16", "opt_cpu", "delayed", "param_cpu", "qwz", "qgz", "dp2", "hf", "sparse", "packed", "ckpt",
+     "offload_act", "tiled_mlp", "tiled_loss"),
+    ("zero3", "bf16", "opt_nvme", "param_nvme", "qwz", "qgz", "dp2", "sp2", "hf_moe"),
+    ("zero3", "bf16", "qwz", "qgz", "dp2", "tp2"),
+    ("zero3", "bf16", "qwz", "qgz", "dp2", "pp2", "nsa"),
+    ("zero3", "qwz", "qgz", "dp2", "million"),
+    ("zero1", "bf16", "qgz", "dp2"),
+    ("zero2", "bf16", "qgz", "dp2"),
+    # the million-token preset at 128 tokens (fp32 only)
+    ("zero3", "opt_cpu", "param_cpu", "hpz", "dp2", "sp2", "packed", "offload_act", "million"),
+    ("zero1", "opt_cpu", "delayed", "dp2", "moe", "million"),
+    ("zero2", "opt_nvme", "dp2", "million"),
+    ("zero3", "param_nvme", "sp2", "million"),
+    # 1-bit Adam
+    ("bf16", "dp2", "onebit", "hf", "sparse", "packed", "ckpt", "offload_act", "tiled_mlp", "tiled_loss"),
+    ("bf16", "dp2", "sp2", "onebit", "hf_moe"),
+    ("bf16", "dp2", "ep2", "onebit", "moe", "nsa"),
+    ("dp2", "onebit", "million"),
+)
+#: The runs of LAYOUT_RUNS in the default suite (the others are slow), on 2 processes each: together they hold every
+#: feature of LAYOUT_DEPENDENT.
+LAYOUT_DEFAULT = (("bf16", "diloco", "nsa"), ("zero3", "qwz", "qgz", "dp2", "million"),
+                  ("bf16", "dp2", "ep2", "onebit", "moe", "nsa"))
+#: The test that trains each run of LAYOUT_RUNS against its reference.
+LAYOUT_TEST = "tests/recipes/test_layout_features.py::test_layout_dependent_run_equals_its_reference"
 #: Processes a pairwise run may use (a test machine's budget): a layout needing more is not built.
 MAX_PROCESSES = 4
 #: Greedy orderings tried (ties broken by a generator seeded with the trial's number); the fewest runs win.
@@ -543,7 +593,8 @@ def pairwise_runs(table: Table) -> list[tuple[str, ...]]:
 def declared(table: Table, runs: list[tuple[str, ...]] | None = None) -> dict[str, tuple[tuple[str, ...], ...]]:
     """EQUIVALENCE and the pairwise runs (by default pairwise_runs(table)), each under its test id."""
     runs = pairwise_runs(table) if runs is None else runs
-    return {**EQUIVALENCE, **{f"{PAIRWISE_TEST}[{pairwise_test_id(run)}]": (run,) for run in runs}}
+    return {**EQUIVALENCE, **{f"{PAIRWISE_TEST}[{pairwise_test_id(run)}]": (run,) for run in runs},
+            **{f"{LAYOUT_TEST}[{pairwise_test_id(run)}]": (run,) for run in LAYOUT_RUNS}}
 
 
 def runs_on_page(text: str) -> list[tuple[str, ...]]:
@@ -587,7 +638,7 @@ def render(table: Table, runs: list[tuple[str, ...]] | None = None) -> str:
     covered = coverage(table, declared(table, runs))
     code = {r: i + 1 for i, r in enumerate(table.refusals())}
     lines = _render_features(table) + _render_matrix(table, covered, code) + _render_refusals(table, code)
-    lines += _render_runs(table, runs) + _render_covered(table, covered)
+    lines += _render_runs(table, runs) + _render_layout_runs(table) + _render_covered(table, covered)
     return "\n".join(lines) + "\n"
 
 
@@ -679,13 +730,44 @@ def _render_runs(table: Table, runs: list[tuple[str, ...]]) -> list[str]:
               f"covering (`recipes.compat.pairwise_runs`) of the {len(held)} supported pairs of the "
               f"{len(comparable)} features whose numbers do not depend on the layout, each run accepted as a whole "
               f"by the check and on at most {MAX_PROCESSES} processes: {len(runs)} runs. The features left out "
-              "(`recipes.compat.LAYOUT_DEPENDENT`) are covered by their own tests only; why is said "
-              "[below](#not-yet-covered-by-an-equivalence-test)."
+              "(`recipes.compat.LAYOUT_DEPENDENT`) are held by the runs of the [next section]"
+              "(#runs-of-the-features-that-depend-on-the-layout), each against its own reference."
               + "".join(f" No run holds {' + '.join(n for n in names if n in apart)} together (`recipes.compat.APART`):"
                         f" {why}." for apart, why in APART.items()), "",
               "| # | features | processes | pairs |", "|---|---|---|---|"]
     for i, run in enumerate(runs, 1):
         lines.append(f"| {i} | `{' '.join(run)}` | {processes(run, features)} | {len(run) * (len(run) - 1) // 2} |")
+    return lines
+
+
+LAYOUT_HEADING = "## Runs of the features that depend on the layout"
+
+
+def _render_layout_runs(table: Table) -> list[str]:
+    names = [f.name for f in table.features]
+    held = {(a, b) for run in LAYOUT_RUNS for i, a in enumerate(run) for b in run[i + 1:]
+            if a in LAYOUT_DEPENDENT or b in LAYOUT_DEPENDENT}
+    lines = ["", LAYOUT_HEADING, "",
+             f"`{LAYOUT_TEST.split('::')[0]}` trains each run below through the recipe (its `train()` on as many "
+             "gloo ranks as torchrun would start, with the pairwise runs' settings, `tests/recipes/pairwise.py`) and "
+             "compares every step's loss and gradient norm with the reference of the layout-dependent feature it "
+             "holds, at the pairwise runs' tolerance for its dtype (`recipes.compat.LAYOUT_RUNS`; "
+             f"{len(LAYOUT_RUNS)} runs on at most {MAX_PROCESSES} processes, each accepted whole by the check, "
+             f"holding {len(held)} pairs with such a feature; the runs marked * are in the default suite, the others "
+             "slow). The references, and why the plain one-process run is not one:", ""]
+    lines += [f"- **{name}**: {why}." for name, why in LAYOUT_DEPENDENT.items() if name in names]
+    lines += ["", "| # | features | processes | reference |", "|---|---|---|---|"]
+    for i, run in enumerate(LAYOUT_RUNS, 1):
+        if "diloco" in run:
+            reference = "replicas simulated in one process"
+        elif "onebit" in run:
+            reference = "one process (warm-up)"
+        else:
+            reference = "one process"
+        if set(run) & {"qwz", "qgz"}:
+            reference += ", without the int8 collectives, at the int8 tolerance"
+        mark = "*" if run in LAYOUT_DEFAULT else ""
+        lines.append(f"| {i}{mark} | `{' '.join(run)}` | {processes(run, table.features)} | {reference} |")
     return lines
 
 
@@ -695,7 +777,8 @@ def _render_covered(table: Table, covered: dict) -> list[str]:
               "The supported features and pairs an equivalence test trains against a reference (one process, or the "
               "same run without the feature where the feature's claim is that it changes nothing). The runs each "
               "test makes are declared in `recipes.compat.EQUIVALENCE`, and the pairwise runs above under "
-              f"`{PAIRWISE_TEST}[<features>]`; `tests/recipes/test_compat.py` checks that every test named in "
+              f"`{PAIRWISE_TEST}[<features>]`, the runs of the layout-dependent features under "
+              f"`{LAYOUT_TEST}[<features>]`; `tests/recipes/test_compat.py` checks that every test named in "
               "EQUIVALENCE exists.", "",
               "| features | tests |", "|---|---|"]
     for a, b in [(n, n) for n in names] + table.pairs():
@@ -708,8 +791,8 @@ def _render_covered(table: Table, covered: dict) -> list[str]:
               f"Supported by the check, with no equivalence test holding both: {len(missing)} of "
               f"{sum(table.supported(a, b) for a, b in table.pairs())} supported pairs"
               + (f"; features with none at all: {', '.join(alone)}." if alone else ".")
-              + " By the feature that keeps each out of the pairwise runs (its numbers depend on the layout; the "
-              "pairs its own tests hold are above), with why:", ""]
+              + (" By the feature that keeps each out of the pairwise runs (its numbers depend on the layout; the "
+                 "pairs its own tests hold are above), with why:" if missing else ""), ""]
     for name, why in LAYOUT_DEPENDENT.items():
         others = [b if a == name else a for a, b in missing if name in (a, b)
                   and next(n for n in (a, b) if n in LAYOUT_DEPENDENT) == name]

@@ -27,7 +27,19 @@ EXERCISE = {
     "sparse": {"model.sparse.block_size": "16", "model.sparse.window_blocks": "3"},
     "nsa": {"model.nsa.block_size": "16", "model.nsa.compress_block": "16", "model.nsa.compress_stride": "8",
             "model.nsa.select_blocks": "3", "model.nsa.window_blocks": "2"},
+    # the million-token preset at the runs' 128 tokens: its sliding window of 3 blocks of 16 tokens leaves blocks
+    # out (its own 4 blocks of 64 would see every token), no crop check (its 1000 tokens exceed the sequence)
+    "million": {"model.sparse.block_size": "16", "model.sparse.window_blocks": "3", "train.crop_check_tokens": "0"},
+    # 1-bit Adam's AdamW warm-up for 3 of the 4 steps: the last step freezes the variance and compresses
+    "onebit": {"optim.onebit.warmup_steps": "3"},
 }
+#: The features of recipes.compat.LAYOUT_DEPENDENT that a one-process reference keeps (tests/recipes/
+#: test_layout_features.py): the million-token preset is a model (sparse attention, tiled MLP and loss,
+#: checkpointing) whose numbers depend on the layout only by rounding at the runs' small size; 1-bit Adam's warm-up is
+#: AdamW over the averaged gradient, which one process computes (its compressed steps it does not).
+KEPT_IN_REFERENCE = frozenset({"million", "onebit"})
+#: The quantized ZeRO collectives: a run holding them is compared with the same run without them.
+QUANTIZED = ("qwz", "qgz")
 #: The unit roundoff of each compute dtype: half the distance from 1 to the next number (bf16 keeps 8 significant
 #: bits, fp16 11).
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
@@ -54,16 +66,18 @@ def processes(settings: dict[str, str]) -> int:
     return math.prod(int(settings.get(f"parallel.{k}", 1)) for k in ("replicas", "dp", "tp", "pp", "sp"))
 
 
-def reference_settings(run: tuple[str, ...]) -> dict[str, str]:
-    """The same run on one process: every setting of a layout-only feature (recipes.compat.layout_only) on a
-    LAYOUT_KEYS key left out, the other features' settings and needs kept (the delayed update keeps its ZeRO stage 1
-    and CPU offload, ep2 its MoE model), and train.grad_accum times dp: the reference's micro-batches are the rows
-    each data-parallel rank trains on, in the recipe's global row order (micro-step major, then dp rank), so each
-    micro-batch's mean loss (over its own tokens, and an MoE layer's balancing loss over its own tokens) is the same
-    as on that rank."""
+def reference_settings(run: tuple[str, ...], without: tuple[str, ...] = ()) -> dict[str, str]:
+    """The same run, less the features `without` (their settings and needs), on one process: every setting of a
+    layout-only feature (recipes.compat.layout_only) on a LAYOUT_KEYS key left out, the other features' settings and
+    needs kept (the delayed update keeps its ZeRO stage 1 and CPU offload, ep2 its MoE model; the features of
+    KEPT_IN_REFERENCE too, the other layout-dependent ones refused), and train.grad_accum times dp: the reference's
+    micro-batches are the rows each data-parallel rank trains on, in the recipe's global row order (micro-step major,
+    then dp rank), so each micro-batch's mean loss (over its own tokens, and an MoE layer's balancing loss over its
+    own tokens) is the same as on that rank."""
+    run = tuple(name for name in run if name not in without)
     features = _features(run)
     for f in features:
-        if f.name in compat.LAYOUT_DEPENDENT:
+        if f.name in compat.LAYOUT_DEPENDENT and f.name not in KEPT_IN_REFERENCE:
             raise ValueError(f"{f.name} has no one-process reference: {compat.LAYOUT_DEPENDENT[f.name]}")
     kept = [o for f in features for o in f.needs
             if not (compat.layout_only(f) and compat._key(compat._parse_one(o)) in compat.LAYOUT_KEYS)]

@@ -68,6 +68,34 @@ def test_declared_equivalence_runs_name_features_the_check_accepts_together(tabl
     assert ("tp2", "tiled_loss") not in covered
 
 
+def test_layout_runs_hold_every_supported_pair_of_a_layout_dependent_feature(table):
+    """Each run of LAYOUT_RUNS holds a layout-dependent feature, is accepted whole by the check on at most
+    MAX_PROCESSES processes and holds no refused pair; together they hold every supported pair of such a feature that
+    no test of EQUIVALENCE holds, the default suite's runs every such feature, and no supported pair is left
+    uncovered."""
+    import itertools
+
+    names = [f.name for f in compat.FEATURES]
+    with compat._hf_configs() as hf_dir:
+        deriver = compat.Deriver(hf_dir)
+        for run in compat.LAYOUT_RUNS:
+            assert set(run) & set(compat.LAYOUT_DEPENDENT) and list(run) == sorted(run, key=names.index), run
+            assert not {"diloco", "onebit"} <= set(run), run  # (one reference each)
+            assert compat.processes(run) <= compat.MAX_PROCESSES, run
+            assert all(table.supported(a, b) for a, b in itertools.combinations(run, 2)), run
+            assert deriver.check(compat.command_line(run)) is None, run
+    assert len(set(compat.LAYOUT_RUNS)) == len(compat.LAYOUT_RUNS) and set(compat.LAYOUT_DEFAULT) <= \
+        set(compat.LAYOUT_RUNS)
+    assert set(compat.LAYOUT_DEPENDENT) <= {name for run in compat.LAYOUT_DEFAULT for name in run}
+    held = {pair for run in compat.LAYOUT_RUNS for pair in itertools.combinations(run, 2)}
+    others = compat.coverage(table, compat.EQUIVALENCE)  # (the engine-level tests of such features hold some)
+    wanted = {(a, b) for a, b in table.pairs() if table.supported(a, b) and {a, b} & set(compat.LAYOUT_DEPENDENT)
+              and (a, b) not in others}
+    assert len(wanted) > 80 and wanted <= held, sorted(wanted - held)
+    covered = compat.coverage(table)
+    assert [pair for pair in table.pairs() if table.supported(*pair) and pair not in covered] == []
+
+
 def test_every_named_equivalence_test_is_defined():
     """Each node id's file defines its test function at module level (the parametrized ids: the slow test below)."""
     import ast

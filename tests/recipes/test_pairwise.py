@@ -100,9 +100,13 @@ def test_reference_is_the_run_on_one_process_without_its_layout():
     assert (mine["train.grad_accum"], ref["train.grad_accum"]) == ("2", "4")
     layout = compat.LAYOUT_KEYS | {"train.grad_accum"}
     assert {k: v for k, v in mine.items() if k not in layout} == {k: v for k, v in ref.items() if k not in layout}
-    for feature in compat.LAYOUT_DEPENDENT:
+    for feature in set(compat.LAYOUT_DEPENDENT) - pairwise.KEPT_IN_REFERENCE:
         with pytest.raises(ValueError, match=f"{feature} has no one-process reference"):
             pairwise.reference_settings(("dp2", feature))
+    # less the features `without`: the quantized collectives' run against the same run without them
+    quantized = pairwise.reference_settings(("zero3", "qwz", "qgz", "dp2", "million"), without=pairwise.QUANTIZED)
+    assert quantized == pairwise.reference_settings(("dp2", "million"))
+    assert not {k for k in quantized if "quantize" in k} and quantized["+experiment"] == "million"
 
 
 def test_layout_only_features_are_the_degrees_and_zero_sharding_and_offload():
@@ -155,4 +159,4 @@ def test_covering_holds_every_supported_pair_of_the_features_compared_with_one_p
     assert wanted <= set().union(*map(_pairs, runs))
     covered = compat.coverage(table)
     uncovered = [(a, b) for a, b in table.pairs() if table.supported(a, b) and (a, b) not in covered]
-    assert all(a in compat.LAYOUT_DEPENDENT or b in compat.LAYOUT_DEPENDENT for a, b in uncovered), uncovered
+    assert uncovered == []  # (the layout-dependent features' pairs: tests/recipes/test_layout_features.py)
