@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from moe_lst.models import spec as families
+from moe_lst.models.loading import StreamingWeights, init_with_placements
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -180,6 +181,7 @@ def build_engine(cfg: DictConfig, model: nn.Module, dims: zero.ParallelDims,
         dims=dims,
         lr_scheduler=functools.partial(ScheduleLR, cfg=cfg),
         plans=parallel.plans,  # a meta-device model is materialised by the engine through its init_parameter
+        param_init=init_with_placements(model, parallel.plans),  # (a split parameter: its slice's values)
     )
 
 
@@ -352,7 +354,9 @@ class Run:
         self.model, self.parallel = build_model(cfg, self.dims, initial)
         self.pipe = self.parallel.pipe
         self.engine = build_engine(cfg, self.model, self.dims, self.parallel)
-        if initial is not None and builds_on_meta(cfg):  # built without values: the engine takes them
+        if isinstance(initial, StreamingWeights):  # each rank reads only what it keeps
+            initial.load_into(self.engine)
+        elif initial is not None and builds_on_meta(cfg):  # built without values: the engine takes them
             self.engine.load_full_state_dict(initial)
         self.start_step = resume(self.engine, self.run_dir, cfg, self.is_rank0)
         # the step of run_dir's newest complete checkpoint (train.resume may have named another directory's)

@@ -138,24 +138,33 @@ class LlamaSpec(FamilySpec):
     def num_params(self, cfg: Any) -> int:
         return model_config(cfg).num_params()
 
+    def builds_on_meta(self, cfg: Any) -> bool:
+        """Always: dense and MoE, any layout (init_parameter gives any parameter or slice an eager build's values,
+        MoE layers' replayed from the global generator), so no rank ever holds more than its own part."""
+        return True
+
     def build(self, cfg: Any, dims: zero.ParallelDims, meta: bool) -> nn.Module:
-        return Transformer(model_config(cfg), device="meta" if meta else None)
+        if not meta:
+            return Transformer(model_config(cfg))
+        from zero.dist.topology import default_device
+
+        model = Transformer(model_config(cfg), device="meta", buffer_device=default_device())
+        model.continue_global_generator()  # (what is drawn next draws what it would after an eager build)
+        return model
 
     def init_from(self, cfg: Any, source: str) -> dict[str, torch.Tensor]:
         """A Hugging Face Llama / Mixtral directory (as recipes.export writes), refused in one line naming every
         model key on which it differs from the run's model."""
-        from moe_lst.models.llama.state_dict import import_hf, weight_mismatches
+        from moe_lst.models.llama.state_dict import open_hf_checkpoint
+        from moe_lst.models.loading import CheckpointError, StreamingWeights
 
         try:
-            theirs, state = import_hf(source)
+            return StreamingWeights(*open_hf_checkpoint(source, model_config(cfg)))
         except ExportError as e:
+            sep = " " if str(e).startswith("holds another model") else ": "
+            raise ConfigError(f"train.init_from={source}{sep}{e}") from None
+        except CheckpointError as e:
             raise ConfigError(f"train.init_from={source}: {e}") from None
-        differ = weight_mismatches(model_config(cfg), theirs)
-        if differ:
-            raise ConfigError(f"train.init_from={source} holds another model: "
-                              + ", ".join(f"{k}={a} here but {b} there" for k, (a, b) in differ.items())
-                              + "; set those keys to the directory's values or choose another directory")
-        return state
 
     def check_exportable(self, run_cfg: Any, run_dir: Path) -> None:
         from moe_lst.models.llama.state_dict import check_exportable
