@@ -412,6 +412,10 @@ def ring_section(args) -> None:
                                    mine[1] / base[1])
 
 
+# Tokens of the default byte-level corpus's held-out split (data=stdlib): a crop check reads one sequence of it.
+STDLIB_VAL_TOKENS = 1_833_761
+
+
 def ring_steps_section(args) -> None:
     """One training step of the 2M-token ring preset (`+experiment=two_million_cp`, cp=4) through the recipe under
     torchrun at each of `--ring-steps` lengths: wall time of the step, per-rank peak RSS, loss, crop check."""
@@ -426,6 +430,13 @@ def ring_steps_section(args) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "-m",
                "recipes.pretrain", "+experiment=two_million_cp", f"train.seq_len={seq}", f"run_dir={out}",
                "wandb.mode=disabled", "train.progress=false"]
+        if seq > STDLIB_VAL_TOKENS - 2:  # the default corpus's held-out split is shorter: random bytes instead
+            import numpy as np
+
+            rng = np.random.default_rng(0)
+            for split in ("train", "val"):
+                rng.integers(0, 256, 2 * seq, dtype=np.uint8).tofile(os.path.join(out, f"{split}.bin"))
+            cmd += ["data=bin", f"data.train_path={out}/train.bin", f"data.val_path={out}/val.bin", "data.dtype=uint8"]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.ring_threads), WANDB_MODE="disabled")
         start = time.time()
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
