@@ -1,12 +1,14 @@
 """transformers' MoE balancing loss (`load_balancing_loss_func`: Switch Transformer's, over every layer's router
-at once) for an adapted model, built from each router's input as the layers run, so that it survives activation
+at once) for an adapted model, built from each router's logits (the output transformers records as
+`router_logits`) as the layers run, so that it survives activation
 checkpointing (a recomputed layer is not counted twice and still gets its gradient) and covers the whole
 sequences of a Ulysses group.
 
 The loss is E * sum_e (C_e / R) * (P_e / R): C_e the top-k choices of expert e and P_e its routing probabilities
 summed over every layer's tokens, R the number of (layer, token) rows. C is not differentiable, so the gradient
 into a layer's probability sums is coef * E * C / R^2, known once every layer has run: each layer's router input
-carries a node whose backward sends exactly that (scaled like the main loss), whatever order backward takes.
+carries a node whose backward sends exactly that (scaled like the main loss), whatever order backward takes: it
+rides on the router's gate weights (the output its block uses), so it reaches the logits and the router's weight.
 """
 
 from __future__ import annotations
@@ -43,19 +45,36 @@ class _DeferredGrad(torch.autograd.Function):
         return grad * ctx.stats.grad_weights, None
 
 
-class BalancingLoss:
-    """Hooks on the routers (`gate` modules, weight [E, dim], input the tokens [N, dim]) of a model's MoE blocks
-    that add `coef` times transformers' balancing loss to its training gradient. Call `begin()` before each
-    forward and `finish()` after it; `scale` is the engine's loss-scale hook (zero.Plan.loss_scale_hooks)."""
+def router_modules(causal_lm: nn.Module) -> tuple[list[nn.Module], int]:
+    """(the modules whose output transformers records as `router_logits`, the index of the logits in it), from the
+    model's `_can_record_outputs`; NotImplementedError where the model records none."""
+    base = causal_lm.get_submodule(causal_lm.base_model_prefix)
+    recorder = (getattr(base, "_can_record_outputs", None) or {}).get("router_logits")
+    if recorder is None:
+        raise NotImplementedError(f"{type(causal_lm).__name__} records no router_logits: its balancing loss "
+                                  "(output_router_logits) is not supported; set router_aux_loss_coef=0")
+    cls = getattr(recorder, "target_class", recorder)
+    index = getattr(recorder, "index", 0) or 0
+    routers = [m for m in causal_lm.modules() if isinstance(m, cls)] if isinstance(cls, type) else []
+    if not routers:
+        raise NotImplementedError(f"{type(causal_lm).__name__}: no router module records router_logits")
+    return routers, index
 
-    def __init__(self, gates: list[nn.Module], num_experts: int, top_k: int, coef: float,
-                 sp_group: ProcessGroup | None = None) -> None:
+
+class BalancingLoss:
+    """Hooks on the routers of a model's MoE blocks (their output holds the logits [N, E] at `logits_index`) that
+    add `coef` times transformers' balancing loss to its training gradient. Call `begin()` before each forward
+    and `finish()` after it; `scale` is the engine's loss-scale hook (zero.Plan.loss_scale_hooks)."""
+
+    def __init__(self, routers: list[nn.Module], num_experts: int, top_k: int, coef: float,
+                 sp_group: ProcessGroup | None = None, logits_index: int = 0) -> None:
         self.num_experts, self.top_k, self.coef, self.sp_group = num_experts, top_k, coef, sp_group
         self.scale = AttachedLossScale()
         self.stats: _Statistics | None = None
         self.last_value: float | None = None  # the loss (without coef) of the last training forward
-        for gate in gates:
-            gate.register_forward_pre_hook(self._before_router)
+        self.logits_index = logits_index
+        for router in routers:
+            router.register_forward_hook(self._after_router)
 
     def begin(self, training: bool) -> None:
         """A forward starts: a training one (gradient on) counts, any other leaves the routers alone."""
@@ -73,14 +92,15 @@ class BalancingLoss:
         s.grad_weights = self.coef * self.num_experts * counts / rows**2
         self.last_value = float(torch.sum((counts / rows) * (prob_sum / rows)) * self.num_experts)
 
-    def _before_router(self, gate: nn.Module, args: tuple):
-        """Count the router's choices (in the forward) and give its input the node that brings the loss's
+    def _after_router(self, router: nn.Module, args: tuple, output):
+        """Count the router's choices (in the forward) and give its gate weights the node that brings the loss's
         gradient (whenever the router runs with gradient: the forward, or a checkpointed layer's recomputation)."""
         s = self.stats
         if s is None:
             return None
-        x = args[0]
-        probs = F.softmax(F.linear(x, gate.weight), dim=-1)  # transformers' router logits, then softmax
+        outputs = list(output) if isinstance(output, tuple) else [output]
+        logits = outputs[self.logits_index]
+        probs = F.softmax(logits.reshape(-1, logits.shape[-1]), dim=-1)  # as load_balancing_loss_func
         if s.grad_weights is None:  # the forward (a checkpointed layer's recomputation in backward comes later)
             if s.counts.device != probs.device:
                 s.counts, s.prob_sum = s.counts.to(probs.device), s.prob_sum.to(probs.device)
@@ -91,4 +111,7 @@ class BalancingLoss:
         if not (torch.is_grad_enabled() and probs.requires_grad):
             return None  # (a checkpointed layer's first pass: its recomputation carries the gradient)
         surrogate = _DeferredGrad.apply(probs.float().sum(dim=0), s)
-        return (attach_loss(x, surrogate, self.scale), *args[1:])
+        carrier = next((i for i, t in enumerate(outputs) if i != self.logits_index and torch.is_tensor(t)
+                        and t.is_floating_point() and t.requires_grad), self.logits_index)
+        outputs[carrier] = attach_loss(outputs[carrier], surrogate, self.scale)
+        return tuple(outputs) if isinstance(output, tuple) else outputs[0]

@@ -11,13 +11,60 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import CONFIG_MAPPING, PreTrainedConfig
 
-#: model_type -> whether its feed-forward blocks are sparse MoE (models/hf/moe.py adopts those).
-#: Each has the decoder layout the adapter reads: `model.layers.{i}` holding `self_attn` and `mlp`, then
-#: `model.norm` and `lm_head`, with Hugging Face's own rotary embedding applied inside `self_attn`.
-MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False, "mixtral": True, "qwen3_moe": True,
-               "olmoe": True}
+#: The families (model_type -> whether it has routed experts) that pass every check of the coverage sweep
+#: (python -m moe_lst.models.hf.coverage, which writes coverage.json beside this file and docs/hf_coverage.md):
+#: the adapter builds these; any other causal LM is refused with the sweep's one-line reason.
+COVERAGE_FILE = Path(__file__).with_name("coverage.json")
+
+
+def coverage() -> dict[str, dict[str, Any]]:
+    """model_type -> {"moe": bool, "features": {feature: "pass" or the reason it is refused}} from the sweep."""
+    return _coverage(COVERAGE_FILE.stat().st_mtime if COVERAGE_FILE.is_file() else 0.0)
+
+
+@functools.lru_cache(maxsize=2)
+def _coverage(stamp: float) -> dict[str, dict[str, Any]]:
+    return json.loads(COVERAGE_FILE.read_text())["families"] if stamp else {}
+
+
+def refusal(kind: str) -> str | None:
+    """Why model type `kind` is not built (None: it is covered): the sweep's reason for its first failing check."""
+    record = coverage().get(kind)
+    if record is None:
+        return "it is not a causal LM of the installed transformers" if kind not in _causal_lm_types() else \
+            "the coverage sweep has not run it"
+    bad = [f"{feature}: {result}" for feature, result in record["features"].items() if feature == "logits"
+           and result != "pass"]
+    return bad[0] if bad else None
+
+
+@functools.cache
+def _causal_lm_types() -> frozenset[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+class _Covered(Mapping):
+    """MODEL_TYPES: the covered model types (their logits and gradients equal plain transformers') -> is MoE."""
+
+    def _items(self) -> dict[str, bool]:
+        return {k: bool(v["moe"]) for k, v in coverage().items() if refusal(k) is None}
+
+    def __getitem__(self, key: str) -> bool:
+        return self._items()[key]
+
+    def __iter__(self):
+        return iter(self._items())
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+
+MODEL_TYPES: Mapping[str, bool] = _Covered()
 #: rotary types whose tables depend on the longest position a forward sees: under Ulysses each rank sees another.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -50,9 +97,10 @@ def _read(file: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise HFConfigError(f"{file} holds a JSON {type(raw).__name__}, not a config object")
     kind = raw.get("model_type")
-    if kind not in MODEL_TYPES:
-        raise HFConfigError(f"model_type={kind!r} ({file}) is not covered by the Hugging Face adapter; it builds "
-                            f"model_type {', '.join(MODEL_TYPES)}")
+    why = refusal(kind) if isinstance(kind, str) else "it names no model_type"
+    if why is not None:
+        raise HFConfigError(f"model_type={kind!r} ({file}) is not covered by the Hugging Face adapter: {why} "
+                            "(docs/hf_coverage.md lists the model types it builds)")
     return raw
 
 
@@ -141,30 +189,50 @@ def load_config(source: str | Path, overrides: Mapping[str, Any] | None = None) 
     return copy.deepcopy(_load(str(file.resolve()), file.stat().st_mtime, overrides_json))
 
 
+@functools.lru_cache(maxsize=32)
+def _structure(config_json: str) -> tuple[tuple[bool, ...], int]:
+    """(per decoder layer: whether it holds routed experts, the number of routed experts) of a config's model,
+    read from the model built on the meta device."""
+    from moe_lst.models.hf.experts import is_experts
+    from moe_lst.models.hf.structure import decoder_blocks
+    from transformers import AutoModelForCausalLM
+
+    values = json.loads(config_json)
+    config = CONFIG_MAPPING[values["model_type"]].from_dict(values)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    layers = tuple(any(is_experts(m) for m in block.modules()) for _, block in decoder_blocks(model))
+    experts = [m for m in model.modules() if is_experts(m)]
+    count = int((experts[0].gate_up_proj if experts[0].has_gate else experts[0].up_proj).shape[0]) if experts else 0
+    return layers, count
+
+
+def _structure_of(config: PreTrainedConfig) -> tuple[tuple[bool, ...], int]:
+    return _structure(json.dumps(config.to_dict(), sort_keys=True, default=str))
+
+
 def is_moe(config: PreTrainedConfig) -> bool:
-    """Whether the model's feed-forward blocks are sparse MoE (Mixtral, Qwen3-MoE, OLMoE)."""
-    return MODEL_TYPES[config.model_type]
+    """Whether the model has routed experts (transformers' ExpertsInterface experts) in any layer."""
+    return any(_structure_of(config)[0])
+
+
+def num_experts(config: PreTrainedConfig) -> int:
+    """The number of routed experts per MoE layer (0 for a dense model)."""
+    return _structure_of(config)[1]
 
 
 def dense_mlp_layers(config: PreTrainedConfig) -> list[int]:
-    """The layers whose feed-forward is a dense MLP (every layer of a dense model; none of Mixtral's or OLMoE's;
-    Qwen3-MoE's mlp_only_layers and those off its decoder_sparse_step)."""
-    layers = range(config.num_hidden_layers)
-    if config.model_type in ("mixtral", "olmoe"):
-        return []
-    if config.model_type == "qwen3_moe":
-        return [i for i in layers if i in config.mlp_only_layers or not config.num_experts
-                or (i + 1) % config.decoder_sparse_step]
-    return list(layers)
+    """The decoder layers whose feed-forward is a dense MLP (no routed experts)."""
+    return [i for i, moe in enumerate(_structure_of(config)[0]) if not moe]
 
 
 def sliding_window(config: PreTrainedConfig) -> int | None:
-    """The attention window the model's layers use, or None for full causal attention. (Qwen2 / Qwen3 keep
-    `sliding_window` only with use_sliding_window; Mistral, Mixtral and Qwen3-MoE pass it to every layer.)"""
-    return getattr(config, "sliding_window", None)
+    """A window that bounds the sequence the adapter can train: None, as the adapter's attention honours every
+    layer's sliding window exactly (moe_lst.models.hf.attention)."""
+    return None
 
 
 def rope_type(config: PreTrainedConfig) -> str:
     """The rotary embedding's type (default, linear, llama3, yarn, dynamic, ...)."""
     rope = getattr(config, "rope_parameters", None) or {}
-    return rope.get("rope_type", "default")
+    return rope.get("rope_type", "default") if isinstance(rope, dict) else "default"

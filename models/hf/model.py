@@ -1,129 +1,134 @@
-"""The adapter: a transformers causal LM behind the model contract (zero.contract), with its own module and
-parameter names (`model.layers.{i}...`, `lm_head.weight`), so its state dict is Hugging Face's.
+"""The adapter: any transformers causal LM behind the model contract (zero.contract), with its own module and
+parameter names (the causal LM's children under their names: `model.layers.{i}...`, `lm_head.weight`), so its
+state dict is Hugging Face's.
 
-Its attention runs through one function registered with transformers' AttentionInterface (`ATTENTION`), which
-calls the layer's own swappable attention function in the contract's convention (q [b, s, h, d], k/v
-[b, s, h_kv, d], causal): Ulysses and block-sparse attention replace that function per layer. Hugging Face's
-rotary embedding is applied before it, from the position ids the forward is given (global ones under Ulysses).
+It works through transformers' own interfaces rather than per model type:
+- attention through AttentionInterface (moe_lst.models.hf.attention): every module whose forward dispatches
+  through it calls its own swappable contract function (dense attention, Ulysses, block-sparse), sliding windows
+  and sinks honoured, anything else refused by name; Hugging Face's rotary embedding is applied before it, from
+  the position ids the forward is given (global ones under Ulysses), and packed documents reach it as `documents`;
+- experts through ExpertsInterface (moe_lst.models.hf.experts): the model's router kept, this project's dispatch,
+  grouped GEMMs and expert parallelism behind it;
+- the blocks (ZeRO-3 units, checkpointing) are the modules of the classes its `_no_split_modules` names;
+- the balancing loss is the model's own (`router_aux_loss_coef * load_balancing_loss_func` over its routers'
+  logits, moe_lst.models.hf.balance) where its config asks for it.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
+import inspect
 import math
+import re
 import zlib
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 from moe_lst.kernels.attention import attention
-from moe_lst.kernels.documents import Documents, attend
+from moe_lst.kernels.documents import Documents
 from moe_lst.kernels.positions import position_ids_for
+from moe_lst.models.hf import attention as hf_attn
+from moe_lst.models.hf.attention import ATTENTION, attention_of, hf_attention, hf_dense_attention, set_attention
+from moe_lst.models.hf.balance import BalancingLoss, router_modules
+from moe_lst.models.hf.experts import adopt_experts, is_experts
+from moe_lst.models.hf.structure import attention_modules, blocks_outside_attention, decoder_blocks
 from torch.distributed import ProcessGroup
-from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 import zero
-from moe_lst.models.hf.balance import BalancingLoss
-from moe_lst.models.hf.config import MODEL_TYPES, is_moe
 from zero.contract import AttentionSite, ModelContract
 
-#: The name the adapter's attention is registered under (config._attn_implementation of an adapted model).
-ATTENTION = "moe_lst"
-
-
-def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                 sliding_window: int | None = None, documents: Documents | None = None,
-                 **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface -> the layer's contract attention: q [b, h, s, d] and k/v [b, h_kv, s, d]
-    -> ([b, s, h, d], no weights). The attention is causal over each packed document (`documents`, which the
-    adapter's forward reads from the position ids and passes down), else over the whole sequence; a padding
-    mask, dropout and a window shorter than the keys are refused (the adapter gives transformers no mask to
-    build)."""
-    if attention_mask is not None:
-        raise NotImplementedError("the Hugging Face adapter's attention is causal over whole sequences: an attention "
-                                  "mask (padding, packed documents) is not supported")
-    if dropout:
-        raise NotImplementedError(f"attention dropout={dropout} is not supported by the Hugging Face adapter")
-    if sliding_window is not None and sliding_window < key.shape[2]:
-        raise NotImplementedError(f"sliding_window={sliding_window} is shorter than the {key.shape[2]} keys: the "
-                                  "Hugging Face adapter's attention is full causal attention")
-    fn = _attention_of(module)
-    if fn is None:
-        raise RuntimeError(f"{type(module).__name__} runs attn_implementation={ATTENTION!r} but was not adapted: "
-                           "build the model with moe_lst.models.hf.HFCausalLM")
-    # [b, heads, s, d] -> [b, s, heads, d] (views: the attention functions take any strides)
-    out = attend(fn, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True, scale=scaling,
-                 documents=documents)
-    return out, None
-
-
-AttentionInterface.register(ATTENTION, hf_attention)
-
-
-def _moe_adopter() -> Callable[[nn.Module], list[str]] | None:
-    """moe_lst.models.hf.moe.adopt_moe_blocks, or None where that module is not there."""
-    if importlib.util.find_spec("moe_lst.models.hf.moe") is None:
-        return None
-    from moe_lst.models.hf.moe import adopt_moe_blocks
-
-    return adopt_moe_blocks
+__all__ = ["ATTENTION", "HFCausalLM", "build", "hf_attention", "moe_supported"]
 
 
 def moe_supported() -> bool:
-    """Whether MoE configs (Mixtral, Qwen3-MoE) can be built: their blocks are swapped for this project's MoE."""
-    return _moe_adopter() is not None
+    """Whether MoE configs can be built: their experts run through moe_lst.models.hf.experts (always)."""
+    return True
+
+
+#: A causal LM forward whose logits are the head applied to the last hidden states, nothing after it (no
+#: softcapping or scaling): only then is `return_hidden=True` (tiled losses apply `output_weight`) offered.
+_PLAIN_HEAD = re.compile(r"logits\s*=\s*self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)\s*\n"
+                         r"(\s*\n)*\s*loss\s*=\s*None")
+
+
+def plain_head(causal_lm: PreTrainedModel) -> bool:
+    """Whether `causal_lm`'s logits are lm_head(last hidden states) and nothing more."""
+    try:
+        return bool(_PLAIN_HEAD.search(inspect.getsource(type(causal_lm).forward)))
+    except (OSError, TypeError):
+        return False
+
+
+def structure_problems(causal_lm: PreTrainedModel) -> list[str]:
+    """What keeps the adapter from running `causal_lm` (empty when nothing does), each a short phrase."""
+    problems = []
+    blocks = decoder_blocks(causal_lm)
+    if not blocks:
+        kinds = getattr(causal_lm, "_no_split_modules", None)
+        problems.append(f"no repeated layers named by _no_split_modules ({kinds})")
+    sites = attention_modules(causal_lm)
+    if not sites:
+        problems.append("no attention module dispatches through transformers' AttentionInterface")
+    inside = [n for n, _ in sites if not any(n.startswith(b + ".") for b, _ in blocks)]
+    if blocks and inside:
+        problems.append(f"attention {inside[0]} is outside the repeated layers")
+    if causal_lm.get_output_embeddings() is None:
+        problems.append("no output embedding (lm head)")
+    return problems
 
 
 class HFCausalLM(nn.Module, ModelContract):
-    """A transformers causal LM (`PreTrainedModel`, a model type of moe_lst.models.hf.config.MODEL_TYPES) under the
-    model contract: blocks are its decoder layers, attention sites their self-attention, MLP sites their dense
-    MLPs; `init_parameter` is the model's own `_init_weights`, seeded per parameter name. Sparse-MoE blocks are
-    replaced by this project's MoE (models/hf/moe.py), keeping their names. Tensor-parallel plans and
-    pipeline stages are not offered (the contract's defaults raise ContractError).
+    """A transformers causal LM under the model contract: blocks are its `_no_split_modules` layers, attention
+    sites its AttentionInterface modules, MLP sites the blocks' dense `mlp` children; `init_parameter` is the
+    model's own `_init_weights`, seeded per parameter name. Experts declared through ExpertsInterface run this
+    project's dispatch and grouped GEMMs (moe_lst.models.hf.experts), their parent blocks moe.MoELayers for expert
+    parallelism, keeping their names. Tensor-parallel plans and pipeline stages are not offered (the contract's
+    defaults raise ContractError).
 
     An MoE config with `output_router_logits` trains with transformers' balancing loss, as its CausalLM forward
     adds it with labels (`router_aux_loss_coef * load_balancing_loss_func(...)`; moe_lst.models.hf.balance):
     its gradient joins the main loss's in training, scaled like it through `loss_plan()`'s hook, its statistics
     summed over `sp_group` (the ranks holding shards of the same sequences).
 
-    forward(tokens [b, s], position_ids=None, return_hidden=False, packed=False) -> logits [b, s, vocab] (or the final-normed
-    hidden states [b, s, dim], for losses that apply `output_weight` themselves, e.g. tiled)."""
+    forward(tokens [b, s], position_ids=None, return_hidden=False, packed=False) -> logits [b, s, vocab] (or the
+    final-normed hidden states [b, s, dim], for losses that apply `output_weight` themselves, e.g. tiled)."""
 
     def __init__(self, causal_lm: PreTrainedModel, attention_fn: Callable[..., torch.Tensor] = attention,
                  init_seed: int | None = None, sp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         config = causal_lm.config
-        if config.model_type not in MODEL_TYPES:
-            raise NotImplementedError(f"model_type={config.model_type!r} is not covered by the Hugging Face adapter "
-                                      f"(it covers {', '.join(MODEL_TYPES)})")
+        problems = structure_problems(causal_lm)
+        if problems:
+            raise NotImplementedError(f"model_type={config.model_type!r} ({type(causal_lm).__name__}) is not covered "
+                                      f"by the Hugging Face adapter: {'; '.join(problems)}")
         self.__dict__["causal_lm"] = causal_lm  # not a child: its children are ours, under the same names
         self.config = config
-        self.model = causal_lm.model  # embeddings, decoder layers, final norm, rotary embedding
-        self.lm_head = causal_lm.lm_head
+        for name, child in causal_lm.named_children():
+            self.add_module(name, child)
+        self.__dict__["base"] = causal_lm.get_submodule(causal_lm.base_model_prefix)  # (not a second child)
+        self.plain_head = plain_head(causal_lm)
         self.init_seed = torch.initial_seed() if init_seed is None else init_seed
         self.moe_blocks: tuple[str, ...] = ()
-        if is_moe(config):
-            self.moe_blocks = tuple(self._adopt_moe())
+        if any(is_experts(m) for m in causal_lm.modules()):
+            if any(p.is_meta for p in self.parameters()):
+                raise NotImplementedError(f"model_type={config.model_type}: MoE models are built on a real device "
+                                          "(per-parameter init of their experts is not implemented)")
+            self.moe_blocks = tuple(adopt_experts(causal_lm))
         self.balance: BalancingLoss | None = None
-        if self.moe_blocks and config.output_router_logits and config.router_aux_loss_coef > 0:
-            gates = [self.get_submodule(f"{block}.gate") for block in self.moe_blocks]
-            self.balance = BalancingLoss(gates, config.num_local_experts, config.num_experts_per_tok,
-                                         config.router_aux_loss_coef, sp_group)
+        coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+        if self.moe_blocks and getattr(config, "output_router_logits", False) and coef > 0:
+            routers, index = router_modules(causal_lm)
+            self.balance = BalancingLoss(routers, _num_experts(config, causal_lm), config.num_experts_per_tok, coef,
+                                         sp_group, logits_index=index)
         causal_lm.set_attn_implementation(ATTENTION)
-        for layer in self.model.layers:
-            _set_attention(layer.self_attn, attention_fn)
-
-    def _adopt_moe(self) -> list[str]:
-        adopt = _moe_adopter()
-        if adopt is None:
-            raise NotImplementedError(f"model_type={self.config.model_type} has sparse-MoE blocks and "
-                                      "moe_lst.models.hf.moe (adopt_moe_blocks) is not available to swap them")
-        if any(p.is_meta for p in self.parameters()):
-            raise NotImplementedError(f"model_type={self.config.model_type}: MoE models are built on a real device "
-                                      "(per-parameter init of their experts is not implemented)")
-        return adopt(self.causal_lm)
+        if attention_fn is attention:
+            attention_fn = hf_dense_attention  # the same, with sliding windows and sinks
+        self._sites = [n for n, _ in attention_modules(causal_lm)]
+        self.outside_attention = blocks_outside_attention(causal_lm)
+        for name in self._sites:
+            set_attention(self.get_submodule(name), attention_fn)
 
     def loss_plan(self) -> zero.Plan:
         """For zero.initialize(plans=[...]): the balancing loss's gradient scaled like the main loss."""
@@ -132,26 +137,29 @@ class HFCausalLM(nn.Module, ModelContract):
     @property
     def output_weight(self) -> torch.Tensor:
         """The head's weight [vocab, dim] (the embedding's when they are tied)."""
-        return self.lm_head.weight
+        return self.causal_lm.get_output_embeddings().weight
 
     # ------------------------------------------------------------------ the model contract (zero.contract)
     def blocks(self) -> list[tuple[str, nn.Module]]:
-        return [(f"model.layers.{i}", layer) for i, layer in enumerate(self.model.layers)]
+        return decoder_blocks(self.causal_lm)  # (the same modules, under the same names)
 
     def attention_sites(self) -> list[AttentionSite]:
-        return [_site(f"model.layers.{i}.self_attn", layer.self_attn) for i, layer in enumerate(self.model.layers)]
+        return [_site(name, self.get_submodule(name)) for name in self._sites]
 
     def mlp_sites(self) -> list[tuple[str, nn.Module]]:
-        """The dense MLPs (the MoE blocks are not token-wise in the TiledMLP sense: their router statistics)."""
-        sites = [(f"model.layers.{i}.mlp", layer.mlp) for i, layer in enumerate(self.model.layers)]
-        return [(name, module) for name, module in sites if name not in self.moe_blocks]
+        """The blocks' dense `mlp` children (the MoE blocks are not token-wise in the TiledMLP sense: their router
+        statistics)."""
+        sites = [(f"{name}.mlp", block.mlp) for name, block in self.blocks() if isinstance(getattr(block, "mlp", None),
+                                                                                         nn.Module)]
+        return [(name, module) for name, module in sites
+                if name not in self.moe_blocks and not any(is_experts(m) for m in module.modules())]
 
     @torch.no_grad()
     def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
         """Fill `tensor` with parameter `name`'s initial values: the model's `_init_weights` applied to a stand-in
         of the parameter's module that holds `tensor` (its other parameters on the meta device), on the CPU with
         the random generator seeded by (init_seed, name), so the order of calls and the device do not matter."""
-        if any(name.startswith(block + ".") for block in self.moe_blocks):
+        if any(name.startswith(block + ".experts.") for block in self.moe_blocks):
             raise NotImplementedError(f"{name}: per-parameter (meta-device) init of MoE blocks is not implemented; "
                                       "build MoE models on a real device")
         owner, _, leaf = name.rpartition(".")
@@ -173,7 +181,7 @@ class HFCausalLM(nn.Module, ModelContract):
     def reset_parameters(self) -> None:
         """Every parameter but those of MoE blocks through init_parameter (what a meta-device build gets)."""
         for name, p in self.named_parameters():
-            if not any(name.startswith(block + ".") for block in self.moe_blocks):
+            if not any(name.startswith(block + ".experts.") for block in self.moe_blocks):
                 self.init_parameter(name, p)
 
     @torch.no_grad()
@@ -184,13 +192,19 @@ class HFCausalLM(nn.Module, ModelContract):
             meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
             if not meta:
                 continue
-            if module._parameters:
-                raise NotImplementedError(f"{type(module).__name__} holds parameters and meta-device buffers: build "
-                                          "this model on a real device")
+            # A module that also holds parameters (a scaled embedding) is initialised as a stand-in: the same class
+            # and settings with scratch parameters, so only its buffers are kept.
+            target = copy.copy(module) if module._parameters else module
+            if target is not module:
+                target._parameters = {k: None if p is None else torch.empty(p.shape, dtype=p.dtype)
+                                      for k, p in module._parameters.items()}
+                target._buffers = dict(module._buffers)
             for n in meta:
-                module._buffers[n] = torch.full(module._buffers[n].shape, math.nan, dtype=module._buffers[n].dtype,
+                target._buffers[n] = torch.full(module._buffers[n].shape, math.nan, dtype=module._buffers[n].dtype,
                                                 device=device)
-            self.causal_lm._init_weights(module)
+            self.causal_lm._init_weights(target)
+            for n in meta:
+                module._buffers[n] = target._buffers[n]
             if any(module._buffers[n].isnan().any() for n in meta):
                 raise NotImplementedError(f"{type(module).__name__}: its buffers have no init in "
                                           f"{type(self.causal_lm).__name__}._init_weights; build it on a real device")
@@ -216,11 +230,32 @@ class HFCausalLM(nn.Module, ModelContract):
             self.balance.begin(self.training and torch.is_grad_enabled())
         # packed: the position ids restart at each packed document, and attention stays inside each of them.
         documents = Documents(positions) if packed else None
-        hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False,
-                            documents=documents).last_hidden_state
+        if return_hidden and not self.plain_head:
+            raise NotImplementedError(f"{type(self.causal_lm).__name__} changes its logits after the head "
+                                      "(softcapping or scaling): return_hidden (tiled loss) is not supported")
+        if self.outside_attention and (packed or self._sequence_split()):
+            raise NotImplementedError(
+                f"{type(self.causal_lm).__name__}: layers {', '.join(self.outside_attention[:2])} mix tokens outside "
+                f"transformers' AttentionInterface, so {'packed documents' if packed else 'Ulysses sequence shards'} "
+                "do not reach them: train it unpacked and without sequence parallelism")
+        kwargs = dict(input_ids=tokens, position_ids=positions, use_cache=False)
+        if documents is not None:
+            kwargs["documents"] = documents
+        token = hf_attn.PACKED.set(documents is not None)
+        try:
+            if return_hidden:
+                out = self.base(**kwargs).last_hidden_state
+            else:
+                out = self.causal_lm(**kwargs).logits
+        finally:
+            hf_attn.PACKED.reset(token)
         if self.balance is not None:
             self.balance.finish()
-        return hidden if return_hidden else self.lm_head(hidden)
+        return out
+
+    def _sequence_split(self) -> bool:
+        """Whether an attention site runs over sequence shards (Ulysses over more than one rank)."""
+        return any(getattr(attention_of(self.get_submodule(n)), "sp", 1) > 1 for n in self._sites)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
@@ -229,8 +264,9 @@ class HFCausalLM(nn.Module, ModelContract):
         `forward` replaces `self` as the logits function, e.g. a runtime engine wrapping this model."""
         forward = forward or self
         tokens = prompt
+        limit = getattr(self.config, "max_position_embeddings", None) or tokens.shape[1] + max_new_tokens
         for _ in range(max_new_tokens):
-            context = tokens[:, -self.config.max_position_embeddings:]
+            context = tokens[:, -limit:]
             logits = forward(context)[:, -1, :].float() / max(temperature, 1e-5)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
@@ -239,21 +275,12 @@ class HFCausalLM(nn.Module, ModelContract):
         return tokens[:, prompt.shape[1]:]
 
 
-def _attention_of(module: nn.Module) -> Callable[..., torch.Tensor] | None:
-    """The contract attention function a self-attention module calls (None: not adapted)."""
-    return module._modules.get("attention_fn") or vars(module).get("attention_fn")
-
-
-def _set_attention(module: nn.Module, fn: Callable[..., torch.Tensor]) -> None:
-    # A module-valued function (UlyssesAttention) is registered as a child, and nn.Module refuses a plain
-    # function under a child's name: drop the old binding first.
-    if "attention_fn" in vars(module) or "attention_fn" in module._modules:
-        delattr(module, "attention_fn")
-    module.attention_fn = fn
+def _num_experts(config: PreTrainedConfig, causal_lm: nn.Module) -> int:
+    return next(int(m.expert_range[1] - m.expert_range[0]) for m in causal_lm.modules() if is_experts(m))
 
 
 def _site(name: str, module: nn.Module) -> AttentionSite:
-    return AttentionSite(name, lambda: _attention_of(module), lambda fn: _set_attention(module, fn))
+    return AttentionSite(name, lambda: attention_of(module), lambda fn: set_attention(module, fn))
 
 
 def build(config: PreTrainedConfig, meta: bool = False, device: torch.device | str | None = None,
@@ -261,8 +288,11 @@ def build(config: PreTrainedConfig, meta: bool = False, device: torch.device | s
     """The adapted model of `config`, in fp32. Dense models are built on the meta device; with `meta` their
     parameters stay there (the engine materialises them through init_parameter), else they are made on the CPU
     and initialised by name (the same values); buffers get their values on `device` (default: the CPU). MoE
-    models are built whole on the CPU with transformers' own init, then their MoE blocks are swapped."""
+    models, and dense ones whose modules the per-name init cannot fill, are built whole on the CPU with
+    transformers' own init (MoE experts then adopted)."""
     config = copy.deepcopy(config)
+    from moe_lst.models.hf.config import is_moe
+
     if is_moe(config):
         if meta:
             raise NotImplementedError(f"model_type={config.model_type}: MoE models are not built on the meta device")
@@ -271,8 +301,15 @@ def build(config: PreTrainedConfig, meta: bool = False, device: torch.device | s
     with torch.device("meta"):
         causal_lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = HFCausalLM(causal_lm, attention_fn, sp_group=sp_group)
-    model.materialise_buffers(device)
-    if not meta:
-        model.materialise_parameters("cpu")
-        model.reset_parameters()
+    try:
+        model.materialise_buffers(device)
+        if not meta:
+            model.materialise_parameters("cpu")
+            model.reset_parameters()
+    except NotImplementedError:
+        if meta:
+            raise
+        # (a module the per-name init cannot fill: transformers' own init of the whole model, on the CPU)
+        return HFCausalLM(AutoModelForCausalLM.from_config(config, dtype=torch.float32), attention_fn,
+                          sp_group=sp_group)
     return model

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
 from moe_lst.models.hf import moe_supported
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 COMMON = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.05)
 EXTRA = {
     "llama": dict(pad_token_id=0),
+    "gemma2": dict(),
     "qwen3": dict(head_dim=8, tie_word_embeddings=True),
     "mistral": dict(sliding_window=64),
     "qwen2": dict(),  # q/k/v projections with biases

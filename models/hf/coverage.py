@@ -1,0 +1,447 @@
+"""The coverage sweep: every `*ForCausalLM` of the installed transformers, built from a tiny config derived from its
+config class (no downloads), run through the adapter and checked against plain transformers.
+
+    python -m moe_lst.models.hf.coverage [--families a,b,...] [--local-only]
+
+For each family: `logits` (the adapter's logits and every parameter's gradient equal the plain model's, its
+balancing loss included), then, on 2 gloo processes (torch.distributed.run), `dp2_zero3` (data parallel at ZeRO-3),
+`sp2` (Ulysses), `ep2` (expert parallelism, MoE families): two SGD steps whose losses and parameters equal one
+process of the plain model. `tp2` and `pp2` are refused for every family in one line (the adapter maps neither
+plan onto the runtime yet). Each result is "pass" or the one-line reason the check refuses or fails; the sweep
+writes coverage.json beside this file (read by moe_lst.models.hf.config: the families whose logits pass are the
+ones the adapter builds) and docs/hf_coverage.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+FEATURES = ("logits", "dp2_zero3", "sp2", "ep2", "tp2", "pp2")
+MULTIRANK = ("dp2_zero3", "sp2", "ep2")
+NOT_MAPPED = {"tp2": "the config's base_model_tp_plan is not mapped onto the runtime's tensor parallelism yet",
+              "pp2": "the config's base_model_pp_plan is not mapped onto the runtime's pipeline yet"}
+#: Sizes of a tiny model, set on every config key (or attribute_map alias) of these names that the config has.
+TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.05,
+            moe_intermediate_size=24, shared_expert_intermediate_size=24, num_experts_per_tok=2, n_routed_experts=4,
+            num_experts=4, num_local_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+            topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+            sliding_window=6, attention_chunk_size=8, router_aux_loss_coef=0.1, output_router_logits=True,
+            decoder_sparse_step=1, moe_layer_freq=1, num_nextn_predict_layers=0, rope_theta=10000.0,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+#: Dropout keys zeroed (the adapter trains without dropout).
+DROPOUT = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+           "hidden_dropout_prob", "attention_probs_dropout_prob", "embedding_dropout", "residual_dropout",
+           "ffn_dropout", "activation_dropout", "summary_first_dropout")
+SEQ, BATCH, STEPS, LR = 12, 4, 2, 0.1
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "hf_coverage.md"
+
+
+def causal_lm_types() -> dict[str, str]:
+    """model_type -> its *ForCausalLM class name, for every causal LM of the installed transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {k: v for k, v in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()) if isinstance(v, str)}
+
+
+def _tiny_values(kind: str) -> dict[str, Any]:
+    from transformers import CONFIG_MAPPING
+
+    base = CONFIG_MAPPING[kind]()
+    text = base.get_text_config()
+    if text is not base:
+        raise NotImplementedError("a composite config (its causal LM is a sub-config of another model)")
+    known = set(base.to_dict()) | set(getattr(base, "attribute_map", {}))
+    values = {k: v for k, v in TINY.items() if k in known}
+    values.update({k: 0.0 for k in DROPOUT if isinstance(getattr(base, k, None), float)})
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        if isinstance(getattr(base, key, None), int):
+            values[key] = {"pad_token_id": 0, "bos_token_id": 1}.get(key, 2)
+    layers = values.get("num_hidden_layers", 2)
+    if isinstance(getattr(base, "layer_types", None), list):
+        kinds = list(dict.fromkeys(base.layer_types))
+        values["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
+    for key in ("mlp_only_layers",):
+        if isinstance(getattr(base, key, None), list):
+            values[key] = []
+    return values
+
+
+def tiny_config(kind: str, **overrides):
+    """A tiny config of model type `kind` (2 layers, width 32, 4 heads, 4 experts top-2 for MoE, 256 tokens),
+    derived from its config class; variants are tried until the plain transformers model runs a forward."""
+    from transformers import CONFIG_MAPPING
+
+    values = {**_tiny_values(kind), **overrides}
+    size = _meta_size(CONFIG_MAPPING[kind](**values))
+    if size > MAX_PARAMS:
+        raise NotImplementedError(f"the derived config still has {size / 1e6:.1f}M parameters (sizes under keys the "
+                                  "sweep does not know)")
+    tries = [values, {**values, "num_key_value_heads": values.get("num_attention_heads", 4)},
+             {k: v for k, v in values.items() if k != "head_dim"}]
+    error: Exception | None = None
+    for attempt in tries:
+        try:
+            config = CONFIG_MAPPING[kind](**attempt)
+            _plain(config)(input_ids=torch.randint(3, 200, (1, 8)))
+            return config
+        except Exception as e:  # noqa: BLE001 - any failure of the plain model means: try the next variant
+            error = e
+    raise NotImplementedError(f"no tiny config runs in plain transformers ({_one_line(error)})")
+
+
+MAX_PARAMS = 2_000_000
+
+
+def _meta_size(config) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _plain(config, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+
+
+def _one_line(error: BaseException | None) -> str:
+    if error is None:
+        return "unknown"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(3, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _plain_loss(model, x: torch.Tensor, y: torch.Tensor, value_only_ce: bool = False) -> torch.Tensor:
+    """Cross-entropy of the plain model, plus router_aux_loss_coef * its aux loss where it computes one (its
+    value left out with `value_only_ce`: the gradient joins, the recorded loss is the cross-entropy)."""
+    out = model(input_ids=x)
+    loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None:
+        term = model.config.router_aux_loss_coef * aux
+        loss = loss + (term - term.detach() if value_only_ce else term)
+    return loss
+
+
+def check_logits(config) -> None:
+    """The adapter's logits, loss (balancing loss included) and every gradient equal the plain model's."""
+    from moe_lst.models.hf.model import HFCausalLM
+
+    ref = _plain(config)
+    with torch.no_grad():  # non-trivial norm gains, biases and sinks, so a misplaced one shows
+        for name, p in ref.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    ours = HFCausalLM(copy.deepcopy(ref))
+    x, y = _batch(0)
+    want = _plain_loss(ref, x, y)
+    want.backward()
+    logits = ours(x)
+    got = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    got.backward()
+    with torch.no_grad():
+        plain_logits = ref(input_ids=x).logits
+    torch.testing.assert_close(logits, plain_logits, rtol=1e-4, atol=1e-5, msg=lambda m: f"logits: {m}")
+    grads = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        g = grads[name].grad
+        if g is None and p.grad is None:
+            continue
+        if g is None or p.grad is None:
+            raise AssertionError(f"gradient of {name}: {'none' if p.grad is None else 'some'} here, "
+                                 f"{'none' if g is None else 'some'} in transformers")
+        scale = float(g.abs().max()) or 1.0
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+# ------------------------------------------------------------------------------------------ the ranks
+def rank_run(config_dict: dict, layout: str) -> dict:
+    """One rank's two SGD steps of `layout`: (global) losses and this rank's parameters after them."""
+    import torch.distributed as dist
+    from moe_lst.models.hf.model import build
+    from transformers import CONFIG_MAPPING
+
+    import zero
+    from moe import apply_expert_parallel
+    from sequence_parallel import apply_ulysses, shard_sequence, sp_loss
+
+    config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
+    from moe_lst.models.hf.config import is_moe
+
+    moe = is_moe(config)
+    dims = {"dp2_zero3": zero.ParallelDims(dp=2), "sp2": zero.ParallelDims(dp=1, sp=2),
+            "ep2": zero.ParallelDims(dp=2, ep=2)}[layout]
+    torch.manual_seed(0)
+    model = build(config, meta=layout == "dp2_zero3" and not moe, sp_group=dims.sp_group)
+    plans = [model.loss_plan()] + ([apply_expert_parallel(model, dims)] if moe else [])
+    apply_ulysses(model, dims.sp_group)
+    engine = zero.initialize(model, lambda params: torch.optim.SGD(params, lr=LR),
+                             zero.ZeroConfig(stage=3 if layout == "dp2_zero3" else 0), dims, plans=plans)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        if dims.dp > 1:
+            rows = slice(dims.dp_rank * BATCH // 2, (dims.dp_rank + 1) * BATCH // 2)
+            x, y = x[rows], y[rows]
+        x, y, positions = shard_sequence(x, y, dims.sp_group)
+        loss_sum = F.cross_entropy(engine(x, positions).flatten(0, 1), y.flatten(), reduction="sum")
+        loss = sp_loss(loss_sum, y.numel(), dims.sp_group)
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().clone()
+        dist.all_reduce(value, group=dims.dp_group)  # (every rank of the group holds its rows' mean or the same)
+        losses.append(value.item() / dist.get_world_size(dims.dp_group))
+    state = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    ranges = {name: list(block.experts.expert_range) for name, block in
+              ((n, model.get_submodule(n)) for n in model.moe_blocks)}
+    return {"losses": losses, "state": state, "expert_ranges": ranges}
+
+
+def reference_run(config, layout: str) -> dict:
+    """One process of the plain transformers model with the adapter's initial weights: the global batch as the dp
+    ranks' two micro-batches (a balancing loss is per micro-batch, as on each dp rank), or whole (sp)."""
+    from moe_lst.models.hf.model import build
+
+    torch.manual_seed(0)
+    initial = build(config).state_dict()
+    model = _plain(config)
+    model.load_state_dict(initial, strict=False)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    parts = (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)) if layout != "sp2" else (slice(0, BATCH),)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        total = 0.0
+        for rows in parts:
+            loss = _plain_loss(model, x[rows], y[rows], value_only_ce=True) / len(parts)
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def compare(ranks: list[dict], reference: dict) -> None:
+    """Every rank's losses and parameters (expert slices against theirs) equal the reference's."""
+    want = reference["state"]
+    for rank, result in enumerate(ranks):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-5,
+                                   atol=1e-6, msg=lambda m, r=rank: f"rank {r} losses: {m}")
+        for name, value in result["state"].items():
+            if name not in want:
+                continue
+            ref = want[name]
+            block = next((b for b in result["expert_ranges"] if name.startswith(b + ".experts.")), None)
+            if block is not None:
+                start, stop = result["expert_ranges"][block]
+                ref = ref[start:stop]
+            scale = float(ref.abs().max()) or 1.0  # (a floor for tensors that stay near 0, e.g. key biases)
+            torch.testing.assert_close(value.reshape(ref.shape), ref, rtol=1e-4, atol=1e-5 * scale + 1e-7,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+
+
+def multirank_applies(config, layout: str) -> str | None:
+    """None where `layout` applies to the family, else why not (one line)."""
+    from moe_lst.models.hf.config import is_moe
+
+    if layout == "ep2" and not is_moe(config):
+        return "n/a (dense)"
+    if layout == "sp2" and config.num_attention_heads % 2:
+        return f"n/a ({config.num_attention_heads} heads do not split over 2 ranks)"
+    if layout == "sp2":
+        from moe_lst.models.hf.structure import blocks_outside_attention
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            outside = blocks_outside_attention(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
+        if outside:
+            return (f"n/a (refused: {outside[0]} mixes tokens outside AttentionInterface, so Ulysses shards do not "
+                    "reach it)")
+    return None
+
+
+# --------------------------------------------------------------------------------------- the sweep
+FAMILY_SECONDS = 180
+
+
+def _too_slow(signum, frame):
+    raise TimeoutError(f"the tiny model took over {FAMILY_SECONDS} s")
+
+
+def local_sweep(families: list[str]) -> dict[str, dict[str, Any]]:
+    """The one-process checks of each family: its tiny config and `logits`; the rest marked for the ranks."""
+    from moe_lst.models.hf.config import is_moe
+
+    out: dict[str, dict[str, Any]] = {}
+    for kind in families:
+        record: dict[str, Any] = {"moe": False, "features": {}, "config": None}
+        signal.signal(signal.SIGALRM, _too_slow)
+        signal.alarm(FAMILY_SECONDS)
+        try:
+            config = tiny_config(kind)
+            record["moe"] = is_moe(config)
+            record["config"] = config.to_dict()
+            check_logits(config)
+            record["features"]["logits"] = "pass"
+        except Exception as e:  # noqa: BLE001 - the table records any failure as the family's reason
+            record["features"]["logits"] = _one_line(e)
+        finally:
+            signal.alarm(0)
+        out[kind] = record
+        print(f"{kind}: logits {record['features']['logits']}", flush=True)
+    return out
+
+
+def _ranks_main(spec_file: str) -> None:
+    """Under torch.distributed.run: every listed (family, layout) on this rank; results to spec_file.rank<r>."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    jobs = json.loads(Path(spec_file).read_text())
+    results = {}
+    for kind, layout, config_dict in jobs:
+        try:
+            results[f"{kind}/{layout}"] = {"ok": rank_run(config_dict, layout)}
+        except Exception as e:  # noqa: BLE001 - recorded as the family's reason (the other rank fails too)
+            results[f"{kind}/{layout}"] = {"error": _one_line(e)}
+        dist.barrier()
+    torch.save(results, f"{spec_file}.rank{rank}")
+    dist.destroy_process_group()
+
+
+def multirank_sweep(records: dict[str, dict[str, Any]], timeout: float = 3600) -> None:
+    """The 2-process checks of every family whose logits pass, in one torchrun of 2 ranks; results into records."""
+    from transformers import CONFIG_MAPPING
+
+    jobs = []
+    for kind, record in records.items():
+        for layout in MULTIRANK:
+            if record["features"].get("logits") != "pass":
+                record["features"][layout] = "n/a (logits fail)"
+                continue
+            config = CONFIG_MAPPING[kind].from_dict(record["config"])
+            why = multirank_applies(config, layout)
+            if why:
+                record["features"][layout] = why
+            else:
+                jobs.append((kind, layout, record["config"]))
+    if not jobs:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "jobs.json"
+        spec.write_text(json.dumps(jobs, default=str))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                              "--standalone",
+                              "-m", "moe_lst.models.hf.coverage", "--ranks", str(spec)], env=env, timeout=timeout,
+                             capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"the 2-rank sweep failed: {run.stderr[-2000:]}")
+        per_rank = [torch.load(f"{spec}.rank{r}", weights_only=False) for r in range(2)]
+    for kind, layout, _ in jobs:
+        key = f"{kind}/{layout}"
+        config = CONFIG_MAPPING[kind].from_dict(records[kind]["config"])
+        errors = [r[key]["error"] for r in per_rank if "error" in r[key]]
+        if errors:
+            records[kind]["features"][layout] = errors[0]
+            continue
+        try:
+            compare([r[key]["ok"] for r in per_rank], reference_run(config, layout))
+            records[kind]["features"][layout] = "pass"
+        except AssertionError as e:
+            records[kind]["features"][layout] = _one_line(e)
+
+
+def finish(records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    for record in records.values():
+        record["features"].update(NOT_MAPPED)
+        record["features"] = {f: record["features"].get(f, "not run") for f in FEATURES}
+    return records
+
+
+def passes(record: dict[str, Any]) -> bool:
+    """Whether a family passes every feature that applies to it (tp2 / pp2 are refused for all)."""
+    return all(v == "pass" or v.startswith("n/a (") and "logits fail" not in v
+               for f, v in record["features"].items() if f not in NOT_MAPPED)
+
+
+def render(records: dict[str, dict[str, Any]]) -> str:
+    """docs/hf_coverage.md: family x feature, pass or the one-line reason."""
+    good = [k for k, r in records.items() if passes(r)]
+    moe = [k for k in good if records[k]["moe"]]
+    lines = ["# Hugging Face causal LMs under the runtime", "",
+             "Generated by `python -m moe_lst.models.hf.coverage` from the installed transformers (every "
+             "`*ForCausalLM`, a tiny config derived from its config class); `tests/hf/test_coverage.py` keeps it "
+             "current. `logits`: the adapter's logits and gradients equal plain transformers'; `dp2_zero3`, `sp2`, "
+             "`ep2`: two SGD steps on 2 processes (data parallel at ZeRO-3, Ulysses, expert parallel) equal one "
+             "process of the plain model. A cell is `pass` or the one-line reason the check refuses or fails.", "",
+             f"{len(good)} of {len(records)} families pass every feature that applies to them ({len(moe)} of them "
+             "MoE). Tensor and pipeline parallelism are refused for every family: the configs' "
+             "`base_model_tp_plan` / `base_model_pp_plan` are not mapped onto the runtime's own yet.", "",
+             "| family | MoE | " + " | ".join(FEATURES) + " |", "|" + "---|" * (len(FEATURES) + 2)]
+    for kind, record in records.items():
+        cells = [record["features"][f].replace("|", "/") for f in FEATURES]
+        lines.append(f"| {kind} | {'yes' if record['moe'] else ''} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(records: dict[str, dict[str, Any]]) -> None:
+    from moe_lst.models.hf.config import COVERAGE_FILE
+
+    slim = {k: {"moe": r["moe"], "features": r["features"]} for k, r in records.items()}
+    COVERAGE_FILE.write_text(json.dumps({"families": slim}, indent=1, sort_keys=True) + "\n")
+    DOC.write_text(render(records))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", help="comma-separated model types (default: every causal LM)")
+    parser.add_argument("--local-only", action="store_true", help="only the one-process logits check")
+    parser.add_argument("--ranks", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if args.ranks:
+        _ranks_main(args.ranks)
+        return
+    families = args.families.split(",") if args.families else list(causal_lm_types())
+    records = local_sweep(families)
+    if not args.local_only:
+        multirank_sweep(records)
+    finish(records)
+    if not args.families:
+        write(records)
+    good = [k for k, r in records.items() if passes(r)]
+    print(f"{len(good)} of {len(records)} families pass: {', '.join(good)}")
+
+
+if __name__ == "__main__":
+    main()

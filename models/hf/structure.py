@@ -1,0 +1,31 @@
+"""The structure the adapter reads off any transformers causal LM: its repeated layers (`_no_split_modules`), its
+attention modules (those whose forward dispatches through AttentionInterface) and the layers that mix tokens
+otherwise."""
+
+from __future__ import annotations
+
+from moe_lst.models.hf.attention import calls_attention_interface
+from torch import nn
+
+
+def decoder_blocks(causal_lm: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated layers: modules of the classes `_no_split_modules` names, outermost ones, in module order."""
+    kinds = set(getattr(causal_lm, "_no_split_modules", None) or ())
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in causal_lm.named_modules():
+        if type(m).__name__ in kinds and not any(name.startswith(b + ".") for b, _ in found):
+            found.append((name, m))
+    return found
+
+
+def attention_modules(causal_lm: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose forward dispatches through transformers' AttentionInterface, in module order."""
+    return [(n, m) for n, m in causal_lm.named_modules() if calls_attention_interface(type(m))]
+
+
+def blocks_outside_attention(causal_lm: nn.Module) -> list[str]:
+    """The repeated layers holding no AttentionInterface module (linear attention, convolutions, state-space
+    mixers): they mix tokens along the sequence themselves, so neither Ulysses shards nor packed documents reach
+    them."""
+    sites = [n for n, _ in attention_modules(causal_lm)]
+    return [b for b, _ in decoder_blocks(causal_lm) if not any(s.startswith(b + ".") for s in sites)]

@@ -1,0 +1,51 @@
+"""The coverage sweep (moe_lst.models.hf.coverage) and its page: docs/hf_coverage.md is what the recorded results
+render to, every causal LM of the installed transformers has a row, the adapter builds exactly the families whose
+logits pass, representative rows still hold when checked again (the whole sweep under -m slow)."""
+
+from __future__ import annotations
+
+import pytest
+from moe_lst.models.hf import MODEL_TYPES, coverage
+from moe_lst.models.hf.config import coverage as recorded
+
+REQUIRED = ("deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "llama", "qwen3",
+            "mistral", "qwen2", "olmoe")
+#: Rows checked again in the default suite: an MLA model, one with sinks, sliding windows and expert biases, and
+#: refused ones (bidirectional attention, attention logit softcapping).
+RECHECKED = ("deepseek_v3", "gpt_oss", "bert", "gemma2")
+
+
+def test_the_page_renders_the_recorded_results():
+    records = recorded()
+    assert coverage.DOC.read_text() == coverage.render(records), \
+        "docs/hf_coverage.md is stale: run python -m moe_lst.models.hf.coverage"
+    assert set(records) == set(coverage.causal_lm_types())
+    assert all(set(r["features"]) == set(coverage.FEATURES) for r in records.values())
+    passing = {k for k, r in records.items() if coverage.passes(r)}
+    assert len(passing) >= 40 and set(REQUIRED) <= passing, sorted(set(REQUIRED) - passing)
+    assert any(k.startswith(("qwen3_5_moe", "qwen3_next")) for k in passing)
+    assert set(MODEL_TYPES) == {k for k, r in records.items() if r["features"]["logits"] == "pass"}
+
+
+def test_passes_needs_every_applicable_feature():
+    row = {"moe": True, "features": {"logits": "pass", "dp2_zero3": "pass", "sp2": "n/a (refused: ...)",
+                                     "ep2": "pass", **coverage.NOT_MAPPED}}
+    assert coverage.passes(row)
+    assert not coverage.passes({**row, "features": {**row["features"], "ep2": "AssertionError: rank 0 losses"}})
+    assert not coverage.passes({**row, "features": {**row["features"], "logits": "TimeoutError: ..."}})
+
+
+@pytest.mark.parametrize("kind", RECHECKED)
+def test_a_recorded_row_holds_when_checked_again(kind):
+    again = coverage.local_sweep([kind])[kind]
+    assert again["features"]["logits"] == recorded()[kind]["features"]["logits"]
+    assert again["moe"] == recorded()[kind]["moe"]
+
+
+@pytest.mark.slow
+def test_the_whole_sweep_reproduces_the_recorded_results():
+    fresh = coverage.local_sweep(list(coverage.causal_lm_types()))
+    coverage.multirank_sweep(fresh)
+    coverage.finish(fresh)
+    want = recorded()
+    assert {k: r["features"] for k, r in fresh.items()} == {k: r["features"] for k, r in want.items()}
