@@ -281,7 +281,7 @@ def main() -> None:
         rows += sps
     if "sparse" not in skip:
         sparse_section(args, rows, log)
-    if "ring" not in skip:
+    if "ring" not in skip and not quick:  # (six 4-process spawns: longer than a quick run's budget)
         ring_section(args)
     if args.ring_steps:
         ring_steps_section(args)
