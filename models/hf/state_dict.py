@@ -10,11 +10,10 @@ from collections.abc import Collection
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedConfig
-from transformers.initialization import no_init_weights
-
 from moe_lst.models.files import follow_umask
 from moe_lst.models.hf.config import HFConfigError, load_config
+from transformers import AutoModelForCausalLM, PreTrainedConfig
+from transformers.initialization import no_init_weights
 
 #: Config keys that decide parameter names and shapes, named when two models' weights do not fit each other.
 WEIGHT_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",

@@ -12,9 +12,9 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from moe_lst.models.hf.moe import HFMoEBlock, adopt_moe_blocks
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moe_lst.models.hf.moe import HFMoEBlock, adopt_moe_blocks
 from tests.equivalence import Recorder, assert_equivalent, reference_trajectory
 from tests.multirank import run_multirank
 

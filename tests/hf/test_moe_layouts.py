@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_lst.models.hf.moe import HFRouter
 from transformers import MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 import moe.experts as experts_mod
 from moe import GroupedExperts, TopKRouter
-from moe_lst.models.hf.moe import HFRouter
 
 DIM, FFN, E = 16, 12, 5
 COUNTS = torch.tensor([3, 0, 6, 2, 1])  # an expert without tokens included

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from moe_lst.models.hf import moe_supported
+
 from tests.equivalence import Recorder, assert_equivalent, reference_trajectory
 from tests.hf.tiny import MAIN, MOE, tiny_config
 from tests.multirank import run_multirank
@@ -23,9 +23,10 @@ def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rank_run(kind: str, layout: str) -> dict:
+    from moe_lst.models.hf import build
+
     import zero
     from moe import apply_expert_parallel
-    from moe_lst.models.hf import build
     from sequence_parallel import apply_ulysses, shard_sequence, sp_loss
 
     dims = zero.ParallelDims(dp=2) if layout == "dp2_zero3" else zero.ParallelDims(dp=1, sp=2)
@@ -57,9 +58,8 @@ def _ranks(kinds: list[str]) -> dict[tuple[str, str], dict]:
 def _reference(kind: str, layout: str) -> dict:
     """One process, the plain transformers model with the adapter's initial weights: the global batch as the
     dp ranks' two micro-batches (an MoE balancing loss is per micro-batch, as on each dp rank) or whole (sp)."""
-    from transformers import AutoModelForCausalLM
-
     from moe_lst.models.hf import build
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     initial = build(tiny_config(kind)).state_dict()

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from moe_lst.models.hf import build, load_config
 from transformers import AutoModelForCausalLM
 
 from recipes.config import ConfigError
 from recipes.export import consolidate, export
-from moe_lst.models.hf import build, load_config
 from recipes.pretrain import Run, evaluate, train
 from tests.hf.tiny import MAIN, MOE, NEEDS_MOE, plain_model, write_config
 
