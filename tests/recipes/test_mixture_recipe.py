@@ -90,27 +90,31 @@ def test_bad_mixtures_are_refused_before_training(tmp_path, sources):
                                         (("1", ["train.micro_batch_size=8"]), ("4", ["train.micro_batch_size=2"])),
                                         (("2", []), ("2", ["parallel.sp=2", "train.micro_batch_size=8"]))])
 def test_torchrun_resume_at_another_dp_or_sp_continues_the_same_samples(tmp_path, sources, first, then):
-    """dp 2 -> 1, dp 1 -> 4, and dp 2 -> sp 2 (dp 1): the global batch of 8 rows split another way."""
+    """dp 2 -> 1, dp 1 -> 4, and dp 2 -> sp 2 (dp 1): the global batch of 8 rows split another way. The run first
+    trains 4 steps uninterrupted (the reference), then resumes from its step-2 checkpoint in the other layout: step
+    3's loss is the step-2 model on step 3's rows, so it agrees to the reduction's rounding only if the rows are the
+    same; step 4 and the evaluations follow within Adam's amplification of that rounding."""
+    # (packing by concatenation: with document packing some labels are ignored, and the logged loss, a mean of the
+    # ranks' means, then depends on how rows are dealt to ranks by a few 1e-6)
     common = [*BASE, sources, "train.steps=4", "zero.stage=1", "train.eval_every=4", "eval.retrieval.enabled=true",
-              "eval.retrieval.prompts=1"]
-    reference = tmp_path / "reference"
-    done = _run_cli(*common, f"run_dir={reference}", "train.micro_batch_size=8")
-    assert done.returncode == 0, done.stderr[-3000:]
+              "eval.retrieval.prompts=1", "data.packing=concat"]
     run = tmp_path / "run"
     nproc, extra = first
     done = _run_cli(*common, f"run_dir={run}", "train.ckpt_every=2", *(extra or ["train.micro_batch_size=4"]),
                     nproc=int(nproc))
     assert done.returncode == 0, done.stderr[-3000:]
+    want = _records(run)
     shutil.rmtree(run / "checkpoints" / "step_0000004")
     (run / "checkpoints" / "latest").write_text("step_0000002")
     nproc, extra = then
     done = _run_cli(*common, f"run_dir={run}", *extra, nproc=int(nproc))
     assert done.returncode == 0, done.stderr[-3000:]
-    want, got = _records(reference), _records(run)
+    got = _records(run)
+    assert got[3]["loss"] == pytest.approx(want[3]["loss"], rel=1e-6)
+    assert got[4]["loss"] == pytest.approx(want[4]["loss"], rel=1e-4)
     for step in (3, 4):
-        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5)
         assert {k: v for k, v in got[step].items() if k.startswith("tokens/")} == \
             {k: v for k, v in want[step].items() if k.startswith("tokens/")}
-    # the evaluations of the resumed layout (retrieval under Ulysses at sp=2) score what one process scores
+    # the evaluations of the resumed layout (retrieval under Ulysses at sp=2) score what the first layout scores
     for key in ("val_loss/web", "val_loss/math", "eval/retrieval_logprob", "eval/retrieval_control_logprob"):
         assert got[4][key] == pytest.approx(want[4][key], rel=1e-4), key
