@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.doccommands import block_by
-from tests.multirank import run_multirank
+from tests.recipes.cli import train_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,16 +41,6 @@ def _port() -> int:
     return free_port()
 
 
-def _recipe(overrides: list[str]) -> None:
-    from hydra import compose, initialize_config_dir
-
-    from recipes.pretrain import train
-
-    with initialize_config_dir(version_base=None, config_dir=str(REPO / "recipes" / "conf")):
-        cfg = compose("config", overrides=overrides)
-    train(cfg)
-
-
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_readme_own_loop_equals_the_recipe(tmp_path):
     script = tmp_path / "own_loop.py"
@@ -66,10 +56,9 @@ def test_readme_own_loop_equals_the_recipe(tmp_path):
     run = tmp_path / "run"
     # The recipe's train() on the tests' process pool: what torchrun's two ranks of `python -m recipes.pretrain`
     # run, without starting Python and the project per rank (tests/recipes/test_pretrain.py launches the recipe).
-    run_multirank(_recipe, 2, ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "zero.stage=2", "train.steps=4",
-                               "train.micro_batch_size=4", "train.grad_accum=2", "train.seq_len=64",
-                               "optim.warmup_steps=0", "optim.min_lr_ratio=1.0", "train.eval_batches=0",
-                               "wandb.mode=disabled", f"run_dir={run}"], timeout=300)
+    train_on_ranks(2, ["model=moe_tiny", "parallel.dp=2", "parallel.ep=2", "zero.stage=2", "train.steps=4",
+                       "train.micro_batch_size=4", "train.grad_accum=2", "train.seq_len=64", "optim.warmup_steps=0",
+                       "optim.min_lr_ratio=1.0", "train.eval_batches=0", "wandb.mode=disabled", f"run_dir={run}"])
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import torch
+from moe_lst.models.llama import ModelConfig
 
 from recipes.data import BatchSpec, TokenStream, build_streams
-from moe_lst.models.llama import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,11 +112,14 @@ def torchrun(script_args: list[str], nproc: int = 2, **kw) -> str:
 
 
 def recipe_run(run_dir: Path, extra: list[str], steps: int = 4) -> dict[str, list[float]]:
-    """`python -m recipes.pretrain` on 2 processes with this setting: its per-step losses and gradient norms, and
-    the final checkpoint's whole model ("final": fp32 masters, consolidated from the shards)."""
+    """`python -m recipes.pretrain` on 2 ranks with this setting (the recipe's train() on the tests' process pool,
+    tests.recipes.cli.train_on_ranks: what torchrun's ranks run, without a process start per rank): its per-step
+    losses and gradient norms, and the final checkpoint's whole model ("final": fp32 masters, consolidated from the
+    shards)."""
     import zero
+    from tests.recipes.cli import train_on_ranks
 
-    torchrun(["-m", "recipes.pretrain", f"train.steps={steps}", f"run_dir={run_dir}", *RECIPE_ARGS, *extra])
+    train_on_ranks(2, [f"train.steps={steps}", f"run_dir={run_dir}", *RECIPE_ARGS, *extra])
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     final = zero.consolidate(zero.open_checkpoint(str(run_dir / "checkpoints" / f"step_{steps:07d}")))

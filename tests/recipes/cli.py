@@ -1,13 +1,17 @@
-"""Several `python -m recipes.pretrain <args>` command lines that stop before training (a refused command line,
-a bad layout or value) in one fresh process instead of one process each: starting Python, torch and the recipe
-costs seconds of CPU, the refusal itself milliseconds.
+"""The recipe's command lines without a process start per command line (starting Python, torch and the recipe
+costs seconds of CPU per process):
+
+- `run_command_lines`: several `python -m recipes.pretrain <args>` that stop before training (a refused command
+  line, a bad layout or value) in one fresh process instead of one process each;
+- `train_on_ranks`: what `torchrun --nproc_per_node N -m recipes.pretrain <args>` runs on each rank (the recipe's
+  train() in a joined process group), on N ranks of the tests' process pool (tests.multirank).
 
 The process runs each command line as `python -m recipes.pretrain` would: sys.argv set, the module run as
-`__main__` (runpy), what it writes to file descriptors 1 and 2 captured for that command line alone, its exit status taken
-from SystemExit (an exception that escapes is printed with its traceback and counts as exit status 1, as the
-interpreter does). Between command lines, Hydra's global state is cleared, as a new process would have it. What
-the interpreter prints while importing (a warning) is seen by the first command line only: a test that needs
-it on every line runs `_run_cli` instead.
+`__main__` (runpy), what it writes to file descriptors 1 and 2 captured for that command line alone, its exit
+status taken from SystemExit (an exception that escapes is printed with its traceback and counts as exit status 1,
+as the interpreter does). Between command lines, Hydra's global state is cleared, as a new process would have it.
+What the interpreter prints while importing (a warning) is seen by the first command line only: a test that needs
+it on every line runs `_run_cli` (tests/recipes/test_pretrain.py) instead.
 """
 
 from __future__ import annotations
@@ -69,3 +73,24 @@ def run_command_lines(cases: list[list[str]], timeout: float = 240) -> list[subp
     results = json.loads(proc.stdout.rstrip().rsplit("\n", 1)[-1])
     return [subprocess.CompletedProcess([sys.executable, "-m", "recipes.pretrain", *argv], r["returncode"],
                                         r["stdout"], r["stderr"]) for argv, r in zip(cases, results)]
+
+
+def _train_rank(overrides: list[str]) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from recipes.pretrain import train
+
+    with initialize_config_dir(version_base=None, config_dir=str(REPO / "recipes" / "conf")):
+        cfg = compose("config", overrides=overrides)
+    train(cfg)
+
+
+def train_on_ranks(world: int, overrides: list[str], timeout: float = 400) -> None:
+    """The recipe's train() on the config these overrides compose, on `world` ranks of the tests' process pool
+    (one rank: in this process). A run's records are in its run_dir, as after the command line."""
+    if world == 1:
+        _train_rank(list(overrides))
+    else:
+        from tests.multirank import run_multirank
+
+        run_multirank(_train_rank, world, list(overrides), timeout=timeout)

@@ -17,8 +17,7 @@ from hydra import compose, initialize_config_dir
 import zero
 from recipes.config import ConfigError
 from recipes.pretrain import train
-from tests.multirank import run_multirank
-from tests.recipes.cli import run_command_lines
+from tests.recipes.cli import run_command_lines, train_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=4", "train.eval_batches=2",
@@ -35,19 +34,11 @@ def _losses(run_dir, key="loss"):
     return {r["step"]: r[key] for r in map(json.loads, lines) if key in r}
 
 
-def _train_rank(run_dir, overrides):
-    train(_cfg(run_dir, *overrides))
-
-
 def _train_ranks(world, run_dir, *overrides, timeout=400):
-    """What `torchrun --nproc_per_node <world> -m recipes.pretrain` runs (the recipe's train() on each rank of a
-    joined process group), on the tests' process pool: no Python, torch and project start per rank (a launch
-    costs seconds of CPU per process). One rank: in this process. The launcher and the command line's own path
-    are checked by the runs through `_run_cli`."""
-    if world == 1:
-        _train_rank(run_dir, list(overrides))
-    else:
-        run_multirank(_train_rank, world, run_dir, list(overrides), timeout=timeout)
+    """`_cfg`'s run on `world` ranks of the tests' process pool, as torchrun's ranks would run it (tests.recipes.cli's
+    train_on_ranks; one rank: in this process). The launcher's and the command line's own path are checked by the
+    runs through `_run_cli`."""
+    train_on_ranks(world, [*TINY, f"run_dir={run_dir}", "wandb.mode=disabled", *overrides], timeout=timeout)
 
 
 def _run_cli(*args, nproc=1, timeout=300):
