@@ -187,3 +187,14 @@ def test_sliding_window_ring_bytes_measured_at_32k():
                            timeout=600)
     assert sum(w[0] for w in window) <= sum(d[0] for d in dense) / 4
     assert sum(w[1] for w in window) <= sum(d[1] for d in dense) / 4
+
+
+def test_causal_work_is_even_over_the_ring():
+    """Two mirrored chunks per rank: under causal attention every ring rank computes the same attention (2C + 1
+    chunk pairs, of which 2 diagonal), where two contiguous chunks would give the last rank 4C - 1 and the first 3."""
+    from sequence_parallel.ring import _PairMasks, chunks_of
+
+    for cp in (2, 4, 8):
+        masks = _PairMasks(chunk=8, causal=True, doc_ids=None, layout=None)
+        work = [sum(masks.needed(i, j) for i in chunks_of(c, cp) for j in range(2 * cp)) for c in range(cp)]
+        assert work == [2 * cp + 1] * cp, (cp, work)
