@@ -108,3 +108,16 @@ def test_recipe_comm_bytes_equal_the_planner(layout):
     predicted = estimate(cfg, world=4)
     assert [m["comm"] for m in measured] == [p.comm_bytes_by_kind for p in predicted]
     assert all(m["comm"]["p2p"] > 0 for m in measured)
+
+
+@pytest.mark.slow
+def test_checkpoints_reshard_across_cp(tmp_path):
+    """A run saved under sp=2 x cp=2 (ZeRO-3) continues on one rank, then under cp=4 (ZeRO-1), on the trajectory of
+    the uninterrupted one-rank run, AdamW moments included (tests/parallel/test_reshard.py's chain)."""
+    from tests.parallel.test_reshard import _assert_trajectory, _legs, _per_leg, _reference
+
+    d = str(tmp_path)
+    legs = _per_leg(run_multirank(_legs, 4, d, [({"sp": 2, "cp": 2}, "a", None, 2, {"stage": 3})], timeout=600))
+    legs += [[leg] for leg in _legs(d, [({}, "b", "a", 4, {})])]
+    legs += _per_leg(run_multirank(_legs, 4, d, [({"cp": 4}, "c", "b", 6, {"stage": 1})], timeout=600))
+    _assert_trajectory(legs, _reference(False))
