@@ -37,7 +37,7 @@ from torch.distributed import ProcessGroup
 from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 import zero
-from zero.contract import AttentionSite, ModelContract
+from zero.contract import AttentionSite, ContractError, ModelContract
 
 __all__ = ["ATTENTION", "HFCausalLM", "build", "hf_attention", "moe_supported"]
 
@@ -140,6 +140,21 @@ class HFCausalLM(nn.Module, ModelContract):
         return self.causal_lm.get_output_embeddings().weight
 
     # ------------------------------------------------------------------ the model contract (zero.contract)
+    def tensor_parallel_styles(self, tp: int) -> dict:
+        """Not offered: what is missing is named (the config's own plan is not mapped onto zero.parallel.tensor)."""
+        plan = getattr(self.config, "base_model_tp_plan", None) or {}
+        kinds = ", ".join(sorted(set(map(str, plan.values())))) or "none"
+        raise ContractError(f"tensor_parallel_styles: {self.config.model_type} declares base_model_tp_plan "
+                            f"({len(plan)} entries: {kinds}), but mapping it onto this runtime's tensor-parallel "
+                            "styles (zero.parallel.tensor, with sequence-parallel norms) is not implemented")
+
+    def pipeline_stage(self, layers: range, first: bool, last: bool) -> nn.Module:
+        """Not offered: what is missing is named (the config's own stage plan is not mapped onto zero.parallel)."""
+        plan = getattr(self.config, "base_model_pp_plan", None) or {}
+        raise ContractError(f"pipeline_stage: {self.config.model_type} declares base_model_pp_plan "
+                            f"({', '.join(plan) or 'none'}), but stages of its layers sharing the model's names "
+                            "(zero.parallel.pipeline) are not implemented")
+
     def blocks(self) -> list[tuple[str, nn.Module]]:
         return decoder_blocks(self.causal_lm)  # (the same modules, under the same names)
 

@@ -153,9 +153,12 @@ def test_contract_parts_and_refusals():
     assert [s.name for s in model.attention_sites()] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert [n for n, _ in model.mlp_sites()] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert model.output_weight is model.model.embed_tokens.weight  # tied
-    with pytest.raises(ContractError, match="tensor_parallel_styles"):
+    with pytest.raises(ContractError, match=r"tensor_parallel_styles: qwen3 declares base_model_tp_plan \(\d+ "
+                                            r"entries: colwise, replicated_with_grad_allreduce, rowwise\), "
+                                            r"but mapping .* is not implemented"):
         model.tensor_parallel_styles(2)
-    with pytest.raises(ContractError, match="pipeline_stage"):
+    with pytest.raises(ContractError, match=r"pipeline_stage: qwen3 declares base_model_pp_plan \(embed_tokens, "
+                                            r"layers, norm\), but stages .* are not implemented"):
         model.pipeline_stage(range(1), True, False)
     x, _ = _batch(0)
     with pytest.raises(NotImplementedError, match="attention mask"):
