@@ -112,6 +112,42 @@ def _bytes(seq_len: int, cp_group, sparse: dict | None) -> tuple[int, int]:
     return total, forward
 
 
+def _order(cp_group) -> list[str]:
+    """What one ring forward does, in order: "transfer" (a step's send/receive started), "compute" (a pair of
+    chunks attended), "wait" (a transfer waited for)."""
+    import torch
+
+    import sequence_parallel.ring as ring
+    from zero.dist import comm
+
+    log: list[str] = []
+    send_recv, forward = comm.send_recv, ring._PairMasks.forward
+
+    class Logged:
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def wait(self):
+            log.append("wait")
+            return self.handle.wait()
+
+    def logged_send_recv(*args, **kwargs):
+        log.append("transfer")
+        return [Logged(h) for h in send_recv(*args, **kwargs)]
+
+    def logged_forward(self, *args, **kwargs):
+        log.append("compute")
+        return forward(self, *args, **kwargs)
+
+    comm.send_recv, ring._PairMasks.forward = logged_send_recv, logged_forward
+    try:
+        gen = torch.Generator().manual_seed(5)
+        ring.RingAttention(cp_group)(*(torch.randn(1, 32, n, 4, generator=gen) for n in (2, 1, 1)))
+    finally:
+        comm.send_recv, ring._PairMasks.forward = send_recv, forward
+    return log
+
+
 def _worker() -> dict:
     import torch.distributed as dist
 
@@ -124,6 +160,7 @@ def _worker() -> dict:
     results["bytes"] = {name: _bytes(256, cp_group, sparse)
                         for name, sparse in (("dense", None), ("sliding_window", dict(SLIDING, block_size=8)),
                                              ("bigbird", dict(BIGBIRD, block_size=8)))}
+    results["order"] = _order(cp_group)
     results["rank"] = dist.get_rank()
     return results
 
@@ -187,6 +224,19 @@ def test_sliding_window_ring_bytes_measured_at_32k():
                            timeout=600)
     assert sum(w[0] for w in window) <= sum(d[0] for d in dense) / 4
     assert sum(w[1] for w in window) <= sum(d[1] for d in dense) / 4
+
+
+def test_next_block_is_in_flight_while_the_current_one_computes(results):
+    """Every step's transfer starts before that step's attention and is waited for only after it: the keys and
+    values of step t + 1 travel while step t computes (C=4: three transfers, each with compute before its wait)."""
+    for r in results:
+        log = r["order"]
+        starts = [i for i, e in enumerate(log) if e == "transfer"]
+        assert len(starts) == 3, log
+        for i in starts:
+            first_wait = log.index("wait", i)
+            assert "compute" in log[i + 1:first_wait], (r["rank"], log)
+        assert log[0] == "transfer", log
 
 
 def test_causal_work_is_even_over_the_ring():
