@@ -248,3 +248,20 @@ def test_causal_work_is_even_over_the_ring():
         masks = _PairMasks(chunk=8, causal=True, doc_ids=None, layout=None)
         work = [sum(masks.needed(i, j) for i in chunks_of(c, cp) for j in range(2 * cp)) for c in range(cp)]
         assert work == [2 * cp + 1] * cp, (cp, work)
+
+
+def test_ring_refuses_what_it_does_not_run_naming_what_is_missing():
+    import torch
+    from moe_lst.kernels.nsa import NativeSparseAttention, NSAConfig
+
+    from sequence_parallel.ring import RingAttention
+
+    with pytest.raises(NotImplementedError, match="does not run native sparse attention: its selected branch"):
+        RingAttention(None, NativeSparseAttention(NSAConfig(), None, None))
+    with pytest.raises(NotImplementedError, match="not my_attention: a ring needs the attention's mask"):
+        def my_attention(q, k, v, causal=True):
+            return q
+        RingAttention(None, my_attention)
+    q = torch.zeros(1, 8, 2, 4)
+    with pytest.raises(NotImplementedError, match="does not run attention sinks"):
+        RingAttention(None)(q, q, q, sinks=torch.zeros(1, 8, 2, 1))
