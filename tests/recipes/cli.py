@@ -2,11 +2,12 @@
 costs seconds of CPU per process):
 
 - `run_command_lines`: several `python -m recipes.pretrain <args>` that stop before training (a refused command
-  line, a bad layout or value) in one fresh process instead of one process each;
+  line, a bad layout or value), or of another module of the recipes (`recipes.plan`), in one fresh process
+  instead of one process each;
 - `train_on_ranks`: what `torchrun --nproc_per_node N -m recipes.pretrain <args>` runs on each rank (the recipe's
   train() in a joined process group), on N ranks of the tests' process pool (tests.multirank).
 
-The process runs each command line as `python -m recipes.pretrain` would: sys.argv set, the module run as
+The process runs each command line as `python -m <module>` would: sys.argv set, the module run as
 `__main__` (runpy), what it writes to file descriptors 1 and 2 captured for that command line alone, its exit
 status taken from SystemExit (an exception that escapes is printed with its traceback and counts as exit status 1,
 as the interpreter does). Between command lines, Hydra's global state is cleared, as a new process would have it.
@@ -25,22 +26,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 _DRIVER = r"""
-import json, os, runpy, sys, tempfile, traceback
+import importlib.util, json, os, runpy, sys, tempfile, traceback
 
-cases = json.loads(sys.stdin.read())
+module, cases = json.loads(sys.stdin.read())
 results = []
 for argv in cases:
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    sys.argv = [os.path.abspath(os.path.join("recipes", "pretrain.py")), *argv]
+    sys.argv = [importlib.util.find_spec(module).origin, *argv]
     saved = [os.dup(1), os.dup(2)]
     files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
     sys.stdout.flush(); sys.stderr.flush()
     os.dup2(files[0].fileno(), 1); os.dup2(files[1].fileno(), 2)
     code = 0
     try:
-        runpy.run_module("recipes.pretrain", run_name="__main__", alter_sys=True)  # (as `python -m` runs it)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)  # (as `python -m` runs it)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
@@ -63,15 +64,16 @@ print("\n" + json.dumps(results))
 """
 
 
-def run_command_lines(cases: list[list[str]], timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Each of `cases` (the arguments after `python -m recipes.pretrain`) run in one new process, in order: one
+def run_command_lines(cases: list[list[str]], module: str = "recipes.pretrain",
+                      timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Each of `cases` (the arguments after `python -m <module>`) run in one new process, in order: one
     CompletedProcess per case with its exit status and what it wrote."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps(cases), cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps([module, cases]), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"the command-line driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     results = json.loads(proc.stdout.rstrip().rsplit("\n", 1)[-1])
-    return [subprocess.CompletedProcess([sys.executable, "-m", "recipes.pretrain", *argv], r["returncode"],
+    return [subprocess.CompletedProcess([sys.executable, "-m", module, *argv], r["returncode"],
                                         r["stdout"], r["stderr"]) for argv, r in zip(cases, results)]
 
 

@@ -12,11 +12,12 @@ import time
 import pytest
 from hydra import compose, initialize_config_dir
 
+import zero
 from recipes.config import CONFIG_DIR
 from recipes.planner import estimate, load_cluster
-import zero
 from recipes.planner.measure import measure
 from tests.multirank import run_multirank
+from tests.recipes.cli import run_command_lines
 
 TINY = ["model=tiny", "train.micro_batch_size=2", "train.seq_len=64"]
 # model=tiny: embedding 256 x 64 (tied head), 2 layers of q 64x64, k/v 32x64, o 64x64, w1/w3 128x64, w2 64x128 and
@@ -269,18 +270,28 @@ def test_two_rank_tensor_and_sequence_parallel_comm_bytes_equal_the_prediction()
         assert [m["comm"] for m in measured] == [p.comm_bytes_by_kind for p in predicted], layout
 
 
-def test_command_line_json_is_one_object_per_rank():
-    out = subprocess.run([sys.executable, "-m", "recipes.plan", "--json", "--world", "2", *TINY, "zero.stage=1"],
-                         capture_output=True, text=True, check=True)
+PLAN_JSON = ["--json", "--world", "2", *TINY, "zero.stage=1"]
+PLAN_BAD_CLUSTER = ["cluster=nosuch", *TINY]
+
+
+@pytest.fixture(scope="module")
+def plan_command_lines():
+    """The two `python -m recipes.plan` command lines below, each as the command line runs it, in one process
+    (tests.recipes.cli)."""
+    return dict(zip(("json", "bad cluster"), run_command_lines([PLAN_JSON, PLAN_BAD_CLUSTER], module="recipes.plan")))
+
+
+def test_command_line_json_is_one_object_per_rank(plan_command_lines):
+    out = plan_command_lines["json"]
+    assert out.returncode == 0, out.stderr[-3000:]
     ranks = json.loads(out.stdout)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert ranks[0]["memory"]["optimizer_state"] == 2 * 4 * TINY_PARAMS // 2
     assert ranks[0]["comm_bytes_per_step"] == sum(ranks[0]["comm_bytes_by_kind"].values())
 
 
-def test_bad_cluster_is_refused_in_one_line():
-    out = subprocess.run([sys.executable, "-m", "recipes.plan", "cluster=nosuch", *TINY], capture_output=True,
-                         text=True)
+def test_bad_cluster_is_refused_in_one_line(plan_command_lines):
+    out = plan_command_lines["bad cluster"]
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "cluster=nosuch" in out.stderr
 
 
