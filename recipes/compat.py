@@ -377,9 +377,10 @@ LAYOUT_DEPENDENT = {
            "tests with the codec's simulation",
     "onebit": "1-bit Adam compresses each rank's momentum with its own error feedback, so its compressed steps depend "
               "on the data-parallel ranks: its runs train 3 steps of its warm-up (AdamW over the exactly averaged "
-              "gradient), compared with one process, then freeze and take one compressed step (its numbers are "
-              "compared with a one-process simulation of the workers by `tests/zero/test_onebit.py` only, at dp=2 "
-              "with ZeRO stages 0-1)",
+              "gradient), compared with one process, then freeze and take one compressed step, whose every "
+              "compressed all-reduce (each bucket, on the engine's group for it) is compared bitwise with the "
+              "codec's one-process simulation over that group's ranks (the masters' update from the average is "
+              "compared with a simulation by `tests/zero/test_onebit.py` only, at dp=2 with ZeRO stages 0-1)",
     "diloco": "DiLoCo's replicas train apart between synchronisations: another algorithm than one process over the "
               "global batch: its runs are compared with the replicas simulated in one process (each replica the "
               "run's other features on one process, on its replica's rows, and the outer step of "
@@ -761,7 +762,7 @@ def _render_layout_runs(table: Table) -> list[str]:
         if "diloco" in run:
             reference = "replicas simulated in one process"
         elif "onebit" in run:
-            reference = "one process (warm-up)"
+            reference = "one process (warm-up); the codec's simulation (compressed all-reduces)"
         else:
             reference = "one process"
         if set(run) & {"qwz", "qgz"}:
