@@ -6,8 +6,9 @@ config class (no downloads), run through the adapter and checked against plain t
 For each family: `logits` (the adapter's logits and every parameter's gradient equal the plain model's, its
 balancing loss included), then, on 2 gloo processes (torch.distributed.run), `dp2_zero3` (data parallel at ZeRO-3),
 `sp2` (Ulysses), `ep2` (expert parallelism, MoE families): two SGD steps whose losses and parameters equal one
-process of the plain model. `tp2` and `pp2` are refused for every family in one line (the adapter maps neither
-plan onto the runtime yet). Each result is "pass" or the one-line reason the check refuses or fails; the sweep
+process of the plain model; `tp2` (the config's tensor-parallel plan on the runtime's tensor parallelism) likewise;
+`pp2` is refused for every family in one line (the pipeline plan is not mapped yet). Each result is "pass" or the
+one-line reason the check refuses or fails; the sweep
 writes coverage.json beside this file (read by moe_lst.models.hf.config: the families whose logits pass are the
 ones the adapter builds) and docs/hf_coverage.md.
 """
@@ -30,9 +31,8 @@ import torch
 import torch.nn.functional as F
 
 FEATURES = ("logits", "dp2_zero3", "sp2", "ep2", "tp2", "pp2")
-MULTIRANK = ("dp2_zero3", "sp2", "ep2")
-NOT_MAPPED = {"tp2": "the config's base_model_tp_plan is not mapped onto the runtime's tensor parallelism yet",
-              "pp2": "the config's base_model_pp_plan is not mapped onto the runtime's pipeline yet"}
+MULTIRANK = ("dp2_zero3", "sp2", "ep2", "tp2")
+NOT_MAPPED = {"pp2": "refused: the config's base_model_pp_plan is not mapped onto the runtime's pipeline yet"}
 #: Sizes of a tiny model, set on every config key (or attribute_map alias) of these names that the config has.
 TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.05,
@@ -193,11 +193,15 @@ def rank_run(config_dict: dict, layout: str) -> dict:
     from moe_lst.models.hf.config import is_moe
 
     moe = is_moe(config)
+    from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+
     dims = {"dp2_zero3": zero.ParallelDims(dp=2), "sp2": zero.ParallelDims(dp=1, sp=2),
-            "ep2": zero.ParallelDims(dp=2, ep=2)}[layout]
+            "ep2": zero.ParallelDims(dp=2, ep=2), "tp2": zero.ParallelDims(dp=1, tp=2)}[layout]
     torch.manual_seed(0)
     model = build(config, meta=layout == "dp2_zero3" and not moe, sp_group=dims.sp_group)
     plans = [model.loss_plan()] + ([apply_expert_parallel(model, dims)] if moe else [])
+    tp_plan = apply_tensor_parallel(model, dims.tp_group)
+    plans.append(tp_plan)
     apply_ulysses(model, dims.sp_group)
     engine = zero.initialize(model, lambda params: torch.optim.SGD(params, lr=LR),
                              zero.ZeroConfig(stage=3 if layout == "dp2_zero3" else 0), dims, plans=plans)
@@ -208,14 +212,14 @@ def rank_run(config_dict: dict, layout: str) -> dict:
             rows = slice(dims.dp_rank * BATCH // 2, (dims.dp_rank + 1) * BATCH // 2)
             x, y = x[rows], y[rows]
         x, y, positions = shard_sequence(x, y, dims.sp_group)
-        loss_sum = F.cross_entropy(engine(x, positions).flatten(0, 1), y.flatten(), reduction="sum")
+        loss_sum, _ = vocab_parallel_cross_entropy(engine(x, positions).flatten(0, 1), y.flatten(), dims.tp_group)
         loss = sp_loss(loss_sum, y.numel(), dims.sp_group)
         engine.backward(loss)
         engine.step()
         value = loss.detach().clone()
         dist.all_reduce(value, group=dims.dp_group)  # (every rank of the group holds its rows' mean or the same)
         losses.append(value.item() / dist.get_world_size(dims.dp_group))
-    state = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    state = tp_plan.full_state_dict({k: v.clone() for k, v in engine.full_state_dict().items()})
     ranges = {name: list(block.experts.expert_range) for name, block in
               ((n, model.get_submodule(n)) for n in model.moe_blocks)}
     return {"losses": losses, "state": state, "expert_ranges": ranges}
@@ -231,7 +235,8 @@ def reference_run(config, layout: str) -> dict:
     model = _plain(config)
     model.load_state_dict(initial, strict=False)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    parts = (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)) if layout != "sp2" else (slice(0, BATCH),)
+    whole = layout in ("sp2", "tp2")  # (Ulysses and tensor-parallel ranks see the whole batch)
+    parts = (slice(0, BATCH),) if whole else (slice(0, BATCH // 2), slice(BATCH // 2, BATCH))
     losses = []
     for step in range(STEPS):
         x, y = _batch(step)
@@ -273,6 +278,20 @@ def multirank_applies(config, layout: str) -> str | None:
         return "n/a (dense)"
     if layout == "sp2" and config.num_attention_heads % 2:
         return f"n/a ({config.num_attention_heads} heads do not split over 2 ranks)"
+    if layout == "tp2":
+        from moe_lst.models.hf.model import build
+
+        from zero.contract import ContractError
+
+        try:
+            model = build(config, meta=not is_moe(config))
+        except Exception as e:  # noqa: BLE001 - a model the check cannot build fails the check with its reason
+            return _one_line(e)
+        try:
+            model.tensor_parallel_styles(2)
+        except ContractError as e:
+            return f"refused: {str(e).split(', but ', 1)[-1]}"  # (what the runtime does not map)
+        return None
     if layout == "sp2":
         from moe_lst.models.hf.structure import blocks_outside_attention
         from transformers import AutoModelForCausalLM
@@ -385,25 +404,33 @@ def finish(records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return records
 
 
+#: The checks a family must pass (or that do not apply to it) to count as covered; tp2 and pp2 are counted apart.
+CORE = ("logits", "dp2_zero3", "sp2", "ep2")
+
+
 def passes(record: dict[str, Any]) -> bool:
-    """Whether a family passes every feature that applies to it (tp2 / pp2 are refused for all)."""
+    """Whether a family passes every core check that applies to it (CORE; tensor and pipeline parallelism apart)."""
     return all(v == "pass" or v.startswith("n/a (") and "logits fail" not in v
-               for f, v in record["features"].items() if f not in NOT_MAPPED)
+               for f, v in record["features"].items() if f in CORE)
 
 
 def render(records: dict[str, dict[str, Any]]) -> str:
     """docs/hf_coverage.md: family x feature, pass or the one-line reason."""
     good = [k for k, r in records.items() if passes(r)]
     moe = [k for k in good if records[k]["moe"]]
+    tp = [k for k in good if records[k]["features"]["tp2"] == "pass"]
     lines = ["# Hugging Face causal LMs under the runtime", "",
              "Generated by `python -m moe_lst.models.hf.coverage` from the installed transformers (every "
              "`*ForCausalLM`, a tiny config derived from its config class); `tests/hf/test_coverage.py` keeps it "
              "current. `logits`: the adapter's logits and gradients equal plain transformers'; `dp2_zero3`, `sp2`, "
              "`ep2`: two SGD steps on 2 processes (data parallel at ZeRO-3, Ulysses, expert parallel) equal one "
              "process of the plain model. A cell is `pass` or the one-line reason the check refuses or fails.", "",
-             f"{len(good)} of {len(records)} families pass every feature that applies to them ({len(moe)} of them "
-             "MoE). Tensor and pipeline parallelism are refused for every family: the configs' "
-             "`base_model_tp_plan` / `base_model_pp_plan` are not mapped onto the runtime's own yet.", "",
+             f"{len(good)} of {len(records)} families pass every check of logits, dp2_zero3, sp2 and ep2 that "
+             f"applies to them ({len(moe)} of them MoE). `tp2`: the config's `base_model_tp_plan` mapped onto the "
+             "runtime's tensor parallelism (sequence-parallel norms, vocabulary-parallel embedding and logits), two "
+             f"steps on 2 processes equal to one: {len(tp)} of those families pass, the others are refused in one "
+             "line (MoE experts, tied heads, modules the plan does not place). `pp2`: refused for every family (the "
+             "config's `base_model_pp_plan` is not mapped onto the runtime's pipeline yet).", "",
              "| family | MoE | " + " | ".join(FEATURES) + " |", "|" + "---|" * (len(FEATURES) + 2)]
     for kind, record in records.items():
         cells = [record["features"][f].replace("|", "/") for f in FEATURES]

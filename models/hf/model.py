@@ -141,12 +141,69 @@ class HFCausalLM(nn.Module, ModelContract):
 
     # ------------------------------------------------------------------ the model contract (zero.contract)
     def tensor_parallel_styles(self, tp: int) -> dict:
-        """Not offered: what is missing is named (the config's own plan is not mapped onto zero.parallel.tensor)."""
-        plan = getattr(self.config, "base_model_tp_plan", None) or {}
-        kinds = ", ".join(sorted(set(map(str, plan.values())))) or "none"
-        raise ContractError(f"tensor_parallel_styles: {self.config.model_type} declares base_model_tp_plan "
-                            f"({len(plan)} entries: {kinds}), but mapping it onto this runtime's tensor-parallel "
-                            "styles (zero.parallel.tensor, with sequence-parallel norms) is not implemented")
+        """The config's `base_model_tp_plan` on this runtime's tensor parallelism (zero.parallel.tensor, Megatron's
+        sequence-parallel form): `colwise` projections split by output rows (whole heads: their units are the
+        heads), `rowwise` ones by input columns with the output reduce-scattered to sequence shards,
+        `replicated_with_grad_allreduce` modules (q / k norms over heads) replicated with their gradient summed;
+        the embedding vocabulary-parallel, the layers' input and post-attention norms and the final norm
+        sequence-parallel (gathering the sequence for the projections after them), an untied head column-parallel
+        (vocabulary-sliced logits). ContractError naming what is missing where a model does not fit this form."""
+        from zero.parallel.tensor import ColwiseParallel, RowwiseParallel, SequenceParallelNorm, VocabParallelEmbedding
+
+        config, kind = self.config, self.config.model_type
+        plan = getattr(config, "base_model_tp_plan", None) or {}
+
+        def refuse(why: str) -> ContractError:
+            return ContractError(f"tensor_parallel_styles: {kind} declares base_model_tp_plan ({len(plan)} entries: "
+                                 f"{', '.join(sorted(set(map(str, plan.values())))) or 'none'}), but {why}")
+
+        if not plan:
+            raise refuse("there is no plan to map")
+        if self.moe_blocks:
+            raise refuse("its experts' plan is not mapped (use expert parallelism, parallel.ep)")
+        if getattr(config, "tie_word_embeddings", False):
+            raise refuse("a tied head under the vocabulary-parallel embedding is not mapped (tie_word_embeddings)")
+        for key, value in (("num_attention_heads", config.num_attention_heads),
+                           ("vocab_size", config.vocab_size), ("intermediate_size", config.intermediate_size)):
+            if value % tp:
+                raise refuse(f"tp={tp} does not divide {key}={value}")
+        prefix = self.causal_lm.base_model_prefix
+        modules = dict(self.named_modules())
+        styles: dict = {}
+        for pattern, style in plan.items():
+            regex = re.compile("^" + re.escape(f"{prefix}.{pattern}").replace(r"\*", r"\d+") + "$")
+            names = [n for n in modules if regex.match(n)]
+            for name in names:
+                if style == "colwise":
+                    head_dim = getattr(self.get_submodule(name.rpartition(".")[0]), "head_dim", None)
+                    rows = modules[name].weight.shape[0]
+                    styles[name] = ColwiseParallel(units=rows // head_dim if head_dim and not rows % head_dim else None)
+                elif style == "rowwise":
+                    styles[name] = RowwiseParallel()
+                elif style == "replicated_with_grad_allreduce":
+                    styles[name] = SequenceParallelNorm(gather_output=False)
+                else:
+                    raise refuse(f"its style {style!r} ({pattern}) is not mapped")
+        for name, block in self.blocks():
+            for child, module in block.named_children():
+                covered = any(n == f"{name}.{child}" or n.startswith(f"{name}.{child}.") for n in styles)
+                if child in ("input_layernorm", "post_attention_layernorm"):
+                    styles[f"{name}.{child}"] = SequenceParallelNorm(gather_output=True)
+                elif not covered and any(True for _ in module.parameters()):
+                    raise refuse(f"{name}.{child} holds parameters the plan does not place")
+        embeddings = self.base.get_input_embeddings()
+        names = {id(m): n for n, m in modules.items()}
+        styles[names[id(embeddings)]] = VocabParallelEmbedding()
+        norm = getattr(self.base, "norm", None)
+        if norm is None:
+            raise refuse("its final norm is not `norm` of the base model")
+        styles[names[id(norm)]] = SequenceParallelNorm(gather_output=True)
+        styles[names[id(self.causal_lm.get_output_embeddings())]] = ColwiseParallel()
+        placed = {f"{n}.{p}" for n in styles for p, _ in modules[n].named_parameters(recurse=False)}
+        loose = [n for n, _ in self.named_parameters() if n not in placed]
+        if loose:
+            raise refuse(f"{loose[0]} is not placed by it")
+        return styles
 
     def pipeline_stage(self, layers: range, first: bool, last: bool) -> nn.Module:
         """Not offered: what is missing is named (the config's own stage plan is not mapped onto zero.parallel)."""

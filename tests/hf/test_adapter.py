@@ -155,7 +155,7 @@ def test_contract_parts_and_refusals():
     assert model.output_weight is model.model.embed_tokens.weight  # tied
     with pytest.raises(ContractError, match=r"tensor_parallel_styles: qwen3 declares base_model_tp_plan \(\d+ "
                                             r"entries: colwise, replicated_with_grad_allreduce, rowwise\), "
-                                            r"but mapping .* is not implemented"):
+                                            r"but a tied head .* is not mapped \(tie_word_embeddings\)"):
         model.tensor_parallel_styles(2)
     with pytest.raises(ContractError, match=r"pipeline_stage: qwen3 declares base_model_pp_plan \(embed_tokens, "
                                             r"layers, norm\), but stages .* are not implemented"):

@@ -21,7 +21,7 @@ REPRESENTATIVE = ("deepseek_v3", "gpt_oss", "glm4_moe")
 
 @pytest.fixture(scope="module")
 def configs() -> dict:
-    return {kind: coverage.tiny_config(kind) for kind in REPRESENTATIVE}
+    return {kind: coverage.tiny_config(kind) for kind in (*REPRESENTATIVE, "llama")}
 
 
 @pytest.mark.parametrize("kind", REPRESENTATIVE)
@@ -85,10 +85,11 @@ def test_unsupported_attention_arguments_are_refused_by_name(configs):
 
 
 # ------------------------------------------------------------------------------------------ 2 ranks
-#: Ulysses over sinks and sliding windows, expert parallelism of latent-attention DeepSeek-V3 (ZeRO-3 data parallel:
-#: tests/hf/test_multirank.py; every layout of the three under -m slow).
-DEFAULT_RUNS = [("gpt_oss", "sp2"), ("deepseek_v3", "ep2")]
-SLOW_RUNS = [(k, layout) for k in REPRESENTATIVE for layout in coverage.MULTIRANK if (k, layout) not in DEFAULT_RUNS]
+#: Ulysses over sinks and sliding windows, expert parallelism of latent-attention DeepSeek-V3, Llama's tensor-parallel
+#: plan (ZeRO-3 data parallel: tests/hf/test_multirank.py; every layout of the three under -m slow).
+DEFAULT_RUNS = [("gpt_oss", "sp2"), ("deepseek_v3", "ep2"), ("llama", "tp2")]
+SLOW_RUNS = [(k, layout) for k in REPRESENTATIVE for layout in coverage.MULTIRANK
+             if (k, layout) not in DEFAULT_RUNS and layout != "tp2"]  # (their experts: tp2 is refused)
 
 
 def _ranks(jobs: list) -> dict:
