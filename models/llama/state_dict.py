@@ -254,7 +254,8 @@ def _glm4_moe_from_hf(hf: dict[str, torch.Tensor], p: str, q: str, cfg: ModelCon
     """The inverse of _glm4_moe_layer (fused or per-expert routed experts)."""
     n = cfg.moe.num_experts
     if q + "mlp.experts.gate_up_proj" in hf:
-        w_in, w_out = hf[q + "mlp.experts.gate_up_proj"].transpose(1, 2), hf[q + "mlp.experts.down_proj"].transpose(1, 2)
+        w_in = hf[q + "mlp.experts.gate_up_proj"].transpose(1, 2)
+        w_out = hf[q + "mlp.experts.down_proj"].transpose(1, 2)
     else:
         x = f"{q}mlp.experts."
         w_in = torch.stack([torch.cat([hf[f"{x}{e}.gate_proj.weight"].t(), hf[f"{x}{e}.up_proj.weight"].t()], dim=1)
