@@ -158,7 +158,7 @@ class HFSpec(FamilySpec):
         fn = SparseAttention(SparseConfig(**OmegaConf.to_container(cfg.model.sparse))) \
             if cfg.model.attention == "sparse" else attention
         return build(hf_model_config(cfg), meta=meta, device=default_device() if meta else None, attention_fn=fn,
-                     sp_group=dims.sp_group)
+                     sp_group=dims.sequence_group)  # (its balancing statistics: over cp x sp)
 
     def plans(self, model: nn.Module, dims: zero.ParallelDims) -> list[zero.Plan]:
         return [model.loss_plan()]  # (a balancing loss attached inside the model)
