@@ -148,7 +148,7 @@ class HFCausalLM(nn.Module, ModelContract):
         the embedding vocabulary-parallel, the layers' input and post-attention norms and the final norm
         sequence-parallel (gathering the sequence for the projections after them), an untied head column-parallel
         (vocabulary-sliced logits). ContractError naming what is missing where a model does not fit this form."""
-        from zero.parallel.tensor import ColwiseParallel, RowwiseParallel, SequenceParallelNorm, VocabParallelEmbedding
+        from zero.parallel.tensor import ColwiseParallel, SequenceParallelNorm, VocabParallelEmbedding
 
         config, kind = self.config, self.config.model_type
         plan = getattr(config, "base_model_tp_plan", None) or {}
@@ -167,23 +167,8 @@ class HFCausalLM(nn.Module, ModelContract):
                            ("vocab_size", config.vocab_size), ("intermediate_size", config.intermediate_size)):
             if value % tp:
                 raise refuse(f"tp={tp} does not divide {key}={value}")
-        prefix = self.causal_lm.base_model_prefix
         modules = dict(self.named_modules())
-        styles: dict = {}
-        for pattern, style in plan.items():
-            regex = re.compile("^" + re.escape(f"{prefix}.{pattern}").replace(r"\*", r"\d+") + "$")
-            names = [n for n in modules if regex.match(n)]
-            for name in names:
-                if style == "colwise":
-                    head_dim = getattr(self.get_submodule(name.rpartition(".")[0]), "head_dim", None)
-                    rows = modules[name].weight.shape[0]
-                    styles[name] = ColwiseParallel(units=rows // head_dim if head_dim and not rows % head_dim else None)
-                elif style == "rowwise":
-                    styles[name] = RowwiseParallel()
-                elif style == "replicated_with_grad_allreduce":
-                    styles[name] = SequenceParallelNorm(gather_output=False)
-                else:
-                    raise refuse(f"its style {style!r} ({pattern}) is not mapped")
+        styles = _plan_styles(self, plan, refuse)
         for name, block in self.blocks():
             for child, module in block.named_children():
                 covered = any(n == f"{name}.{child}" or n.startswith(f"{name}.{child}.") for n in styles)
@@ -345,6 +330,30 @@ class HFCausalLM(nn.Module, ModelContract):
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             tokens = torch.cat([tokens, torch.multinomial(logits.softmax(-1), 1, generator=generator)], dim=1)
         return tokens[:, prompt.shape[1]:]
+
+
+def _plan_styles(model: HFCausalLM, plan: dict, refuse: Callable[[str], ContractError]) -> dict:
+    """The runtime's styles of the modules `plan` (base_model_tp_plan: patterns under the base model, `*` a layer
+    index) names: colwise (whole heads as units inside attention), rowwise, replicated_with_grad_allreduce."""
+    from zero.parallel.tensor import ColwiseParallel, RowwiseParallel, SequenceParallelNorm
+
+    prefix = model.causal_lm.base_model_prefix
+    modules = dict(model.named_modules())
+    styles: dict = {}
+    for pattern, style in plan.items():
+        regex = re.compile("^" + re.escape(f"{prefix}.{pattern}").replace(r"\*", r"\d+") + "$")
+        for name in [n for n in modules if regex.match(n)]:
+            if style == "colwise":
+                head_dim = getattr(model.get_submodule(name.rpartition(".")[0]), "head_dim", None)
+                rows = modules[name].weight.shape[0]
+                styles[name] = ColwiseParallel(units=rows // head_dim if head_dim and not rows % head_dim else None)
+            elif style == "rowwise":
+                styles[name] = RowwiseParallel()
+            elif style == "replicated_with_grad_allreduce":
+                styles[name] = SequenceParallelNorm(gather_output=False)
+            else:
+                raise refuse(f"its style {style!r} ({pattern}) is not mapped")
+    return styles
 
 
 def _num_experts(config: PreTrainedConfig, causal_lm: nn.Module) -> int:
