@@ -98,7 +98,7 @@ class FamilySpec:
 
     def num_params(self, cfg: Any) -> int:
         """Parameters of the full (unsharded) model, a tied weight counted once."""
-        model = self.build(cfg, zero.ParallelDims(), meta=True)
+        model = self.shape_model(cfg, zero.ParallelDims())
         return sum(p.numel() for p in model.parameters())
 
     def builds_on_meta(self, cfg: Any) -> bool:
@@ -114,6 +114,12 @@ class FamilySpec:
         (buffers, which the engine does not materialise, on this rank's device), else on the CPU with its
         initial values drawn from torch's generator as seeded by the caller."""
         raise self._missing("build(cfg, dims, meta)")
+
+    def shape_model(self, cfg: Any, dims: zero.ParallelDims) -> nn.Module:
+        """The full model on the meta device for counting and planning only (the planner's rank model): shapes
+        and structure as `build` gives them, nothing it must leave behind for a run (e.g. torch's generator where
+        an eager build would leave it, which for a large model costs as much as drawing its values)."""
+        return self.build(cfg, dims, meta=True)
 
     def plans(self, model: nn.Module, dims: zero.ParallelDims) -> list[zero.Plan]:
         """Plans the model itself hands the engine before any parallelism is applied (e.g. a balancing loss

@@ -152,6 +152,9 @@ class LlamaSpec(FamilySpec):
         model.continue_global_generator()  # (what is drawn next draws what it would after an eager build)
         return model
 
+    def shape_model(self, cfg: Any, dims: zero.ParallelDims) -> nn.Module:
+        return Transformer(model_config(cfg), device="meta")  # (no generator to continue: nothing trains it)
+
     def init_from(self, cfg: Any, source: str) -> dict[str, torch.Tensor]:
         """A Hugging Face Llama / Mixtral directory (as recipes.export writes), refused in one line naming every
         model key on which it differs from the run's model."""

@@ -66,7 +66,7 @@ def rank_model(cfg: DictConfig, rank: int) -> RankModel:
     family.check_plannable(cfg)
     dims = zero.ParallelDims(**{k: cfg.parallel[k] for k in ("dp", "tp", "pp", "sp", "ep", "cp")})
     with torch.device("meta"):
-        model = family.build(cfg, dims, meta=True)
+        model = family.shape_model(cfg, dims)
     parallel = parallelize(model, cfg, dims)  # (the recipe's: the model predicted is the one that trains)
     layers = list(range(family.num_layers(cfg)))
     out = RankModel(dims, model, model, None, layers, True, True)
