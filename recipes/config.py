@@ -713,7 +713,7 @@ def check_context_parallel(cfg: DictConfig) -> None:
         return
     from sequence_parallel.data import check_context_parallel_length
 
-    for key, fix in (("tp", "tensor parallelism"), ("pp", "pipeline stages"), ("replicas", "DiLoCo replicas")):
+    for key, fix in (("pp", "pipeline stages"), ("replicas", "DiLoCo replicas")):
         if par[key] > 1:
             raise ConfigError(f"parallel.cp={cp} with parallel.{key}={par[key]} is not implemented (ring attention "
                               f"is not wired with {fix}); set parallel.{key}=1 or parallel.cp=1")

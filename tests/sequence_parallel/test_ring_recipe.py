@@ -2,7 +2,8 @@
 
 The tiny Llama (4 heads, 2 kv heads) trains three SGD steps with ZeRO-3 under ring attention alone (cp=4, more ranks
 than kv heads), under Ulysses x ring (sp=2 x cp=2) on packed documents, an MoE model with ep=2 under sp=2 x cp=2
-(its routing statistics summed over the whole sequence), and a Hugging Face Llama through the attention interface;
+(its routing statistics summed over the whole sequence), tensor parallelism under the ring (tp=2 x cp=2, ZeRO-1: each
+rank's ring passes k/v of its own tp slice of the heads), and a Hugging Face Llama through the attention interface;
 losses, gradient norms and every parameter after the first step (the gradient) and at the end are compared on every
 rank (`tests.equivalence`). One spawn runs every case. The config's refusals come first, on one process.
 """
@@ -21,9 +22,11 @@ from tests.multirank import run_multirank
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CONF = Path(__file__).resolve().parents[2] / "recipes" / "conf"
 
-# The default suite runs the case that composes the most (ZeRO-3, ep=2 MoE, Ulysses x ring); the rest are slow.
+# The default suite runs the case that composes the most (ZeRO-3, ep=2 MoE, Ulysses x ring) and tp x cp in the same
+# spawn; the rest are slow.
 # One step: its parameter change under SGD is the reduced gradient (tests.equivalence), which this case compares.
-CASES = [({"sp": 2, "cp": 2, "ep": 2}, {"stage": 3, "moe": True, "steps": 1})]
+CASES = [({"sp": 2, "cp": 2, "ep": 2}, {"stage": 3, "moe": True, "steps": 1}),
+         ({"tp": 2, "cp": 2}, {"stage": 1, "steps": 1})]
 SLOW_CASES = [
     ({"cp": 4}, {"stage": 3, "steps": 2}),
     ({"sp": 2, "cp": 2}, {"stage": 3, "packed": True, "steps": 2}),
@@ -73,7 +76,8 @@ REFUSALS = [
     (["parallel.cp=2", "model.attention=nsa", "train.seq_len=64"], "not 'nsa'"),
     (["parallel.cp=3", "train.seq_len=60"], "cp=3 = 3 does not divide the 2 process"),
     (["parallel.cp=2", "parallel.dp=2", "train.seq_len=64"], "dp=2 x tp=1 x pp=1 x sp=1 x cp=2 = 4 does not match"),
-    (["parallel.cp=2", "parallel.tp=2", "train.seq_len=64"], "parallel.cp=2 with parallel.tp=2 is not implemented"),
+    (["parallel.cp=2", "parallel.pp=2", "train.seq_len=64"], "parallel.cp=2 with parallel.pp=2 is not implemented"),
+    (["parallel.cp=2", "parallel.tp=2", "train.seq_len=64"], "tp=2 x pp=1 x sp=1 x cp=2 = 4 does not divide the 2 process"),
 ]
 
 
@@ -89,6 +93,17 @@ def test_context_parallel_config_refused_in_one_line(overrides, message, monkeyp
     with pytest.raises(ConfigError, match=message) as info:
         check_config(cfg)
     assert "\n" not in str(info.value)
+
+
+def test_context_parallel_with_tensor_parallel_accepted(monkeypatch):
+    """cp=2 x tp=2 on four processes passes the config check (the layout the equivalence case trains)."""
+    from recipes.config import check_config, data_parallel_degree
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with initialize_config_dir(version_base=None, config_dir=str(CONF)):
+        cfg = compose("config", overrides=["parallel.cp=2", "parallel.tp=2", "train.seq_len=64"])
+    check_config(cfg)
+    assert data_parallel_degree(cfg) == 1
 
 
 @pytest.mark.slow
