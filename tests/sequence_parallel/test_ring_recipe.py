@@ -73,7 +73,12 @@ def test_context_parallel_training_equals_one_process_more_layouts():
 REFUSALS = [
     (["parallel.cp=2", "train.seq_len=30"], "not divisible by 2 \\* sp \\* cp = 2 \\* 1 \\* 2 = 4"),
     (["parallel.cp=2", "parallel.sp=2", "train.seq_len=36"], "not divisible by 2 \\* sp \\* cp = 2 \\* 2 \\* 2 = 8"),
-    (["parallel.cp=2", "model.attention=nsa", "train.seq_len=64"], "not 'nsa'"),
+    (["parallel.cp=2", "model.attention=nsa", "train.seq_len=64"],
+     "ring attention \\(parallel.cp\\) does not run native sparse attention: .*; use parallel.sp \\(Ulysses\\) for "
+     "model.attention=nsa$"),
+    (["parallel.cp=2", "model.attention=sparse", "model.sparse.block_size=24", "train.seq_len=64"],
+     "each of the 2 \\* parallel.cp = 4 chunks of the 64-token row \\(16 tokens\\) to be whole blocks of "
+     "model.sparse.block_size=24; use a train.seq_len that is a multiple of 96$"),
     (["parallel.cp=3", "train.seq_len=60"], "cp=3 = 3 does not divide the 2 process"),
     (["parallel.cp=2", "parallel.dp=2", "train.seq_len=64"], "dp=2 x tp=1 x pp=1 x sp=1 x cp=2 = 4 does not match"),
     (["parallel.cp=2", "parallel.pp=2", "train.seq_len=64"], "parallel.cp=2 with parallel.pp=2 is not implemented"),
@@ -109,10 +114,12 @@ def test_context_parallel_with_tensor_parallel_accepted(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["parallel.cp=4"], ["parallel.sp=2", "parallel.cp=2", "model.attention=sparse",
                                                         "model.sparse.layout=sliding_window",
-                                                        "model.sparse.block_size=8", "model.sparse.window_blocks=2"]])
+                                                        "model.sparse.block_size=8", "model.sparse.window_blocks=2"],
+                                    ["parallel.tp=2", "parallel.cp=2"]])
 def test_recipe_comm_bytes_equal_the_planner(layout):
     """Four ranks of the recipe count (zero.dist.comm) what recipes.plan predicts for them, the ring's p2p
-    included, per rank (the layout-aware ring sends rank 0 and rank cp-1 less)."""
+    included, per rank (the layout-aware ring sends rank 0 and rank cp-1 less; under tp each ring sends its slice of
+    the kv heads)."""
     import recipes.config  # noqa: F401 (registers the config's schema, which the yaml files pull in)
     from recipes.planner import estimate
     from recipes.planner.measure import measure
