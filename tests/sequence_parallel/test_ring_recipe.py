@@ -82,7 +82,7 @@ REFUSALS = [
     (["parallel.cp=3", "train.seq_len=60"], "cp=3 = 3 does not divide the 2 process"),
     (["parallel.cp=2", "parallel.dp=2", "train.seq_len=64"], "dp=2 x tp=1 x pp=1 x sp=1 x cp=2 = 4 does not match"),
     (["parallel.cp=2", "parallel.pp=2", "train.seq_len=64"], "parallel.cp=2 with parallel.pp=2 is not implemented"),
-    (["parallel.cp=2", "parallel.tp=2", "train.seq_len=64"], "tp=2 x pp=1 x sp=1 x cp=2 = 4 does not divide the 2 process"),
+    (["parallel.cp=2", "parallel.tp=2", "train.seq_len=64"], "tp=2 x pp=1 x sp=1 x cp=2 = 4 does not divide the 2"),
 ]
 
 
