@@ -54,8 +54,8 @@ def candidate_overrides(cfg: DictConfig, world: int, max_pp: int = 8) -> Iterato
     """Every layout of `world` devices worth trying: degrees, ZeRO stage, offload, schedule, checkpointing."""
     moe = is_moe(cfg)
     for tp, pp, sp, cp in itertools.product(*[_divisors(world)] * 4):
-        if world % (tp * pp * sp * cp) or pp > max_pp or (cp > 1 and (tp > 1 or pp > 1)):
-            continue  # (ring attention is not wired with tp or pp: the recipe refuses those)
+        if world % (tp * pp * sp * cp) or pp > max_pp or (cp > 1 and pp > 1):
+            continue  # (ring attention is not wired with pp: the recipe refuses it)
         dp = world // (tp * pp * sp * cp)
         for ep in (_divisors(dp * cp * sp) if moe else [1]):
             for stage, offload, ckpt in itertools.product((0, 1, 2, 3), ("none", "cpu"), (False, True)):
