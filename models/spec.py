@@ -26,6 +26,9 @@ __all__ = ["DEFAULT_FAMILY", "FAMILY_KEY", "ConfigError", "ExportError", "Family
            "family_name", "get", "positive_int", "register", "registered"]
 
 #: The key of the model section that names the run's family.
+#: How the families' refusals name the degrees of zero.dist.topology.ParallelDims (zero.config.key_name): the recipe's
+#: `parallel.*` keys (recipes.config.RECIPE_KEYS takes them from here).
+PARALLEL_KEYS = {f"ParallelDims.{d}": f"parallel.{d}" for d in ("dp", "tp", "pp", "sp", "ep")}
 FAMILY_KEY = "family"
 #: The family of a config that names none and that no family claims.
 DEFAULT_FAMILY = "llama"

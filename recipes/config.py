@@ -293,7 +293,7 @@ ZeroSection.__doc__ = ("`zero.*`: the ZeRO runtime, the fields of zero.ZeroConfi
 #: its refusal names the key to change. (A ZeroConfig field's key is zero.<field> unless listed here.)
 RECIPE_KEYS = {
     **{f"ZeroConfig.{name}": key for name, key in ZERO_FROM_RECIPE.items()},
-    **{f"ParallelDims.{d}": f"parallel.{d}" for d in ("dp", "tp", "pp", "sp", "ep")},
+    **families.PARALLEL_KEYS,
     "ReplicaDims.replicas": "parallel.replicas",
     "MoELayer.ep": "parallel.ep",
     **{f"OneBitAdam.{a}": f"optim.onebit.{a}"
@@ -301,6 +301,9 @@ RECIPE_KEYS = {
     **{f"DiLoCo.{a}": f"optim.diloco.{a}" for a in ("inner_steps", "outer_lr", "outer_momentum", "delta_dtype",
                                                      "warmup_steps")},
     "DiLoCo.inner": "optim.name",
+    "RingAttention.cp": "parallel.cp", "RingAttention.sp": "parallel.sp", "RingAttention.seq_len": "train.seq_len",
+    "RingAttention.attention": "model.attention", "RingAttention.block_size": "model.sparse.block_size",
+    "RingAttention.packing": "data.packing",
 }
 
 
@@ -711,31 +714,15 @@ def check_context_parallel(cfg: DictConfig) -> None:
     cp = par.get("cp", 1)
     if cp == 1:
         return
-    from sequence_parallel.data import check_context_parallel_length
+    from sequence_parallel.ring import check_ring
 
     for key, fix in (("pp", "pipeline stages"), ("replicas", "DiLoCo replicas")):
         if par[key] > 1:
             raise ConfigError(f"parallel.cp={cp} with parallel.{key}={par[key]} is not implemented (ring attention "
                               f"is not wired with {fix}); set parallel.{key}=1 or parallel.cp=1")
-    try:
-        check_context_parallel_length(cfg.train.seq_len, par.sp, cp)
-    except ValueError as e:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} with parallel.cp={cp}: {e}") from None
     attention = cfg.model.get("attention", "dense")
-    if attention not in ("dense", "sparse"):
-        raise ConfigError(f"parallel.cp={cp} runs ring attention, which supports model.attention=dense and sparse, "
-                          f"not {attention!r} (native sparse attention's selected branch routes key blocks per query "
-                          "over the whole row's compressed keys, which the ring does not exchange); use parallel.sp")
-    if attention == "sparse":
-        block, chunk = cfg.model.sparse.block_size, cfg.train.seq_len // (2 * cp)
-        if chunk % block:
-            raise ConfigError(f"train.seq_len={cfg.train.seq_len} with parallel.cp={cp}: each of the {2 * cp} ring "
-                              f"chunks ({chunk} tokens) must be whole blocks of model.sparse.block_size={block}; use "
-                              f"a multiple of {2 * cp * block}")
-        if cfg.data.get("packing", "concat") == "document":
-            raise ConfigError(f"parallel.cp={cp} with model.attention=sparse and data.packing=document is not "
-                              "implemented (a layout per packed document under the ring); use packing=concat or "
-                              "parallel.sp")
+    check_ring(attention, cfg.train.seq_len, par.sp, cp, cfg.model.sparse.block_size if attention == "sparse" else None,
+               cfg.data.get("packing", "concat") == "document", RECIPE_KEYS)
 
 
 def check_degrees(cfg: DictConfig) -> None:

@@ -10,8 +10,9 @@ is routed by the layout: a rank receives only the chunks some query of it attend
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.nn as nn
@@ -21,7 +22,9 @@ from moe_lst.kernels.nsa import NativeSparseAttention
 from moe_lst.kernels.sparse import BlockLayout, SparseAttention, SparseConfig, block_layout, native_kernel
 from torch.distributed import ProcessGroup
 
+from sequence_parallel.data import check_context_parallel_length
 from sequence_parallel.ulysses import UlyssesAttention
+from zero.config import ConfigError, key_namer
 from zero.contract import contract_of
 from zero.dist import comm
 from zero.dist.topology import group_rank, group_size
@@ -30,23 +33,59 @@ _NEG_INF = float("-inf")
 # Scores held at once by the dense pair kernel ([batch, heads, rows, keys] fp32): 16 MiB per tile of query rows.
 _TILE_ELEMENTS = 1 << 22
 _KV_TAG, _GRAD_TAG = 0, 1
+#: The attentions the ring runs (model.attention's words): dense attention and block-sparse layouts.
+RING_ATTENTIONS = ("dense", "sparse")
+
+
+class RingRefusal(ConfigError, NotImplementedError):
+    """What the ring does not run: a ConfigError (the recipe refuses it before any process group exists) that is
+    also a NotImplementedError (the runtime names the missing capability)."""
+
+
+def check_ring(attention: str, seq_len: int | None = None, sp: int = 1, cp: int = 1, block_size: int | None = None,
+               packed_documents: bool = False, keys: Mapping[str, str] | None = None) -> None:
+    """The ring's rules, on numbers alone: `attention` ("dense", "sparse" with its layout's `block_size`, "nsa" or a
+    function's name) over rows of `seq_len` tokens cut into 2 * cp mirrored chunks of sp pieces, with packed
+    documents or not. The one copy of these rules: RingAttention checks them at construction and forward, the
+    recipe's config check before any process group exists. `keys` names the values in the caller's words
+    ("RingAttention.<name>", zero.config.key_name). Raises ConfigError (a RingRefusal for what is not implemented)."""
+    k = key_namer(keys, "RingAttention")
+    if attention not in RING_ATTENTIONS:
+        _refuse_attention(attention, k)
+    if seq_len is None:
+        return
+    try:
+        check_context_parallel_length(seq_len, sp, cp)
+    except ValueError as e:
+        raise ConfigError(f"{k('seq_len')}={seq_len} with {k('cp')}={cp}: {e}") from None
+    if attention == "sparse":
+        _blocks_per_chunk(block_size, seq_len, cp, k)
+        if packed_documents:
+            raise RingRefusal(f"ring attention ({k('cp')}) runs block-sparse layouts on unpacked rows only: a layout "
+                              f"per packed document is not implemented; pack rows without documents ({k('packing')}="
+                              f"concat) or use {k('sp')} for sparse attention over packed documents")
+
+
+def _refuse_attention(attention: str, k: Callable[[str], str]) -> NoReturn:
+    """RingRefusal for an attention the ring does not run ("nsa", or a function's name)."""
+    if attention == "nsa":
+        raise RingRefusal(f"ring attention ({k('cp')}) does not run native sparse attention: its selected branch picks "
+                          "key blocks per query from the compressed keys of the whole row, and a ring of fixed chunks "
+                          f"has no exchange of compressed keys or per-query block routing; use {k('sp')} (Ulysses) "
+                          f"for {k('attention')}=nsa")
+    raise RingRefusal(f"ring attention ({k('cp')}) runs dense attention and block-sparse layouts, not {attention}: "
+                      f"a ring needs the attention's mask per pair of chunks; use {k('sp')}")
 
 
 def ring_attention_kind(attn_fn: Callable[..., torch.Tensor]) -> SparseConfig | None:
     """What the ring runs for `attn_fn`: None for the dense `attention`, the layout's config for a
-    `SparseAttention`; raises NotImplementedError naming any other attention (NSA, a model's own function)."""
+    `SparseAttention`; any other attention (NSA, a model's own function) is refused in `check_ring`'s words."""
     if attn_fn is attention or getattr(attn_fn, "takes_window_and_sinks", False):
         return None  # dense (a Hugging Face model's dense attention also passes sliding windows: masked exactly)
     if isinstance(attn_fn, SparseAttention):
         return attn_fn.config
-    if isinstance(attn_fn, NativeSparseAttention):
-        raise NotImplementedError(
-            "ring attention (parallel.cp) does not run native sparse attention: its selected branch picks key blocks "
-            "per query from the compressed keys of the whole row, and a ring of fixed chunks has no exchange of "
-            "compressed keys or per-query block routing; use parallel.sp (Ulysses) for attention=nsa")
-    name = getattr(attn_fn, "__name__", repr(attn_fn))
-    raise NotImplementedError(f"ring attention (parallel.cp) runs dense attention and block-sparse layouts, not "
-                              f"{name}: a ring needs the attention's mask per pair of chunks; use parallel.sp")
+    name = "nsa" if isinstance(attn_fn, NativeSparseAttention) else getattr(attn_fn, "__name__", repr(attn_fn))
+    _refuse_attention(name, key_namer(None, "RingAttention"))
 
 
 def chunks_of(rank: int, cp: int) -> tuple[int, int]:
@@ -94,12 +133,13 @@ def ring_bytes_per_rank(seq_len: int, batch: int, kv_heads: int, head_dim: int, 
     return out
 
 
-def _blocks_per_chunk(block_size: int, seq_len: int, cp: int) -> int:
+def _blocks_per_chunk(block_size: int, seq_len: int, cp: int, k: Callable[[str], str] = str) -> int:
     chunk = seq_len // (2 * cp)
     if chunk % block_size:
-        raise ValueError(f"ring attention with a block-sparse layout needs each of the 2 * cp = {2 * cp} chunks of "
-                         f"the {seq_len}-token row ({chunk} tokens) to be whole blocks of model.sparse.block_size="
-                         f"{block_size}; use a sequence length that is a multiple of {2 * cp * block_size}")
+        raise ConfigError(f"ring attention with a block-sparse layout needs each of the 2 * {k('cp')} = {2 * cp} "
+                          f"chunks of the {seq_len}-token row ({chunk} tokens) to be whole blocks of "
+                          f"{k('block_size')}={block_size}; use a {k('seq_len')} that is a multiple of "
+                          f"{2 * cp * block_size}")
     return chunk // block_size
 
 
@@ -505,11 +545,7 @@ class RingAttention(nn.Module):
         doc_ids = None if documents is None else self._document_ids(documents)
         layout = None
         if self.sparse is not None:
-            if doc_ids is not None:
-                raise NotImplementedError("ring attention runs block-sparse layouts on unpacked rows only: a layout "
-                                          "per packed document is not implemented; pack without documents or use "
-                                          "parallel.sp for sparse attention over packed documents")
-            _blocks_per_chunk(self.sparse.block_size, seq_len, cp)
+            check_ring("sparse", seq_len, self.ulysses, cp, self.sparse.block_size, doc_ids is not None)
             layout = block_layout(self.sparse, seq_len, causal)
         slots = None
         if self.sparse is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ from moe_lst.kernels.attention import attention, check_qkv
 from moe_lst.kernels.documents import Documents, attend
 from torch.distributed import ProcessGroup
 
+from zero.config import ConfigError, key_namer
 from zero.contract import AttentionSite, ModelContract, contract_of
 from zero.dist import comm
 from zero.dist.topology import group_rank, group_size
@@ -59,6 +60,19 @@ def _offsets(counts: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def check_ulysses_heads(n_heads: int, sp: int, tp: int = 1, keys: Mapping[str, str] | None = None) -> None:
+    """Ulysses splits the query heads a rank holds (n_heads / tp under tensor parallelism) over its sp ranks:
+    ConfigError unless sp <= n_heads / tp. `keys` names the degrees in the caller's words (zero.config.key_name)."""
+    name = key_namer(keys, "ParallelDims")
+    per_rank = n_heads // tp
+    if sp > per_rank:
+        held = f"{n_heads}" if tp == 1 else f"{n_heads} / {name('tp')}={tp} = {per_rank} per rank"
+        raise ConfigError(f"Ulysses sequence parallelism splits attention heads over ranks, so {name('sp')}={sp} "
+                          f"cannot exceed the number of query heads ({held}): the rule is sp <= n_heads / tp; use "
+                          f"{name('sp')} <= {max(per_rank, 1)} and put the remaining ranks into ring attention "
+                          "(parallel.cp) or data parallelism")
+
+
 @functools.lru_cache(maxsize=64)
 def head_split(n_heads: int, n_kv_heads: int, sp: int) -> HeadSplit:
     """Split `n_heads` query heads and their kv groups over `sp` ranks.
@@ -72,12 +86,7 @@ def head_split(n_heads: int, n_kv_heads: int, sp: int) -> HeadSplit:
     """
     if n_heads % n_kv_heads:
         raise ValueError(f"query heads ({n_heads}) must be a multiple of kv heads ({n_kv_heads}) for GQA")
-    if sp > n_heads:
-        raise ValueError(
-            f"Ulysses sequence parallelism splits attention heads over ranks, so sp={sp} cannot exceed the "
-            f"number of query heads ({n_heads}). Fix: use sp <= {n_heads} and put the remaining ranks into ring "
-            f"attention (parallel.cp) or data parallelism"
-        )
+    check_ulysses_heads(n_heads, sp)
     group = n_heads // n_kv_heads
     best: HeadSplit | None = None
     for rep in range(1, group + 1):

@@ -37,11 +37,11 @@ def key_namer(keys: Mapping[str, str] | None, owner: str) -> Callable[[str], str
     return lambda name: key_name(keys, owner, name)
 
 
-def int_at_least(key: str, value: object, low: int, why: str = "") -> int:
-    """`value`, or ConfigError unless it is an int (not a bool) >= low; `key` is how the text names it, `why` (e.g.
-    " (0: off)") follows the rule."""
+def int_at_least(key: str, value: object, low: int, why: str = "", error: type[ConfigError] = ConfigError) -> int:
+    """`value`, or `error` (a ConfigError, e.g. a LayoutError) unless it is an int (not a bool) >= low; `key` is how
+    the text names it, `why` (e.g. " (0: off)") follows the rule."""
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ConfigError(f"{key}={value!r} must be an integer >= {low}{why}")
+        raise error(f"{key}={value!r} must be an integer >= {low}{why}")
     return value
 
 

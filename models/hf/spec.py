@@ -105,16 +105,16 @@ class HFSpec(FamilySpec):
         """No tensor or pipeline parallelism, Ulysses over at most the model's query heads, and
         position-independent rotary tables under it."""
         from moe_lst.models.hf.config import LENGTH_DEPENDENT_ROPE, rope_type
+        from moe_lst.models.spec import PARALLEL_KEYS
+
+        from sequence_parallel.ulysses import check_ulysses_heads
 
         par, config = cfg.parallel, hf_model_config(cfg)
         for key, what in (("tp", "tensor-parallel plan"), ("pp", "pipeline stages")):
             if par[key] > 1:
                 raise ConfigError(f"parallel.{key}={par[key]} with model=hf is not supported (the Hugging Face "
                                   f"adapter offers no {what}); use data, sequence (sp) and expert parallelism")
-        heads = config.num_attention_heads
-        if par.sp > heads:
-            raise ConfigError(f"parallel.sp={par.sp} splits the model's {heads} attention heads over sp ranks: the "
-                              f"rule is sp <= num_attention_heads; use sp <= {heads}")
+        check_ulysses_heads(config.num_attention_heads, par.sp, keys=PARALLEL_KEYS)
         if par.sp > 1 and rope_type(config) in LENGTH_DEPENDENT_ROPE:
             raise ConfigError(f"rope_type={rope_type(config)} scales its tables by the longest position a forward "
                               f"sees, which differs per rank under parallel.sp={par.sp}; use parallel.sp=1 or "

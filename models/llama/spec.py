@@ -106,13 +106,12 @@ class LlamaSpec(FamilySpec):
                 if cfg.train[key]:
                     raise ConfigError(f"train.{key} with parallel.tp > 1 is not supported (the tensor-parallel MLP "
                                       "and vocabulary-parallel loss already split that work); turn it off")
-        if sp > 1 and model.n_heads // tp < sp:
-            raise ConfigError(f"tp={tp} leaves {model.n_heads // tp} attention heads per rank and Ulysses splits "
-                              f"them over sp={sp}: the rule is sp <= n_heads / tp; use sp <= "
-                              f"{max(model.n_heads // tp, 1)}")
-        if sp > 1 and model.attention == "nsa":
-            from sequence_parallel.ulysses import head_split
+        from moe_lst.models.spec import PARALLEL_KEYS
 
+        from sequence_parallel.ulysses import check_ulysses_heads, head_split
+
+        check_ulysses_heads(model.n_heads, sp, tp, PARALLEL_KEYS)
+        if sp > 1 and model.attention == "nsa":
             if head_split(model.n_heads, model.n_kv_heads, sp).kv_repeat > 1:
                 raise ConfigError(f"model.attention=nsa with parallel.sp={sp} and {model.n_kv_heads} kv heads: NSA "
                                   "selects blocks once per GQA group, so each rank must hold whole groups; use an "

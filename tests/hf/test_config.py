@@ -53,7 +53,8 @@ CASES = [  # (config.json kind and keys, overrides, the message)
     (("llama", {"attention_dropout": 0.1}), [], r"attention_dropout=0.1 \(the adapter's attention has no dropout"),
     (("llama", {}), ["parallel.tp=2"], r"parallel.tp=2 with model=hf is not supported .*no tensor-parallel plan"),
     (("llama", {}), ["parallel.pp=2"], r"parallel.pp=2 with model=hf is not supported .*no pipeline stages"),
-    (("llama", {}), ["parallel.sp=8"], r"parallel.sp=8 splits the model's 4 attention heads .*use sp <= 4"),
+    (("llama", {}), ["parallel.sp=8"], r"parallel.sp=8 cannot exceed the number of query heads \(4\): the rule is sp "
+                                       r"<= n_heads / tp; use parallel.sp <= 4 and put"),
     (("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
      ["parallel.sp=2"], r"rope_type=dynamic .* differs per rank under parallel.sp=2"),
     (("llama", {}), ["model.attention=nsa"], r"model.attention='nsa' with model=hf must be dense or sparse"),

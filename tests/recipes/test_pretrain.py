@@ -104,7 +104,8 @@ BAD_LAYOUT = [
     (["parallel.tp=3"], "tp=3 must divide model.n_heads=4"),
     (["parallel.tp=2", "train.tiled_loss=true"], "train.tiled_loss with parallel.tp > 1 is not supported"),
     (["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=3"], "runs exactly 2 stage(s)"),
-    (["parallel.tp=2", "parallel.sp=4"], "the rule is sp <= n_heads / tp"),
+    (["parallel.tp=2", "parallel.sp=4"], "parallel.sp=4 cannot exceed the number of query heads (4 / parallel.tp=2 = 2 "
+                                         "per rank): the rule is sp <= n_heads / tp; use parallel.sp <= 2"),
 ]
 
 

@@ -254,7 +254,7 @@ def test_ring_refuses_what_it_does_not_run_naming_what_is_missing():
     import torch
     from moe_lst.kernels.nsa import NativeSparseAttention, NSAConfig
 
-    from sequence_parallel.ring import RingAttention
+    from sequence_parallel.ring import RingAttention, check_ring
 
     with pytest.raises(NotImplementedError, match="does not run native sparse attention: its selected branch"):
         RingAttention(None, NativeSparseAttention(NSAConfig(), None, None))
@@ -262,6 +262,10 @@ def test_ring_refuses_what_it_does_not_run_naming_what_is_missing():
         def my_attention(q, k, v, causal=True):
             return q
         RingAttention(None, my_attention)
+    with pytest.raises(NotImplementedError, match="^ring attention \\(cp\\) runs block-sparse layouts on unpacked rows "
+                       "only: a layout per packed document is not implemented; pack rows without documents "
+                       "\\(packing=concat\\) or use sp for sparse attention over packed documents$"):
+        check_ring("sparse", 64, 1, 2, block_size=8, packed_documents=True)
     q = torch.zeros(1, 8, 2, 4)
     with pytest.raises(NotImplementedError, match="does not run attention sinks"):
         RingAttention(None)(q, q, q, sinks=torch.zeros(1, 8, 2, 1))

@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.distributed import pipelining as pl
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
+from zero.config import int_at_least
 from zero.contract import ModelContract, contract_of
 from zero.dist import comm
 from zero.dist.topology import LayoutError, ParallelDims
@@ -57,8 +58,7 @@ def resolve_virtual_stages(schedule: str, virtual_stages: int | None) -> int:
     _, fixed, _ = SCHEDULES[schedule]
     if virtual_stages is None:
         return fixed or 2
-    if not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise LayoutError(f"parallel.pp_virtual_stages={virtual_stages!r} must be an integer >= 1")
+    int_at_least("parallel.pp_virtual_stages", virtual_stages, 1, error=LayoutError)
     if fixed is not None and virtual_stages != fixed:
         raise LayoutError(f"parallel.pp_schedule={schedule} runs exactly {fixed} stage(s) per rank; "
                           f"parallel.pp_virtual_stages={virtual_stages} does not fit it (leave it unset)")
