@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -494,8 +495,12 @@ def _one_thread():
 def _start_method() -> str:
     """fork where there is one: a worker starts in milliseconds with the tokenizer already loaded (a spawned one
     imports and loads it again, a second or more: most of the work of a small corpus). The workers only read
-    files and tokenize, as a DataLoader's forked workers do."""
-    return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    files and tokenize, as a DataLoader's forked workers do. Only from a parent that runs one thread and has no
+    child processes, as the command line's does: a fork copies another thread's held locks into the child
+    (prepare() called inside a threaded program, a test runner with a process pool), where they are never
+    released and a worker can hang; such a caller's workers are spawned."""
+    lone = threading.active_count() == 1 and not mp.active_children()
+    return "fork" if lone and "fork" in mp.get_all_start_methods() else "spawn"
 
 
 def tokenized_units(units: list[Unit], job: Job, tok: TextTokenizer, workers: int) -> Iterator[UnitTokens]:

@@ -156,6 +156,26 @@ def test_same_inputs_give_the_same_bytes(tmp_path, tokenizer_json, inputs, monke
     assert meta["splits"]["train"]["sha256"] == hashlib.sha256((tmp_path / "a" / "train.bin").read_bytes()).hexdigest()
 
 
+def test_workers_fork_only_from_a_lone_thread():
+    # a fork copies locks other threads hold into the child, where nothing releases them: a caller with threads
+    # (a test runner's process pool, a threaded program calling prepare()) gets spawned workers
+    import threading
+
+    if "fork" not in __import__("multiprocessing").get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert pd._start_method() == "spawn"
+    finally:
+        release.set()
+        other.join()
+    code = "from recipes.prepare_data import _start_method; print(_start_method())"
+    alone = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert alone.stdout.strip() == "fork"
+
+
 def test_uint32_when_the_vocabulary_passes_65536(tmp_path):
     assert pd.token_dtype(65_536) == np.uint16 and pd.token_dtype(65_537) == np.uint32
     tok = _bpe()
