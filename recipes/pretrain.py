@@ -136,14 +136,14 @@ def new_model(cfg: DictConfig, meta: bool, dims: zero.ParallelDims) -> nn.Module
     return families.get(cfg).build(cfg, dims, meta)
 
 
-def build_model(cfg: DictConfig, dims: zero.ParallelDims,
-                initial: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, Parallelism]:
+def build_model(cfg: DictConfig, dims: zero.ParallelDims, initial: dict[str, torch.Tensor] | None = None,
+                meta: bool = False) -> tuple[nn.Module, Parallelism]:
     """The full model, identically initialised on every rank (with the `initial` weights when given), then
     parallelised from outside by recipes.parallelize (experts over ep, tensor parallel over tp, heads over sp,
     tiling, checkpointing, then this rank's pipeline stages over pp). Each keeps its slice of the values the full
-    model holds, so initial weights need no slicing of their own (a meta-built model gets them from the engine:
-    see Run)."""
-    meta = builds_on_meta(cfg)
+    model holds, so initial weights need no slicing of their own. With `meta` (the run: builds_on_meta) it is
+    built on the meta device and gets its values, or the initial weights, from the engine (see Run); without,
+    it holds its values and trains as it is (a reference loop of its own)."""
     model = new_model(cfg, meta, dims)
     if initial is not None and not meta:
         load_initial_weights(model, initial)
@@ -351,7 +351,7 @@ class Run:
         check_data_identity(self.train_stream, self.run_dir, resumes(cfg, self.run_dir), self.is_rank0)
         self.evals = Evaluations(cfg, self.dims, self.train_stream, self.val_stream, self.is_rank0)  # (eval.*)
         initial = initial_weights(cfg, self.run_dir, self.is_rank0)
-        self.model, self.parallel = build_model(cfg, self.dims, initial)
+        self.model, self.parallel = build_model(cfg, self.dims, initial, meta=builds_on_meta(cfg))
         self.pipe = self.parallel.pipe
         self.engine = build_engine(cfg, self.model, self.dims, self.parallel)
         if isinstance(initial, StreamingWeights):  # each rank reads only what it keeps
