@@ -315,7 +315,8 @@ def _config_keys() -> set[str]:
             if isinstance(child, DictConfig):
                 walk(child, f"{prefix}{key}.")
 
-    for choice in ([], ["model=hf"], ["data=bin"], ["data=tokenized"], ["optim=onebit_adam"], ["+experiment=million"]):
+    datas = [[f"data={p.stem}"] for p in sorted((REPO / "recipes" / "conf" / "data").glob("*.yaml"))]
+    for choice in ([], ["model=hf"], *datas, ["optim=onebit_adam"], ["+experiment=million"]):
         walk(compose_command_line(choice), "")
     for preset in (REPO / "recipes" / "conf" / "cluster").glob("*.yaml"):
         keys.update(f"cluster.{k}" for k in yaml.safe_load(preset.read_text()))
