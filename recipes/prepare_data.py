@@ -809,4 +809,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # The importable module's main, not this __main__'s copy: a spawned worker unpickles the tasks and the parent
+    # the results by their module's name, which __main__ is not everywhere (run in-process by runpy, or after
+    # multiprocessing has bound __mp_main__ to another script); recipes.prepare_data always is.
+    from recipes.prepare_data import main as importable_main
+
+    importable_main()

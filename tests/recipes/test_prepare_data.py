@@ -176,6 +176,21 @@ def test_workers_fork_only_from_a_lone_thread():
     assert alone.stdout.strip() == "fork"
 
 
+def test_command_line_run_in_process_with_spawned_workers(tmp_path, tokenizer_json, inputs):
+    # `python -m recipes.prepare_data` run by runpy inside a program that bound multiprocessing's __mp_main__ to
+    # itself first (a test runner, a notebook): spawned workers get the tasks, and the parent the results, under
+    # recipes.prepare_data's own name, never __main__'s (a result it cannot unpickle hangs the pool)
+    script = (
+        "import multiprocessing.spawn, runpy, sys, threading\n"
+        "threading.Thread(target=threading.Event().wait, daemon=True).start()  # (workers are spawned)\n"
+        f"sys.argv = ['prepare_data', '--tokenizer', {tokenizer_json!r}, '--out', {str(tmp_path / 'out')!r},"
+        f" '--workers', '2', '--chunk-mb', '0.01', '--quiet', *{inputs!r}]\n"
+        "runpy.run_module('recipes.prepare_data', run_name='__main__', alter_sys=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2 worker(s)" in done.stdout and (tmp_path / "out" / "meta.json").exists()
+
+
 def test_uint32_when_the_vocabulary_passes_65536(tmp_path):
     assert pd.token_dtype(65_536) == np.uint16 and pd.token_dtype(65_537) == np.uint32
     tok = _bpe()
