@@ -582,23 +582,25 @@ class Engine:
             self.stage3.release_all()
         optimizer = self.zero_optimizer
         for b in self.buckets:
-            flat = None
-            if b.resident:
-                flat = torch.zeros(b.padded, dtype=torch.float32)
+            if b.resident:  # parameter by parameter into the full buffer and the master shard: no bucket-sized copy
+                b.full.zero_()
+                lo, hi = b.shard_start, b.shard_start + b.shard_size
                 for n, o, k in zip(b.names, b.offsets, b.numels):
-                    flat[o : o + k].copy_(read(n, 0, k))
-                shard = b.shard_of(flat)
-            else:
-                shard = torch.zeros(b.shard_size, dtype=torch.float32)
-                for i, lo, hi in b.shard_ranges():
-                    start = b.shard_start + lo - b.offsets[i]
-                    shard[lo:hi].copy_(read(b.names[i], start, start + hi - lo))
+                    values = read(n, 0, k).to(b.device)
+                    b.full[o : o + k].copy_(values)
+                    a, z = max(o, lo), min(o + k, hi)
+                    if a < z and b.trainable:
+                        optimizer.masters.write_master(optimizer._index[b], values[a - o : z - o], a - lo)
+                    del values
+                continue
+            shard = torch.zeros(b.shard_size, dtype=torch.float32)
+            for i, lo, hi in b.shard_ranges():
+                start = b.shard_start + lo - b.offsets[i]
+                shard[lo:hi].copy_(read(b.names[i], start, start + hi - lo))
             shard = shard.to(b.device)
             if b.trainable:  # (bucket by bucket: never a second copy of all of this rank's masters)
                 optimizer.masters.write_master(optimizer._index[b], shard)
             b.write_shard(shard)
-            if flat is not None:
-                b.full.copy_(flat)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, client_state: dict | None = None, run_id: str | None = None) -> None:

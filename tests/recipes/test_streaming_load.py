@@ -21,8 +21,8 @@ from zero.plan import Placement
 pytest.importorskip("safetensors")
 
 # (no balancing losses: theirs are over each data-parallel rank's tokens, a known difference from one process)
-MOE = ["model=moe_tiny", "train.steps=2", "model.moe.num_experts=4", "optim.warmup_steps=1", "model.moe.aux_loss_coef=0",
-       "model.moe.z_loss_coef=0"]
+MOE = ["model=moe_tiny", "train.steps=2", "model.moe.num_experts=4", "optim.warmup_steps=1",
+       "model.moe.aux_loss_coef=0", "model.moe.z_loss_coef=0"]
 
 
 def _tiny(experts: int = 4) -> ModelConfig:
@@ -74,9 +74,10 @@ def test_flat_boxes_cover_a_range_in_order():
     flat = torch.arange(60).reshape(shape)
     for start in range(60):
         for stop in range(start, 61):
-            got = [flat[tuple(slice(a, a + n) for a, n in zip(s, z))].reshape(-1) for s, z in flat_boxes(shape, start,
-                                                                                                           stop)]
-            assert torch.equal(torch.cat(got) if got else torch.empty(0, dtype=torch.long), flat.reshape(-1)[start:stop])
+            got = [flat[tuple(slice(a, a + n) for a, n in zip(s, z))].reshape(-1)
+                   for s, z in flat_boxes(shape, start, stop)]
+            want = flat.reshape(-1)[start:stop]
+            assert torch.equal(torch.cat(got) if got else torch.empty(0, dtype=torch.long), want)
 
 
 # ------------------------------------------------------------------------------------------- refusals, one line each
@@ -245,7 +246,7 @@ def _reference(pretrained, tmp_path) -> dict:
 
 # (ep=2 borrows its ranks from dp=2: half the rows per rank give the one process's global batch)
 LAYOUTS = {"ep2_zero3": ["parallel.ep=2", "zero.stage=3", "train.micro_batch_size=2"], "tp2": ["parallel.tp=2"],
-           "pp2": ["parallel.pp=2"]}
+           "pp2": ["parallel.pp=2", "train.micro_batch_size=2", "train.grad_accum=2"]}
 
 
 @pytest.mark.parametrize("layout", [pytest.param("ep2_zero3"), pytest.param("tp2", marks=pytest.mark.slow),

@@ -81,7 +81,10 @@ class StorageLedger(TorchDispatchMode):
 
 MODEL = ["model=moe_tiny", "model.n_layers=4", "model.dim=64", "model.moe.num_experts=4", "model.moe.ffn_dim=64",
          "train.seq_len=32", "train.micro_batch_size=2", "train.steps=1", "optim.warmup_steps=1"]
-LAYOUTS = {"ep2_zero3": ["parallel.ep=2", "zero.stage=3"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
+# (tp2 and pp2 at the default stage: resident buckets, loaded parameter by parameter; and at stage 3)
+LAYOUTS = {"ep2_zero3": ["parallel.ep=2", "zero.stage=3"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2",
+           "train.grad_accum=2"], "tp2_zero3": ["parallel.tp=2", "zero.stage=3"],
+           "pp2_zero3": ["parallel.pp=2", "train.grad_accum=2", "zero.stage=3"]}
 
 
 def _unit_bytes(cfg) -> tuple[int, int, int]:
@@ -150,8 +153,9 @@ def _measure(overrides: list[str], run_dir: str, old_path: bool) -> dict:
             else:
                 units[spec.unit] = units.get(spec.unit, 0) + b.padded * b.full.element_size()
         gathered_units = max(units.values(), default=0)  # this rank's largest unit, gathered
-        return {"peaks": {k: v - base for k, v in ledger.peaks.items()}, "kept": kept, "unit": unit, "param": param, "whole": whole, "resident": resident,
-                "probe": ledger.probe_peaks.get("step", 0), "largest_bucket": gathered_units,
+        return {"peaks": {k: v - base for k, v in ledger.peaks.items()}, "kept": kept, "unit": unit, "param": param,
+                "whole": whole, "resident": resident, "probe": ledger.probe_peaks.get("step", 0),
+                "largest_bucket": gathered_units,
                 "prefetch": run.engine.config.prefetch_depth, "root": root}
     finally:
         LlamaSpec.builds_on_meta = old_rule
@@ -191,8 +195,8 @@ def _check(results: list[dict], layout: str) -> None:
         assert r["probe"] <= r["root"] + (1 + r["prefetch"]) * r["largest_bucket"], (layout, rank, r["probe"], r)
 
 
-@pytest.mark.parametrize("layout", [pytest.param("ep2_zero3"), pytest.param("tp2", marks=pytest.mark.slow),
-                                    pytest.param("pp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["ep2_zero3", *(pytest.param(k, marks=pytest.mark.slow) for k in
+                                                  ("tp2", "pp2", "tp2_zero3", "pp2_zero3"))])
 def test_no_rank_holds_more_than_its_part_plus_one_unit(pretrained, tmp_path, layout):
     results = run_multirank(_measure, 2, [*MODEL, *LAYOUTS[layout], f"train.init_from={pretrained}"],
                             str(tmp_path / "run"), False, timeout=300)

@@ -84,8 +84,9 @@ class DeviceMasters:
         return self.masters[index].detach()
 
     @torch.no_grad()
-    def write_master(self, index: int, values: torch.Tensor) -> None:
-        self.masters[index].copy_(values)
+    def write_master(self, index: int, values: torch.Tensor, start: int = 0) -> None:
+        """Set elements [start, start + len(values)) of master `index`."""
+        self.masters[index][start : start + values.numel()].copy_(values)
 
     def state_dict(self, file_backed: bool = False) -> dict:
         return self.optimizer.state_dict()
@@ -214,9 +215,9 @@ class HostMasters(DeviceMasters):
         self.finish_pending()
         return super().read_master(index)
 
-    def write_master(self, index: int, values: torch.Tensor) -> None:
+    def write_master(self, index: int, values: torch.Tensor, start: int = 0) -> None:
         self.finish_pending()
-        super().write_master(index, values)
+        super().write_master(index, values, start)
 
     #: Keys this store adds to the torch optimizer state dict (ignored by the other stores and by torch).
     STEPS_KEY, LAGGED_KEY = "offload_steps_done", "offload_lagged_shards"
@@ -456,8 +457,8 @@ class NvmeMasters(DeviceMasters):
         return self.files[index].read_all("master")
 
     @torch.no_grad()
-    def write_master(self, index: int, values: torch.Tensor) -> None:
-        self.files[index].write("master", 0, values)
+    def write_master(self, index: int, values: torch.Tensor, start: int = 0) -> None:
+        self.files[index].write("master", start, values)
 
     def state_dict(self, file_backed: bool = False) -> dict:
         """The torch optimizer state dict the on-device optimizer would have (read from the files).
