@@ -172,135 +172,143 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         raise ExportError(f"this {kind} config has no equivalent here: {e}") from None
 
 
-# Names that only change (ours, theirs): model-level, per layer, and the dense MLP's.
+# The one table of names (ours, theirs): model-level, per layer, the dense MLP's, and the attention projections whose
+# rows are reordered per head (rotary pairs). Export, import and the streaming loads all read it through
+# weight_sources.
 _TOP = (("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight"))
+_HEAD = ("output.weight", "lm_head.weight")
 _LAYER = (("attention.wv.weight", "self_attn.v_proj.weight"), ("attention.wo.weight", "self_attn.o_proj.weight"),
           ("attention_norm.weight", "input_layernorm.weight"), ("ffn_norm.weight", "post_attention_layernorm.weight"))
+_ROTARY = (("attention.wq.weight", "self_attn.q_proj.weight"), ("attention.wk.weight", "self_attn.k_proj.weight"))
 _MLP = (("feed_forward.w1.weight", "mlp.gate_proj.weight"), ("feed_forward.w3.weight", "mlp.up_proj.weight"),
         ("feed_forward.w2.weight", "mlp.down_proj.weight"))
+# Per-expert tensor names (gate, up, down) under `{block}experts.{e}.`: Mixtral's published ones, GLM-4.5 MoE's.
+_PER_EXPERT = {"mixtral": ("w1", "w3", "w2"), "glm4_moe": ("gate_proj", "up_proj", "down_proj")}
 
 
-def _renamed(src: dict[str, torch.Tensor], cfg: ModelConfig, to_hf: bool) -> dict[str, torch.Tensor]:
-    """Every tensor that only changes name, in the requested direction (q/k and experts are not here)."""
-    pairs = list(_TOP) + ([] if cfg.tie_embeddings else [("output.weight", "lm_head.weight")])
+def _experts_layout(cfg: ModelConfig, q: str, names, experts: str) -> tuple[str, bool]:
+    """Where one MoE layer's experts lie: (the block prefix of its router and experts, whether they are fused).
+    Export (`names` None): from `experts`; import: from the tensor names the directory holds (fused, else per expert
+    under Mixtral's `block_sparse_moe.` or under `mlp.`)."""
+    glm = moe_model_type(cfg) == "glm4_moe"
+    if names is None:
+        fused = experts == "fused"
+        return ("mlp." if fused or glm else "block_sparse_moe."), fused
+    if q + "mlp.experts.gate_up_proj" in names:
+        return "mlp.", True
+    if glm:
+        return "mlp.", False
+    return next((b for b in ("block_sparse_moe.", "mlp.") if f"{q}{b}gate.weight" in names), "block_sparse_moe."), False
+
+
+def _whole(name: str, shape: tuple[int, ...]):
+    """The file tensor `name` is the parameter, as it is."""
+    from moe_lst.models.loading import Source
+
+    return [Source(name, (0,) * len(shape), shape, tuple(range(len(shape))))]
+
+
+def weight_sources(cfg: ModelConfig, names=None, experts: str = "per_expert") -> dict[str, list]:
+    """How each tensor of our model (parameters, and the expert bias a GLM-4.5 MoE export carries) lies in a Hugging
+    Face directory's tensors (moe_lst.models.loading.Source): renamed as they are, q / k with their rows reordered
+    per head, experts fused ([E, 2I, H] gate | up, [E, H, I]) or per expert, transposed; GLM-4.5 MoE's router bias
+    and shared experts. The one description of the layout: `to_hf` writes by it (`names` None: the layout
+    `experts` asks), `from_hf` and the streaming loads read by it (`names`: the tensors the directory holds, whose
+    expert layout it detects). A GLM-4.5 MoE model without shared experts has entries for their empty tensors."""
+    from moe_lst.models.loading import Source
+
+    shapes = {n: tuple(t.shape) for n, t in Transformer(cfg, device="meta").state_dict().items()}
+    pairs = list(_TOP) + ([] if cfg.tie_embeddings else [_HEAD])
+    out = {ours: _whole(theirs, shapes[ours]) for ours, theirs in pairs}
+    kind = moe_model_type(cfg)
     for i in range(cfg.n_layers):
-        layer = _LAYER if cfg.is_moe_layer(i) else _LAYER + _MLP
-        pairs += [(f"layers.{i}.{a}", f"model.layers.{i}.{b}") for a, b in layer]
-    return {b: src[a] for a, b in pairs} if to_hf else {a: src[b] for a, b in pairs}
+        p, q = f"layers.{i}.", f"model.layers.{i}."
+        for ours, theirs in _LAYER + (() if cfg.is_moe_layer(i) else _MLP):
+            out[p + ours] = _whole(q + theirs, shapes[p + ours])
+        for ours, theirs in _ROTARY:
+            shape = shapes[p + ours]
+            rows = tuple(_rope_order(shape[0], cfg.head_dim, inverse=True).tolist())
+            out[p + ours] = [Source(q + theirs, (0, 0), shape, (0, 1), rows)]
+        if not cfg.is_moe_layer(i):
+            continue
+        f = p + "feed_forward."
+        (n, dim, _), ffn = shapes[f + "experts.w_in"], shapes[f + "experts.w_out"][1]
+        block, fused = _experts_layout(cfg, q, names, experts)
+        out[f + "router.weight"] = _whole(f"{q}{block}gate.weight", shapes[f + "router.weight"])
+        if fused:
+            out[f + "experts.w_in"] = [Source(q + "mlp.experts.gate_up_proj", (0, 0, 0), (n, dim, 2 * ffn), (0, 2, 1))]
+            out[f + "experts.w_out"] = [Source(q + "mlp.experts.down_proj", (0, 0, 0), (n, ffn, dim), (0, 2, 1))]
+        else:
+            gate, up, down = _PER_EXPERT[kind]
+            x = f"{q}{block}experts."
+            out[f + "experts.w_in"] = [Source(f"{x}{e}.{w}.weight", (e, 0, half * ffn), (1, dim, ffn), (None, 1, 0))
+                                       for e in range(n) for half, w in enumerate((gate, up))]
+            out[f + "experts.w_out"] = [Source(f"{x}{e}.{down}.weight", (e, 0, 0), (1, ffn, dim), (None, 1, 0))
+                                        for e in range(n)]
+        if kind == "glm4_moe":
+            out[f + "router.expert_bias"] = _whole(q + "mlp.gate.e_score_correction_bias", (n,))
+            shared, s = q + "mlp.shared_experts.", cfg.moe.num_shared_experts * (cfg.moe.ffn_dim or cfg.ffn_dim)
+            out[f + "shared_experts.w_in.weight"] = [Source(shared + "gate_proj.weight", (0, 0), (s, dim), (0, 1)),
+                                                     Source(shared + "up_proj.weight", (s, 0), (s, dim), (0, 1))]
+            out[f + "shared_experts.w_out.weight"] = _whole(shared + "down_proj.weight", (dim, s))
+    return out
+
+
+def _box(sources: list) -> tuple[int, ...]:
+    """The shape of the tensor `sources` make up together."""
+    return tuple(max(s.start[d] + s.size[d] for s in sources) for d in range(len(sources[0].size)))
+
+
+def _part(tensor: torch.Tensor, s) -> torch.Tensor:
+    """The file tensor of Source `s`, cut from our `tensor` (export)."""
+    box = tensor[tuple(slice(a, a + n) for a, n in zip(s.start, s.size))]
+    if s.rows is not None:
+        reordered = torch.empty_like(box)
+        reordered[list(s.rows)] = box
+        box = reordered
+    kept = [d for d, a in enumerate(s.axes) if a is not None]
+    box = box.reshape([box.shape[d] for d in kept])
+    return box.permute([kept.index(d) for d in sorted(kept, key=lambda d: s.axes[d])])
+
+
+def _assembled(hf: dict[str, torch.Tensor], sources: list) -> torch.Tensor:
+    """Our tensor made of the file tensors `hf` holds, as `sources` place them (import)."""
+    parts = []
+    for s in sources:
+        kept = [d for d, a in enumerate(s.axes) if a is not None]
+        t = hf[s.name].permute([s.axes[d] for d in kept]).reshape(s.size)
+        parts.append(t[list(s.rows)] if s.rows is not None else t)
+    if len(sources) == 1:
+        return parts[0]
+    out = torch.empty(_box(sources), dtype=parts[0].dtype)
+    for s, t in zip(sources, parts):
+        out[tuple(slice(a, a + n) for a, n in zip(s.start, s.size))] = t
+    return out
 
 
 def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, experts: str = "per_expert") -> dict[str, torch.Tensor]:
-    """Our full state dict -> Hugging Face tensor names and layouts (experts: one of EXPERT_LAYOUTS)."""
+    """Our full state dict -> Hugging Face tensor names and layouts (experts: one of EXPERT_LAYOUTS), by
+    weight_sources. A GLM-4.5 MoE export writes zeros for what our model lacks (an expert bias not in `state`, the
+    empty shared experts of a model without them); any other tensor missing from `state` is a KeyError."""
     check_exportable(cfg, state)
     if experts not in EXPERT_LAYOUTS:
         raise ExportError(f"experts={experts!r} must be one of {', '.join(EXPERT_LAYOUTS)}")
-    hd = cfg.head_dim
-    out = _renamed(state, cfg, to_hf=True)
-    for i in range(cfg.n_layers):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        wq, wk = state[p + "attention.wq.weight"], state[p + "attention.wk.weight"]
-        out[q + "self_attn.q_proj.weight"] = wq[_rope_order(wq.shape[0], hd)]
-        out[q + "self_attn.k_proj.weight"] = wk[_rope_order(wk.shape[0], hd)]
-        if cfg.is_moe_layer(i):
-            router = state[p + "feed_forward.router.weight"]
-            # w_in [E, H, 2I] (gate columns, then up), w_out [E, I, H]
-            w_in, w_out = state[p + "feed_forward.experts.w_in"], state[p + "feed_forward.experts.w_out"]
-            if moe_model_type(cfg) == "glm4_moe":
-                out.update(_glm4_moe_layer(state, p, q, cfg, experts))
-                continue
-            if experts == "fused":
-                out[q + "mlp.gate.weight"] = router
-                out[q + "mlp.experts.gate_up_proj"] = w_in.transpose(1, 2)
-                out[q + "mlp.experts.down_proj"] = w_out.transpose(1, 2)
-                continue
-            out[q + "block_sparse_moe.gate.weight"] = router
-            ffn = w_out.shape[1]
-            for e in range(w_in.shape[0]):
-                x = f"{q}block_sparse_moe.experts.{e}."
-                out[x + "w1.weight"] = w_in[e, :, :ffn].t()
-                out[x + "w3.weight"] = w_in[e, :, ffn:].t()
-                out[x + "w2.weight"] = w_out[e].t()
+    out = {}
+    for name, sources in weight_sources(cfg, experts=experts).items():
+        if name not in state and (name.endswith("router.expert_bias") or 0 in _box(sources)):
+            tensor = torch.zeros(_box(sources))  # (GLM's bias at zero, its empty shared experts)
+        else:
+            tensor = state[name]
+        out.update({s.name: _part(tensor, s) for s in sources})
     return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
 
 
-def _glm4_moe_layer(state: dict[str, torch.Tensor], p: str, q: str, cfg: ModelConfig,
-                    experts: str) -> dict[str, torch.Tensor]:
-    """One MoE layer in GLM-4.5 MoE's names: the router and its selection bias (`e_score_correction_bias`), the
-    routed experts fused ([E, 2I, H] gate | up, [E, H, I]) or per expert, the shared experts' MLP."""
-    w_in, w_out = state[p + "feed_forward.experts.w_in"], state[p + "feed_forward.experts.w_out"]
-    router = state[p + "feed_forward.router.weight"]
-    bias = state.get(p + "feed_forward.router.expert_bias", torch.zeros(router.shape[0]))
-    out = {q + "mlp.gate.weight": router, q + "mlp.gate.e_score_correction_bias": bias.to(torch.float32)}
-    if experts == "fused":
-        out[q + "mlp.experts.gate_up_proj"] = w_in.transpose(1, 2)
-        out[q + "mlp.experts.down_proj"] = w_out.transpose(1, 2)
-    else:
-        ffn = w_out.shape[1]
-        for e in range(w_in.shape[0]):
-            x = f"{q}mlp.experts.{e}."
-            out[x + "gate_proj.weight"] = w_in[e, :, :ffn].t()
-            out[x + "up_proj.weight"] = w_in[e, :, ffn:].t()
-            out[x + "down_proj.weight"] = w_out[e].t()
-    shared = cfg.moe.num_shared_experts * (cfg.moe.ffn_dim or cfg.ffn_dim)
-    s_in = state.get(p + "feed_forward.shared_experts.w_in.weight", torch.zeros(2 * shared, cfg.dim))  # [2S, H]
-    s_out = state.get(p + "feed_forward.shared_experts.w_out.weight", torch.zeros(cfg.dim, shared))  # [H, S]
-    out[q + "mlp.shared_experts.gate_proj.weight"] = s_in[:shared]
-    out[q + "mlp.shared_experts.up_proj.weight"] = s_in[shared:]
-    out[q + "mlp.shared_experts.down_proj.weight"] = s_out
-    return out
-
-
-def _glm4_moe_from_hf(hf: dict[str, torch.Tensor], p: str, q: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of _glm4_moe_layer (fused or per-expert routed experts)."""
-    n = cfg.moe.num_experts
-    if q + "mlp.experts.gate_up_proj" in hf:
-        w_in = hf[q + "mlp.experts.gate_up_proj"].transpose(1, 2)
-        w_out = hf[q + "mlp.experts.down_proj"].transpose(1, 2)
-    else:
-        x = f"{q}mlp.experts."
-        w_in = torch.stack([torch.cat([hf[f"{x}{e}.gate_proj.weight"].t(), hf[f"{x}{e}.up_proj.weight"].t()], dim=1)
-                            for e in range(n)])
-        w_out = torch.stack([hf[f"{x}{e}.down_proj.weight"].t() for e in range(n)])
-    out = {p + "feed_forward.router.weight": hf[q + "mlp.gate.weight"],
-           p + "feed_forward.router.expert_bias": hf[q + "mlp.gate.e_score_correction_bias"],
-           p + "feed_forward.experts.w_in": w_in, p + "feed_forward.experts.w_out": w_out}
-    if cfg.moe.num_shared_experts:
-        out[p + "feed_forward.shared_experts.w_in.weight"] = torch.cat(
-            [hf[q + "mlp.shared_experts.gate_proj.weight"], hf[q + "mlp.shared_experts.up_proj.weight"]])
-        out[p + "feed_forward.shared_experts.w_out.weight"] = hf[q + "mlp.shared_experts.down_proj.weight"]
-    return out
-
-
-def _experts_from_hf(hf: dict[str, torch.Tensor], q: str, n: int) -> tuple[torch.Tensor, ...]:
-    """(router weight, w_in, w_out) of one Mixtral layer, from fused or per-expert tensors."""
-    if q + "mlp.experts.gate_up_proj" in hf:  # transformers 5's parameters: [E, 2I, H], [E, H, I]
-        return (hf[q + "mlp.gate.weight"], hf[q + "mlp.experts.gate_up_proj"].transpose(1, 2),
-                hf[q + "mlp.experts.down_proj"].transpose(1, 2))
-    # Per expert, under block_sparse_moe. (published checkpoints, save_pretrained) or mlp. (also loaded by 5.x).
-    block = next((b for b in ("block_sparse_moe.", "mlp.") if f"{q}{b}gate.weight" in hf), "block_sparse_moe.")
-    x = f"{q}{block}experts."
-    w_in = torch.stack([torch.cat([hf[f"{x}{e}.w1.weight"].t(), hf[f"{x}{e}.w3.weight"].t()], dim=1)
-                        for e in range(n)])
-    w_out = torch.stack([hf[f"{x}{e}.w2.weight"].t() for e in range(n)])
-    return hf[f"{q}{block}gate.weight"], w_in, w_out
-
-
 def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors (as written by to_hf, `save_pretrained` or another Llama / Mixtral) -> our state dict."""
-    hd = cfg.head_dim
-    out = _renamed(hf, cfg, to_hf=False)
-    for i in range(cfg.n_layers):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        wq, wk = hf[q + "self_attn.q_proj.weight"], hf[q + "self_attn.k_proj.weight"]
-        out[p + "attention.wq.weight"] = wq[_rope_order(wq.shape[0], hd, inverse=True)]
-        out[p + "attention.wk.weight"] = wk[_rope_order(wk.shape[0], hd, inverse=True)]
-        if cfg.is_moe_layer(i) and moe_model_type(cfg) == "glm4_moe":
-            out.update(_glm4_moe_from_hf(hf, p, q, cfg))
-        elif cfg.is_moe_layer(i):
-            router, w_in, w_out = _experts_from_hf(hf, q, cfg.moe.num_experts)
-            out[p + "feed_forward.router.weight"] = router
-            out[p + "feed_forward.experts.w_in"], out[p + "feed_forward.experts.w_out"] = w_in, w_out
-    return {k: v.contiguous() for k, v in out.items()}
+    """Hugging Face tensors (as written by to_hf, `save_pretrained` or another Llama / Mixtral) -> our state dict,
+    by weight_sources (the expert layout detected from the tensors' names)."""
+    ours = Transformer(cfg, device="meta").state_dict()
+    return {name: _assembled(hf, sources).contiguous() for name, sources in weight_sources(cfg, set(hf)).items()
+            if name in ours}
 
 
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path,
@@ -373,46 +381,17 @@ def weight_mismatches(ours: ModelConfig, theirs: ModelConfig) -> dict[str, tuple
 
 
 def hf_sources(cfg: ModelConfig, names: set[str] | dict) -> dict[str, list]:
-    """How each parameter of our model is made of the tensors of a Hugging Face Llama / Mixtral directory holding
-    `names` (moe_lst.models.loading.Source): renamed tensors as they are, q / k with their rows reordered per head,
-    expert weights from fused or per-expert tensors, transposed; for streaming loads that read only a rank's
-    slices."""
-    from moe_lst.models.loading import Source
-
-    def same(ours: tuple[int, ...], theirs: str, rows=None) -> list[Source]:
-        return [Source(theirs, (0,) * len(ours), ours, tuple(range(len(ours))), rows)]
-
-    shapes = {n: tuple(p.shape) for n, p in Transformer(cfg, device="meta").named_parameters()}
-    pairs = list(_TOP) + ([] if cfg.tie_embeddings else [("output.weight", "lm_head.weight")])
-    for i in range(cfg.n_layers):
-        pairs += [(f"layers.{i}.{a}", f"model.layers.{i}.{b}") for a, b in
-                  (_LAYER if cfg.is_moe_layer(i) else _LAYER + _MLP)]
-    out = {ours: same(shapes[ours], theirs) for ours, theirs in pairs}
-    for i in range(cfg.n_layers):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        for ours, theirs in (("attention.wq.weight", "self_attn.q_proj.weight"),
-                             ("attention.wk.weight", "self_attn.k_proj.weight")):
-            shape = shapes[p + ours]
-            out[p + ours] = same(shape, q + theirs, tuple(_rope_order(shape[0], cfg.head_dim, inverse=True).tolist()))
-        if not cfg.is_moe_layer(i):
-            continue
-        f = p + "feed_forward."
-        n, w_in, w_out, router = cfg.moe.num_experts, shapes[f + "experts.w_in"], shapes[f + "experts.w_out"], \
-            shapes[f + "router.weight"]
-        ffn = w_out[1]
-        if q + "mlp.experts.gate_up_proj" in names:  # fused [E, 2I, H] and [E, H, I]
-            out[f + "router.weight"] = same(router, q + "mlp.gate.weight")
-            out[f + "experts.w_in"] = [Source(q + "mlp.experts.gate_up_proj", (0, 0, 0), w_in, (0, 2, 1))]
-            out[f + "experts.w_out"] = [Source(q + "mlp.experts.down_proj", (0, 0, 0), w_out, (0, 2, 1))]
-            continue
-        block = next((b for b in ("block_sparse_moe.", "mlp.") if f"{q}{b}gate.weight" in names), "block_sparse_moe.")
-        x = f"{q}{block}experts."
-        out[f + "router.weight"] = same(router, f"{q}{block}gate.weight")
-        out[f + "experts.w_in"] = [Source(f"{x}{e}.{w}.weight", (e, 0, half * ffn), (1, w_in[1], ffn), (None, 1, 0))
-                                   for e in range(n) for half, w in enumerate(("w1", "w3"))]
-        out[f + "experts.w_out"] = [Source(f"{x}{e}.w2.weight", (e, 0, 0), (1, ffn, w_out[2]), (None, 1, 0))
-                                    for e in range(n)]
-    return out
+    """How each parameter of our model is made of the tensors of a Hugging Face directory holding `names`
+    (weight_sources, the parameters' entries), for streaming loads that read only a rank's slices. A buffer the
+    directory holds (GLM-4.5 MoE's expert bias) is not a parameter the engine loads: NotImplementedError."""
+    model = Transformer(cfg, device="meta")
+    params, tensors = dict(model.named_parameters()), model.state_dict()
+    table = {n: sources for n, sources in weight_sources(cfg, names).items() if n in tensors}
+    buffers = [n for n in table if n not in params]
+    if buffers:
+        raise NotImplementedError(f"streaming load of {buffers[0]} (a buffer, not a parameter) is not implemented: "
+                                  "load this GLM-4.5 MoE directory whole (import_hf) instead")
+    return table
 
 
 def open_hf_checkpoint(directory: str | Path, ours: ModelConfig):

@@ -323,6 +323,16 @@ def test_sigmoid_routing_exports_as_glm4_moe_with_its_bias_and_the_same_logits(t
         torch.testing.assert_close(again.eval()(TOKENS), ours_logits, rtol=0, atol=0)
 
 
+def test_a_glm4_moe_directory_is_refused_by_the_streaming_load_naming_its_bias(tmp_path):
+    """The streaming load reads parameters only: GLM-4.5 MoE's expert bias (a buffer) is named, not dropped."""
+    from moe_lst.models.llama.state_dict import open_hf_checkpoint
+
+    model = _sigmoid_model()
+    save_hf(model.state_dict(), model.cfg, tmp_path)
+    with pytest.raises(NotImplementedError, match=r"streaming load of layers\.1\.feed_forward\.router\.expert_bias"):
+        open_hf_checkpoint(tmp_path, model.cfg)
+
+
 def test_sigmoid_routing_that_glm4_moe_cannot_express_is_refused(tmp_path):
     model = _sigmoid_model()
     model.cfg.moe.every = 2
