@@ -43,6 +43,21 @@ class Draw:
         return n
 
 
+_CONSTANTS = (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar)
+
+
+@dataclass(frozen=True)
+class Fill:
+    """How a parameter got its values: draw `index`, then the constants of `patches` written over parts of it."""
+
+    index: int
+    patches: tuple[tuple[int, tuple[int, ...], tuple[int, ...], float], ...] = ()
+
+    def apply_patches(self, whole: torch.Tensor) -> None:
+        for offset, shape, stride, value in self.patches:
+            whole.as_strided(shape, stride, offset).fill_(value)
+
+
 class DrawRecorder(TorchDispatchMode):
     """Records the global-generator fills of a build (on the meta device: they fill nothing). A seeded op that is
     not a plain normal_ / uniform_ (whose replay is not implemented) is recorded as such and refused on replay."""
@@ -52,6 +67,14 @@ class DrawRecorder(TorchDispatchMode):
         self.draws: list[Draw] = []
         self.scope = ""
         self.start_state = torch.default_generator.get_state()
+        #: per storage an op wrote in place (keyed by the storage, kept alive so no other takes its key): the
+        #: index of its last fill in `draws`, or -1 when the last write was not a fill (a constant, a copy)
+        self.last_write: dict[int, int] = {}
+        self.filled: set[int] = set()  # storages that some fill wrote
+        #: constants written over part of a storage after its last fill (a padding row zeroed): (storage offset,
+        #: shape, stride, value) each
+        self.patches: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], float]]] = {}
+        self._kept: list = []
 
     def __enter__(self):
         _active.append(self)
@@ -73,7 +96,44 @@ class DrawRecorder(TorchDispatchMode):
             default = (0.0, 1.0)
             values = tuple(float(a) for a in given) + default[len(given):]
             self.draws.append(Draw(op, tuple(t.shape), values, self.scope))
+            self._wrote(t, len(self.draws) - 1)
+        elif func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+            t = args[0]
+            key = t.untyped_storage()._cdata
+            if func in _CONSTANTS and self.last_write.get(key, -1) >= 0:  # (a constant over part of a fill)
+                value = 0.0 if func is torch.ops.aten.zero_.default else float(args[1])
+                self.patches.setdefault(key, []).append((t.storage_offset(), tuple(t.shape), t.stride(), value))
+            else:
+                self._wrote(t, -1)
         return func(*args, **kwargs)
+
+    def _wrote(self, t: torch.Tensor, draw: int) -> None:
+        s = t.untyped_storage()
+        if s._cdata not in self.last_write:
+            self._kept.append(s)
+        self.last_write[s._cdata] = draw
+        self.patches.pop(s._cdata, None)
+        if draw >= 0:
+            self.filled.add(s._cdata)
+
+    def parameter_fills(self, module: torch.nn.Module) -> dict[str, Fill | None]:
+        """Each parameter of `module` (built under this recorder) -> the fill that gave it its values (the last
+        write to it was that fill, of its whole shape, perhaps then constants over parts of it), or None where no
+        fill wrote it (its values are not random: a constant). NotImplementedError names a parameter that a fill
+        and then another write (or a fill of part of it) gave its values: replaying the fill would not give them."""
+        out: dict[str, Fill | None] = {}
+        for name, p in module.named_parameters():
+            key = p.untyped_storage()._cdata
+            last = self.last_write.get(key)
+            if last is None or (last < 0 and key not in self.filled):
+                out[name] = None
+            elif last >= 0 and self.draws[last].shape == tuple(p.shape) and p.storage_offset() == 0:
+                out[name] = Fill(last, tuple(self.patches.get(key, ())))
+            else:
+                raise NotImplementedError(f"{name}: its initial values are a random fill changed afterwards (or one "
+                                          "of part of it); a meta-device build cannot replay them, build it on a "
+                                          "real device")
+        return out
 
 
 @contextlib.contextmanager

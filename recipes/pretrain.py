@@ -145,7 +145,7 @@ def build_model(cfg: DictConfig, dims: zero.ParallelDims, initial: dict[str, tor
     built on the meta device and gets its values, or the initial weights, from the engine (see Run); without,
     it holds its values and trains as it is (a reference loop of its own)."""
     model = new_model(cfg, meta, dims)
-    if initial is not None and not meta:
+    if initial is not None and not meta and not isinstance(initial, StreamingWeights):  # (streamed: by the engine)
         load_initial_weights(model, initial)
     parallel = parallelize(model, cfg, dims)
     # One process per device: the model lives on this rank's GPU where there is one (else the CPU); under pp

@@ -33,11 +33,13 @@ from moe_lst.models.hf.attention import ATTENTION, attention_of, hf_attention, h
 from moe_lst.models.hf.balance import BalancingLoss, router_modules
 from moe_lst.models.hf.experts import adopt_experts, is_experts
 from moe_lst.models.hf.structure import attention_modules, blocks_outside_attention, decoder_blocks
+from moe_lst.models.init_replay import Fill, Replay
 from torch.distributed import ProcessGroup
 from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 import zero
 from zero.contract import AttentionSite, ContractError, ModelContract
+from zero.plan import Placement
 
 __all__ = ["ATTENTION", "HFCausalLM", "build", "hf_attention", "moe_supported"]
 
@@ -111,10 +113,10 @@ class HFCausalLM(nn.Module, ModelContract):
         self.plain_head = plain_head(causal_lm)
         self.init_seed = torch.initial_seed() if init_seed is None else init_seed
         self.moe_blocks: tuple[str, ...] = ()
+        #: (a meta build of an MoE model: the eager build's fills, replayed per parameter by init_parameter)
+        self.replay: Replay | None = None
+        self.fills: dict[str, Fill | None] = {}
         if any(is_experts(m) for m in causal_lm.modules()):
-            if any(p.is_meta for p in self.parameters()):
-                raise NotImplementedError(f"model_type={config.model_type}: MoE models are built on a real device "
-                                          "(per-parameter init of their experts is not implemented)")
             self.moe_blocks = tuple(adopt_experts(causal_lm))
         self.balance: BalancingLoss | None = None
         coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
@@ -212,13 +214,31 @@ class HFCausalLM(nn.Module, ModelContract):
                 if name not in self.moe_blocks and not any(is_experts(m) for m in module.modules())]
 
     @torch.no_grad()
-    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
-        """Fill `tensor` with parameter `name`'s initial values: the model's `_init_weights` applied to a stand-in
-        of the parameter's module that holds `tensor` (its other parameters on the meta device), on the CPU with
-        the random generator seeded by (init_seed, name), so the order of calls and the device do not matter."""
-        if any(name.startswith(block + ".experts.") for block in self.moe_blocks):
-            raise NotImplementedError(f"{name}: per-parameter (meta-device) init of MoE blocks is not implemented; "
-                                      "build MoE models on a real device")
+    def init_parameter(self, name: str, tensor: torch.Tensor, placement: Placement | None = None) -> None:
+        """Fill `tensor` with parameter `name`'s initial values (with `placement`: its local slice of them). A
+        dense model's: the model's `_init_weights` applied to a stand-in of the parameter's module that holds
+        `tensor` (its other parameters on the meta device), on the CPU with the random generator seeded by
+        (init_seed, name), so the order of calls and the device do not matter. An MoE model built on the meta
+        device: the eager build's values, its random fill replayed (only the slice's rows where the fill allows)
+        from where the global generator stood, or, for a parameter no fill gave its values, the stand-in's."""
+        fill = self.fills.get(name) if self.replay is not None else None
+        if fill is not None and not fill.patches:
+            self.replay.values(fill.index, tensor, placement)
+            return
+        if fill is not None:  # (constants over parts of the fill, e.g. a padding row: the whole, patched, cut)
+            whole = torch.empty(self.replay.draws[fill.index].shape)
+            self.replay.values(fill.index, whole)
+            fill.apply_patches(whole)
+            tensor.copy_(whole if placement is None or placement.is_whole else placement.take(whole))
+            return
+        if placement is not None and not placement.is_whole:
+            whole = torch.empty(placement.shape, dtype=torch.float32)
+            self.init_parameter(name, whole)
+            tensor.copy_(placement.take(whole))
+            return
+        if self.moe_blocks and self.replay is None and any(name.startswith(b + ".experts.") for b in self.moe_blocks):
+            raise NotImplementedError(f"{name}: per-parameter init of the experts of an MoE model built on a real "
+                                      "device is not implemented; build it on the meta device (build(meta=True))")
         owner, _, leaf = name.rpartition(".")
         module = self.get_submodule(owner)
         values = torch.full(tensor.shape, math.nan, dtype=torch.float32)
@@ -233,6 +253,11 @@ class HFCausalLM(nn.Module, ModelContract):
             raise NotImplementedError(f"{name}: {type(self.causal_lm).__name__}._init_weights does not initialise "
                                       f"{type(module).__name__}.{leaf}; build this model on a real device")
         tensor.copy_(values)
+
+    def continue_global_generator(self) -> None:
+        """After a meta build of an MoE model: torch's global generator where the eager build would leave it."""
+        if self.replay is not None:
+            torch.default_generator.set_state(self.replay.end_state())
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -375,10 +400,10 @@ def build(config: PreTrainedConfig, meta: bool = False, device: torch.device | s
     from moe_lst.models.hf.config import is_moe
 
     if is_moe(config):
-        if meta:
-            raise NotImplementedError(f"model_type={config.model_type}: MoE models are not built on the meta device")
-        causal_lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        return HFCausalLM(causal_lm, attention_fn, sp_group=sp_group)
+        if not meta:
+            causal_lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            return HFCausalLM(causal_lm, attention_fn, sp_group=sp_group)
+        return _meta_moe(config, device, attention_fn, sp_group)
     with torch.device("meta"):
         causal_lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = HFCausalLM(causal_lm, attention_fn, sp_group=sp_group)
@@ -393,4 +418,30 @@ def build(config: PreTrainedConfig, meta: bool = False, device: torch.device | s
         # (a module the per-name init cannot fill: transformers' own init of the whole model, on the CPU)
         return HFCausalLM(AutoModelForCausalLM.from_config(config, dtype=torch.float32), attention_fn,
                           sp_group=sp_group)
+    return model
+
+
+def _meta_moe(config: PreTrainedConfig, device, attention_fn, sp_group) -> HFCausalLM:
+    """An MoE model on the meta device whose init_parameter gives each parameter (or slice) the value the eager
+    build (`from_config`: its modules' own init, then transformers' `_init_weights`) draws for it from the global
+    generator: the same build and init run on meta tensors under a DrawRecorder, which notes every fill."""
+    from unittest import mock
+
+    from moe_lst.models.init_replay import DrawRecorder
+    from transformers import modeling_utils
+
+    # transformers skips its init on the meta device: made to run it there, each (sub)model's post_init fills
+    # what an eager build's does, in the same order (the base model's before the head is even made)
+    recorder = DrawRecorder()
+    with recorder, torch.device("meta"), mock.patch.object(modeling_utils, "get_torch_context_manager_or_global_device",
+                                                           lambda: None):
+        causal_lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fills = recorder.parameter_fills(causal_lm)
+    model = HFCausalLM(causal_lm, attention_fn, sp_group=sp_group)
+    model.replay, model.fills = Replay(recorder.draws, recorder.start_state), fills
+    for block in model.moe_blocks:  # (the adopted layers' own counters: zeros, as an eager build makes them)
+        m = model.get_submodule(block)
+        m.register_buffer("load_since_update", torch.zeros(m.load_since_update.shape, device=device),
+                          persistent=False)
+    model.materialise_buffers(device)
     return model

@@ -157,19 +157,44 @@ class HFSpec(FamilySpec):
 
         fn = SparseAttention(SparseConfig(**OmegaConf.to_container(cfg.model.sparse))) \
             if cfg.model.attention == "sparse" else attention
-        return build(hf_model_config(cfg), meta=meta, device=default_device() if meta else None, attention_fn=fn,
-                     sp_group=dims.sequence_group)  # (its balancing statistics: over cp x sp)
+        model = build(hf_model_config(cfg), meta=meta, device=default_device() if meta else None, attention_fn=fn,
+                      sp_group=dims.sequence_group)  # (its balancing statistics: over cp x sp)
+        if meta:
+            model.continue_global_generator()  # (an MoE model: what is drawn next draws what it would after eager)
+        return model
+
+    def shape_model(self, cfg: Any, dims: zero.ParallelDims) -> nn.Module:
+        from moe_lst.models.hf import build
+
+        return build(hf_model_config(cfg), meta=True)  # (no generator to continue: nothing trains it)
+
+    def builds_on_meta(self, cfg: Any) -> bool:
+        """MoE models always (each parameter, or a rank's slice of an expert weight, gets an eager build's values:
+        moe_lst.models.hf.model's replayed fills); dense ones as the family default says."""
+        return self.is_moe(cfg) or super().builds_on_meta(cfg)
 
     def plans(self, model: nn.Module, dims: zero.ParallelDims) -> list[zero.Plan]:
         return [model.loss_plan()]  # (a balancing loss attached inside the model)
 
-    def init_from(self, cfg: Any, source: str) -> dict[str, torch.Tensor]:
-        """Any directory save_pretrained wrote for a model of the run's config."""
-        from moe_lst.models.hf import HFConfigError, load_weights
+    def init_from(self, cfg: Any, source: str):
+        """Any directory save_pretrained wrote for a model of the run's config, streamed: its config and tensor
+        headers checked here (one line naming what differs), each rank reading only its slices once the engine
+        exists (moe_lst.models.hf.streaming)."""
+        from moe_lst.models.hf import HFConfigError, load_config, weight_mismatches
+        from moe_lst.models.hf.streaming import open_streaming
+        from moe_lst.models.loading import CheckpointError
 
+        config = hf_model_config(cfg)
         try:
-            return load_weights(source, hf_model_config(cfg))
-        except HFConfigError as e:
+            if not Path(source).is_dir():
+                raise HFConfigError(f"{source} is not a directory (a Hugging Face model directory, as save_pretrained "
+                                    "or python -m recipes.export writes, holds config.json and the weights)")
+            differ = weight_mismatches(config, load_config(source))
+            if differ:
+                raise HFConfigError(f"holds another model: {', '.join(differ)}; set model.hf.overrides to the "
+                                    "directory's values, or leave model.hf.config unset to take the directory's config")
+            return open_streaming(source, config)
+        except (HFConfigError, CheckpointError) as e:
             raise ConfigError(f"train.init_from={source}: {e}") from None
 
     def run_files(self, cfg: Any) -> dict[str, str]:

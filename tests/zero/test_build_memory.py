@@ -1,6 +1,7 @@
 """No rank ever holds the whole model: an accounting of live tensor storages (not RSS) through the recipe's build,
 its materialisation by the engine, train.init_from and the first step of the MoE Llama at ZeRO-3 with ep=2, at tp=2
-and at pp=2; and the meta build gives every parameter, and every rank's slice of one, an eager build's values.
+and at pp=2, and of a Hugging Face MoE (qwen3_moe) at ZeRO-3 with ep=2; and the meta build gives every parameter,
+and every rank's slice of one, an eager build's values (both families).
 
 `StorageLedger` sees every CPU storage an op creates or touches (a TorchDispatchMode) and forgets it when torch
 frees it (weakref.finalize on the storage, whose Python object torch keeps exactly as long as the storage lives),
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tests.multirank import run_multirank
+from tests.recipes.pretrained import RUN_MODEL, pretrained_fixture  # noqa: F401 (the `pretrained` fixture)
 from zero.plan import Placement
 
 
@@ -79,8 +81,7 @@ class StorageLedger(TorchDispatchMode):
         return out
 
 
-MODEL = ["model=moe_tiny", "model.n_layers=4", "model.dim=64", "model.moe.num_experts=4", "model.moe.ffn_dim=64",
-         "train.seq_len=32", "train.micro_batch_size=2", "train.steps=1", "optim.warmup_steps=1"]
+STEP = ["train.micro_batch_size=2", "train.steps=1", "optim.warmup_steps=1"]
 # (tp2 and pp2 at the default stage: resident buckets, loaded parameter by parameter; and at stage 3)
 LAYOUTS = {"ep2_zero3": ["parallel.ep=2", "zero.stage=3"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2",
            "train.grad_accum=2"], "tp2_zero3": ["parallel.tp=2", "zero.stage=3"],
@@ -88,13 +89,18 @@ LAYOUTS = {"ep2_zero3": ["parallel.ep=2", "zero.stage=3"], "tp2": ["parallel.tp=
 
 
 def _unit_bytes(cfg) -> tuple[int, int, int]:
-    """(the largest unit's fp32 bytes: a block of the full model, or the embedding / head; the largest single
-    parameter's; the whole model's)."""
-    from recipes.config import model_config
+    """(the largest unit's fp32 bytes: a block of the full model, or the root unit of the parameters outside the
+    blocks (the embedding, the head, the final norm), as stage 3 groups them; the largest single parameter's; the
+    whole model's)."""
+    from moe_lst.models import spec as families
 
-    model = Transformer(model_config(cfg), device="meta")
-    units = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
-    units.append(model.tok_embeddings.weight.numel())
+    import zero
+
+    model = families.get(cfg).shape_model(cfg, zero.ParallelDims())
+    blocks = model.blocks()
+    units = [sum(p.numel() for p in block.parameters()) for _, block in blocks]
+    inside = {id(p) for _, block in blocks for p in block.parameters()}
+    units.append(sum(p.numel() for p in model.parameters() if id(p) not in inside))
     largest = max(p.numel() for p in model.parameters())
     return 4 * max(units), 4 * largest, 4 * sum(p.numel() for p in model.parameters())
 
@@ -103,7 +109,7 @@ def _measure(overrides: list[str], run_dir: str, old_path: bool) -> dict:
     """One rank of a recipe run under the ledger: peaks of the build, the engine's materialisation, the load and
     the first step, what the rank keeps once loaded, and the peak of gathered stage-3 units during the step."""
     from moe_lst.models import loading
-    from moe_lst.models.llama.spec import LlamaSpec
+    from moe_lst.models import spec as families
     from moe_lst.models.spec import FamilySpec
 
     import recipes.pretrain as pretrain
@@ -126,10 +132,11 @@ def _measure(overrides: list[str], run_dir: str, old_path: bool) -> dict:
                               ("load", loading.StreamingWeights, "load_into")):
         wrapped[(owner, attr)] = getattr(owner, attr)
         setattr(owner, attr, phase(name, getattr(owner, attr)))
-    old_rule = LlamaSpec.builds_on_meta
-    if old_path:  # the rule before meta builds for every model: dense at stage 3 or pp, tp=1
-        LlamaSpec.builds_on_meta = FamilySpec.builds_on_meta
     cfg = _cfg(run_dir, *overrides)
+    family = type(families.get(cfg))
+    old_rule = family.builds_on_meta
+    if old_path:  # the rule before meta builds for every model: dense at stage 3 or pp, tp=1
+        family.builds_on_meta = FamilySpec.builds_on_meta
     try:
         with ledger:
             run = pretrain.Run(cfg)
@@ -158,27 +165,13 @@ def _measure(overrides: list[str], run_dir: str, old_path: bool) -> dict:
                 "largest_bucket": gathered_units,
                 "prefetch": run.engine.config.prefetch_depth, "root": root}
     finally:
-        LlamaSpec.builds_on_meta = old_rule
+        family.builds_on_meta = old_rule
         for (owner, attr), fn in wrapped.items():
             setattr(owner, attr, fn)
         if "run" in locals():
             run.logger.finish()
             if run.lock is not None:
                 run.lock.close()
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    from moe_lst.models.llama.state_dict import save_hf
-
-    from recipes.config import model_config
-    from tests.recipes.test_pretrain import _cfg
-
-    out = tmp_path_factory.mktemp("pretrained")
-    model_cfg = model_config(_cfg(out / "unused", *MODEL))
-    torch.manual_seed(7)
-    save_hf(Transformer(model_cfg).state_dict(), model_cfg, out / "hf")
-    return out / "hf"
 
 
 def _check(results: list[dict], layout: str) -> None:
@@ -195,20 +188,23 @@ def _check(results: list[dict], layout: str) -> None:
         assert r["probe"] <= r["root"] + (1 + r["prefetch"]) * r["largest_bucket"], (layout, rank, r["probe"], r)
 
 
-@pytest.mark.parametrize("layout", ["ep2_zero3", *(pytest.param(k, marks=pytest.mark.slow) for k in
-                                                  ("tp2", "pp2", "tp2_zero3", "pp2_zero3"))])
-def test_no_rank_holds_more_than_its_part_plus_one_unit(pretrained, tmp_path, layout):
-    results = run_multirank(_measure, 2, [*MODEL, *LAYOUTS[layout], f"train.init_from={pretrained}"],
+@pytest.mark.parametrize("family,layout", [("llama", "ep2_zero3"), ("hf", "ep2_zero3"),
+                                           *(pytest.param("llama", k, marks=pytest.mark.slow) for k in
+                                             ("tp2", "pp2", "tp2_zero3", "pp2_zero3"))])
+def test_no_rank_holds_more_than_its_part_plus_one_unit(pretrained, tmp_path, family, layout):
+    results = run_multirank(_measure, 2, [*RUN_MODEL[family](pretrained[family]), *STEP, *LAYOUTS[layout]],
                             str(tmp_path / "run"), False, timeout=300)
-    _check(results, layout)
+    _check(results, f"{family} {layout}")
 
 
-def test_the_eager_build_of_the_old_path_fails_the_same_check(tmp_path):
+@pytest.mark.parametrize("family", ["llama", pytest.param("hf", marks=pytest.mark.slow)])
+def test_the_eager_build_of_the_old_path_fails_the_same_check(pretrained, tmp_path, family):
     """Built whole on every rank (the rule before: MoE models eagerly), the build's peak passes the bound: the
     accounting sees what it is there to see."""
-    results = run_multirank(_measure, 2, [*MODEL, *LAYOUTS["ep2_zero3"]], str(tmp_path / "run"), True, timeout=300)
+    results = run_multirank(_measure, 2, [*RUN_MODEL[family](pretrained[family]), *STEP, *LAYOUTS["ep2_zero3"]],
+                            str(tmp_path / "run"), True, timeout=300)
     with pytest.raises(AssertionError, match="build peaked at"):
-        _check(results, "ep2_zero3 (old path)")
+        _check(results, f"{family} ep2_zero3 (old path)")
 
 
 def test_a_meta_build_gives_every_parameter_and_slice_the_eager_values():
@@ -237,3 +233,37 @@ def test_a_meta_build_gives_every_parameter_and_slice_the_eager_values():
     meta.continue_global_generator()
     assert torch.equal(torch.empty(8).normal_(), after)
     assert all(b.device.type == "cpu" and not b.any() for b in meta.buffers())
+
+
+@pytest.mark.parametrize("kind", ["olmoe", *(pytest.param(k, marks=pytest.mark.slow) for k in ("qwen3_moe",
+                                                                                                "mixtral"))])
+def test_a_hugging_face_moe_meta_build_gives_the_eager_values(kind):
+    """A Hugging Face MoE built on the meta device: every parameter, and half of the experts (a rank's slice under
+    ep=2), equal transformers' eager build with the same seed bit for bit (its init's fills replayed, a padding row
+    zeroed after its fill included: olmoe's), as do the buffers, and the global generator continues where the eager
+    build left it."""
+    from moe_lst.models.hf import build
+
+    from tests.hf.tiny import tiny_config
+
+    config = tiny_config(kind, pad_token_id=1)
+    torch.manual_seed(11)
+    eager = build(config)
+    after = torch.empty(8).normal_()
+    torch.manual_seed(11)
+    meta = build(config, meta=True)
+    assert all(p.is_meta for p in meta.parameters())
+    meta.continue_global_generator()
+    assert torch.equal(torch.empty(8).normal_(), after)
+    for name, p in eager.named_parameters():
+        got = torch.empty_like(p)
+        meta.init_parameter(name, got)
+        assert torch.equal(got, p), name
+        if p.dim() == 3:  # (stacked experts)
+            half = p.shape[0] // 2
+            placement = Placement.along((half, *p.shape[1:]), 0, p.shape[0], [(0, half, half)])
+            got = torch.empty(placement.local_shape)
+            meta.init_parameter(name, got, placement)
+            assert torch.equal(got, p[half:]), name
+    for (name, b), (other, c) in zip(eager.named_buffers(), meta.named_buffers(), strict=True):
+        assert name == other and torch.equal(b, c), name
