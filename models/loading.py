@@ -6,15 +6,18 @@ places, every tensor the model needs named, each of the shape and a floating dty
 refused in one line naming the tensor and the file. A family says how its parameters are made of the file's
 tensors (`Source`: a box of the parameter taken from a tensor, its axes perhaps permuted, its rows perhaps
 reordered); `Checkpoint.reader` then answers "elements [start, stop) of this rank's local parameter" (its tp / ep
-slice, described by its `zero.Placement`) with `safe_open(...).get_slice` reads of exactly those elements,
-converted to fp32: what the engine asks of it is a stage-3 shard, or the whole local slice of a resident bucket.
+slice, described by its `zero.Placement`) with reads (pread, not a memory map: see `read_box`) of exactly those
+elements, converted to fp32: what the engine asks of it is a stage-3 shard, or the whole local slice of a resident
+bucket.
 `bytes_read` counts the headers and every byte the slices return.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 #: safetensors dtype names of the floating tensors a model's weights may be stored in, and their sizes.
 FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _DTYPE_SIZES = {**FLOAT_DTYPES, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
                 "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
@@ -63,7 +67,7 @@ class _File:
     path: Path
     header_bytes: int
     tensors: dict[str, dict]
-    handle: object = None
+    handle: int | None = None  # an open file descriptor, once read
 
 
 @dataclass
@@ -136,26 +140,54 @@ class Checkpoint:
         return sum(f.header_bytes for f in self.files.values())
 
     # ------------------------------------------------------------------ reading
-    def _slice(self, name: str):
-        f = self.files[self.where[name]]
+    def _fd(self, f: _File) -> int:
         if f.handle is None:
-            from safetensors import safe_open
-
-            f.handle = safe_open(str(f.path), framework="pt")
-            self.bytes_read += f.header_bytes  # safe_open reads the header
-        return f.handle.get_slice(name)
+            f.handle = os.open(f.path, os.O_RDONLY)
+            self.bytes_read += f.header_bytes  # (a file's header counts once, as the first read of it)
+        return f.handle
 
     def read_box(self, name: str, start: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
-        """The file tensor's box (start, size), as stored (its dtype)."""
-        t = self._slice(name)[tuple(slice(a, a + s) for a, s in zip(start, size))]
-        self.bytes_read += t.numel() * t.element_size()
-        self.data_bytes_read += t.numel() * t.element_size()
+        """The file tensor's box (start, size), as stored (its dtype), read with pread(2) in contiguous runs: not
+        through a memory map, whose touched pages would stay resident (counted in the process's RSS) until the file
+        is closed, i.e. a rank's whole share of the checkpoint by the end of its load."""
+        f = self.files[self.where[name]]
+        info = f.tensors[name]
+        shape, item = info["shape"], FLOAT_DTYPES[info["dtype"]]
+        out = torch.empty(tuple(size), dtype=_TORCH_DTYPES[info["dtype"]])
+        if out.numel():
+            inner = len(shape)  # dims inner.. are whole: each run is one index of the dims before inner - 1
+            while inner > 0 and start[inner - 1] == 0 and size[inner - 1] == shape[inner - 1]:
+                inner -= 1
+            strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+            run = out.numel() if inner == 0 else size[inner - 1] * strides[inner - 1]
+            outer = itertools.product(*(range(a, a + n) for a, n in zip(start[: max(inner - 1, 0)],
+                                                                        size[: max(inner - 1, 0)])))
+            buf = out.view(-1).view(torch.uint8).numpy()
+            fd, base, pos = self._fd(f), f.header_bytes + info["data_offsets"][0], 0
+            for index in outer:
+                element = sum(i * st for i, st in zip((*index, *start[inner - 1: inner]), strides))
+                self._pread(fd, buf[pos: pos + run * item], base + element * item, f.path, name)
+                pos += run * item
+        self.bytes_read += out.numel() * item
+        self.data_bytes_read += out.numel() * item
         self.reads += 1
-        return t
+        return out
+
+    @staticmethod
+    def _pread(fd: int, into, offset: int, path: Path, name: str) -> None:
+        view = memoryview(into)
+        while len(view):
+            got = os.preadv(fd, [view], offset)
+            if got <= 0:
+                raise CheckpointError(f"{path} ended while reading tensor {name}: the file was truncated after it "
+                                      "was opened; copy the shard again")
+            view, offset = view[got:], offset + got
 
     def close(self) -> None:
         for f in self.files.values():
-            f.handle = None
+            if f.handle is not None:
+                os.close(f.handle)
+                f.handle = None
 
     def reader(self, sources: Mapping[str, list[Source]], placements: Mapping[str, Placement],
                shapes: Mapping[str, tuple[int, ...]]) -> Callable[[str, int, int], torch.Tensor]:
