@@ -352,3 +352,60 @@ def init_with_placements(model, plans) -> Callable[[str, torch.Tensor], None]:
             model.init_parameter(name, tensor)
 
     return init
+
+
+class ShardedWriter:
+    """The reverse of a streaming load: tensors added one by one are written into safetensors shards of at most
+    `max_shard_bytes` each (a tensor larger than that gets a shard of its own), so no more than one shard's tensors
+    are held at a time. `close()` names them as save_pretrained does (`model-0000i-of-0000N.safetensors` with
+    `model.safetensors.index.json`, or one `model.safetensors`) and returns the directory."""
+
+    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.written: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+        self.peak_pending_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.pending or any(name in names for _, names in self.written):
+            raise ValueError(f"tensor {name} was written already: two parameters export to the same name")
+        n = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + n > self.max_shard_bytes:
+            self.flush()
+        self.pending[name] = tensor.detach().contiguous()
+        self.pending_bytes += n
+        self.total_bytes += n
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
+
+    def flush(self) -> None:
+        """Write the tensors added since the last shard into a shard of their own."""
+        if not self.pending:
+            return
+        from moe_lst.models.files import save_safetensors
+
+        path = self.out_dir / f".shard-{len(self.written):05d}.safetensors.partial"
+        save_safetensors(self.pending, path, metadata={"format": "pt"})
+        self.written.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> Path:
+        self.flush()
+        for stale in [*self.out_dir.glob("model-*-of-*.safetensors"), self.out_dir / SINGLE, self.out_dir / INDEX]:
+            stale.unlink(missing_ok=True)  # (an earlier export's shards into the same directory)
+        if len(self.written) == 1:
+            self.written[0][0].rename(self.out_dir / SINGLE)
+            return self.out_dir
+        count, weight_map = len(self.written), {}
+        for i, (path, names) in enumerate(self.written, 1):
+            final = f"model-{i:05d}-of-{count:05d}.safetensors"
+            path.rename(self.out_dir / final)
+            weight_map.update({n: final for n in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return self.out_dir

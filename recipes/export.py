@@ -65,9 +65,13 @@ def consolidate(checkpoint: Path) -> dict[str, torch.Tensor]:
         raise ExportError(str(e)) from e
 
 
-def export(source: str | Path, out_dir: str | Path, experts: str = "per_expert") -> Path:
+def export(source: str | Path, out_dir: str | Path, experts: str = "per_expert",
+           max_shard_bytes: int | None = None) -> Path:
     """Export a run directory (its newest checkpoint) or one checkpoint directory to out_dir (MoE experts in
-    one of EXPERT_LAYOUTS: per_expert, the published Mixtral layout, or fused, transformers 5's own)."""
+    one of EXPERT_LAYOUTS: per_expert, the published Mixtral layout, or fused, transformers 5's own). The built-in
+    families stream it: parameter by parameter from the checkpoint's shards into safetensors shards of at most
+    `max_shard_bytes` (default 5 GiB; more than one: with model.safetensors.index.json), so no process holds the
+    whole model."""
     source = Path(source)
     if (source / "checkpoints").is_dir():
         found = checkpoints(source)
@@ -84,7 +88,11 @@ def export(source: str | Path, out_dir: str | Path, experts: str = "per_expert")
     except zero.ConfigError as e:
         raise ExportError(f"{run_dir}: {e}") from None
     family.check_exportable(run_cfg, run_dir)  # before the consolidation, which reads every shard
-    return family.export(run_dir, run_cfg, checkpoint, out_dir, experts, consolidate)
+    if max_shard_bytes is None:
+        return family.export(run_dir, run_cfg, checkpoint, out_dir, experts, consolidate)
+    if max_shard_bytes <= 0:
+        raise ExportError(f"--max-shard-bytes={max_shard_bytes} must be positive")
+    return family.export(run_dir, run_cfg, checkpoint, out_dir, experts, consolidate, max_shard_bytes=max_shard_bytes)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,9 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", choices=EXPERT_LAYOUTS, default="per_expert",
                         help="MoE experts per expert (Mixtral's published layout; transformers 4 and 5 load it) "
                              "or fused [E, 2I, H] / [E, H, I] (transformers 5's parameters)")
+    parser.add_argument("--max-shard-bytes", type=int, default=None,
+                        help="the largest safetensors shard written (default 5 GiB); the model is streamed into "
+                             "shards parameter by parameter, never held whole")
     args = parser.parse_args(argv)
     try:
-        out = export(args.source, args.out_dir, args.experts)
+        out = export(args.source, args.out_dir, args.experts, args.max_shard_bytes)
     except (ExportError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -213,23 +213,55 @@ class HFSpec(FamilySpec):
                               "model with other outputs; only model=hf runs with model.attention=dense export")
 
     def export(self, run_dir: Path, run_cfg: Any, checkpoint: Path, out_dir: str | Path, experts: str,
-               consolidate: Callable[[Path], dict[str, torch.Tensor]]) -> Path:
-        """save_pretrained from the run's config.json (its run_dir's hf_config.json) and the consolidated weights,
-        which already carry Hugging Face's names; MoE experts per expert or fused."""
-        from moe_lst.models.hf import HFConfigError, load_config, save_weights
+               consolidate: Callable[[Path], dict[str, torch.Tensor]], max_shard_bytes: int = 5 * 2**30) -> Path:
+        """The run's config.json (its run_dir's hf_config.json) and its weights, which already carry Hugging Face's
+        names, as save_pretrained lays them out (MoE experts per expert, the published layout, or fused), streamed:
+        each parameter read whole from the checkpoint's shards and written into safetensors shards of at most
+        `max_shard_bytes` (moe_lst.models.loading.ShardedWriter): the whole model is never in memory."""
+        from moe_lst.models.hf import HFConfigError, load_config, parameter_shapes
+        from moe_lst.models.hf.streaming import export_parts
+        from moe_lst.models.loading import ShardedWriter
 
         written = run_dir / HF_CONFIG_FILE
         try:
             config = load_config(written) if written.is_file() else hf_model_config(run_cfg)
-            flat = consolidate(checkpoint)
-            parameters = set(zero.open_checkpoint(checkpoint).names())  # (the rest are the trained model's buffers)
-            return save_weights(flat, config, out_dir, original_format=experts == "per_expert",
-                                buffers=set(flat) - parameters)
+            reader = zero.open_checkpoint(checkpoint)
         except (HFConfigError, ConfigError) as e:
             raise ExportError(f"{run_dir}: {e}") from None
+        except (zero.CheckpointError, zero.ReshardError) as e:
+            raise ExportError(str(e)) from e
+        held, shapes = set(reader.names()), parameter_shapes(config)
+        stray = sorted(held - set(shapes))
+        if stray:
+            raise ExportError(f"{run_dir}: {stray[0]} is not a tensor of the {config.model_type} model its config "
+                              "describes")
+        missing = sorted(n for n in shapes if n not in held and not _tied_or_buffer(config, n))
+        if missing:
+            raise ExportError(f"{run_dir}: the checkpoint lacks {', '.join(missing[:3])}")
+        writer = ShardedWriter(out_dir, max_shard_bytes)
+        for name in shapes:  # (the state dict's order; buffers and a tied head are not written)
+            if name in held:
+                for file_name, part in export_parts(name, reader.full(name).reshape(shapes[name]), config,
+                                                    original_format=experts == "per_expert"):
+                    writer.add(file_name, part)
+        out = writer.close()
+        config.save_pretrained(out)
+        return out
 
     def check_plannable(self, cfg: Any) -> None:
         raise NotImplementedError("the planner covers the project's Llama family (model=hf is not planned yet)")
+
+
+
+def _tied_or_buffer(config: Any, name: str) -> bool:
+    """Whether state-dict entry `name` of `config`'s model is its tied head or a buffer (not a trained tensor)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+    return name in dict(model.named_buffers()) or (config.tie_word_embeddings and name == "lm_head.weight")
 
 
 register("hf", HFSpec())

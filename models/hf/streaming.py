@@ -109,3 +109,42 @@ def _parameter_names(config: PreTrainedConfig) -> set[str]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
     return {n for n, _ in model.named_parameters()}
+
+
+def _literal(pattern: str, model_type: str) -> str:
+    """A renaming pattern as the plain text it matches (transformers' are plain names with dots)."""
+    text = pattern.lstrip("^").rstrip("$")
+    if re.escape(text).replace("\\.", ".") != text:
+        raise NotImplementedError(f"model_type={model_type}: the checkpoint renaming {pattern!r} is a regular "
+                                  "expression, which the streaming export does not invert; export with experts=fused")
+    return text
+
+
+def export_parts(name: str, tensor, config: PreTrainedConfig, original_format: bool):
+    """The (file name, tensor) pairs parameter `name` (whole, Hugging Face's name) is written as: itself, or with
+    `original_format` the per-expert tensors of a fused expert weight, under the checkpoint names transformers'
+    conversion mapping gives them (save_pretrained(save_original_format=True)'s layout)."""
+    if not original_format:
+        return [(name, tensor)]
+    renames, converters = _conversions(config.model_type)
+    for converter in converters:
+        target = converter.target_patterns[0].lstrip("^").rstrip("$")
+        if len(converter.target_patterns) != 1 or not name.endswith(target):
+            continue
+        ops = [type(op).__name__ for op in converter.operations]
+        if ops not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]):
+            raise NotImplementedError(f"{name}: its published layout is made by {', '.join(ops)}, which the "
+                                      "streaming export does not invert; export with experts=fused")
+        prefix, parts = name[: len(name) - len(target)], len(converter.source_patterns)
+        rows = tensor.shape[1] // parts
+        out = []
+        for e in range(tensor.shape[0]):
+            for k, pattern in enumerate(converter.source_patterns):
+                file_name = prefix + pattern.replace("*", str(e))
+                for src, dst in reversed(renames):
+                    file_name = file_name.replace(dst, _literal(src.pattern, config.model_type))
+                out.append((file_name, tensor[e, k * rows: (k + 1) * rows] if parts > 1 else tensor[e]))
+        return out
+    for src, dst in reversed(renames):
+        name = name.replace(dst, _literal(src.pattern, config.model_type))
+    return [(name, tensor)]

@@ -174,17 +174,54 @@ class LlamaSpec(FamilySpec):
         check_exportable(model_config(run_cfg))
 
     def export(self, run_dir: Path, run_cfg: Any, checkpoint: Path, out_dir: str | Path, experts: str,
-               consolidate: Callable[[Path], dict[str, torch.Tensor]]) -> Path:
-        """As Hugging Face Llama (dense) or Mixtral (MoE), experts per expert or fused (state_dict.save_hf)."""
-        from moe_lst.models.llama.state_dict import save_hf
+               consolidate: Callable[[Path], dict[str, torch.Tensor]], max_shard_bytes: int = 5 * 2**30) -> Path:
+        """As Hugging Face Llama (dense), Mixtral or GLM-4.5 MoE (MoE), experts per expert or fused, streamed: each
+        parameter read whole from the checkpoint's shards (zero.open_checkpoint), cut into its Hugging Face tensors
+        by state_dict.weight_sources (as to_hf cuts them) and written into safetensors shards of at most
+        `max_shard_bytes` (moe_lst.models.loading.ShardedWriter): the whole model is never in memory."""
+        import json
+
+        from moe_lst.models.llama.state_dict import (
+            EXPERT_LAYOUTS,
+            _box,
+            _part,
+            check_exportable,
+            hf_config,
+            weight_sources,
+        )
+        from moe_lst.models.loading import ShardedWriter
 
         cfg = model_config(run_cfg)
-        flat = consolidate(checkpoint)
-        shapes = {n: p.shape for n, p in Transformer(cfg, device="meta").state_dict().items()}
-        state = {n: (v.reshape(shapes[n]) if n in shapes else v) for n, v in flat.items()}
-        if cfg.tie_embeddings:
-            state.pop("output.weight", None)
-        return save_hf(state, cfg, out_dir, experts)
+        if experts not in EXPERT_LAYOUTS:
+            raise ExportError(f"experts={experts!r} must be one of {', '.join(EXPERT_LAYOUTS)}")
+        try:
+            reader = zero.open_checkpoint(checkpoint)
+        except (zero.CheckpointError, zero.ReshardError) as e:
+            raise ExportError(str(e)) from e
+        held = set(reader.names())
+        buffers: dict[str, torch.Tensor] = {}
+        for state in reader.states:  # (as the first rank holding one wrote it)
+            for name, value in state["engine"]["buffers"].items():
+                buffers.setdefault(name, value)
+        biases = {n: reader.full(n) for n in held if n.endswith("router.expert_bias")}
+        check_exportable(cfg, {**buffers, **biases})
+        shapes = {n: tuple(p.shape) for n, p in Transformer(cfg, device="meta").state_dict().items()}
+        writer = ShardedWriter(out_dir, max_shard_bytes)
+        for name, sources in weight_sources(cfg, experts=experts).items():
+            if name in held:
+                tensor = reader.full(name).reshape(shapes[name])
+            elif name in buffers:
+                tensor = buffers[name].to(torch.float32).reshape(shapes[name])
+            elif name.endswith("router.expert_bias") or 0 in _box(sources):
+                tensor = torch.zeros(_box(sources))  # (GLM's bias at zero, its empty shared experts)
+            else:
+                raise ExportError(f"checkpoint {checkpoint} has no tensor {name}: it was written for another model")
+            for s in sources:
+                writer.add(s.name, _part(tensor, s).to(torch.float32))
+            del tensor
+        out = writer.close()
+        (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
+        return out
 
     def check_plannable(self, cfg: Any) -> None:
         """The planner models this family's layers."""

@@ -18,6 +18,7 @@ from tests.multirank import run_multirank
 from tests.recipes.pretrained import RUN_MODEL as PRETRAINED_RUN
 from tests.recipes.pretrained import pretrained_fixture  # noqa: F401 (the `pretrained` fixture)
 from tests.recipes.test_pretrain import _cfg
+from tests.zero.test_build_memory import StorageLedger
 from zero.plan import Placement
 
 pytest.importorskip("safetensors")
@@ -198,9 +199,10 @@ LAYOUTS = {"ep2_zero3": ["parallel.ep=2", "zero.stage=3", "train.micro_batch_siz
            "pp2": ["parallel.pp=2", "train.micro_batch_size=1", "train.grad_accum=2"]}
 
 
-def _train_rank(overrides: list[str], run_dir: str, steps: int) -> dict:
+def _train_rank(overrides: list[str], run_dir: str, steps: int, save: bool = False) -> dict:
     """One rank of a recipe run initialised from a directory: its equivalence record, the bytes it read from the
-    files and the bytes of the slices it keeps (elements the engine asked for, fp32) plus the headers."""
+    files and the bytes of the slices it keeps (elements the engine asked for, fp32) plus the headers; with `save`,
+    its checkpoint after the steps, in run_dir."""
     from moe_lst.models import loading
 
     from recipes.config import num_params
@@ -226,6 +228,8 @@ def _train_rank(overrides: list[str], run_dir: str, steps: int) -> dict:
         recorder = Recorder(run.engine)
         for step in range(steps):
             recorder.step(train_step(run.engine, run.train_stream, step, cfg, run.dims, run.pipe))
+        if save:
+            run.save(steps)
         return {**recorder.result(), **counted, "slices": 4 * mine, "total": 4 * num_params(cfg)}
     finally:
         run.logger.finish()
@@ -255,8 +259,77 @@ def test_init_from_under_a_layout_equals_one_process_and_reads_only_its_slices(p
     want = _directory_weights(family, pretrained[family])
     for name, value in reference["first"]["initial"].items():  # (a router's expert bias, not in the file: zeros)
         assert torch.equal(value, want[name].reshape(value.shape)) if name in want else not value.any(), name
-    results = run_multirank(_train_rank, 2, [*run, *LAYOUTS[layout]], str(tmp_path / "many"), 1)
+    results = run_multirank(_train_rank, 2, [*run, *LAYOUTS[layout]], str(tmp_path / "many"), 1,
+                            layout == "ep2_zero3")
     assert_equivalent(results, as_reference(reference), label=f"{family} {layout}")
     for rank, r in enumerate(results):
         assert r["read"] <= r["slices"] + r["headers"], (layout, rank, r["read"], r["slices"], r["headers"])
         assert r["read"] - r["headers"] < 0.75 * r["total"], (layout, rank, r["read"], r["total"])
+    if layout == "ep2_zero3":  # (its ZeRO-3, expert-parallel checkpoint, exported)
+        _check_streaming_export(family, tmp_path / "many", tmp_path / "exported")
+
+
+# ------------------------------------------------------------------------------------------------ streaming export
+class _HeapLedger(StorageLedger):
+    """The ledger, leaving out storages that map a file (the checkpoint's shards, read in place)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = str(directory.resolve())
+        self.mapped: list[tuple[int, int]] = []
+
+    def _refresh_maps(self) -> None:
+        self.mapped = []
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].startswith(self.directory):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                self.mapped.append((lo, hi))
+
+    def _see(self, t: torch.Tensor) -> None:
+        if t.device.type == "cpu" and not t.is_meta:
+            ptr = t.untyped_storage().data_ptr()
+            if not any(lo <= ptr < hi for lo, hi in self.mapped):
+                self._refresh_maps()  # (a mapping made since: one more shard opened)
+                if not any(lo <= ptr < hi for lo, hi in self.mapped):
+                    super()._see(t)
+
+
+def _check_streaming_export(family: str, run_dir: Path, out: Path) -> None:
+    """recipes.export of the run's checkpoint into shards of about a tenth of the model: the live tensor storages
+    of the export (not the checkpoint's shards, which are mapped from their files) never pass one shard plus four
+    of the largest parameter (read whole, assembled from its pieces, cut into its Hugging Face tensors), less than
+    the model; the directory has an index and several shards, and transformers loads it to the logits of our model
+    with the checkpoint's weights."""
+    import gc
+
+    import transformers
+    from moe_lst.models import spec as families
+    from omegaconf import OmegaConf
+
+    import zero
+    from recipes.config import checkpoints
+    from recipes.export import export
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    spec = families.get(cfg)
+    state = zero.consolidate(zero.open_checkpoint(checkpoints(run_dir)[0]))
+    ours = spec.build(cfg, zero.ParallelDims(), meta=False)
+    shapes = {n: p.shape for n, p in ours.named_parameters()}
+    ours.load_state_dict({n: v.reshape(shapes[n]) if n in shapes else v for n, v in state.items()}, strict=False)
+    whole = 4 * sum(p.numel() for p in ours.parameters())
+    largest = 4 * max(p.numel() for p in ours.parameters())
+    shard = whole // 10
+    gc.collect()
+    ledger = _HeapLedger(run_dir)
+    with ledger:
+        ledger.set_phase("export")
+        export(run_dir, out, "per_expert", max_shard_bytes=shard)
+        ledger.set_phase("end")
+    peak = ledger.peaks["export"] - ledger.starts["export"]
+    assert peak <= shard + 4 * largest < whole, (family, peak, shard, largest, whole)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 2 and (out / "model.safetensors.index.json").is_file()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, spec.vocab_size(cfg), (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours.eval()(tokens), rtol=1e-4, atol=1e-4)
