@@ -304,17 +304,37 @@ class _PairMasks:
                                             self.layout.block_size, self.causal and i == j, scale)
         return _dense_pair_backward(q, k, v, dout, out, lse, scale, self._mask_rows(i, j, q.device))
 
+    def backward_add(self, i, j, q, k, v, dout, out, lse, scale, dq, dk, dv) -> None:
+        """`backward`'s gradients added into dq [b, L, h, d], dk and dv [b, L, hk, d] (fp32): the block-sparse CPU
+        kernel adds them in place (no gradient tensors of the pair's own) where q, k, v and the targets are
+        contiguous fp32; otherwise they are computed, then added."""
+        targets = (dq, dk, dv)
+        if self.layout is not None and self._native(q) and all(t.is_contiguous() for t in targets):
+            cols, counts = self._local_layout(i, j)
+            nb, w = cols.shape
+            q, k, v, dout = (x.float().contiguous() for x in (q, k, v, dout))  # (views of one row: no copy)
+            native_kernel().backward_into(dout, q, k, v, out.contiguous(), lse.contiguous(), cols.view(1, 1, nb, w),
+                                          counts.view(1, 1, nb), self.layout.block_size, self.causal and i == j,
+                                          scale, dq, dk, dv)
+            return
+        for target, grad in zip(targets, self.backward(i, j, q, k, v, dout, out, lse, scale)):
+            target += grad
 
-def _merge(acc, part):
-    """Two partial attentions (out [b, L, h, d], lse [b, h, L]) over disjoint keys -> the attention over both."""
-    if acc is None:
-        return part
-    (o1, l1), (o2, l2) = acc, part
-    lse = torch.logaddexp(l1, l2)
-    safe = _finite(lse)
-    w1 = torch.exp(l1 - safe).transpose(1, 2)[..., None]  # [b, h, L] -> [b, L, h, 1]
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, part, first: bool) -> None:
+    """Merge a partial attention `part` (out [b, L, h, d], lse [b, h, L], over keys disjoint from those already
+    merged) into `out` and `lse` in place (`first`: nothing merged yet, so it is copied). `part` is consumed."""
+    o2, l2 = part
+    if first:
+        out.copy_(o2)
+        lse.copy_(l2)
+        return
+    new = torch.logaddexp(lse, l2)
+    safe = _finite(new)
+    w1 = torch.exp(lse - safe).transpose(1, 2)[..., None]  # [b, h, L] -> [b, L, h, 1]
     w2 = torch.exp(l2 - safe).transpose(1, 2)[..., None]
-    return o1 * w1 + o2 * w2, lse
+    out.mul_(w1).add_(o2.mul_(w2))
+    lse.copy_(new)
 
 
 # ------------------------------------------------------------------------------------ the ring
@@ -337,16 +357,16 @@ class _Ring:
             return [], None, ()
         cp, me, L = self.cp, self.me, self.chunk
         k = own[0]
-        shape = (k.shape[0], L, k.shape[2], 2 * k.shape[3])  # one chunk's keys and values: one message
+        per_chunk = (k.shape[0], L, *k.shape[2:])  # one chunk's keys (or values): [b, L, hk, d]
         if self.slots is None:  # a ring: pass on what this rank computed with, take the previous rank's
-            buffer = k.new_empty((shape[0], 2 * L, *shape[2:]))
+            buffer = k.new_empty((2, 2, *per_chunk))
             handles = comm.send_recv([(_message(current, (0, 1), L), (me + 1) % cp)], [(buffer, (me - 1) % cp)],
                                      self.group, _KV_TAG)
             return handles, buffer, (0, 1)
         src, dst = (me - t) % cp, (me + t) % cp
         send_slots, recv_slots = self.slots[dst][me], self.slots[me][src]
         sends = [(_message(own, send_slots, L), dst)] if send_slots else []
-        buffer = k.new_empty((shape[0], len(recv_slots) * L, *shape[2:])) if recv_slots else None
+        buffer = k.new_empty((2, len(recv_slots), *per_chunk)) if recv_slots else None
         recvs = [(buffer, src)] if recv_slots else []
         return comm.send_recv(sends, recvs, self.group, _KV_TAG), buffer, recv_slots
 
@@ -359,36 +379,37 @@ class _Ring:
                     yield qs, n, i, j
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        L, d = self.chunk, k.shape[-1]
+        L = self.chunk
         own = (k, v)  # this rank's chunks, read in place; messages are packed per send
-        acc = [None, None]
+        b, _, h, d = q.shape
+        # The output and log-sum-exp of both chunks, each pair merged into them in place as it is computed.
+        out = torch.zeros((b, 2 * L, h, d), dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, 2 * L), _NEG_INF, dtype=torch.float32, device=q.device)  # no key yet
+        merged = [False, False]
         current, slots = own, (0, 1)
         for t in range(self.cp):
             src = (self.me - t) % self.cp
             handles, nxt, nxt_slots = self._fetch(t + 1, own, current)  # in flight while this step computes
             for qs, n, i, j in self._pairs(src, slots):
-                kj, vj = _keys_values(current, n, L, d)
-                part = self.masks.forward(i, j, q[:, qs * L:(qs + 1) * L], kj, vj, self.scale)
-                acc[qs] = _merge(acc[qs], part)
-                del part
-            for h in handles:
-                h.wait()
+                kj, vj = _keys_values(current, n, L)
+                rows = slice(qs * L, (qs + 1) * L)
+                part = self.masks.forward(i, j, q[:, rows], kj, vj, self.scale)
+                _merge_into(out[:, rows], lse[:, :, rows], part, not merged[qs])
+                merged[qs] = True
+                del part, kj, vj
+            for hd in handles:
+                hd.wait()
             current, slots = nxt, nxt_slots
-        b, _, h, _ = q.shape
-        for qs in range(2):
-            if acc[qs] is None:  # no key at all (cannot happen for a causal row, which sees itself)
-                acc[qs] = (q.new_zeros((b, L, h, d), dtype=torch.float32),
-                           q.new_full((b, h, L), _NEG_INF, dtype=torch.float32))
-        out = torch.cat([acc[0][0], acc[1][0]], dim=1)
-        lse = torch.cat([acc[0][1], acc[1][1]], dim=2)
         return out, lse
 
     def backward(self, q, k, v, dout, out, lse):
-        L, d, cp, me = self.chunk, k.shape[-1], self.cp, self.me
+        L, cp, me = self.chunk, self.cp, self.me
         own = (k, v)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        # dK and dV of this rank's chunks side by side [b, 2L, hk, 2d], as they travel
-        d_own = torch.zeros((*k.shape[:3], 2 * d), dtype=torch.float32, device=k.device)
+        b, _, hk, d = k.shape
+        # dQ of the two chunks [2 (chunks), b, L, h, d] and dK, dV [2 (dK, dV), 2 (chunks), b, L, hk, d] (as they
+        # travel): each chunk's contiguous, the kernel adds into them
+        dq = torch.zeros((2, b, L, *q.shape[2:]), dtype=torch.float32, device=q.device)
+        d_own = torch.zeros((2, 2, b, L, hk, d), dtype=torch.float32, device=k.device)
         current, slots = own, (0, 1)
         pending: list = []  # dK/dV transfers of the previous step: (handles, what to do once they arrive)
         for t in range(cp):
@@ -400,13 +421,12 @@ class _Ring:
                 part = None if current is None else torch.zeros(current.shape, dtype=torch.float32, device=q.device)
             for qs, n, i, j in self._pairs(src, slots):
                 rows = slice(qs * L, (qs + 1) * L)
-                kj, vj = _keys_values(current, n, L, d)
-                dqp, dkp, dvp = self.masks.backward(i, j, q[:, rows], kj, vj, dout[:, rows], out[:, rows],
-                                                    lse[:, :, rows], self.scale)
-                dq[:, rows] += dqp
-                part[:, n * L:(n + 1) * L, :, :d] += dkp
-                part[:, n * L:(n + 1) * L, :, d:] += dvp
-                del dqp, dkp, dvp
+                kj, vj = _keys_values(current, n, L)
+                self.masks.backward_add(i, j, q[:, rows], kj, vj, dout[:, rows], out[:, rows], lse[:, :, rows],
+                                        self.scale, dq[qs], part[0, n], part[1, n])
+                del kj, vj
+            if self.slots is not None and t > 0:
+                current = None  # (a received message: computed with, not passed on)
             for done in pending:
                 for h in done[0]:
                     h.wait()
@@ -421,11 +441,11 @@ class _Ring:
             else:  # send the dK/dV of the chunks taken from src back to it, take those of ours from me + t
                 dst = (me + t) % cp
                 back = self.slots[dst][me]
-                incoming = d_own.new_empty((d_own.shape[0], len(back) * L, *d_own.shape[2:])) if back else None
+                incoming = d_own.new_empty((2, len(back), *d_own.shape[2:])) if back else None
                 sends = [(part, src)] if slots else []
                 recvs = [(incoming, dst)] if back else []
                 pending.append((comm.send_recv(sends, recvs, self.group, _GRAD_TAG),
-                                _direct_add(incoming, back, d_own, L)))
+                                _direct_add(incoming, back, d_own)))
             for h in handles:
                 h.wait()
             current, slots = nxt, nxt_slots
@@ -433,27 +453,36 @@ class _Ring:
             for h in done[0]:
                 h.wait()
             done[1](None)
-        return dq, d_own[..., :d], d_own[..., d:]
+        # [2 chunks, b, L, hk, d] -> [b, 2L, hk, d] (a view for one row)
+        return _rows(dq), _rows(d_own[0]), _rows(d_own[1])
 
 
-def _keys_values(current, n: int, L: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(chunks: torch.Tensor) -> torch.Tensor:
+    """[chunks, b, L, ...] -> [b, chunks * L, ...]."""
+    return chunks.transpose(0, 1).reshape(chunks.shape[1], -1, *chunks.shape[3:])
+
+
+def _keys_values(current, n: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk n's keys and values [b, L, hk, d] of what this step holds: this rank's own (k, v), or a received
-    message [b, chunks * L, hk, 2d]."""
+    message [2 (keys, values), chunks, b, L, hk, d] (each chunk's keys and values contiguous: the kernel reads
+    them in place)."""
     if isinstance(current, tuple):
         return current[0][:, n * L:(n + 1) * L], current[1][:, n * L:(n + 1) * L]
-    kv = current[:, n * L:(n + 1) * L]
-    return kv[..., :d], kv[..., d:]
+    return current[0, n], current[1, n]
 
 
 def _message(current, slots: tuple[int, ...], L: int) -> torch.Tensor:
-    """The chunks `slots` of what this step holds, keys and values side by side [b, len(slots) * L, hk, 2d]."""
+    """The chunks `slots` of what this step holds as one message [2 (keys, values), len(slots), b, L, hk, d]."""
     if not isinstance(current, tuple):
-        if slots == (0, 1):
+        if slots == tuple(range(current.shape[1])):
             return current
-        return torch.cat([current[:, s * L:(s + 1) * L] for s in slots], dim=1).contiguous()
+        return current[:, list(slots)].contiguous()
     k, v = current
-    return torch.cat([torch.cat([k[:, s * L:(s + 1) * L], v[:, s * L:(s + 1) * L]], dim=-1) for s in slots],
-                     dim=1).contiguous()
+    msg = k.new_empty((2, len(slots), k.shape[0], L, *k.shape[2:]))
+    for n, s in enumerate(slots):
+        msg[0, n].copy_(k[:, s * L:(s + 1) * L])
+        msg[1, n].copy_(v[:, s * L:(s + 1) * L])
+    return msg
 
 
 def _relay_add(incoming: torch.Tensor, d_own: torch.Tensor, last: bool):
@@ -467,10 +496,10 @@ def _relay_add(incoming: torch.Tensor, d_own: torch.Tensor, last: bool):
     return add
 
 
-def _direct_add(incoming: torch.Tensor | None, slots: tuple[int, ...], d_own: torch.Tensor, L: int):
+def _direct_add(incoming: torch.Tensor | None, slots: tuple[int, ...], d_own: torch.Tensor):
     def add(part: torch.Tensor | None) -> None:
         for n, s in enumerate(slots):
-            d_own[:, s * L:(s + 1) * L] += incoming[:, n * L:(n + 1) * L]
+            d_own[:, s] += incoming[:, n]
     return add
 
 

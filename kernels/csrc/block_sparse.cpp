@@ -218,10 +218,14 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   return {out, lse};
 }
 
-std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                 const at::Tensor& cols, const at::Tensor& counts, int64_t B, bool causal,
-                                 double scale_) {
+namespace {
+
+// Backward into dq, dk, dv (contiguous float32 of q's and k's shapes): dK/dV always accumulate; dQ is written
+// (accumulate false: every row, 0 for a row without keys) or added to (accumulate true).
+void backward_impl(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cols, const at::Tensor& counts,
+                   int64_t B, bool causal, double scale_, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                   bool accumulate) {
   check(q, k, v, cols, counts, B);
   TORCH_CHECK(grad_out.is_contiguous() && out.is_contiguous() && lse.is_contiguous() &&
               grad_out.dtype() == at::kFloat && out.dtype() == at::kFloat && lse.dtype() == at::kFloat &&
@@ -232,9 +236,7 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
   const Layout L = make_layout(cols, counts);
   const int64_t n = L.n;
   const float scale = static_cast<float>(scale_);
-  auto dq = at::empty_like(q);
-  auto dk = at::zeros_like(k);
-  auto dv = at::zeros_like(v);
+  const float dq_beta = accumulate ? 1.0f : 0.0f;
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *gp = grad_out.data_ptr<float>(), *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
   float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
@@ -249,6 +251,7 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
         const Keys keys = find_keys(L, bb, kh, r, B, s);
         const int nk = keys.nk;
         if (nk == 0) {
+          if (accumulate) continue;
           for (int64_t j = 0; j < g; ++j) {
             float* dqo = dqp + ((bb * s + q0) * h + kh * g + j) * d;
             for (int i = 0; i < rows; ++i) std::fill(dqo + i * ldq, dqo + i * ldq + d, 0.0f);
@@ -305,7 +308,7 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
 #pragma omp simd
             for (int c = 0; c < nk; ++c) ds[c] = p[c] * (ds[c] - di_);
           }
-          gemm(false, false, rows, di, nk, scale, dP.data(), nk, K, ldk, 0.0f, dqp + at_, ldq);  // dQ = dS K
+          gemm(false, false, rows, di, nk, scale, dP.data(), nk, K, ldk, dq_beta, dqp + at_, ldq);  // dQ (+)= dS K
           gemm(true, false, nk, di, rows, scale, dP.data(), nk, Q, ldq, 1.0f, dK, ldg);          // dK += dS^T Q
         }
         if (!keys.in_place) {
@@ -323,10 +326,35 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q
       }
     }
   });
+}
+
+}  // namespace
+
+std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                 const at::Tensor& cols, const at::Tensor& counts, int64_t B, bool causal,
+                                 double scale_) {
+  auto dq = at::empty_like(q);
+  auto dk = at::zeros_like(k);
+  auto dv = at::zeros_like(v);
+  backward_impl(grad_out, q, k, v, out, lse, cols, counts, B, causal, scale_, dq, dk, dv, false);
   return {dq, dk, dv};
+}
+
+// The backward added into existing gradients (dq += dQ, dk += dK, dv += dV): a caller summing several
+// attentions' gradients (ring attention's pairs of chunks) holds no per-call gradient tensors.
+void backward_into(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cols, const at::Tensor& counts,
+                   int64_t B, bool causal, double scale_, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
+  TORCH_CHECK(dq.sizes() == q.sizes() && dk.sizes() == k.sizes() && dv.sizes() == k.sizes() &&
+              dq.dtype() == at::kFloat && dk.dtype() == at::kFloat && dv.dtype() == at::kFloat &&
+              dq.is_contiguous() && dk.is_contiguous() && dv.is_contiguous(),
+              "block_sparse backward_into: dq of q's shape, dk and dv of k's, contiguous float32");
+  backward_impl(grad_out, q, k, v, out, lse, cols, counts, B, causal, scale_, dq, dk, dv, true);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "block-sparse attention forward: (out, lse)");
   m.def("backward", &backward, "block-sparse attention backward: (dq, dk, dv)");
+  m.def("backward_into", &backward_into, "block-sparse attention backward added into (dq, dk, dv)");
 }
