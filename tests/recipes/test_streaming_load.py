@@ -295,7 +295,7 @@ class _HeapLedger(StorageLedger):
                     super()._see(t)
 
 
-def _check_streaming_export(family: str, run_dir: Path, out: Path) -> None:
+def _check_streaming_export(family: str, run_dir: Path, out: Path) -> dict:
     """recipes.export of the run's checkpoint into shards of about a tenth of the model: the live tensor storages
     of the export (not the checkpoint's shards, which are mapped from their files) never pass one shard plus four
     of the largest parameter (read whole, assembled from its pieces, cut into its Hugging Face tensors), less than
@@ -333,3 +333,4 @@ def _check_streaming_export(family: str, run_dir: Path, out: Path) -> None:
     tokens = torch.randint(0, spec.vocab_size(cfg), (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours.eval()(tokens), rtol=1e-4, atol=1e-4)
+    return {"peak": peak, "shard": shard, "largest": largest, "whole": whole}
