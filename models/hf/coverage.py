@@ -6,9 +6,9 @@ config class (no downloads), run through the adapter and checked against plain t
 For each family: `logits` (the adapter's logits and every parameter's gradient equal the plain model's, its
 balancing loss included), then, on 2 gloo processes (torch.distributed.run), `dp2_zero3` (data parallel at ZeRO-3),
 `sp2` (Ulysses), `ep2` (expert parallelism, MoE families): two SGD steps whose losses and parameters equal one
-process of the plain model; `tp2` (the config's tensor-parallel plan on the runtime's tensor parallelism) likewise;
-`pp2` is refused for every family in one line (the pipeline plan is not mapped yet). Each result is "pass" or the
-one-line reason the check refuses or fails; the sweep
+process of the plain model; `tp2` (the config's tensor-parallel plan on the runtime's tensor parallelism) and `pp2`
+(its pipeline plan as two stages of the runtime's pipeline, 1F1B over two micro-batches) likewise. Each result is
+"pass" or the one-line reason the check refuses or fails; the sweep
 writes coverage.json beside this file (read by moe_lst.models.hf.config: the families whose logits pass are the
 ones the adapter builds) and docs/hf_coverage.md.
 """
@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 
 FEATURES = ("logits", "dp2_zero3", "sp2", "ep2", "tp2", "pp2")
-MULTIRANK = ("dp2_zero3", "sp2", "ep2", "tp2")
-NOT_MAPPED = {"pp2": "refused: the config's base_model_pp_plan is not mapped onto the runtime's pipeline yet"}
+MULTIRANK = ("dp2_zero3", "sp2", "ep2", "tp2", "pp2")
 #: Sizes of a tiny model, set on every config key (or attribute_map alias) of these names that the config has.
 TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.05,
@@ -193,21 +192,33 @@ def rank_run(config_dict: dict, layout: str) -> dict:
     from moe_lst.models.hf.config import is_moe
 
     moe = is_moe(config)
+    from zero.parallel.pipeline import apply_pipeline
     from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
     dims = {"dp2_zero3": zero.ParallelDims(dp=2), "sp2": zero.ParallelDims(dp=1, sp=2),
-            "ep2": zero.ParallelDims(dp=2, ep=2), "tp2": zero.ParallelDims(dp=1, tp=2)}[layout]
+            "ep2": zero.ParallelDims(dp=2, ep=2), "tp2": zero.ParallelDims(dp=1, tp=2),
+            "pp2": zero.ParallelDims(dp=1, pp=2)}[layout]
     torch.manual_seed(0)
     model = build(config, meta=layout == "dp2_zero3" and not moe, sp_group=dims.sp_group)
     plans = [model.loss_plan()] + ([apply_expert_parallel(model, dims)] if moe else [])
     tp_plan = apply_tensor_parallel(model, dims.tp_group)
     plans.append(tp_plan)
     apply_ulysses(model, dims.sp_group)
-    engine = zero.initialize(model, lambda params: torch.optim.SGD(params, lr=LR),
-                             zero.ZeroConfig(stage=3 if layout == "dp2_zero3" else 0), dims, plans=plans)
+    pipe = None
+    if dims.pp > 1:  # (the batch's two halves as the micro-batches, as the reference's two parts)
+        pipe = apply_pipeline(model, dims, "1f1b", microbatches=2,
+                              loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+        plans.append(pipe)
+    engine = zero.initialize(pipe.module if pipe else model, lambda params: torch.optim.SGD(params, lr=LR),
+                             zero.ZeroConfig(stage=3 if layout == "dp2_zero3" else 0,
+                                             grad_accum_steps=2 if pipe else 1), dims, plans=plans)
     losses = []
     for step in range(STEPS):
         x, y = _batch(step)
+        if pipe is not None:
+            losses.append(pipe.train_step(engine, x, y, position_ids=torch.arange(SEQ).expand(BATCH, SEQ)))
+            engine.step()
+            continue
         if dims.dp > 1:
             rows = slice(dims.dp_rank * BATCH // 2, (dims.dp_rank + 1) * BATCH // 2)
             x, y = x[rows], y[rows]
@@ -235,7 +246,7 @@ def reference_run(config, layout: str) -> dict:
     model = _plain(config)
     model.load_state_dict(initial, strict=False)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    whole = layout in ("sp2", "tp2")  # (Ulysses and tensor-parallel ranks see the whole batch)
+    whole = layout in ("sp2", "tp2")  # (Ulysses and tensor-parallel ranks see the whole batch; pp its halves)
     parts = (slice(0, BATCH),) if whole else (slice(0, BATCH // 2), slice(BATCH // 2, BATCH))
     losses = []
     for step in range(STEPS):
@@ -278,7 +289,7 @@ def multirank_applies(config, layout: str) -> str | None:
         return "n/a (dense)"
     if layout == "sp2" and config.num_attention_heads % 2:
         return f"n/a ({config.num_attention_heads} heads do not split over 2 ranks)"
-    if layout == "tp2":
+    if layout in ("tp2", "pp2"):
         from moe_lst.models.hf.model import build
 
         from zero.contract import ContractError
@@ -288,7 +299,10 @@ def multirank_applies(config, layout: str) -> str | None:
         except Exception as e:  # noqa: BLE001 - a model the check cannot build fails the check with its reason
             return _one_line(e)
         try:
-            model.tensor_parallel_styles(2)
+            if layout == "tp2":
+                model.tensor_parallel_styles(2)
+            else:
+                model.pipeline_stage(range(0), True, False)
         except ContractError as e:
             return f"refused: {str(e).split(', but ', 1)[-1]}"  # (what the runtime does not map)
         return None
@@ -399,7 +413,6 @@ def multirank_sweep(records: dict[str, dict[str, Any]], timeout: float = 3600) -
 
 def finish(records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for record in records.values():
-        record["features"].update(NOT_MAPPED)
         record["features"] = {f: record["features"].get(f, "not run") for f in FEATURES}
     return records
 
@@ -419,6 +432,7 @@ def render(records: dict[str, dict[str, Any]]) -> str:
     good = [k for k, r in records.items() if passes(r)]
     moe = [k for k in good if records[k]["moe"]]
     tp = [k for k in good if records[k]["features"]["tp2"] == "pass"]
+    pp = [k for k in good if records[k]["features"]["pp2"] == "pass"]
     lines = ["# Hugging Face causal LMs under the runtime", "",
              "Generated by `python -m moe_lst.models.hf.coverage` from the installed transformers (every "
              "`*ForCausalLM`, a tiny config derived from its config class); `tests/hf/test_coverage.py` keeps it "
@@ -429,8 +443,11 @@ def render(records: dict[str, dict[str, Any]]) -> str:
              f"applies to them ({len(moe)} of them MoE). `tp2`: the config's `base_model_tp_plan` mapped onto the "
              "runtime's tensor parallelism (sequence-parallel norms, vocabulary-parallel embedding and logits), two "
              f"steps on 2 processes equal to one: {len(tp)} of those families pass, the others are refused in one "
-             "line (MoE experts, tied heads, modules the plan does not place). `pp2`: refused for every family (the "
-             "config's `base_model_pp_plan` is not mapped onto the runtime's pipeline yet).", "",
+             "line (MoE experts, tied heads, modules the plan does not place). `pp2`: the config's "
+             "`base_model_pp_plan` as two stages of the runtime's pipeline (1F1B, two micro-batches), two steps on 2 "
+             f"processes equal to one: {len(pp)} of those families pass, the others are refused in one line (no "
+             "plan, a balancing loss over every layer's router logits at once, logits changed after the head, "
+             "modules outside the plan).", "",
              "| family | MoE | " + " | ".join(FEATURES) + " |", "|" + "---|" * (len(FEATURES) + 2)]
     for kind, record in records.items():
         cells = [record["features"][f].replace("|", "/") for f in FEATURES]

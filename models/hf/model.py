@@ -86,8 +86,8 @@ class HFCausalLM(nn.Module, ModelContract):
     sites its AttentionInterface modules, MLP sites the blocks' dense `mlp` children; `init_parameter` is the
     model's own `_init_weights`, seeded per parameter name. Experts declared through ExpertsInterface run this
     project's dispatch and grouped GEMMs (moe_lst.models.hf.experts), their parent blocks moe.MoELayers for expert
-    parallelism, keeping their names. Tensor-parallel plans and pipeline stages are not offered (the contract's
-    defaults raise ContractError).
+    parallelism, keeping their names. Tensor parallelism maps the config's base_model_tp_plan, pipeline stages its
+    base_model_pp_plan (moe_lst.models.hf.pipeline); each raises ContractError naming what a model lacks.
 
     An MoE config with `output_router_logits` trains with transformers' balancing loss, as its CausalLM forward
     adds it with labels (`router_aux_loss_coef * load_balancing_loss_func(...)`; moe_lst.models.hf.balance):
@@ -193,11 +193,16 @@ class HFCausalLM(nn.Module, ModelContract):
         return styles
 
     def pipeline_stage(self, layers: range, first: bool, last: bool) -> nn.Module:
-        """Not offered: what is missing is named (the config's own stage plan is not mapped onto zero.parallel)."""
-        plan = getattr(self.config, "base_model_pp_plan", None) or {}
-        raise ContractError(f"pipeline_stage: {self.config.model_type} declares base_model_pp_plan "
-                            f"({', '.join(plan) or 'none'}), but stages of its layers sharing the model's names "
-                            "(zero.parallel.pipeline) are not implemented")
+        """Layers `layers` as a stage from the config's base_model_pp_plan (moe_lst.models.hf.pipeline); a
+        ContractError names what keeps a model from it."""
+        from moe_lst.models.hf.pipeline import HFPipelineStage
+
+        return HFPipelineStage(self, layers, first, last)
+
+    def pipeline_shapes(self, tokens_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        from moe_lst.models.hf.pipeline import pipeline_shapes
+
+        return pipeline_shapes(self, tokens_shape)
 
     def blocks(self) -> list[tuple[str, nn.Module]]:
         return decoder_blocks(self.causal_lm)  # (the same modules, under the same names)
@@ -379,6 +384,31 @@ def _plan_styles(model: HFCausalLM, plan: dict, refuse: Callable[[str], Contract
             else:
                 raise refuse(f"its style {style!r} ({pattern}) is not mapped")
     return styles
+
+
+def layout_problem(config: PreTrainedConfig, key: str, degree: int) -> str | None:
+    """Why the adapter cannot run `config` at tensor (key "tp") or pipeline ("pp") parallelism of `degree` (None:
+    it can): the coverage sweep's tp2 / pp2 result for the model type, then this config's own plan against the
+    degree (on a meta-device model: nothing is allocated). One line naming what is missing."""
+    from moe_lst.models.hf.config import coverage, is_moe
+
+    feature = f"{key}2"
+    swept = coverage().get(config.model_type, {}).get("features", {}).get(feature, "not run")
+    if swept != "pass":
+        return f"the coverage sweep's {feature} check of model_type {config.model_type}: {swept}"
+    if key == "pp":  # (the split against its layers is the recipe's check)
+        coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+        if is_moe(config) and getattr(config, "output_router_logits", False) and coef > 0:
+            return ("its balancing loss (load_balancing_loss_func over every layer's router logits at once) does not "
+                    "split over stages; set model.hf.overrides.output_router_logits=false to stage it")
+        return None
+    if is_moe(config):
+        return "its experts' tensor-parallel plan is not mapped (use expert parallelism, parallel.ep)"
+    try:
+        build(config, meta=True).tensor_parallel_styles(degree)
+    except ContractError as e:
+        return str(e).split(", but ", 1)[-1]
+    return None
 
 
 def _num_experts(config: PreTrainedConfig, causal_lm: nn.Module) -> int:

@@ -64,9 +64,21 @@ def check_attention(cfg: Any) -> None:
             raise ConfigError(str(e)) from None
 
 
+def _stages_per_rank(par: Any) -> int:
+    """The pipeline stages each rank holds under the run's schedule (1 where the schedule is unknown: the recipe's
+    own pipeline check names that)."""
+    from zero.dist.topology import LayoutError
+    from zero.parallel.pipeline import resolve_virtual_stages
+
+    try:
+        return resolve_virtual_stages(par.pp_schedule, par.pp_virtual_stages)
+    except LayoutError:
+        return 1
+
+
 class HFSpec(FamilySpec):
     """Any causal LM of a model type the adapter covers (moe_lst.models.hf): data, sequence (Ulysses) and expert
-    parallelism; no tensor or pipeline parallelism (the adapter offers neither plan)."""
+    parallelism; tensor and pipeline parallelism where the adapter maps the config's plans (check_layout)."""
 
     # (its model section is typed: recipes.config.HFModelConfig, stored for conf/model/hf.yaml; the recipe's schema
     # keeps it so that a Llama run never imports this family, whose package imports transformers' model classes)
@@ -102,18 +114,25 @@ class HFSpec(FamilySpec):
                               "attention; set it to 0 with model=hf")
 
     def check_layout(self, cfg: Any) -> None:
-        """No tensor or pipeline parallelism, Ulysses over at most the model's query heads, and
-        position-independent rotary tables under it."""
+        """Tensor and pipeline parallelism where the adapter maps the config's plans (moe_lst.models.hf.model.
+        layout_problem: the sweep passed them for its type, and its sizes split), Ulysses over at most the model's
+        query heads, and position-independent rotary tables under it."""
         from moe_lst.models.hf.config import LENGTH_DEPENDENT_ROPE, rope_type
+        from moe_lst.models.hf.model import layout_problem
         from moe_lst.models.spec import PARALLEL_KEYS
 
         from sequence_parallel.ulysses import check_ulysses_heads
 
         par, config = cfg.parallel, hf_model_config(cfg)
-        for key, what in (("tp", "tensor-parallel plan"), ("pp", "pipeline stages")):
-            if par[key] > 1:
-                raise ConfigError(f"parallel.{key}={par[key]} with model=hf is not supported (the Hugging Face "
-                                  f"adapter offers no {what}); use data, sequence (sp) and expert parallelism")
+        for key in ("tp", "pp"):
+            problem = layout_problem(config, key, par[key]) if par[key] > 1 else None
+            if problem:
+                raise ConfigError(f"parallel.{key}={par[key]} with model=hf is refused: {problem}; use parallel."
+                                  f"{key}=1 (data, sequence and expert parallelism)")
+        if par.pp > 1 and _stages_per_rank(par) > 1:
+            raise ConfigError(f"parallel.pp_schedule={par.pp_schedule} places several stages on a rank, which model=hf "
+                              "does not offer (each stage holds its own part of the base model); use parallel."
+                              "pp_schedule=1f1b or gpipe")
         check_ulysses_heads(config.num_attention_heads, par.sp, keys=PARALLEL_KEYS)
         if par.sp > 1 and rope_type(config) in LENGTH_DEPENDENT_ROPE:
             raise ConfigError(f"rope_type={rope_type(config)} scales its tables by the longest position a forward "
@@ -132,7 +151,9 @@ class HFSpec(FamilySpec):
         return is_moe(hf_model_config(cfg))
 
     def num_experts(self, cfg: Any) -> int:
-        return hf_model_config(cfg).num_local_experts if self.is_moe(cfg) else 0
+        from moe_lst.models.hf import num_experts
+
+        return num_experts(hf_model_config(cfg))
 
     def moe_layers(self, cfg: Any) -> list[int]:
         from moe_lst.models.hf import dense_mlp_layers

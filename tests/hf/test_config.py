@@ -51,8 +51,17 @@ CASES = [  # (config.json kind and keys, overrides, the message)
      r"train.seq_len=128 does not fit the model: its max_position_embeddings=64; lower train.seq_len or set "
      r"model.hf.overrides.max_position_embeddings"),
     (("llama", {"attention_dropout": 0.1}), [], r"attention_dropout=0.1 \(the adapter's attention has no dropout"),
-    (("llama", {}), ["parallel.tp=2"], r"parallel.tp=2 with model=hf is not supported .*no tensor-parallel plan"),
-    (("llama", {}), ["parallel.pp=2"], r"parallel.pp=2 with model=hf is not supported .*no pipeline stages"),
+    (("llama", {"tie_word_embeddings": True}), ["parallel.tp=2"],
+     r"parallel.tp=2 with model=hf is refused: a tied head under the vocabulary-parallel embedding is not mapped "
+     r"\(tie_word_embeddings\); use parallel.tp=1"),
+    (("llama", {}), ["parallel.tp=2", "model.hf.overrides={intermediate_size: 47}"],
+     r"parallel.tp=2 with model=hf is refused: tp=2 does not divide intermediate_size=47"),
+    (("llama", {}), ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
+     r"parallel.pp_schedule=interleaved_1f1b places several stages on a rank, which model=hf does not offer"),
+    (("mixtral", {}), ["parallel.tp=2"], r"parallel.tp=2 with model=hf is refused: the coverage sweep's tp2 check "
+                                         r"of model_type mixtral: refused: its experts' plan is not mapped"),
+    (("mixtral", {}), ["parallel.pp=2"], r"parallel.pp=2 with model=hf is refused: the coverage sweep's pp2 check "
+                                         r"of model_type mixtral: refused: .*balancing loss"),
     (("llama", {}), ["parallel.sp=8"], r"parallel.sp=8 cannot exceed the number of query heads \(4\): the rule is sp "
                                        r"<= n_heads / tp; use parallel.sp <= 4 and put"),
     (("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
