@@ -107,12 +107,12 @@ def summarize(stats: np.ndarray, prompts: list[Prompt]) -> dict[str, float]:
 
 def heatmap_media(cells: dict[tuple[int, float], float]) -> dict:
     """The retrieval accuracy by length and depth as W&B media: a heatmap image and a table."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import wandb
     from PIL import Image
+
+    from recipes.reports import pyplot
+
+    plt = pyplot()
 
     lengths, depths = sorted({k[0] for k in cells}), sorted({k[1] for k in cells})
     grid = [[cells[(n, d)] for n in lengths] for d in depths]

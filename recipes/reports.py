@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-import matplotlib
 import torch
 import torch.distributed as dist
 from moe_lst.models import spec as families
@@ -19,8 +18,16 @@ from zero.dist import comm
 from zero.dist.topology import default_device, peak_rss_bytes
 from zero.parallel.pipeline import Pipeline
 
-matplotlib.use("Agg")  # the heatmap is written to a file, never shown
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (figures are written to files, never shown), imported on first use
+    (most runs never draw)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def peak_rss_mb() -> float:
@@ -87,6 +94,7 @@ def load_fractions(loads: dict[str, list[float]]) -> list[tuple[str, list[float]
 def draw_heatmap(rows: list[tuple[str, list[float]]], out) -> None:
     """The expert-load heatmap of `rows` (load_fractions) as a PNG into `out` (a path or a binary file)."""
     width = len(rows[0][1])
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 0.5 * width + 2), 0.5 * len(rows) + 1.5))
     im = ax.imshow([frac for _, frac in rows], aspect="auto", cmap="viridis")
     ax.set_xlabel("expert")

@@ -21,7 +21,6 @@ looped_bfs and interleaved_zb any number (default 2, placed round-robin: rank r 
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,8 +28,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed import pipelining as pl
-from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from zero.config import int_at_least
 from zero.contract import ModelContract, contract_of
@@ -150,11 +147,6 @@ def release_other_stages(model: nn.Module, mine: nn.Module) -> None:
                 torch.utils.swap_tensors(t, placeholder)
 
 
-# Ask torch's schedules not to keep and merge the last stage's outputs, where their step() takes the argument.
-_NO_OUTPUTS = ({"return_outputs": False}
-               if "return_outputs" in inspect.signature(pl.schedules.PipelineScheduleSingle.step).parameters else {})
-
-
 class LocalStages(nn.Module, ModelContract):
     """This rank's stage modules as one module with the model's own parameter names (children of the
     stages are merged by name; ModuleDicts key by key into a BlockDict, whose blocks are ZeRO-3 units), so
@@ -189,48 +181,6 @@ class LocalStages(nn.Module, ModelContract):
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline rank's stages run through Pipeline.train_step / eval_step, not forward")
-
-
-class _EngineStage(pl.PipelineStage):
-    """A PipelineStage that tells the pipeline when gradients are produced, so the ZeRO engine can
-    scale attached losses before and reduce gradients after each backward (full or weight-only)."""
-
-    def __init__(self, *args, runner: Pipeline, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.runner = runner
-
-    def _held(self) -> int:
-        """Micro-batches whose activations this stage holds: awaiting backward, or (zero-bubble schedules)
-        their weight-gradient pass after the input-gradient one."""
-        return len(self.fwd_cache) + len(self.backward_state)
-
-    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-        start = time.perf_counter()
-        with comm.unwatched():
-            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        self.runner._record("F", self.stage_index, fwd_chunk_id, start, self._held())
-        return out
-
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        if not self.has_backward:
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        start = time.perf_counter()
-        with comm.unwatched():
-            self.runner._before_grads(self.stage_index, full_backward)
-            super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-            if full_backward:
-                self.runner._after_grads(self.stage_index)
-        self.runner._record("B" if full_backward else "I", self.stage_index, bwd_chunk_id, start, self._held())
-
-    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        if not self.has_backward:
-            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
-        start = time.perf_counter()
-        with comm.unwatched():
-            self.runner._before_grads(self.stage_index, True, weight_pass=True)
-            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
-            self.runner._after_grads(self.stage_index)
-        self.runner._record("W", self.stage_index, bwd_chunk_id, start, self._held())
 
 
 @dataclass
@@ -375,13 +325,17 @@ class Pipeline(Plan):
         dtype = engine.config.torch_dtype
         device = engine.device
         meta = {"device": "meta"}
+        from torch.distributed import pipelining as pl  # (a second or more to import: only where pp > 1)
+
+        from zero.parallel.pipeline_stage import EngineStage
+
         stages = []
         for span, module in zip(self.spans, self.stage_modules):
             inp = (torch.empty(mb_shape, dtype=tokens.dtype, **meta) if span.first
                    else torch.empty(act_shape, dtype=dtype, **meta, requires_grad=True))
             # requires_grad marks what carries gradients back (the static metadata derives the grads from it)
             out = torch.empty(out_shape if span.last else act_shape, dtype=dtype, **meta, requires_grad=True)
-            stages.append(_EngineStage(module, span.index, self.num_stages, device, input_args=(inp,),
+            stages.append(EngineStage(module, span.index, self.num_stages, device, input_args=(inp,),
                                        output_args=(out,), group=self.dims.pp_group, runner=self))
         cls = getattr(pl, SCHEDULES[self.schedule_name][0])
         kwargs = {"n_microbatches": m, "loss_fn": self._loss, "scale_grads": False}
@@ -410,9 +364,11 @@ class Pipeline(Plan):
         tgt = target if self.holds_last_stage else None
         # The schedule sends and receives activations by itself: its waits are watched as one collective
         # over the pipeline ranks (the stages' computations in it are not waiting).
+        from zero.parallel.pipeline_stage import NO_OUTPUTS
+
         with comm.watched("pipeline send/recv", self.dims.pp_group):
             if training:  # (the losses come through loss_fn: the merged last-stage output is not wanted)
-                self._schedule.step(*args, target=tgt, **_NO_OUTPUTS, **kwargs)
+                self._schedule.step(*args, target=tgt, **NO_OUTPUTS, **kwargs)
             elif SCHEDULES[self.schedule_name][2]:
                 # torch's V schedules (zbv, dualpipev) run their backward actions in eval() too and fail
                 # ("can't steal_bwd_input if this stage doesn't have backward"): forward them in stage order
@@ -438,6 +394,8 @@ class Pipeline(Plan):
         p, me, m = self.dims.pp, self.dims.coordinate()["pp"], self.microbatches
         owner = [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
         mine = {span.index: module for span, module in zip(self.spans, self.stage_modules)}
+        from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
         _, kwarg_chunks = split_args_kwargs_into_chunks((), kwargs, m)
         token_chunks = tokens.tensor_split(m)
         target_chunks = target.tensor_split(m)
