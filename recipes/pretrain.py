@@ -351,12 +351,13 @@ class Run:
         check_data_identity(self.train_stream, self.run_dir, resumes(cfg, self.run_dir), self.is_rank0)
         self.evals = Evaluations(cfg, self.dims, self.train_stream, self.val_stream, self.is_rank0)  # (eval.*)
         initial = initial_weights(cfg, self.run_dir, self.is_rank0)
-        self.model, self.parallel = build_model(cfg, self.dims, initial, meta=builds_on_meta(cfg))
+        meta = builds_on_meta(cfg)
+        self.model, self.parallel = build_model(cfg, self.dims, initial, meta=meta)
         self.pipe = self.parallel.pipe
         self.engine = build_engine(cfg, self.model, self.dims, self.parallel)
         if isinstance(initial, StreamingWeights):  # each rank reads only what it keeps
             initial.load_into(self.engine)
-        elif initial is not None and builds_on_meta(cfg):  # built without values: the engine takes them
+        elif initial is not None and meta:  # built without values: the engine takes them
             self.engine.load_full_state_dict(initial)
         self.start_step = resume(self.engine, self.run_dir, cfg, self.is_rank0)
         # the step of run_dir's newest complete checkpoint (train.resume may have named another directory's)
