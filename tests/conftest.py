@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -15,3 +16,16 @@ def _multirank_pools():
     from tests.multirank import close_pools
 
     close_pools()
+
+
+def pytest_collection_finish(session):
+    """The benchmarks' quick runs start in the background once collection ends (tests/test_benchmarks.py)."""
+    bench = sys.modules.get("tests.test_benchmarks")
+    if bench is not None:
+        bench.start_ahead(session.items)
+
+
+def pytest_sessionfinish(session):
+    bench = sys.modules.get("tests.test_benchmarks")
+    if bench is not None:
+        bench.close_ahead()
