@@ -180,6 +180,30 @@ def _rewrite(path: Path, drop: str | None = None, change: dict | None = None) ->
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def test_a_hugging_face_directory_missing_an_expert_or_of_another_shape_is_refused_in_one_line(pretrained,
+                                                                                                tmp_path):
+    """model=hf: a per-expert tensor absent from the save_pretrained directory, or one of another shape, is refused
+    before any model exists, in one line naming the tensor (and the file)."""
+    from moe_lst.models import spec as families
+
+    from recipes.config import ConfigError
+
+    def refusal(directory: Path) -> str:
+        cfg = _cfg(tmp_path / "run", *PRETRAINED_RUN["hf"](directory))
+        with pytest.raises(ConfigError) as e:
+            families.get(cfg).init_from(cfg, str(directory))
+        assert "\n" not in str(e.value), e.value
+        return str(e.value)
+
+    name = "model.layers.0.mlp.experts.3.up_proj.weight"
+    gone = _copy(pretrained["hf"], tmp_path / "gone")
+    _rewrite(gone / "model.safetensors", drop=name)
+    assert f"tensor {name} (expert 3 of model.layers.0.mlp.experts.gate_up_proj) is missing" in refusal(gone)
+    cut = _copy(pretrained["hf"], tmp_path / "cut")
+    _rewrite(cut / "model.safetensors", change={name: lambda t: t[:-1]})
+    assert f"{cut / 'model.safetensors'}: tensor {name} has shape" in refusal(cut)
+
+
 def test_header_parsing_refuses_a_file_shorter_than_its_header(tmp_path):
     d = tmp_path / "m"
     d.mkdir()
