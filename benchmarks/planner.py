@@ -95,6 +95,124 @@ def grid(base: list[str] | None = None) -> list[tuple[str, int, list[str]]]:
     return [(name, world, (BASE if base is None else base) + o) for name, world, o in out]
 
 
+# The host-memory grid (docs/planner_host.md): models whose state (a 16k vocabulary, untied) outweighs the step's
+# activations (one sequence of 32 tokens), so that the build and the load, not only the step, can be the peak.
+HOST_BASE = ["train.micro_batch_size=1", "train.seq_len=32", "model.n_layers=4", "model.dim=256", "model.ffn_dim=768",
+             "model.vocab_size=16384", "model.max_seq_len=64", "model.tie_embeddings=false"]
+HOST_NVME = "zero.nvme_path=runs/planner_host_nvme"
+HOST_CHECKPOINTS = "runs/planner_host_checkpoints"
+
+
+def host_grid() -> list[tuple[str, int, list[str]]]:
+    """(name, ranks, overrides) of the host-memory grid; each run starts from its model's checkpoint
+    (train.init_from, added by host_run)."""
+    z3_cpu = ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu"]
+    z3_nvme = ["zero.stage=3", "zero.offload_optimizer=nvme", "zero.offload_params=nvme", HOST_NVME]
+    out = [("dense 1r z0", 1, DENSE + ["zero.stage=0"]),
+           ("dense 1r z3", 1, DENSE + ["zero.stage=3"]),
+           ("dense 1r z1 bf16", 1, DENSE + ["zero.stage=1", "zero.dtype=bf16"]),
+           ("dense 1r z3 cpu", 1, DENSE + z3_cpu),
+           ("dense 2r dp2 z1", 2, DENSE + ["zero.stage=1"]),
+           ("dense 2r dp2 z2 nvme", 2, DENSE + ["zero.stage=2", "zero.offload_optimizer=nvme", HOST_NVME]),
+           ("dense 2r dp2 z3", 2, DENSE + ["zero.stage=3"]),
+           ("dense 2r dp2 z3 nvme", 2, DENSE + z3_nvme),
+           ("dense 2r tp2 z1", 2, DENSE + ["parallel.tp=2", "zero.stage=1"]),
+           ("dense 2r pp2 z1", 2, DENSE + ["parallel.pp=2", "train.grad_accum=2", "zero.stage=1"]),
+           ("dense 4r tp2 dp2 z3", 4, DENSE + ["parallel.tp=2", "zero.stage=3"]),
+           ("moe 1r z0", 1, MOE + ["zero.stage=0"]),
+           ("moe 2r ep2 z1", 2, MOE + ["parallel.ep=2", "zero.stage=1"]),
+           ("moe 2r ep2 z3", 2, MOE + ["parallel.ep=2", "zero.stage=3"]),
+           ("moe 2r ep2 z3 cpu", 2, MOE + ["parallel.ep=2"] + z3_cpu),
+           ("moe 4r pp2 ep2 z1", 4, MOE + ["parallel.pp=2", "parallel.ep=2", "train.grad_accum=2", "zero.stage=1"])]
+    return [(name, world, HOST_BASE + o) for name, world, o in out]
+
+
+def host_checkpoint(overrides: list[str], directory: str) -> str:
+    """A Hugging Face directory (fp32 safetensors) of the model `overrides` configure, freshly initialised
+    (written once; the run's train.init_from)."""
+    import torch
+    from moe_lst.models.llama import Transformer
+    from moe_lst.models.llama.spec import model_config
+    from moe_lst.models.llama.state_dict import save_hf
+
+    from recipes.config import compose_command_line
+
+    if not os.path.isfile(os.path.join(directory, "model.safetensors")):
+        model = model_config(compose_command_line(overrides))
+        torch.manual_seed(0)
+        save_hf(Transformer(model).state_dict(), model, directory)
+    return directory
+
+
+def measure_host_rank(overrides: list[str]) -> dict:
+    from recipes.planner.measure import measure_host
+
+    return measure_host(overrides)
+
+
+def host_layout(name: str, world: int, overrides: list[str], cluster=None, run=None) -> dict:
+    """Measure one layout of the host grid (every rank, fresh processes: `run(fn, world, *args)`, default
+    benchmarks.common.spawn) and predict it: per rank and phase, MiB measured and predicted; `error`: the
+    largest relative error of a rank's peak over the phases."""
+    from recipes.config import compose_command_line
+    from recipes.planner import estimate, load_cluster
+
+    model = "moe" if name.startswith("moe") else "dense"
+    base = [o for o in overrides if not o.startswith(("zero.", "parallel.", "train.grad_accum"))]
+    directory = host_checkpoint(base, os.path.join(HOST_CHECKPOINTS, model))
+    overrides = overrides + [f"train.init_from={directory}"]
+    os.makedirs(HOST_NVME.split("=", 1)[1], exist_ok=True)
+    t0 = time.perf_counter()
+    measured = (run(measure_host_rank, world, overrides) if run is not None
+                else spawn(measure_host_rank, overrides, world=world, timeout=600))
+    wall = time.perf_counter() - t0
+    ests = estimate(compose_command_line(overrides), cluster or load_cluster("cpu"), world)
+    ranks = []
+    for m, e in zip(measured, ests):
+        pm = {k: v / 2**20 for k, v in m["phases"].items()}
+        pp = {k: sum(v.values()) / 2**20 for k, v in e.host_phases.items()}
+        ranks.append({"measured": pm, "predicted": pp, "peak_measured": max(pm.values()),
+                      "peak_predicted": e.host_peak_bytes / 2**20, "predicted_phase": e.host_peak_phase,
+                      "measured_phase": max(pm, key=pm.get), "nvme_bytes": e.nvme_bytes,
+                      "categories": {k: {c: b / 2**20 for c, b in v.items()} for k, v in e.host_phases.items()}})
+    error = max(abs(r["peak_predicted"] - r["peak_measured"]) / r["peak_measured"] for r in ranks)
+    return {"name": name, "world": world, "overrides": overrides, "ranks": ranks, "error": error, "wall_s": wall}
+
+
+def host_table(results: list[dict]) -> str:
+    """The host grid's markdown table: per layout, the rank with the largest error."""
+    rows = []
+    for r in results:
+        worst = max(r["ranks"], key=lambda x: abs(x["peak_predicted"] - x["peak_measured"]) / x["peak_measured"])
+        phases = lambda d: " / ".join(f"{d.get(k, 0):.0f}" for k in ("build", "load", "step"))  # noqa: E731
+        rows.append([r["name"], phases(worst["measured"]), phases(worst["predicted"]),
+                     f"{worst['peak_measured']:.1f} ({worst['measured_phase']})",
+                     f"{worst['peak_predicted']:.1f} ({worst['predicted_phase']})",
+                     f"{(worst['peak_predicted'] - worst['peak_measured']) / worst['peak_measured']:+.1%}",
+                     f"{worst['nvme_bytes'] / 2**20:.0f}"])
+    return table(["layout", "measured MiB build / load / step", "predicted build / load / step", "peak measured",
+                  "peak predicted", "error", "nvme MiB"], rows)
+
+
+def host_main(args) -> None:
+    results = []
+    for name, world, overrides in host_grid():
+        if args.only and args.only not in name:
+            continue
+        r = host_layout(name, world, overrides)
+        results.append(r)
+        print(f"{name:24s} |error| {r['error']:.1%}  ({r['wall_s']:.0f} s)", flush=True)
+    text = host_table(results)
+    print(text)
+    if args.write:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "planner_host.md")
+        head = open(path).read().split("<!-- host table -->")[0]
+        with open(path, "w") as f:
+            f.write(head + "<!-- host table -->\n" + text + "\n")
+    with open(os.path.join("runs", "planner_host.json"), "w") as f:
+        json.dump(results, f)
+
+
 def measure_rank(overrides: list[str], steps: int) -> dict:
     from recipes.planner.measure import measure
 
@@ -414,11 +532,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write", action="store_true", help="write the table into benchmarks/planner.md")
     parser.add_argument("--search", action="store_true", help="also run and measure recipes.plan search's picks")
     parser.add_argument("--quick", action="store_true", help="two layouts, two steps, nothing cached (a smoke run)")
+    parser.add_argument("--host", action="store_true",
+                        help="the host-memory grid instead (build, init_from load, first step; docs/planner_host.md)")
     parser.add_argument("--gemm-caches", action="store_true",
                         help="also measure the bf16 layouts with the GEMM caches at one entry (gemm_cache_entry_kb)")
     args = parser.parse_args(argv)
     if args.quick:
         return quick(args)
+    if args.host:
+        return host_main(args)
     cache = run(args)
     if args.gemm_caches:
         gemm_cache_check(cache, args.steps)

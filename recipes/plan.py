@@ -12,8 +12,9 @@ import sys
 
 from recipes.config import ConfigError, compose_command_line
 from recipes.planner import estimate, load_cluster
-from recipes.planner.predict import check_planned
+from recipes.planner.host import host_fit
 from recipes.planner.layouts import apply_overrides, candidate_overrides, resolve_world, valid
+from recipes.planner.predict import check_planned
 
 GiB = 2**30
 
@@ -42,6 +43,12 @@ def describe(est, world: int) -> str:
     if est.host_memory or est.nvme_bytes:
         lines.append("  host memory: " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in est.host_memory.items())
                      + f" GiB; nvme {est.nvme_bytes / GiB:.3f} GiB")
+    if est.host_phases:
+        lines.append("  host memory by phase: " + ", ".join(f"{k} {sum(v.values()) / GiB:.3f}"
+                                                           for k, v in est.host_phases.items())
+                     + f" GiB (peak at {est.host_peak_phase}: " + ", ".join(
+                         f"{k} {v / GiB:.3f}" for k, v in est.host_phases[est.host_peak_phase].items())
+                     + f" GiB); nvme {est.nvme_bytes / GiB:.3f} GiB")
     for c in sorted(est.collectives, key=lambda c: -c.bytes):
         lines.append(f"  {c.kind:>14} over {c.group} ({c.ranks} ranks): {c.bytes / 2**20:.2f} MiB in {c.calls} calls")
     lines.append(f"  comm_bytes per step {est.comm_bytes_per_step}; step time {est.step_time_s * 1e3:.1f} ms ("
@@ -49,8 +56,10 @@ def describe(est, world: int) -> str:
     return "\n".join(lines)
 
 
-def search(cfg, cluster, world: int, top: int) -> list[tuple[float, dict, str | None]]:
-    """Every valid layout of `world` devices that fits device memory, fastest first."""
+def search(cfg, cluster, world: int, top: int,
+           refused: list[str] | None = None) -> list[tuple[float, dict, str | None]]:
+    """Every valid layout of `world` devices that fits device memory and the host's, fastest first; `refused`
+    collects a line for each layout that fits its devices but not the host."""
     check_planned(cfg)
     ranked = []
     for overrides in candidate_overrides(cfg, world):
@@ -63,6 +72,11 @@ def search(cfg, cluster, world: int, top: int) -> list[tuple[float, dict, str | 
             continue
         peak = max(e.peak_device_bytes for e in ests)
         if peak > cluster.device_memory_gb * 1e9:
+            continue
+        host = host_fit(ests, cluster)
+        if host is not None:
+            if refused is not None:
+                refused.append(" ".join(f"{k}={v}" for k, v in overrides.items()) + f": {host}")
             continue
         ranked.append((max(e.step_time_s for e in ests), overrides, peak))
     ranked.sort(key=lambda x: x[0])
@@ -84,14 +98,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_command_line(overrides)
         if is_search:
             world = args.world or 1
-            best = search(cfg, cluster, world, args.top)
+            refused: list[str] = []
+            best = search(cfg, cluster, world, args.top, refused)
             launch = (f"torchrun --nproc_per_node {world} -m recipes.pretrain" if world > 1
                       else "python -m recipes.pretrain")
             for t, o, peak in best:
                 chosen = [x for x in overrides if x.split("=", 1)[0] not in o] + [f"{k}={v}" for k, v in o.items()]
                 print(f"{t * 1e3:9.1f} ms  {peak / GiB:7.2f} GiB  {launch} " + " ".join(chosen))
+            if refused:
+                print(f"{len(refused)} layouts fit the devices but not the host, e.g. {refused[0]}", file=sys.stderr)
             if not best:
-                print(f"no layout of {world} devices fits {cluster.device_memory_gb} GB per device", file=sys.stderr)
+                print(f"no layout of {world} devices fits {cluster.device_memory_gb} GB per device and "
+                      f"{cluster.host_memory_gb} GB of host memory per node", file=sys.stderr)
                 return 1
             return 0
         cfg = resolve_world(cfg, args.world)
@@ -105,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shown = {e.rank: e for e in ests if e.rank % (world // cfg.parallel.pp) == 0}
         print("\n".join(describe(e, world) for e in shown.values()))
+    host = host_fit(ests, cluster)
+    if host is not None:
+        print(f"does not fit the host: {host}", file=sys.stderr)
     return 0
 
 

@@ -46,6 +46,17 @@ class Cluster:
     # primitive per shape, held by oneDNN's cache and by ideep's in front of it (bounded by
     # moe.experts.bound_onednn_caches); 0: no such caches (GPU presets; fp32 CPU GEMMs keep none)
     gemm_cache_entry_kb: float = 0.0
+    # whether the collectives' backend copies whole buffers: gloo's reduce-scatter and all-gather into a flat
+    # tensor allocate a temporary of the whole input / output (NCCL works in place)
+    collective_copies: bool = False
+    # whether a rank's device memory is the host's (this CPU machine): its host figures then count everything
+    unified_memory: bool = False
+    # host memory a rank holds beyond its tensors from its build on (module objects, the allocator's heaps), in
+    # each phase of the host figures (recipes.planner.host)
+    host_overhead_mb: float = 0.0
+    # what a rank's process holds before it builds anything (the interpreter, torch and its libraries, the CUDA
+    # context, the corpus): not in the host figures, but in what a node's host memory must hold
+    host_process_mb: float = 0.0
 
     def link(self, ranks: int) -> tuple[float, float]:
         """(latency s, bandwidth B/s) of a group of `ranks` consecutive ranks: inside a node or across."""

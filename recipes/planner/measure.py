@@ -117,3 +117,70 @@ def measure(overrides: list[str], steps: int = 3) -> dict:
     run.logger.finish()
     run.engine.close()
     return out
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def measure_host(overrides: list[str]) -> dict:
+    """The host-memory side of a plan on this rank: the recipe's `Run` built (with its `train.init_from`, if any)
+    and two training steps taken, with the process's high-water mark (VmHWM) read at the end of each phase and
+    restarted at its start. Phases: "build" (the model on the meta device, the engine's buffers and their values),
+    "load" (train.init_from streamed into the engine, and the rest of the run's setup), "step" (the first two
+    training steps: the second is the steady state, the optimizer state alive from its start). Each figure is
+    the phase's peak less `baseline`: what was resident just before the build (the interpreter, torch, the
+    project, the corpus, the process groups), after glibc's free memory went back to the system. glibc's mmap
+    and trim thresholds are pinned first (as `measure` does), so resident memory follows the live tensors."""
+    import gc
+
+    from hydra import compose, initialize_config_dir
+
+    import recipes.pretrain as pretrain
+    from recipes.config import CONFIG_DIR
+    from zero.dist.topology import release_free_host_memory
+
+    pinned = _follow_live_tensors()
+    marks: dict[str, int] = {}
+
+    def start() -> None:
+        gc.collect()
+        release_free_host_memory()
+        marks["baseline"] = _rss_bytes()
+        marks["peak_reset"] = _reset_peak()
+
+    def end(phase: str) -> None:
+        marks[phase] = _status_bytes("VmHWM") - marks["baseline"]
+        _reset_peak()
+
+    original_weights, original_engine = pretrain.initial_weights, pretrain.build_engine
+
+    def initial_weights(*args, **kwargs):  # (the Run calls it right before it builds the model)
+        start()
+        return original_weights(*args, **kwargs)
+
+    def build_engine(*args, **kwargs):
+        engine = original_engine(*args, **kwargs)
+        end("build")
+        return engine
+
+    run_dir = tempfile.mkdtemp(prefix="plan-host-") if int(os.environ.get("RANK", "0")) == 0 else "unused"
+    fixed = [f"run_dir={run_dir}", "train.steps=2", "train.eval_batches=0", "train.sample_tokens=0",
+             "wandb.mode=disabled", "train.progress=false", "train.ckpt_every=1000000"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose("config", overrides=fixed + list(overrides))
+    pretrain.initial_weights, pretrain.build_engine = initial_weights, build_engine
+    try:
+        run = pretrain.Run(cfg)
+    finally:
+        pretrain.initial_weights, pretrain.build_engine = original_weights, original_engine
+    end("load")
+    for step in range(2):  # (the second step holds the optimizer state from its start: the steady state)
+        pretrain.train_step(run.engine, run.train_stream, step, cfg, run.dims, run.pipe)
+    end("step")
+    out = {"phases": {k: marks[k] for k in ("build", "load", "step")}, "baseline": marks["baseline"],
+           "peak_reset": marks["peak_reset"], "pinned": pinned, "memory": run.engine.memory_breakdown()}
+    run.logger.finish()
+    run.engine.close()
+    return out

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 from omegaconf import DictConfig
 
-from zero.dist import quantized
 from recipes.planner.build import (
     ITEMSIZE,
     BucketSpec,
@@ -26,7 +25,9 @@ from recipes.planner.build import (
     zero_config,
 )
 from recipes.planner.cluster import Cluster
+from recipes.planner.host import host_phases
 from recipes.planner.trace import Trace, trace_micro_batch
+from zero.dist import quantized
 
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, fp32, per master element
 
@@ -57,6 +58,18 @@ class RankEstimate:
     host_events: dict[str, float] = field(default_factory=dict)  # what the host overheads multiply
     peak_phase: str = ""  # the moment of the step where `memory` is counted (its device peak)
     peak_total_bytes: int = 0  # the largest device + host total of any moment (where they are one memory)
+    # host bytes by category of each phase ("build", "load" with train.init_from, "step"): recipes.planner.host
+    host_phases: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def host_peak_phase(self) -> str:
+        return max(self.host_phases, key=lambda k: sum(self.host_phases[k].values()), default="")
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """The rank's largest host memory of build, load and first step (less the process's own
+        `Cluster.host_process_mb`)."""
+        return max((sum(v.values()) for v in self.host_phases.values()), default=0)
 
     @property
     def peak_device_bytes(self) -> int:
@@ -70,6 +83,8 @@ class RankEstimate:
         out = asdict(self)
         out["peak_device_bytes"] = self.peak_device_bytes
         out["step_time_s"] = self.step_time_s
+        out["host_peak_bytes"] = self.host_peak_bytes
+        out["host_peak_phase"] = self.host_peak_phase
         return out
 
 
@@ -128,7 +143,7 @@ def _stage3_gathers(out: _Counter, layout: Layout, cfg: DictConfig, rm: RankMode
 
 def engine_collectives(out: _Counter, layout: Layout, cfg: DictConfig, rm: RankModel, isz: int) -> None:
     """The engine's own collectives in one step: gradient reductions, ZeRO-3 gathers, the step's gathers."""
-    stage, m, passes = cfg.zero.stage, cfg.train.grad_accum, backward_passes(cfg, rm)
+    stage, passes = cfg.zero.stage, backward_passes(cfg, rm)
     z = cfg.zero
     trainable = [b for b in layout.buckets if b.trainable]
     for b in trainable:
@@ -372,18 +387,41 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
     return out
 
 
+def collective_temporaries(layout: Layout, cfg: DictConfig, isz: int) -> dict[str, int]:
+    """Per moment of the step, the largest buffer a collective backend that copies whole buffers (gloo on CPU:
+    its reduce-scatter and all-gather into a flat tensor allocate a temporary of the whole input / output) holds
+    beside the engine's: in backward the reduce-scatter of a staged bucket (stage 2-3) or a stage-3 gather, at
+    the step stage 1's reduce-scatter of the flat gradients and stages 1-2's all-gather of the updated
+    parameters."""
+    z = cfg.zero
+    shared = [b for b in layout.buckets if b.world > 1]
+    if z.stage == 0 or not shared:
+        return {}
+    reduced = max((b.padded * isz for b in shared if b.trainable), default=0)
+    gathered = max((b.padded * isz for b in shared if not b.resident), default=0)
+    if z.stage == 3:
+        return {"loss": gathered, "backward": max(gathered, reduced), "end of backward": max(gathered, reduced)}
+    resident = max((b.padded * isz for b in shared if b.resident), default=0)
+    out = {"step": max(resident, reduced if z.stage == 1 else 0)}
+    if z.stage == 2:
+        out["backward"] = out["end of backward"] = reduced
+    return out
+
+
 def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imbalance: float,
-                  runtime: int = 0) -> tuple[dict[str, tuple[dict[str, int], dict[str, int]]], int]:
+                  runtime: int = 0, copies: bool = False) -> tuple[dict[str, tuple[dict[str, int], dict[str, int]]],
+                                                                   int]:
     """(device, host) bytes by category at each moment of a step where the peak can fall, and the nvme bytes.
 
     - "loss": the end of a forward, all its saved activations and the logits' working set alive; the reduced
       gradients of earlier micro-batches too (stages 2-3, or any stage within a pipeline's schedule);
     - "backward": backward under way: the activations still mostly alive, the first buckets' staging, the
-      recomputed block (checkpointing), the gathered units of stage 3;
+      recomputed block (checkpointing), the gathered units of stage 3, the largest weight's own gradient;
     - "end of backward": every reduced gradient, the staging of the last buckets;
     - "step": the optimizer step over the reduced gradients.
     What persists (parameters, masters, optimizer state, flat gradients, and
-    `runtime` bytes: the cluster's memory of the runtime beyond tensors) is in every moment."""
+    `runtime` bytes: the cluster's memory of the runtime beyond tensors) is in every moment; with `copies` (the
+    cluster's `collective_copies`) the backend's temporaries of `collective_temporaries` too."""
     z = cfg.zero
     dev, host, nvme = state_memory(layout, cfg, isz)
     if runtime:
@@ -398,16 +436,21 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
     staging = buf.get("gradient_staging", 0)
     first = max((b.padded * isz for b in layout.buckets[:1] if b.trainable and (b.world > 1 or isz != 4)),
                 default=0) if z.stage >= 2 else 0
+    # autograd makes each weight's gradient in a tensor of its own before it is added to the flat gradient (or
+    # copied to the staging buffer): the largest of them is alive in backward
+    weight_grad = max((n * isz for b in layout.buckets if b.trainable for n in b.numels), default=0)
     phases = {
         "loss": {**saved, "logits": acts.get("logits", 0), **gathered,
                  "gradients": reduced if earlier and z.stage >= 2 else 0},
         "backward": {**saved, "recompute": acts.get("recompute", 0), **gathered,
-                     "gradient_staging": first if staging else 0,
+                     "gradient_staging": first if staging else 0, "weight_gradient": weight_grad,
                      "gradients": reduced if earlier and z.stage >= 2 else 0},
         "end of backward": {"gradients": reduced if z.stage >= 2 else 0, "gradient_staging": staging,
                             **gathered},  # (hpZ's copies are dropped after the last reduction: an upper bound)
         "step": {"gradients": reduced},
     }
+    for name, n in (collective_temporaries(layout, cfg, isz) if copies else {}).items():
+        phases[name]["collective_buffers"] = n
     out = {}
     for name, extra in phases.items():
         d = dict(dev)
@@ -549,7 +592,8 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
         # the measured routing: rows sent and received against uniform routing's (sent equal to received there);
         # what this rank's experts received over uniform is its imbalance for the expert activations
         imbalance = max(0.0, 2 * a2a_rows / (trace.a2a_rows * cfg.train.grad_accum) - 1)
-    phases, nvme = memory_phases(layout, cfg, rm, isz, imbalance, int(cluster.runtime_memory_mb * 2**20))
+    phases, nvme = memory_phases(layout, cfg, rm, isz, imbalance, int(cluster.runtime_memory_mb * 2**20),
+                                 cluster.collective_copies)
     caches = gemm_cache_memory(trace, cluster)
     if caches:  # (resident from the first step on: in every moment)
         for d, _ in phases.values():
@@ -557,13 +601,16 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
     peak = max(phases, key=lambda k: sum(phases[k][0].values()))
     dev, host = phases[peak]
     together = max(sum(d.values()) + sum(h.values()) for d, h in phases.values())  # host and device one memory
+    step = max(phases.values(), key=lambda m: sum(m[1].values()) + (sum(m[0].values()) if cluster.unified_memory
+                                                                     else 0))
+    hosts = host_phases(layout, cfg, rm, isz, step, cluster)
     by_kind: dict[str, int] = defaultdict(int)
     for c in collectives:
         by_kind[c.kind] += c.bytes
     return RankEstimate(rank, dev, host, nvme, collectives, sum(by_kind.values()), dict(by_kind),
                         step_time(cfg, rm, cluster, collectives, layout, isz),
                         sum(p.numel() for p in rm.module.parameters()), len(layout.buckets),
-                        host_events(cfg, rm, layout), peak, together)
+                        host_events(cfg, rm, layout), peak, together, hosts)
 
 
 def check_planned(cfg: DictConfig) -> None:

@@ -57,11 +57,12 @@ def test_tiny_zero3_bf16_units_by_hand():
 
 def test_peak_is_the_largest_moment_of_the_step_not_the_sum():
     # stage 2, one micro-batch: at the loss the activations and logits are alive but no gradient yet; the
-    # reduced gradients and the staging buffer exist only from backward on, when the logits are gone
-    e = estimate(config(TINY + ["zero.stage=2"]), world=2)[0]
+    # reduced gradients, the staging buffer and each weight's own gradient exist only from backward on, when the
+    # logits are gone (4 sequences: the logits outweigh the first staging buffer and the largest weight gradient)
+    e = estimate(config(TINY + ["zero.stage=2", "train.micro_batch_size=4"]), world=2)[0]
     shard = TINY_PARAMS // 2
     state = 4 * TINY_PARAMS + 2 * 4 * shard  # fp32 parameters, AdamW's moments of the shard
-    tokens = 2 * 64
+    tokens = 4 * 64
     per_layer = tokens * (2 * 64 + 4 * 64 + 2 * 32 + 4 * 128) * 4  # norms, q/o/attention, k/v, the MLP's four
     activations = 2 * per_layer + 2 * tokens * 64 * 4  # + the final norm's input and output
     logits = tokens * 256 * (4 + 8)  # fp32 logits, log-softmax and its gradient
