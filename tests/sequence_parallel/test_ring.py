@@ -8,8 +8,6 @@ layout-aware ring at C=4 with a sliding window sends at most 1/C of the dense ri
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from tests.multirank import run_multirank
@@ -42,22 +40,10 @@ def _inputs(case: str):
     return q, k, v, dout, fn, case != "bidirectional", positions, Documents
 
 
-@functools.cache
-def _one_process(case: str):
-    """The output and q/k/v gradients of one process (computed once, in the test's process)."""
+def _run_case(case: str, sp_group, cp_group) -> dict[str, float]:
+    """Max |parallel - one process| of the output and the three gradients, on this rank (after gathering)."""
     import torch
     from moe_lst.kernels.documents import attend
-
-    q, k, v, dout, fn, causal, positions, documents = _inputs(case)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    want = attend(fn, *leaves, causal=causal, documents=None if positions is None else documents(positions))
-    return (want.detach(), *torch.autograd.grad(want, leaves, dout))
-
-
-def _run_case(case: str, sp_group, cp_group) -> list:
-    """The ring's output and q/k/v gradients over the whole rows, gathered from every rank's tokens (the test
-    compares every rank's with one process)."""
-    import torch
 
     from sequence_parallel.data import collect_context_parallel, shard_context_parallel
     from sequence_parallel.ring import RingAttention
@@ -65,6 +51,9 @@ def _run_case(case: str, sp_group, cp_group) -> list:
     from zero.dist.topology import group_size
 
     q, k, v, dout, fn, causal, positions, documents = _inputs(case)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = attend(fn, *leaves, causal=causal, documents=None if positions is None else documents(positions))
+    want_grads = torch.autograd.grad(want, leaves, dout)
 
     def shard(x):
         return shard_context_parallel(x, sp_group, cp_group)
@@ -75,7 +64,9 @@ def _run_case(case: str, sp_group, cp_group) -> list:
     docs = None if positions is None else documents(shard(positions))
     out = module(*local, causal=causal, documents=docs)
     grads = torch.autograd.grad(out, local, shard(dout))
-    return [collect_context_parallel(x, sp_group, cp_group) for x in (out, *grads)]
+    got = [collect_context_parallel(x, sp_group, cp_group) for x in (out, *grads)]
+    return {name: float((g - w).abs().max() / w.abs().max())
+            for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want, *want_grads))}
 
 
 def _groups(sp: int, cp: int):
@@ -160,19 +151,17 @@ def _order(cp_group) -> list[str]:
 def _worker() -> dict:
     import torch.distributed as dist
 
-    results, rank = {}, dist.get_rank()
+    results = {}
     for sp, cp in LAYOUTS:
         sp_group, cp_group = _groups(sp, cp)
-        if (sp, cp) == (1, 4):
-            ring_group = cp_group
         for case in CASES:
             results[(sp, cp, case)] = _run_case(case, sp_group, cp_group)
-    cp_group = ring_group
+    _, cp_group = _groups(1, 4)
     results["bytes"] = {name: _bytes(256, cp_group, sparse)
                         for name, sparse in (("dense", None), ("sliding_window", dict(SLIDING, block_size=8)),
                                              ("bigbird", dict(BIGBIRD, block_size=8)))}
     results["order"] = _order(cp_group)
-    results["rank"] = rank
+    results["rank"] = dist.get_rank()
     return results
 
 
@@ -187,8 +176,7 @@ def test_ring_equals_one_process(results, layout, case):
     from tests.equivalence import RTOL
 
     for r in results:
-        errors = {name: float((g - w).abs().max() / w.abs().max())
-                  for name, g, w in zip(("out", "dq", "dk", "dv"), r[(*layout, case)], _one_process(case))}
+        errors = r[(*layout, case)]
         assert max(errors.values()) < RTOL, f"rank {r['rank']} U x C = {layout[0]}x{layout[1]} {case}: {errors}"
 
 
