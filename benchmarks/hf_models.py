@@ -1,8 +1,14 @@
 """Hugging Face models trained three ways: a plain loop, our engine at ZeRO-3 (through moe_lst.models.hf), and
 DeepSpeed ZeRO-3 on the plain model.
 
-An HF Llama (~56M parameters) and an HF Qwen3-MoE (~75M, 8 experts, top-2), both from configs written here with
-random init (nothing downloaded), train a few steps on 2 gloo ranks with the same weights, batches and AdamW:
+Four models of 50-100M parameters, from configs written here with random init (nothing downloaded), train a few
+steps on 2 gloo ranks with the same weights, batches and AdamW: an HF Llama (~56M), an HF Qwen3-MoE (~75M, 8
+experts, top-2), a DeepSeek-V3-style model (~75M: multi-head latent attention, a leading dense layer, 8 routed
+experts top-2 in 2 groups with sigmoid scores and the correction bias, a shared expert) and a GPT-OSS-style one
+(~75M: attention sinks, sliding windows alternating with full attention, YaRN rope, 8 experts top-2 with biases and
+the clamped SwiGLU). Ours runs the generic adapter (`HFCausalLM`: attention through AttentionInterface, experts
+through ExpertsInterface); DeepSpeed runs transformers' own model, its experts through transformers' default
+implementation.
 
 - plain: the transformers model, torch AdamW, gradients all-reduced in one flat buffer after backward (DDP-style);
 - plain+grouped (MoE only): the same loop with the sparse blocks swapped for our grouped experts
@@ -14,11 +20,14 @@ random init (nothing downloaded), train a few steps on 2 gloo ranks with the sam
   the plain and ours variants are; `deepspeed.zero.Init` is not used).
 
 Prints step time and peak RSS (VmHWM, the larger rank) side by side, each variant's VmRSS after build, initialize
-and the last step's forward, backward and step, the step-1 losses of every variant, and
-`ratio ours/deepspeed step time` / `ratio ours/deepspeed peak memory` per model.
+and the last step's forward, backward and step, the step-1 and last-step losses of every variant, and
+`ratio ours/deepspeed step time` / `ratio ours/deepspeed peak memory` per model. With `--repeats N` the variants run
+N rounds, interleaved (ours, DeepSpeed, ours, ...: a change of the machine's load meets every variant alike); the
+figures are medians over rounds and each ratio the median of the rounds' own ratios.
 
-    python -m benchmarks.hf_models            # full sizes
-    python -m benchmarks.hf_models --quick    # tiny sizes, 2 steps: a smoke run
+    python -m benchmarks.hf_models            # full sizes, all four models
+    python -m benchmarks.hf_models --models deepseek_v3,gpt_oss --variants ours,ours+release,deepspeed --repeats 3
+    python -m benchmarks.hf_models --quick    # tiny sizes (Llama, Qwen3-MoE), 2 steps: a smoke run
 
 Without DeepSpeed its side is skipped with a note.
 """
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import sys
 import warnings
 
@@ -39,7 +49,10 @@ from benchmarks import zero as zero_bench  # noqa: E402
 
 WORLD = 2
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-KINDS = ("llama", "qwen3_moe")
+KINDS = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss")
+QUICK_KINDS = ("llama", "qwen3_moe")  # a quick run's default (the others: --models)
+LABELS = {"step_s": "step time", "peak_rss_mb": "peak RSS", "train_rss_mb": "train RSS"}
+VARIANTS = ("plain", "plain+grouped", "ours", "ours+release", "ours-meta", "deepspeed")
 
 
 # ---------------------------------------------------------------------------- models
@@ -53,15 +66,43 @@ def hf_config(kind: str, quick: bool):
     else:
         common_size = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                            num_key_value_heads=4, max_position_embeddings=1024)
+    hidden, experts = common_size["hidden_size"], 4 if quick else 8
     if kind == "llama":  # 8 blocks of 2.95M + untied 16.4M embedding and head: 56.0M
-        extra = dict(intermediate_size=4 * common_size["hidden_size"] * 11 // 16, tie_word_embeddings=False)
-    else:  # 6 blocks of 7.1M (8 experts x 0.79M, attention, router) + embedding and head: 75.4M
-        experts = 4 if quick else 8
-        extra = dict(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=common_size["hidden_size"],
-                     intermediate_size=common_size["hidden_size"] * 2, head_dim=64 if not quick else 16,
+        extra = dict(intermediate_size=4 * hidden * 11 // 16, tie_word_embeddings=False)
+    elif kind == "qwen3_moe":  # 6 blocks of 7.1M (8 experts x 0.79M, attention, router) + embedding and head: 75.4M
+        extra = dict(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=hidden,
+                     intermediate_size=hidden * 2, head_dim=64 if not quick else 16,
                      norm_topk_prob=True, output_router_logits=False, tie_word_embeddings=False)
         if not quick:
             common_size["num_hidden_layers"] = 6
+    elif kind == "deepseek_v3":
+        # DeepSeek-V3's architecture scaled down: multi-head latent attention (q and kv low-rank, a decoupled
+        # rope part, interleaved rope), one leading dense layer, then MoE layers of 8 routed experts top-2 in 2
+        # groups (top-1 group, sigmoid scores with the correction bias, routed scaling) plus one shared expert.
+        # 1 dense block of 3.0M + 5 MoE blocks of 7.9M + embedding and head: 74.6M
+        heads = common_size["num_attention_heads"]
+        common_size.update(num_hidden_layers=2 if quick else 6, num_key_value_heads=heads)
+        extra = dict(intermediate_size=hidden * 11 // 4, moe_intermediate_size=hidden, n_routed_experts=experts,
+                     num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=hidden // 2,
+                     kv_lora_rank=hidden // 4, qk_nope_head_dim=hidden // heads // 2,
+                     qk_rope_head_dim=hidden // heads // 2, v_head_dim=hidden // heads,
+                     head_dim=hidden // heads // 2, tie_word_embeddings=False)
+    elif kind == "gpt_oss":
+        # GPT-OSS's architecture scaled down: attention with learned sinks and biases, sliding-window layers
+        # (window 64) alternating with full ones, YaRN rope, 8 experts top-2 with biases and the clamped SwiGLU.
+        # 6 blocks of 7.1M + embedding and head: 75.3M
+        layers = 2 if quick else 6
+        common_size.update(num_hidden_layers=layers)
+        extra = dict(head_dim=16 if quick else 64, intermediate_size=hidden, num_local_experts=experts,
+                     num_experts_per_tok=2, sliding_window=16 if quick else 64,
+                     layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                     rope_parameters=dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                          original_max_position_embeddings=common_size["max_position_embeddings"] // 8,
+                                          rope_theta=150000.0),
+                     output_router_logits=False, tie_word_embeddings=False)
+    else:
+        raise ValueError(f"--models: unknown model {kind!r}; choose from {', '.join(KINDS)}")
     return CONFIG_MAPPING[kind](**common_size, **extra)
 
 
@@ -135,7 +176,6 @@ def ours_step(model, args, phases: Phases, release: bool = False):
     is a transformers model, or an adapted one already (e.g. built on the meta device). `release`: the engine's
     `release_host_memory` (free host memory handed back to the OS after each backward and step)."""
     import torch
-
     from moe_lst.models.hf import HFCausalLM
 
     adapted = model if isinstance(model, HFCausalLM) else HFCausalLM(model)
@@ -185,9 +225,8 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
     """One rank of one variant: build, train the warm-up and measured steps, report."""
     if variant == "deepspeed":
         import deepspeed  # noqa: F401 - its imports belong to the baseline, not to the training's RSS
-    import transformers  # noqa: F401
-
     import moe_lst.models.hf  # noqa: F401
+    import transformers  # noqa: F401
 
     rank, counts, baseline = zero_bench.rank_start()
     if variant == "ours-meta":  # the adapter's own init by parameter name: other weights than the rest
@@ -220,45 +259,77 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------------------- the runs and the report
-def run_model(kind: str, args: argparse.Namespace) -> dict[str, dict]:
-    """Every variant of `kind`, each on its own 2 fresh ranks; a failed one is reported and left out."""
-    variants = ["plain", *(["plain+grouped"] if kind != "llama" else []), "ours", "ours+release",
-                *(["ours-meta"] if kind == "llama" else []), "deepspeed"]
-    if not args.with_deepspeed:
-        variants.remove("deepspeed")
-    rows = {}
-    for variant in variants:
-        if variant == "deepspeed":  # (a peer: its failure, or a run past its deadline, is said and left out)
-            ranks = common.peer(f"DeepSpeed ZeRO-3 ({kind})", _rank, kind, variant, args, world=WORLD,
-                                threads=args.threads, timeout=args.timeout)
-            if ranks is None:
-                continue
-        else:
-            try:
-                ranks = common.spawn(_rank, kind, variant, args, world=WORLD, threads=args.threads,
-                                     timeout=args.timeout)
-            except common.RankFailed as e:
-                common.failed(f"{kind} {variant}", e)
-                continue
-        largest = max(ranks, key=lambda r: r["peak_rss_mb"])  # its phases: the rank whose peak is reported
-        rows[variant] = {**zero_bench.summarise_ranks(ranks), "experts_impl": ranks[0]["experts_impl"],
-                         "phases": largest["phases"], "baseline": largest["baseline_rss_mb"]}
-        print(f"done {kind} {variant}: {rows[variant]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
+def variants_of(kind: str, args: argparse.Namespace) -> list[str]:
+    """The variants run for `kind`: those that apply to it (plain+grouped: a sparse-MoE block type the hand-written
+    swap covers; ours-meta: a dense model), less those --variants leaves out and DeepSpeed where it cannot run."""
+    applies = ["plain", *(["plain+grouped"] if kind == "qwen3_moe" else []), "ours", "ours+release",
+               *(["ours-meta"] if kind == "llama" else []), "deepspeed"]
+    chosen = applies if args.variants is None else [v for v in applies if v in args.variants]
+    return [v for v in chosen if v != "deepspeed" or args.with_deepspeed]
+
+
+def run_model(kind: str, args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Every variant of `kind`, each on its own 2 fresh ranks, the whole round `args.repeats` times (the variants
+    interleaved, so that a change of the machine's load meets all of them alike): variant -> one row per round; a
+    failed run is reported and left out."""
+    rows: dict[str, list[dict]] = {}
+    for round_ in range(args.repeats):
+        for variant in variants_of(kind, args):
+            if variant == "deepspeed":  # (a peer: its failure, or a run past its deadline, is said and left out)
+                ranks = common.peer(f"DeepSpeed ZeRO-3 ({kind})", _rank, kind, variant, args, world=WORLD,
+                                    threads=args.threads, timeout=args.timeout)
+                if ranks is None:
+                    continue
+            else:
+                try:
+                    ranks = common.spawn(_rank, kind, variant, args, world=WORLD, threads=args.threads,
+                                         timeout=args.timeout)
+                except common.RankFailed as e:
+                    common.failed(f"{kind} {variant}", e)
+                    continue
+            largest = max(ranks, key=lambda r: r["peak_rss_mb"])  # its phases: the rank whose peak is reported
+            row = {**zero_bench.summarise_ranks(ranks), "experts_impl": ranks[0]["experts_impl"],
+                   "phases": largest["phases"], "baseline": largest["baseline_rss_mb"], "round": round_}
+            rows.setdefault(variant, []).append(row)
+            print(f"done {kind} {variant} round {round_ + 1}/{args.repeats}: {row['step_s']:.3f} s/step, "
+                  f"peak {row['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
     return rows
 
 
-def report(kind: str, rows: dict[str, dict], args: argparse.Namespace) -> None:
-    """The table of one model, its step-1 losses and its ratio lines."""
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _ratio(rows: dict[str, list[dict]], ours: str, peer: str, key: str) -> tuple[float, list[float]] | None:
+    """The median over rounds of `ours`' `key` / `peer`'s in the same round, and the per-round ratios (None when
+    no round has both)."""
+    peers = {r["round"]: r[key] for r in rows.get(peer, [])}
+    each = [r[key] / peers[r["round"]] for r in rows.get(ours, []) if r["round"] in peers]
+    return (_median(each), each) if each else None
+
+
+def report(kind: str, runs: dict[str, list[dict]], args: argparse.Namespace) -> None:
+    """The table of one model (medians over the rounds, each round's figure after them when there are several), its
+    step-1 losses and its ratio lines (each the median over rounds of the ratio within a round)."""
+    rows = {name: {**each[0], "step_s": _median([r["step_s"] for r in each]),
+                   "peak_rss_mb": _median([r["peak_rss_mb"] for r in each]),
+                   "train_rss_mb": _median([r["train_rss_mb"] for r in each])} for name, each in runs.items()}
     first = next(iter(rows.values()))
-    impl = f", transformers experts implementation: {first['experts_impl']}" if kind != "llama" else ""
+    impl = f", transformers experts implementation: {first['experts_impl']}" if first["experts_impl"] else ""
     print(f"\n{kind}: {first['params'] / 1e6:.1f}M parameters, {WORLD} gloo ranks, batch {args.batch}x{args.seq} "
-          f"per rank, {args.warmup} warm-up + {args.steps} measured steps, {args.threads} thread(s)/rank{impl}")
+          f"per rank, {args.warmup} warm-up + {args.steps} measured steps, {args.threads} thread(s)/rank, "
+          f"{args.repeats} round(s) of the variants interleaved{impl}")
     print(f"{'variant':>14} {'step s':>8} {'peak RSS MB':>11} {'train RSS MB':>12}  losses")
     for name, row in rows.items():
         losses = " ".join(f"{x:.4f}" for x in row["losses"])
         print(f"{name:>14} {row['step_s']:>8.3f} {row['peak_rss_mb']:>11.0f} {row['train_rss_mb']:>12.0f}  {losses}")
+    if args.repeats > 1:
+        print(f"{kind} each round, step s / peak RSS MB:")
+        for name, each in runs.items():
+            print(f"{name:>14} " + "  ".join(f"{r['step_s']:.3f} / {r['peak_rss_mb']:.0f}" for r in each))
     print(f"{kind} memory at phases, MiB, the rank with the larger peak (RSS after start-up imports, then VmRSS "
-          "after build and initialize and after the last step's forward, backward and step; VmHWM at the end):")
+          "after build and initialize and after the last step's forward, backward and step; VmHWM at the end), "
+          "first round:")
     print(f"{'variant':>14} {'imports':>8} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'VmHWM':>7}")
     for name, row in rows.items():
         marks = row["phases"]
@@ -268,25 +339,30 @@ def report(kind: str, rows: dict[str, dict], args: argparse.Namespace) -> None:
     spread = max(step1.values()) - min(step1.values())
     print(f"{kind} step-1 loss: " + ", ".join(f"{n} {v:.6f}" for n, v in step1.items())
           + f"; max difference {spread:.2e}")
-    ours, ds, plain = rows.get("ours"), rows.get("deepspeed"), rows.get("plain")
-    if ours and ds:
-        common.print_ratio(f"{kind} ours/deepspeed step time", ours["step_s"] / ds["step_s"])
-        common.print_ratio(f"{kind} ours/deepspeed peak memory", ours["peak_rss_mb"] / ds["peak_rss_mb"],
-                           f"train RSS {ours['train_rss_mb'] / ds['train_rss_mb']:.2f}x")
-    if "ours+release" in rows and ds:
-        release = rows["ours+release"]
-        common.print_ratio(f"{kind} ours with release_host_memory/deepspeed peak memory",
-                           release["peak_rss_mb"] / ds["peak_rss_mb"], f"step time {release['step_s'] / ds['step_s']:.2f}x")
-    if "ours-meta" in rows and ds:
-        common.print_ratio(f"{kind} ours (meta-device build)/deepspeed peak memory",
-                           rows["ours-meta"]["peak_rss_mb"] / ds["peak_rss_mb"],
-                           f"step time {rows['ours-meta']['step_s'] / ds['step_s']:.2f}x")
-    if ours and plain:
-        common.print_ratio(f"{kind} ours/plain step time", ours["step_s"] / plain["step_s"],
-                           f"peak RSS {ours['peak_rss_mb'] / plain['peak_rss_mb']:.2f}x")
-    if plain and "plain+grouped" in rows:
-        common.print_ratio(f"{kind} plain loop step time, transformers experts / our grouped experts",
-                           plain["step_s"] / rows["plain+grouped"]["step_s"])
+    last = {name: row["losses"][-1] for name, row in rows.items() if name != "ours-meta"}
+    print(f"{kind} last-step loss: " + ", ".join(f"{n} {v:.6f}" for n, v in last.items())
+          + f"; max difference {max(last.values()) - min(last.values()):.2e}")
+
+    def ratio(what: str, ours: str, peer: str, key: str, detail_key: str | None = None) -> None:
+        found = _ratio(runs, ours, peer, key)
+        if found is None:
+            return
+        value, each = found
+        detail = [f"rounds {', '.join(f'{x:.3f}' for x in each)}"] if len(each) > 1 else []
+        if detail_key:
+            other = _ratio(runs, ours, peer, detail_key)
+            detail.insert(0, f"{LABELS[detail_key]} {other[0]:.2f}x")
+        common.print_ratio(f"{kind} {what}", value, "; ".join(detail))
+
+    ratio("ours/deepspeed step time", "ours", "deepspeed", "step_s")
+    ratio("ours/deepspeed peak memory", "ours", "deepspeed", "peak_rss_mb", "train_rss_mb")
+    ratio("ours with release_host_memory/deepspeed peak memory", "ours+release", "deepspeed", "peak_rss_mb",
+          "step_s")
+    ratio("ours (meta-device build)/deepspeed peak memory", "ours-meta", "deepspeed", "peak_rss_mb", "step_s")
+    ratio("ours/plain step time", "ours", "plain", "step_s", "peak_rss_mb")
+    if "plain" in runs and "plain+grouped" in runs:
+        value, _ = _ratio(runs, "plain", "plain+grouped", "step_s")
+        common.print_ratio(f"{kind} plain loop step time, transformers experts / our grouped experts", value)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -305,7 +381,12 @@ def main(argv: list[str] | None = None) -> None:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 steps (smoke run)")
-    parser.add_argument("--models", default=",".join(KINDS))
+    parser.add_argument("--models", default=None, help=f"of {','.join(KINDS)} (default: all; quick: "
+                        f"{','.join(QUICK_KINDS)})")
+    parser.add_argument("--variants", default=None, help="of plain,plain+grouped,ours,ours+release,ours-meta,"
+                        "deepspeed (default: every one that applies)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the variants, interleaved (figures: "
+                        "medians over rounds)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 3; quick 1)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
@@ -316,6 +397,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.steps = args.steps or (1 if args.quick else 3)
     args.seq = args.seq or (32 if args.quick else 128)
+    args.models = args.models or ",".join(QUICK_KINDS if args.quick else KINDS)
+    unknown = [k for k in args.models.split(",") if k not in KINDS]
+    if unknown:
+        parser.error(f"--models: unknown model(s) {', '.join(unknown)}; choose from {', '.join(KINDS)}")
+    if args.variants is not None:
+        args.variants = args.variants.split(",")
+        unknown = [v for v in args.variants if v not in VARIANTS]
+        if unknown:
+            parser.error(f"--variants: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats}: at least 1 round")
     return args
 
 
