@@ -5,6 +5,7 @@ export through transformers' own save_pretrained."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -190,9 +191,11 @@ class HFSpec(FamilySpec):
         return build(hf_model_config(cfg), meta=True)  # (no generator to continue: nothing trains it)
 
     def builds_on_meta(self, cfg: Any) -> bool:
-        """MoE models always (each parameter, or a rank's slice of an expert weight, gets an eager build's values:
-        moe_lst.models.hf.model's replayed fills); dense ones as the family default says."""
-        return self.is_moe(cfg) or super().builds_on_meta(cfg)
+        """Every model whose meta build gives an eager build's values, under any layout: MoE models (each
+        parameter, or a rank's slice of an expert weight, from moe_lst.models.hf.model's replayed fills) and dense
+        ones whose modules the per-name init fills (the eager build uses the same init); a dense model it cannot
+        fill is built whole, eagerly, with transformers' own init."""
+        return self.is_moe(cfg) or _meta_buildable(hf_model_config(cfg).to_json_string())
 
     def plans(self, model: nn.Module, dims: zero.ParallelDims) -> list[zero.Plan]:
         return [model.loss_plan()]  # (a balancing loss attached inside the model)
@@ -272,6 +275,24 @@ class HFSpec(FamilySpec):
     def check_plannable(self, cfg: Any) -> None:
         raise NotImplementedError("the planner covers the project's Llama family (model=hf is not planned yet)")
 
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_buildable(config_json: str) -> bool:
+    """Whether the dense model of this config.json builds on the meta device (its per-name init fills every
+    module), tried once per config on the meta device."""
+    import json
+
+    from moe_lst.models.hf import build
+    from transformers import AutoConfig
+
+    values = json.loads(config_json)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    try:
+        build(config, meta=True)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _tied_or_buffer(config: Any, name: str) -> bool:
