@@ -5,11 +5,16 @@ the device and the prepared dataloader (each process's share of every global bat
 `zero.initialize` instead of `accelerator.prepare(model, optimizer)` and `engine.backward` / `engine.step` instead
 of `accelerator.backward` / `optimizer.step`. Trains the recipe's tiny Llama on its default data (the Python
 standard library's source, bytes), so its losses equal `python -m recipes.pretrain` with the same settings.
+With `--hf-config` it trains a Hugging Face causal LM of that config.json instead (built as `model=hf` builds it,
+moe_lst.models.hf), with tensor, Ulysses sequence and expert parallelism (`--tp`, `--sp`, `--ep`) through the
+adapter (moe_lst.integrations.hf_parallel); the ranks of a tensor- or sequence-parallel group read the same rows.
 
     accelerate launch --cpu --num_processes 2 -m moe_lst.integrations.accelerate_example --stage 3 \\
         --offload cpu --steps 4 --save-every 2 --ckpt-dir runs/acc
     accelerate launch --cpu --num_processes 2 -m moe_lst.integrations.accelerate_example --stage 3 \\
         --offload cpu --steps 4 --resume runs/acc/step_2 --ckpt-dir runs/acc_resumed
+    accelerate launch --cpu --num_processes 2 -m moe_lst.integrations.accelerate_example --stage 1 \\
+        --hf-config path/to/config.json --tp 2
 
 (drop --cpu on GPUs; `torchrun --nproc_per_node 2 -m moe_lst.integrations.accelerate_example ...` works as well).
 """
@@ -70,24 +75,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", type=Path, default=None)
     p.add_argument("--resume", type=Path, default=None, help="a checkpoint directory this script wrote")
     p.add_argument("--metrics", type=Path, default=None, help="append one JSON line per step (main process)")
+    p.add_argument("--hf-config", type=Path, default=None, help="a Hugging Face config.json (or a directory with one)")
+    for key, what in (("tp", "tensor"), ("sp", "Ulysses sequence"), ("ep", "expert")):
+        p.add_argument(f"--{key}", type=int, default=1, help=f"{what}-parallel degree (with --hf-config)")
     return p.parse_args(argv)
 
 
 def build_engine(args: argparse.Namespace, dims: zero.ParallelDims) -> zero.Engine:
-    """The recipe's model=tiny, AdamW as the recipe's (lr constant), clipping at 1.0."""
+    """The recipe's model=tiny (or, with --hf-config, model=hf of that config, parallelised through the adapter),
+    AdamW as the recipe's (lr constant), clipping at 1.0."""
     torch.manual_seed(args.seed)  # the same model on every process
-    model = Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                                    max_seq_len=512))
+    plans: list[zero.Plan] = []
+    if args.hf_config is not None:
+        from moe_lst.integrations.hf_parallel import parallelize_hf
+        from moe_lst.models.hf import build, load_config
+
+        model, plans = parallelize_hf(build(load_config(args.hf_config), sp_group=dims.sequence_group), dims)
+    else:
+        model = Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                                        max_seq_len=512))
     config = zero.ZeroConfig(stage=args.stage, grad_accum_steps=args.grad_accum, clip_grad_norm=1.0,
                              offload_optimizer=args.offload, offload_params=args.offload if args.stage == 3 else "none")
     optimizer = zero.FastAdamW(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    return zero.initialize(model, optimizer, config, dims)
+    return zero.initialize(model, optimizer, config, dims, plans=plans)
+
+
+def loss_of(engine: zero.Engine, tokens: torch.Tensor, labels: torch.Tensor, dims: zero.ParallelDims,
+            hf: bool) -> torch.Tensor:
+    """The micro-batch's mean next-token loss (labels: the targets); a Hugging Face model's over its sequence shards
+    and vocabulary slices."""
+    if not hf:
+        return F.cross_entropy(engine(tokens).flatten(0, 1), labels.flatten())
+    from moe_lst.integrations.hf_parallel import next_token_loss
+
+    return next_token_loss(engine, tokens, labels, dims, shift=False)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # joins the launcher's processes (gloo on CPUs)
-    dims = zero.ParallelDims()  # data parallel over every process
+    if args.hf_config is None and max(args.tp, args.sp, args.ep) > 1:
+        raise SystemExit("--tp, --sp and --ep apply with --hf-config (the Llama here trains data parallel)")
+    if args.hf_config is not None:
+        from moe_lst.integrations.hf_parallel import check_layout
+        from moe_lst.models.hf import load_config
+
+        check_layout(load_config(args.hf_config), tp=args.tp, ep=args.ep)
+    dims = zero.ParallelDims(tp=args.tp, sp=args.sp, ep=args.ep)  # data parallel over the rest
     engine = build_engine(args, dims)
     spec = BatchSpec(args.micro_batch_size, args.grad_accum, dims.dp, args.seq_len)
     stream, _ = build_streams({"kind": "stdlib", "max_bytes": args.max_bytes}, spec, seed=args.seed, vocab_size=256)
@@ -96,12 +130,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume is not None:
         start = engine.load_checkpoint(str(args.resume))["step"]  # weights, optimizer, RNG: bit for bit
         accelerator.print(f"resumed from {args.resume} at step {start}")
-    batches = iter(accelerator.skip_first_batches(loader, start * args.grad_accum))
+    if dims.dp == dims.world_size:
+        batches = iter(accelerator.skip_first_batches(loader, start * args.grad_accum))
+    else:  # (the ranks of a tensor- or sequence-parallel group read their data-parallel rank's rows)
+        batches = (tuple(t.to(accelerator.device) for t in stream.batch(step, micro, dims.dp_rank))
+                   for step in range(start, args.steps) for micro in range(args.grad_accum))
     for step in range(start, args.steps):
         total = 0.0
         for _ in range(args.grad_accum):
             tokens, labels = next(batches)  # this process's micro-batch, on its device
-            loss = F.cross_entropy(engine(tokens).flatten(0, 1), labels.flatten())
+            loss = loss_of(engine, tokens, labels, dims, args.hf_config is not None)
             engine.backward(loss)  # scaled by 1/grad_accum; gradients reduced as they are ready
             total += loss.item() / args.grad_accum
         engine.step()

@@ -90,7 +90,10 @@ class ZeroStrategy(DDPStrategy):
         come from Trainer(accumulate_grad_batches=..., gradient_clip_val=...) unless set here to the same value.
     tp, sp, ep: parallel degrees (data parallelism takes the rest of the processes); the module applies the
         parallelism in `configure_model` with `self.trainer.strategy.dims` and declares what it applied with
-        `self.trainer.strategy.configure_engine(module, plans=[...])`. Pipelines are not supported.
+        `self.trainer.strategy.configure_engine(module, plans=[...])`; for a Hugging Face causal LM,
+        `adapter, plans = moe_lst.integrations.hf_parallel.parallelize_hf(model, self.trainer.strategy.dims)` applies
+        ep, tp and sp through moe_lst.models.hf's adapter (train `adapter`, its loss `hf_parallel.next_token_loss`).
+        Pipelines are not supported (Lightning's loop runs one micro-batch at a time).
     """
 
     strategy_name = "zero"

@@ -1,7 +1,8 @@
 """Hugging Face's Trainer on this project's runtime: `ZeroTrainer` runs backward, the optimizer step and checkpoints
 through the ZeRO engine, so `ZeroTrainer(model, args, train_dataset=..., zero_config=zero.ZeroConfig(stage=3,
-offload_optimizer="cpu")).train()` trains a transformers model with ZeRO 0-3 and offload (and Ulysses sequence
-parallelism through moe_lst.models.hf's adapter, `sp=`).
+offload_optimizer="cpu")).train()` trains a transformers model with ZeRO 0-3 and offload, and with Ulysses sequence,
+tensor and expert parallelism (`sp=`, `tp=`, `ep=`) through moe_lst.models.hf's adapter
+(moe_lst.integrations.hf_parallel).
 """
 
 from __future__ import annotations
@@ -11,9 +12,15 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import transformers
 from moe_lst.integrations.factories import class_factory, rebuild_factory
+from moe_lst.integrations.hf_parallel import (
+    check_layout,
+    full_state_dict,
+    next_token_loss,
+    parallelize_hf,
+    refuse_pipeline,
+)
 from torch import nn
 
 import zero
@@ -74,25 +81,31 @@ class ZeroTrainer(transformers.Trainer):
 
     zero_config: the engine's ZeroConfig (stage, dtype, offload, buckets); `grad_accum_steps` and `clip_grad_norm`
         come from TrainingArguments (gradient_accumulation_steps, max_grad_norm).
-    sp: Ulysses sequence-parallel degree (data parallelism takes the rest of the processes); > 1 runs the model
-        through moe_lst.models.hf.HFCausalLM (its covered model types) with the loss over the whole sequences.
+    sp, tp, ep: Ulysses sequence-, tensor- and expert-parallel degrees (data parallelism takes the rest of the
+        processes); any of them > 1 runs the model through moe_lst.models.hf.HFCausalLM (its covered model types;
+        tp where the config's tensor-parallel plan maps, ep for MoE models) with the loss over the whole sequences
+        and the vocabulary slices. pp > 1 is refused (the Trainer runs one micro-batch at a time).
     optimizer_factory: the engine's optimizer (e.g. zero.FastAdamW(lr=..., weight_decay=0.1)); by default the one
         TrainingArguments name, built over the engine's master shards (uniform weight decay only).
     lr_scheduler_factory: optimizer -> scheduler; by default TrainingArguments' schedule over the run's steps.
     """
 
-    def __init__(self, *args: Any, zero_config: zero.ZeroConfig | None = None, sp: int = 1,
-                 optimizer_factory: OptimizerFactory | None = None, lr_scheduler_factory: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, zero_config: zero.ZeroConfig | None = None, sp: int = 1, tp: int = 1,
+                 ep: int = 1, pp: int = 1, optimizer_factory: OptimizerFactory | None = None,
+                 lr_scheduler_factory: Any = None, **kwargs: Any) -> None:
+        refuse_pipeline(pp)
         super().__init__(*args, **kwargs)
         self.zero_config = zero_config if zero_config is not None else zero.ZeroConfig()
         self._check_arguments()
-        self.dims = zero.ParallelDims(sp=sp)
+        if max(sp, tp, ep) > 1:
+            check_layout(self.model, tp=tp, ep=ep)
+        self.dims = zero.ParallelDims(sp=sp, tp=tp, ep=ep)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer_factory, lr_scheduler_factory
         self.engine: zero.Engine | None = None
-        self.sequence_model: nn.Module | None = None  # the adapter under sp > 1
-        if sp > 1:
-            self.sequence_model = _sequence_parallel_model(self.model, self.dims)
+        self.sequence_model: nn.Module | None = None  # the adapter under sp, tp or ep > 1
+        self.plans: list[zero.Plan] = []
+        if max(sp, tp, ep) > 1:
+            self.sequence_model, self.plans = parallelize_hf(self.model, self.dims)
         if self.lr_scheduler is not None:
             raise TypeError("Trainer(optimizers=(..., scheduler)): pass lr_scheduler_factory=optimizer -> scheduler "
                             "instead; the engine builds the optimizer over its master shards")
@@ -163,9 +176,8 @@ class ZeroTrainer(transformers.Trainer):
         config = dataclasses.replace(self.zero_config, grad_accum_steps=self.args.gradient_accumulation_steps,
                                      clip_grad_norm=self.args.max_grad_norm or self.zero_config.clip_grad_norm)
         module = self.sequence_model if self.sequence_model is not None else self.model
-        plans = [module.loss_plan()] if self.sequence_model is not None else []
         return zero.initialize(module, self.optimizer_factory or self._default_optimizer_factory(), config,
-                               self.dims, lr_scheduler=self._schedule_factory(max_steps), plans=plans)
+                               self.dims, lr_scheduler=self._schedule_factory(max_steps), plans=self.plans)
 
     def _prepare_for_training(self, max_steps: int, train_dataloader, resume_from_checkpoint: str | None):
         """The Trainer's model/optimizer/scheduler preparation, through the engine: no DDP wrapper (the engine
@@ -219,9 +231,14 @@ class ZeroTrainer(transformers.Trainer):
         if self.sequence_model is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
-            raise NotImplementedError("outputs under sp > 1 are this rank's sequence shards: evaluate with "
-                                      "prediction_loss_only=True")
-        return _sequence_parallel_loss(self.sequence_model, inputs, self.dims)
+            raise NotImplementedError("outputs under sp, tp or ep > 1 are this rank's sequence shards and "
+                                      "vocabulary slices: evaluate with prediction_loss_only=True")
+        mask = inputs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise NotImplementedError("padding (an attention_mask with zeros) is not supported under sp, tp or ep > "
+                                      "1: pack sequences to full length")
+        return next_token_loss(self.sequence_model, inputs["input_ids"], inputs.get("labels"), self.dims,
+                               inputs.get("position_ids"))
 
     def _clip_grad_norm(self, model: nn.Module) -> None:
         return None  # the engine clips the global norm in its step (TrainingArguments.max_grad_norm)
@@ -259,9 +276,14 @@ class ZeroTrainer(transformers.Trainer):
         if _internal_call:
             self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_DIR))
             return
-        state = self.engine.full_state_dict()
+        state = self.full_state_dict()
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's fp32 weights, gathered from the engine's shards and tensor-parallel slices
+        (collective: every rank calls it)."""
+        return full_state_dict(self.engine, self.plans)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         pass  # in the engine's shards (save_model)
@@ -271,32 +293,3 @@ class ZeroTrainer(transformers.Trainer):
         if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_DIR)):
             raise zero.CheckpointError(f"{resume_from_checkpoint} has no {ENGINE_DIR}/ directory: it was not written "
                                        "by ZeroTrainer, whose checkpoints hold the engine's shards")
-
-
-def _sequence_parallel_model(model: nn.Module, dims: zero.ParallelDims) -> nn.Module:
-    """The Hugging Face model behind the model contract (moe_lst.models.hf), its attention through Ulysses."""
-    from moe_lst.models.hf import HFCausalLM
-    from sequence_parallel import apply_ulysses
-
-    adapter = HFCausalLM(model, sp_group=dims.sp_group)
-    apply_ulysses(adapter, dims.sp_group)
-    return adapter
-
-
-def _sequence_parallel_loss(model: nn.Module, inputs: dict[str, Any], dims: zero.ParallelDims) -> torch.Tensor:
-    """Mean next-token loss over this micro-batch's whole sequences, each rank holding a contiguous shard."""
-    from sequence_parallel import shard_sequence, sp_loss
-
-    tokens, labels = inputs["input_ids"], inputs.get("labels", inputs["input_ids"])
-    mask = inputs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise NotImplementedError("padding (an attention_mask with zeros) is not supported under sp > 1: pack "
-                                  "sequences to full length")
-    # A causal LM's labels are its inputs: shift them before the sequence is split, so each shard is complete.
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    tokens, shifted, positions = shard_sequence(tokens, shifted, dims.sp_group, inputs.get("position_ids"),
-                                                ignore_index=IGNORE_INDEX)
-    logits = model(tokens, positions)
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
-    return sp_loss(loss_sum, (shifted != IGNORE_INDEX).sum(), dims.sp_group)

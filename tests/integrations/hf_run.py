@@ -1,14 +1,15 @@
 """Trains a plain transformers LlamaForCausalLM (tiny config) on the recipe's data, 2 processes under torchrun:
 the engine's own loop, then ZeroTrainer 4 steps straight (checkpoints every 2), then ZeroTrainer resumed from
-checkpoint-2, then (optionally) ZeroTrainer with Ulysses sp=2 through moe_lst.models.hf. Rank 0 writes the
-per-step losses and gradient norms (the Trainer's: what it logged); every rank the final weights of each run.
+checkpoint-2, then (optionally) ZeroTrainer with Ulysses sp=2 or tensor parallel tp=2 through moe_lst.models.hf.
+Rank 0 writes the per-step losses and gradient norms (the Trainer's: what it logged); every rank the final weights of
+each run.
 
 With clm=STAGES (e.g. clm=0,2,3), the same processes then run the calls of Transformers' own example
 examples/pytorch/language-modeling/run_clm.py, its Trainer a ZeroTrainer, at each ZeRO stage in turn (datasets'
 text loader, a byte tokenizer built here), each followed by a new trainer resumed from its checkpoint-2; every
 rank writes what it saw (clm/results_rank<r>.json).
 
-torchrun --nproc_per_node 2 tests/integrations/hf_run.py OUT_DIR STAGE OFFLOAD [sp] [clm=STAGES]
+torchrun --nproc_per_node 2 tests/integrations/hf_run.py OUT_DIR STAGE OFFLOAD [sp] [tp] [clm=STAGES]
 """
 
 from __future__ import annotations
@@ -70,16 +71,16 @@ def own_loop(stage: int, offload: str) -> tuple[dict, dict]:
     return out, engine.full_state_dict()
 
 
-def trainer_run(out: Path, stage: int, offload: str, resume: str | None = None, sp: int = 1):
+def trainer_run(out: Path, stage: int, offload: str, resume: str | None = None, sp: int = 1, tp: int = 1):
     args = transformers.TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=MICRO * sp, gradient_accumulation_steps=ACCUM,
+        output_dir=str(out), per_device_train_batch_size=MICRO * sp * tp, gradient_accumulation_steps=ACCUM,
         max_steps=STEPS, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
         weight_decay=0.0, max_grad_norm=CLIP, optim="adamw_torch_fused", lr_scheduler_type="linear",
         train_sampling_strategy="sequential", save_strategy="steps", save_steps=2, logging_steps=1,
         report_to="none", disable_tqdm=True, seed=SEED, use_cpu=True)
-    dims_dp = dist.get_world_size() // sp
+    dims_dp = dist.get_world_size() // (sp * tp)
     trainer = ZeroTrainer(model=hf_model(), args=args, train_dataset=HFRows(train_stream(2), STEPS),
-                               zero_config=zero_config(stage, offload), sp=sp)
+                          zero_config=zero_config(stage, offload), sp=sp, tp=tp)
     assert dims_dp == trainer.dims.dp
     trainer.train(resume_from_checkpoint=resume)
     # what the Trainer logged at each step it ran (logging_steps=1): the loss over every process, the engine's norm
@@ -87,7 +88,7 @@ def trainer_run(out: Path, stage: int, offload: str, resume: str | None = None, 
     first = 2 if resume else 0
     assert [r["step"] for r in logged][-STEPS + first:] == list(range(first + 1, STEPS + 1)), logged
     logged = logged[-STEPS + first:]
-    return {k: [r[k] for r in logged] for k in ("loss", "grad_norm")}, trainer.engine.full_state_dict()
+    return {k: [r[k] for r in logged] for k in ("loss", "grad_norm")}, trainer.full_state_dict()
 
 
 # ---------------------------------------------------------------------------- run_clm.py under ZeroTrainer
@@ -227,6 +228,8 @@ def main() -> None:
                                                         resume=str(out / "trainer" / "checkpoint-2"))
     if "sp" in flags:
         results["sp2"], finals["sp2"] = trainer_run(out / "sp2", stage, offload, sp=2)
+    if "tp" in flags:
+        results["tp2"], finals["tp2"] = trainer_run(out / "tp2", stage, offload, tp=2)
     torch.save(finals, out / f"final_rank{dist.get_rank()}.pt")
     if dist.get_rank() == 0:
         (out / "losses.json").write_text(json.dumps(results))

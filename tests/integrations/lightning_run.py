@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from moe_lst.integrations.lightning import ZeroStrategy
+from moe_lst.models.llama import Transformer
 
 import zero
 from moe import apply_expert_parallel, update_router_biases
 from recipes.losses import logits_loss, mean_over_dp
-from moe_lst.models.llama import Transformer
 from sequence_parallel import apply_ulysses, shard_sequence
 from tests.integrations.common import (
     ACCUM,

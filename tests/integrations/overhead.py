@@ -14,9 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from moe_lst.models.llama import ModelConfig, Transformer
 
 import zero
-from moe_lst.models.llama import ModelConfig, Transformer
 from tests.integrations.common import EpochSampler, HFRows, MicroBatches, train_stream
 
 STEPS, WARM, MICRO, ACCUM = 12, 2, 4, 2
