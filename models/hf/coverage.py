@@ -303,6 +303,9 @@ def multirank_applies(config, layout: str) -> str | None:
                 model.tensor_parallel_styles(2)
             else:
                 model.pipeline_stage(range(0), True, False)
+                problem = _staged_forward_problem(config)
+                if problem:
+                    return problem
         except ContractError as e:
             return f"refused: {str(e).split(', but ', 1)[-1]}"  # (what the runtime does not map)
         return None
@@ -315,6 +318,28 @@ def multirank_applies(config, layout: str) -> str | None:
         if outside:
             return (f"n/a (refused: {outside[0]} mixes tokens outside AttentionInterface, so Ulysses shards do not "
                     "reach it)")
+    return None
+
+
+def _staged_forward_problem(config) -> str | None:
+    """None where two pipeline stages chained in this process give the model's logits, else why not (one line):
+    a stage that fails on one rank only would leave the other waiting for its activations."""
+    from moe_lst.models.hf.model import build
+
+    torch.manual_seed(0)
+    model = build(config)
+    n = len(model.blocks())
+    x, _ = _batch(0)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    try:
+        with torch.no_grad():
+            first, last = model.pipeline_stage(range(0, n // 2), True, False), model.pipeline_stage(
+                range(n // 2, n), False, True)
+            got, want = last(first(x, positions), positions), model(x)
+    except Exception as e:  # noqa: BLE001 - the stages' own failure is the family's reason
+        return _one_line(e)
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        return f"refused: its stages chained give other logits (max difference {(got - want).abs().max():.3g})"
     return None
 
 
