@@ -18,7 +18,7 @@ from moe_lst.models.hf.config import (  # noqa: F401
 )
 from moe_lst.models.hf.model import ATTENTION, HFCausalLM, build, hf_attention, moe_supported  # noqa: F401
 from moe_lst.models.hf.state_dict import (  # noqa: F401
-    load_weights,
+    check_model_directory,
     num_params,
     parameter_shapes,
     save_weights,

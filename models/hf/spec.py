@@ -204,20 +204,17 @@ class HFSpec(FamilySpec):
         """Any directory save_pretrained wrote for a model of the run's config, streamed: its config and tensor
         headers checked here (one line naming what differs), each rank reading only its slices once the engine
         exists (moe_lst.models.hf.streaming)."""
-        from moe_lst.models.hf import HFConfigError, load_config, weight_mismatches
+        from moe_lst.models.hf import HFConfigError, check_model_directory
         from moe_lst.models.hf.streaming import open_streaming
         from moe_lst.models.loading import CheckpointError
 
         config = hf_model_config(cfg)
         try:
-            if not Path(source).is_dir():
-                raise HFConfigError(f"{source} is not a directory (a Hugging Face model directory, as save_pretrained "
-                                    "or python -m recipes.export writes, holds config.json and the weights)")
-            differ = weight_mismatches(config, load_config(source))
-            if differ:
-                raise HFConfigError(f"holds another model: {', '.join(differ)}; set model.hf.overrides to the "
-                                    "directory's values, or leave model.hf.config unset to take the directory's config")
-            return open_streaming(source, config)
+            directory = check_model_directory(source, config)
+        except HFConfigError as e:  # (its text begins with the directory)
+            raise ConfigError(f"train.init_from={e}") from None
+        try:
+            return open_streaming(directory, config)
         except (HFConfigError, CheckpointError) as e:
             raise ConfigError(f"train.init_from={source}: {e}") from None
 

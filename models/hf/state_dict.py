@@ -49,9 +49,9 @@ def weight_mismatches(ours: PreTrainedConfig, theirs: PreTrainedConfig) -> list[
     return [f"{n} is {mine.get(n)} here but {other.get(n)} there" for n in names[:3]]
 
 
-def load_weights(directory: str | Path, config: PreTrainedConfig) -> dict[str, torch.Tensor]:
-    """The fp32 state dict (Hugging Face names) of the model saved in `directory`, checked to fit `config`'s model
-    (HFConfigError in one line naming what differs, a tensor the directory lacks or one that does not load)."""
+def check_model_directory(directory: str | Path, config: PreTrainedConfig) -> Path:
+    """`directory` as a Path once it is a Hugging Face model directory whose config.json describes `config`'s
+    weights (HFConfigError in one line naming what differs, before any tensor is read)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise HFConfigError(f"{directory} is not a directory (a Hugging Face model directory, as save_pretrained "
@@ -60,18 +60,7 @@ def load_weights(directory: str | Path, config: PreTrainedConfig) -> dict[str, t
     if differ:
         raise HFConfigError(f"{directory} holds another model: {', '.join(differ)}; set model.hf.overrides to the "
                             "directory's values, or leave model.hf.config unset to take the directory's config")
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True,
-                                                           output_loading_info=True)
-    except (OSError, ValueError, RuntimeError) as e:
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise HFConfigError(f"{directory}: the weights do not load ({first})") from None
-    problems = [f"{kind} {', '.join(sorted(map(str, names))[:3])}" for kind, names in
-                (("missing", info.get("missing_keys")), ("not matching in shape", info.get("mismatched_keys")))
-                if names]
-    if problems:
-        raise HFConfigError(f"{directory}: the weights do not fit its config.json ({'; '.join(problems)})")
-    return {name: t.detach() for name, t in model.state_dict().items()}
+    return directory
 
 
 def save_weights(state: dict[str, torch.Tensor], config: PreTrainedConfig, out_dir: str | Path,
