@@ -44,7 +44,7 @@ def write_hf(out: Path, seed: int = SEED, original_format: bool = True) -> Path:
     return out / "hf"
 
 
-@pytest.fixture(scope="module", name="pretrained")
+@pytest.fixture(scope="session", name="pretrained")
 def pretrained_fixture(tmp_path_factory) -> dict[str, Path]:
     """{"llama": its directory, "hf": its directory}."""
     out = tmp_path_factory.mktemp("pretrained")

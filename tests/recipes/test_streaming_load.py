@@ -315,13 +315,19 @@ class _HeapLedger(StorageLedger):
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 self.mapped.append((lo, hi))
 
+    def map_files(self) -> None:
+        """Read the process's file mappings (call once the shards are opened) and drop the storages seen in them."""
+        self._refresh_maps()
+        for key, (ref, _) in list(self.live.items()):
+            s = ref()
+            if s is not None and any(lo <= s.data_ptr() < hi for lo, hi in self.mapped):
+                self._forget(key)
+
     def _see(self, t: torch.Tensor) -> None:
         if t.device.type == "cpu" and not t.is_meta:
             ptr = t.untyped_storage().data_ptr()
             if not any(lo <= ptr < hi for lo, hi in self.mapped):
-                self._refresh_maps()  # (a mapping made since: one more shard opened)
-                if not any(lo <= ptr < hi for lo, hi in self.mapped):
-                    super()._see(t)
+                super()._see(t)
 
 
 def _check_streaming_export(family: str, run_dir: Path, out: Path) -> dict:
@@ -351,10 +357,24 @@ def _check_streaming_export(family: str, run_dir: Path, out: Path) -> dict:
     shard = whole // 10
     gc.collect()
     ledger = _HeapLedger(run_dir)
-    with ledger:
-        ledger.set_phase("export")
-        export(run_dir, out, "per_expert", max_shard_bytes=shard)
-        ledger.set_phase("end")
+    opened = zero.open_checkpoint
+
+    def open_checkpoint(path):  # (opened, i.e. its shards mapped and checked, outside the ledger: then mapped)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            reader = opened(path)
+        ledger.map_files()
+        return reader
+
+    zero.open_checkpoint = open_checkpoint
+    try:
+        with ledger:
+            ledger.set_phase("export")
+            export(run_dir, out, "per_expert", max_shard_bytes=shard)
+            ledger.set_phase("end")
+    finally:
+        zero.open_checkpoint = opened
     peak = ledger.peaks["export"] - ledger.starts["export"]
     assert peak <= shard + 4 * largest < whole, (family, peak, shard, largest, whole)
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 2 and (out / "model.safetensors.index.json").is_file()
