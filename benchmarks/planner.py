@@ -150,7 +150,8 @@ def measure_host_rank(overrides: list[str]) -> dict:
     return measure_host(overrides)
 
 
-def host_layout(name: str, world: int, overrides: list[str], cluster=None, run=None) -> dict:
+def host_layout(name: str, world: int, overrides: list[str], cluster=None, run=None,
+                measured: list[dict] | None = None) -> dict:
     """Measure one layout of the host grid (every rank, fresh processes: `run(fn, world, *args)`, default
     benchmarks.common.spawn) and predict it: per rank and phase, MiB measured and predicted; `error`: the
     largest relative error of a rank's peak over the phases."""
@@ -163,8 +164,9 @@ def host_layout(name: str, world: int, overrides: list[str], cluster=None, run=N
     overrides = overrides + [f"train.init_from={directory}"]
     os.makedirs(HOST_NVME.split("=", 1)[1], exist_ok=True)
     t0 = time.perf_counter()
-    measured = (run(measure_host_rank, world, overrides) if run is not None
-                else spawn(measure_host_rank, overrides, world=world, timeout=600))
+    if measured is None:  # (given: the earlier measurement, predicted again)
+        measured = (run(measure_host_rank, world, overrides) if run is not None
+                    else spawn(measure_host_rank, overrides, world=world, timeout=600))
     wall = time.perf_counter() - t0
     ests = estimate(compose_command_line(overrides), cluster or load_cluster("cpu"), world)
     ranks = []
@@ -174,7 +176,8 @@ def host_layout(name: str, world: int, overrides: list[str], cluster=None, run=N
         ranks.append({"measured": pm, "predicted": pp, "peak_measured": max(pm.values()),
                       "peak_predicted": e.host_peak_bytes / 2**20, "predicted_phase": e.host_peak_phase,
                       "measured_phase": max(pm, key=pm.get), "nvme_bytes": e.nvme_bytes,
-                      "categories": {k: {c: b / 2**20 for c, b in v.items()} for k, v in e.host_phases.items()}})
+                      "categories": {k: {c: b / 2**20 for c, b in v.items()} for k, v in e.host_phases.items()},
+                      "raw": m})
     error = max(abs(r["peak_predicted"] - r["peak_measured"]) / r["peak_measured"] for r in ranks)
     return {"name": name, "world": world, "overrides": overrides, "ranks": ranks, "error": error, "wall_s": wall}
 
@@ -195,21 +198,26 @@ def host_table(results: list[dict]) -> str:
 
 
 def host_main(args) -> None:
+    path = os.path.join("runs", "planner_host.json")
+    earlier = {r["name"]: r for r in json.load(open(path))} if args.host_predict and os.path.exists(path) else {}
     results = []
     for name, world, overrides in host_grid():
         if args.only and args.only not in name:
             continue
-        r = host_layout(name, world, overrides)
+        kept = earlier.get(name)
+        measured = [rank.get("raw") or {"phases": {k: v * 2**20 for k, v in rank["measured"].items()}}
+                    for rank in kept["ranks"]] if kept else None
+        r = host_layout(name, world, overrides, measured=measured)
         results.append(r)
         print(f"{name:24s} |error| {r['error']:.1%}  ({r['wall_s']:.0f} s)", flush=True)
     text = host_table(results)
     print(text)
     if args.write:
-        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "planner_host.md")
-        head = open(path).read().split("<!-- host table -->")[0]
-        with open(path, "w") as f:
+        doc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "planner_host.md")
+        head = open(doc).read().split("<!-- host table -->")[0]
+        with open(doc, "w") as f:
             f.write(head + "<!-- host table -->\n" + text + "\n")
-    with open(os.path.join("runs", "planner_host.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(results, f)
 
 
@@ -534,6 +542,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="two layouts, two steps, nothing cached (a smoke run)")
     parser.add_argument("--host", action="store_true",
                         help="the host-memory grid instead (build, init_from load, first step; docs/planner_host.md)")
+    parser.add_argument("--host-predict", action="store_true",
+                        help="with --host: predict again against the measurements in runs/planner_host.json")
     parser.add_argument("--gemm-caches", action="store_true",
                         help="also measure the bf16 layouts with the GEMM caches at one entry (gemm_cache_entry_kb)")
     args = parser.parse_args(argv)

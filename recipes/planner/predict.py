@@ -269,8 +269,8 @@ def step_buffers(layout: Layout, cfg: DictConfig, isz: int) -> dict[str, int]:
             if b.role == "unit":
                 units[b.unit] += b.padded * isz
         largest = max(units.values(), default=0)
-        out["zero3_gathered"] = largest * (1 + z.prefetch_depth) + sum(
-            b.padded * isz for b in layout.buckets if b.role == "root")
+        out["zero3_roots"] = sum(b.padded * isz for b in layout.buckets if b.role == "root")
+        out["zero3_gathered"] = largest * (1 + z.prefetch_depth) + out["zero3_roots"]
     return out
 
 
@@ -390,21 +390,22 @@ def activation_memory(cfg: DictConfig, rm: RankModel, isz: int, imbalance: float
 def collective_temporaries(layout: Layout, cfg: DictConfig, isz: int) -> dict[str, int]:
     """Per moment of the step, the largest buffer a collective backend that copies whole buffers (gloo on CPU:
     its reduce-scatter and all-gather into a flat tensor allocate a temporary of the whole input / output) holds
-    beside the engine's: in backward the reduce-scatter of a staged bucket (stage 2-3) or a stage-3 gather, at
-    the step stage 1's reduce-scatter of the flat gradients and stages 1-2's all-gather of the updated
-    parameters."""
+    beside the engine's: a stage-3 unit's gather in forward and its re-gather in backward; at the end of backward
+    the last reductions' (stages 2-3: a bucket's reduce-scatter runs once it is full, after the activations of
+    its layers are gone); at the step stage 1's reduce-scatter of the flat gradients and stages 1-2's all-gather
+    of the updated parameters."""
     z = cfg.zero
     shared = [b for b in layout.buckets if b.world > 1]
     if z.stage == 0 or not shared:
         return {}
     reduced = max((b.padded * isz for b in shared if b.trainable), default=0)
-    gathered = max((b.padded * isz for b in shared if not b.resident), default=0)
     if z.stage == 3:
-        return {"loss": gathered, "backward": max(gathered, reduced), "end of backward": max(gathered, reduced)}
+        unit = max((b.padded * isz for b in shared if b.role == "unit"), default=0)
+        return {"loss": unit, "backward": unit, "end of backward": reduced}
     resident = max((b.padded * isz for b in shared if b.resident), default=0)
     out = {"step": max(resident, reduced if z.stage == 1 else 0)}
     if z.stage == 2:
-        out["backward"] = out["end of backward"] = reduced
+        out["end of backward"] = reduced
     return out
 
 
@@ -417,7 +418,8 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
       gradients of earlier micro-batches too (stages 2-3, or any stage within a pipeline's schedule);
     - "backward": backward under way: the activations still mostly alive, the first buckets' staging, the
       recomputed block (checkpointing), the gathered units of stage 3, the largest weight's own gradient;
-    - "end of backward": every reduced gradient, the staging of the last buckets;
+    - "end of backward": every reduced gradient (nvme offload: the shards queued for their files), the staging of
+      the last buckets, the gathered roots of stage 3;
     - "step": the optimizer step over the reduced gradients.
     What persists (parameters, masters, optimizer state, flat gradients, and
     `runtime` bytes: the cluster's memory of the runtime beyond tensors) is in every moment; with `copies` (the
@@ -445,12 +447,21 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
         "backward": {**saved, "recompute": acts.get("recompute", 0), **gathered,
                      "gradient_staging": first if staging else 0, "weight_gradient": weight_grad,
                      "gradients": reduced if earlier and z.stage >= 2 else 0},
+        # (a unit is released after its backward: the roots stay gathered to the end; hpZ's copies are dropped
+        # after the last reduction: an upper bound)
         "end of backward": {"gradients": reduced if z.stage >= 2 else 0, "gradient_staging": staging,
-                            **gathered},  # (hpZ's copies are dropped after the last reduction: an upper bound)
+                            "zero3_gathered": buf.get("zero3_roots", 0), "hpz_secondary": gathered["hpz_secondary"]},
         "step": {"gradients": reduced},
     }
+    if z.offload_optimizer == "nvme" and z.stage >= 2:
+        # each reduced shard goes to its file in the background: up to offload_buffer_count of them queued, at
+        # their most at the end of backward
+        shards = sorted((b.shard * 4 for b in layout.buckets if b.trainable), reverse=True)
+        phases["end of backward"]["nvme_gradient_queue"] = sum(shards[:z.offload_buffer_count])
     for name, n in (collective_temporaries(layout, cfg, isz) if copies else {}).items():
         phases[name]["collective_buffers"] = n
+        if name == "end of backward" and staging:  # (a synchronous reduction: one bucket's staging at a time)
+            phases[name]["gradient_staging"] = max((b.padded * isz for b in layout.buckets if b.trainable), default=0)
     out = {}
     for name, extra in phases.items():
         d = dict(dev)
