@@ -136,8 +136,8 @@ class Watch:
     the machine's available memory (under `min_available_mb` the rank exits at once with common.OVER_CAP, saying
     so: the parent then ends the whole run)."""
 
-    def __init__(self, nvme_dir: str, prefix: str, min_available_mb: float) -> None:
-        self.nvme_dir, self.prefix, self.min_available_mb = nvme_dir, prefix, min_available_mb
+    def __init__(self, rank: int, nvme_dir: str, prefix: str, min_available_mb: float) -> None:
+        self.rank, self.nvme_dir, self.prefix, self.min_available_mb = rank, nvme_dir, prefix, min_available_mb
         self.nvme_bytes = 0
         self._stop = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
@@ -157,8 +157,8 @@ class Watch:
         while not self._stop.is_set():
             self.nvme_bytes = max(self.nvme_bytes, self.disk_bytes())
             if available_mb() < self.min_available_mb:
-                print(f"rank {self.prefix}: the machine's available memory fell under {self.min_available_mb:.0f} "
-                      "MB: exiting", file=sys.stderr, flush=True)
+                print(f"rank {self.rank}: the machine's available memory fell under {self.min_available_mb:.0f} MB "
+                      f"at {common.rss_mb():.0f} MB of RSS here: exiting", file=sys.stderr, flush=True)
                 os._exit(common.OVER_CAP)
             self._stop.wait(0.2)
 
@@ -210,7 +210,7 @@ def ours_rank(cli: list[str], nvme_dir: str, min_available_mb: float) -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    watch = Watch(nvme_dir, f"rank{rank}-", min_available_mb)
+    watch = Watch(rank, nvme_dir, f"rank{rank}-", min_available_mb)
     baseline = common.rss_mb()
     os.chdir(REPO)  # (the stdlib data's cache lives under the repository)
     from recipes.pretrain import Run, train_step
@@ -260,7 +260,7 @@ def deepspeed_rank(cli: list[str], ckpt: str, nvme_dir: str, largest: int, min_a
     rank = dist.get_rank()
     rank_dir = os.path.join(nvme_dir, f"rank{rank}")
     os.makedirs(rank_dir, exist_ok=True)
-    watch = Watch(rank_dir, "", min_available_mb)
+    watch = Watch(rank, rank_dir, "", min_available_mb)
     baseline = common.rss_mb()
     os.chdir(REPO)
     import deepspeed
