@@ -297,7 +297,7 @@ def deepspeed_rank(cli: list[str], ckpt: str, nvme_dir: str, largest: int, min_a
 
 
 # ---------------------------------------------------------------------------- the run
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny model of the same layout (a smoke run)")
     parser.add_argument("--work-dir", default=None,
@@ -314,29 +314,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds a run may take before it is killed (default 300 quick, 3600 full)")
     parser.add_argument("--json", default=None, help="write the figures here")
-    args = parser.parse_args(argv)
-    shape = SHAPES["quick" if args.quick else "qwen3-moe-2b"]
+    return parser.parse_args(argv)
+
+
+def checkpoint_for(args: argparse.Namespace, shape: dict, work: Path, timeout: float) -> tuple[Path, dict]:
+    """The directory to train from: --checkpoint's, or one written under `work`; said in one line."""
+    t0 = time.perf_counter()
+    if args.checkpoint:
+        ckpt = Path(args.checkpoint)
+        info = {"files": len(list(ckpt.glob("*.safetensors"))),
+                "bytes": sum(f.stat().st_size for f in ckpt.glob("*.safetensors")), "reused": str(ckpt)}
+    else:
+        ckpt = work / "checkpoint"
+        info = common.spawn(write_checkpoint, ckpt, shape, args.shard_mb * 2**20, timeout=timeout)[0]
     total = n_params(shape)
-    fp32 = 4 * total
+    print(f"checkpoint: {total / 1e9:.3f}B parameters ({4 * total / 2**30:.2f} GiB in fp32), {info['files']} bf16 "
+          f"shards, {info['bytes'] / 2**30:.2f} GiB, " + (f"reused from {ckpt}" if args.checkpoint else
+                                                          f"written in {time.perf_counter() - t0:.0f} s (one shard "
+                                                          "in memory at a time)"), flush=True)
+    return ckpt, info
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    shape = SHAPES["quick" if args.quick else "qwen3-moe-2b"]
+    fp32 = 4 * n_params(shape)
     largest = max(math.prod(sh) for _, sh in tensors(shape))
     work = Path(tempfile.mkdtemp(prefix="big-model-", dir=args.work_dir))
     min_mb = args.min_available_gb * 1024
     timeout = args.timeout or (300.0 if args.quick else 3600.0)
-    out: dict = {"params": total, "fp32_bytes": fp32, "shape": shape, "seq_len": args.seq_len}
+    out: dict = {"params": n_params(shape), "fp32_bytes": fp32, "shape": shape, "seq_len": args.seq_len}
     try:
-        t0 = time.perf_counter()
-        if args.checkpoint:
-            ckpt = Path(args.checkpoint)
-            info = {"files": len(list(ckpt.glob("*.safetensors"))),
-                    "bytes": sum(f.stat().st_size for f in ckpt.glob("*.safetensors")), "reused": str(ckpt)}
-        else:
-            ckpt = work / "checkpoint"
-            info = common.spawn(write_checkpoint, ckpt, shape, args.shard_mb * 2**20, timeout=timeout)[0]
-        print(f"checkpoint: {total / 1e9:.3f}B parameters ({fp32 / 2**30:.2f} GiB in fp32), {info['files']} bf16 "
-              f"shards, {info['bytes'] / 2**30:.2f} GiB, " + (f"reused from {ckpt}" if args.checkpoint else
-                                                              f"written in {time.perf_counter() - t0:.0f} s (one "
-                                                              "shard in memory at a time)"), flush=True)
-        out["checkpoint"] = info
+        ckpt, out["checkpoint"] = checkpoint_for(args, shape, work, timeout)
         runs = [("ours", ours_rank), ("deepspeed", deepspeed_rank)]
         if args.only:
             runs = [r for r in runs if r[0] == args.only]
