@@ -180,6 +180,7 @@ def _rewrite(path: Path, drop: str | None = None, change: dict | None = None) ->
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+@pytest.mark.slow  # (the Hugging Face family's default case: the init_from equivalence below)
 def test_a_hugging_face_directory_missing_an_expert_or_of_another_shape_is_refused_in_one_line(pretrained,
                                                                                                 tmp_path):
     """model=hf: a per-expert tensor absent from the save_pretrained directory, or one of another shape, is refused
