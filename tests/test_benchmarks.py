@@ -32,8 +32,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 HELPERS = {"common.py"}  # modules of benchmarks/ that are not benchmarks
-# The quick runs that take longest (20-25 s each on 2 cores) run with `-m slow`, keeping the default suite short.
-SLOW_QUICK_RUNS = {"offload.py", "slow_links.py", "long_sequence.py"}
+# The quick runs that take longest (20-25 s each on 2 cores; big_model.py's writes and loads a checkpoint on both
+# sides, 30-90 s) run with `-m slow`, keeping the default suite short.
+SLOW_QUICK_RUNS = {"offload.py", "slow_links.py", "long_sequence.py", "big_model.py"}
 SCRIPTS = [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_QUICK_RUNS else p
            for p in sorted(BENCH.glob("*.py")) if p.name not in HELPERS and not p.name.startswith("_")]
 # Scripts without a CPU --quick mode, skipped (with this reason) where no CUDA device is visible.
@@ -90,8 +91,8 @@ PROMISES = {
     "zero.py": [rf"^ratio stage 3 step time ours / FSDP2: {X}", r"^\s+1\s+ours\s+\d"],
 }
 # Scripts that compare against DeepSpeed (skipped, with a note, where it does not import).
-DEEPSPEED_SIDE = {"gpu_check.py", "hf_models.py", "long_sequence.py", "moe_layer.py", "offload.py", "pipeline.py",
-                  "ulysses.py", "zero.py"}
+DEEPSPEED_SIDE = {"big_model.py", "gpu_check.py", "hf_models.py", "long_sequence.py", "moe_layer.py", "offload.py",
+                  "pipeline.py", "ulysses.py", "zero.py"}
 
 
 @functools.cache
