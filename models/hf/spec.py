@@ -193,9 +193,11 @@ class HFSpec(FamilySpec):
     def builds_on_meta(self, cfg: Any) -> bool:
         """Every model whose meta build gives an eager build's values, under any layout: MoE models (each
         parameter, or a rank's slice of an expert weight, from moe_lst.models.hf.model's replayed fills) and dense
-        ones whose modules the per-name init fills (the eager build uses the same init); a dense model it cannot
-        fill is built whole, eagerly, with transformers' own init."""
-        return self.is_moe(cfg) or _meta_buildable(hf_model_config(cfg).to_json_string())
+        ones whose modules the per-name init fills (the eager build uses the same init); a model it cannot fill
+        (a dense one's module without a per-name init, an MoE one's parameter whose random fill is changed
+        afterwards, such as a linear-attention gate's A_log or dt_bias) is built whole, eagerly, with transformers'
+        own init."""
+        return _meta_buildable(hf_model_config(cfg).to_json_string())
 
     def plans(self, model: nn.Module, dims: zero.ParallelDims) -> list[zero.Plan]:
         return [model.loss_plan()]  # (a balancing loss attached inside the model)
@@ -276,8 +278,9 @@ class HFSpec(FamilySpec):
 
 @functools.lru_cache(maxsize=16)
 def _meta_buildable(config_json: str) -> bool:
-    """Whether the dense model of this config.json builds on the meta device (its per-name init fills every
-    module), tried once per config on the meta device."""
+    """Whether the model of this config.json builds on the meta device with an eager build's values (a dense
+    one's per-name init fills every module; an MoE one's every parameter is a replayable fill or a constant),
+    tried once per config on the meta device."""
     import json
 
     from moe_lst.models.hf import build
