@@ -96,6 +96,13 @@ class Placement:
             out[_box(p.local, p.size)] = full[_box(p.start, p.size)]
         return out
 
+    def fill_from_whole(self, local: torch.Tensor, fill: Callable[[torch.Tensor], None]) -> None:
+        """Fill the local tensor with its cut of the global tensor that `fill` writes (in fp32): what a per-name
+        initialiser gives a slice, the same values as the whole parameter's."""
+        whole = torch.empty(self.shape, dtype=torch.float32)
+        fill(whole)
+        local.copy_(self.take(whole))
+
     def put(self, local: torch.Tensor, full: torch.Tensor, covered: torch.Tensor | None = None) -> None:
         """Write the local tensor into its boxes of `full` (marking them in the bool tensor `covered`)."""
         for p in self.pieces:

@@ -237,9 +237,7 @@ class HFCausalLM(nn.Module, ModelContract):
             tensor.copy_(whole if placement is None or placement.is_whole else placement.take(whole))
             return
         if placement is not None and not placement.is_whole:
-            whole = torch.empty(placement.shape, dtype=torch.float32)
-            self.init_parameter(name, whole)
-            tensor.copy_(placement.take(whole))
+            placement.fill_from_whole(tensor, lambda whole: self.init_parameter(name, whole))
             return
         if self.moe_blocks and self.replay is None and any(name.startswith(b + ".experts.") for b in self.moe_blocks):
             raise NotImplementedError(f"{name}: per-parameter init of the experts of an MoE model built on a real "

@@ -382,9 +382,7 @@ class Transformer(nn.Module, ModelContract):
             self._replay.values(index, tensor, placement)
             return
         if placement is not None and not placement.is_whole:
-            whole = torch.empty(placement.shape, dtype=torch.float32)
-            self.init_parameter(name, whole)
-            tensor.copy_(placement.take(whole))
+            placement.fill_from_whole(tensor, lambda whole: self.init_parameter(name, whole))
             return
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
