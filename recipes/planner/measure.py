@@ -130,6 +130,19 @@ def _status_bytes(key: str) -> int:
 WARM_IMPORTS = ("torch._dynamo", "torch.distributed.pipelining")
 
 
+def _host_run_config(overrides: list[str]):
+    """The run `measure_host` measures: `overrides` for two steps, no evaluation, sample, W&B or checkpoint."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.config import CONFIG_DIR
+
+    run_dir = tempfile.mkdtemp(prefix="plan-host-") if int(os.environ.get("RANK", "0")) == 0 else "unused"
+    fixed = [f"run_dir={run_dir}", "train.steps=2", "train.eval_batches=0", "train.sample_tokens=0",
+             "wandb.mode=disabled", "train.progress=false", "train.ckpt_every=1000000"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose("config", overrides=fixed + list(overrides))
+
+
 def measure_host(overrides: list[str]) -> dict:
     """The host-memory side of a plan on this rank: the recipe's `Run` built (with its `train.init_from`, if any)
     and two training steps taken, with the process's high-water mark (VmHWM) read at the end of each phase and
@@ -143,10 +156,7 @@ def measure_host(overrides: list[str]) -> dict:
     import gc
     import importlib
 
-    from hydra import compose, initialize_config_dir
-
     import recipes.pretrain as pretrain
-    from recipes.config import CONFIG_DIR
     from zero.dist.topology import release_free_host_memory
 
     pinned = _follow_live_tensors()
@@ -175,11 +185,7 @@ def measure_host(overrides: list[str]) -> dict:
         end("build")
         return engine
 
-    run_dir = tempfile.mkdtemp(prefix="plan-host-") if int(os.environ.get("RANK", "0")) == 0 else "unused"
-    fixed = [f"run_dir={run_dir}", "train.steps=2", "train.eval_batches=0", "train.sample_tokens=0",
-             "wandb.mode=disabled", "train.progress=false", "train.ckpt_every=1000000"]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose("config", overrides=fixed + list(overrides))
+    cfg = _host_run_config(overrides)
     pretrain.initial_weights, pretrain.build_engine = initial_weights, build_engine
     try:
         run = pretrain.Run(cfg)

@@ -409,9 +409,8 @@ def collective_temporaries(layout: Layout, cfg: DictConfig, isz: int) -> dict[st
     return out
 
 
-def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imbalance: float,
-                  runtime: int = 0, copies: bool = False) -> tuple[dict[str, tuple[dict[str, int], dict[str, int]]],
-                                                                   int]:
+def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imbalance: float, runtime: int = 0,
+                  copies: bool = False) -> tuple[dict[str, tuple[dict[str, int], dict[str, int]]], int]:
     """(device, host) bytes by category at each moment of a step where the peak can fall, and the nvme bytes.
 
     - "loss": the end of a forward, all its saved activations and the logits' working set alive; the reduced
@@ -421,9 +420,9 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
     - "end of backward": every reduced gradient (nvme offload: the shards queued for their files), the staging of
       the last buckets, the gathered roots of stage 3;
     - "step": the optimizer step over the reduced gradients.
-    What persists (parameters, masters, optimizer state, flat gradients, and
-    `runtime` bytes: the cluster's memory of the runtime beyond tensors) is in every moment; with `copies` (the
-    cluster's `collective_copies`) the backend's temporaries of `collective_temporaries` too."""
+    What persists (parameters, masters, optimizer state, flat gradients, and `runtime` bytes: the cluster's memory
+    of the runtime beyond tensors) is in every moment; with `copies` (the cluster's `collective_copies`) the
+    backend's temporaries of `collective_temporaries` too."""
     z = cfg.zero
     dev, host, nvme = state_memory(layout, cfg, isz)
     if runtime:
