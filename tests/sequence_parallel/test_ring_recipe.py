@@ -31,6 +31,8 @@ SLOW_CASES = [
     ({"cp": 4}, {"stage": 3, "steps": 2}),
     ({"sp": 2, "cp": 2}, {"stage": 3, "packed": True, "steps": 2}),
     ({"sp": 2, "cp": 2}, {"hf": "llama", "steps": 2}),
+    ({"cp": 2}, {"hf": "llama", "steps": 2}),  # (two rings of two ranks, dp=2)
+    ({"cp": 4}, {"hf": "llama", "steps": 2}),
 ]
 
 
@@ -66,7 +68,8 @@ def test_context_parallel_training_equals_one_process(per_rank):
 
 @pytest.mark.slow
 def test_context_parallel_training_equals_one_process_more_layouts():
-    """cp=4 alone (more ranks than kv heads), packed documents under sp=2 x cp=2, a Hugging Face Llama."""
+    """cp=4 alone (more ranks than kv heads), packed documents under sp=2 x cp=2, a Hugging Face Llama at U x C =
+    2x2, 1x2 and 1x4."""
     _check(run_multirank(_many, 4, SLOW_CASES, timeout=900), SLOW_CASES)
 
 
