@@ -371,11 +371,14 @@ class ZeroOptimizer:
         return self.dp if self.scaler is not None else 1
 
     def grad_norm_sq(self, grads: list[torch.Tensor]) -> float:
+        """The squared global gradient norm, accumulated in float64: an fp32 norm of a whole flat shard (1.7M
+        elements) was 9e-5 of its value off on the CPU, and by other amounts for other shard sizes (dp ranks'
+        halves), so one process and dp ranks logged different norms of the same gradient. Each piece of
+        NORM_PIECE elements is normed in float64 (its temporary bounded), as the spilled-gradient path sums."""
         local = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else self.device)
-        if grads:
-            norms = torch._foreach_norm(grads)
-            for b, n in zip(self.trainable, norms):
-                local += n.double() ** 2 / b.replicas
+        for b, g in zip(self.trainable, grads):
+            norms = torch._foreach_norm(g.reshape(-1).split(NORM_PIECE), dtype=torch.float64)
+            local += torch.stack(norms).square().sum() / b.replicas
         return self._all_reduce_sum(local)
 
     def _all_reduce_sum(self, local: torch.Tensor | float) -> float:
@@ -455,6 +458,9 @@ class ZeroOptimizer:
             if h is not None:
                 h.wait()
 
+
+#: Elements of a gradient shard per float64 norm in grad_norm_sq (each piece's float64 temporary: 8 MiB at most).
+NORM_PIECE = 1 << 20
 
 _FUSED_OK: dict[str, bool] = {}
 
