@@ -36,7 +36,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
@@ -115,9 +114,11 @@ def watch_rss(cap_mb: float, every_s: float = 0.002) -> None:
 
 # ---------------------------------------------------------------------------- processes
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a process group's store: zero.dist.topology.free_port (below the kernel's ephemeral range),
+    imported on use (this module imports no torch of its own)."""
+    from zero.dist.topology import free_port as pick
+
+    return pick()
 
 
 def _worker(fn, args, kwargs, rank: int, world: int, port: int, threads: int, timeout: float, environ: dict | None,

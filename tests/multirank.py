@@ -37,7 +37,6 @@ import pickle
 import queue
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -80,9 +79,11 @@ class MultiRankError(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a process group's store: zero.dist.topology.free_port (below the kernel's ephemeral range),
+    imported on use (this module imports no torch of its own)."""
+    from zero.dist.topology import free_port as pick
+
+    return pick()
 
 
 def read_at_start(name: str) -> bool:

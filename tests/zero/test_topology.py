@@ -121,3 +121,22 @@ def test_default_degrees_are_data_parallel_and_twins_are_built_once():
         assert res["made_by_first"] == 1 and res["made_by_second"] == 0 and res["reused"]
     with pytest.raises(LayoutError, match=r"dp=auto: tp=3 x pp=1 x sp=1 = 3 does not divide the 4 process\(es\)"):
         ParallelDims(tp=3, world_size=4)
+
+
+def test_free_port_is_below_the_ephemeral_range_and_free():
+    """A store's port from outside the range the kernel hands to connections (which another process's connect
+    could take between the pick and the store's bind), free when picked."""
+    import socket
+
+    from zero.dist.topology import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    if ephemeral <= 11024:
+        pytest.skip(f"no room below this machine's ephemeral range (from {ephemeral})")
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= p < ephemeral for p in ports), ports
+    assert len(ports) > 1  # (picked at random: two processes do not race for one port)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))

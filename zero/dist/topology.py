@@ -7,6 +7,8 @@ remaining factor of that region is the expert-data-parallel group over which exp
 
 from __future__ import annotations
 
+import random
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -311,6 +313,29 @@ def node_partition(ranks: list[int], node_size: int, name: str = "parameter") ->
         raise LayoutError(f"zero.hpz_partition_size={node_size}: the {len(ranks)}-rank {name!r} parameter group has "
                           f"{' or '.join(map(str, sizes))} ranks on different nodes; hpZ needs the same number on each")
     return list(nodes.values()) if len(nodes) > 1 and sizes != [1] else []
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing holds, for a process group's store (MASTER_PORT), picked below the
+    kernel's ephemeral range where there is room: a port of that range (bound to port 0 and released) is free only
+    until the store binds it, and any connection opened meanwhile on the machine (gloo opens many) may be given it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    pick = random.SystemRandom()
+    for _ in range(64 if ephemeral > 11024 else 0):
+        port = pick.randrange(10000, ephemeral)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def default_device() -> torch.device:
