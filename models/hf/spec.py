@@ -280,7 +280,8 @@ class HFSpec(FamilySpec):
 def _meta_buildable(config_json: str) -> bool:
     """Whether the model of this config.json builds on the meta device with an eager build's values (a dense
     one's per-name init fills every module; an MoE one's every parameter is a replayable fill or a constant),
-    tried once per config on the meta device."""
+    tried once per config on the meta device, leaving torch's global generator as it was (the build draws from
+    it, and whether this cached check ran must not change what the run's own build draws)."""
     import json
 
     from moe_lst.models.hf import build
@@ -289,7 +290,8 @@ def _meta_buildable(config_json: str) -> bool:
     values = json.loads(config_json)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     try:
-        build(config, meta=True)
+        with torch.random.fork_rng(devices=[]):
+            build(config, meta=True)
     except NotImplementedError:
         return False
     return True
