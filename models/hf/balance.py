@@ -30,6 +30,9 @@ class _Statistics:
         self.prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
         self.rows = 0
         self.grad_weights: torch.Tensor | None = None  # d loss / d (one layer's probability sums), once finished
+        #: the factor its routers' gradient nodes take (None: the loss's); a pipeline stage before the last sets 1,
+        #: as the gradient it receives for its sums is already scaled (moe_lst.models.hf.pipeline)
+        self.scale: AttachedLossScale | None = None
 
 
 class _DeferredGrad(torch.autograd.Function):
@@ -113,5 +116,5 @@ class BalancingLoss:
         surrogate = _DeferredGrad.apply(probs.float().sum(dim=0), s)
         carrier = next((i for i, t in enumerate(outputs) if i != self.logits_index and torch.is_tensor(t)
                         and t.is_floating_point() and t.requires_grad), self.logits_index)
-        outputs[carrier] = attach_loss(outputs[carrier], surrogate, self.scale)
+        outputs[carrier] = attach_loss(outputs[carrier], surrogate, self.scale if s.scale is None else s.scale)
         return tuple(outputs) if isinstance(output, tuple) else outputs[0]

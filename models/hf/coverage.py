@@ -470,9 +470,9 @@ def render(records: dict[str, dict[str, Any]]) -> str:
              f"steps on 2 processes equal to one: {len(tp)} of those families pass, the others are refused in one "
              "line (MoE experts, tied heads, modules the plan does not place). `pp2`: the config's "
              "`base_model_pp_plan` as two stages of the runtime's pipeline (1F1B, two micro-batches), two steps on 2 "
-             f"processes equal to one: {len(pp)} of those families pass, the others are refused in one line (no "
-             "plan, a balancing loss over every layer's router logits at once, logits changed after the head, "
-             "modules outside the plan).", "",
+             f"processes equal to one (a balancing loss included: each stage sends its per-expert sums on with its "
+             f"activation): {len(pp)} of those families pass, the others are refused in one line (no plan, logits "
+             "changed after the head, modules outside the plan).", "",
              "| family | MoE | " + " | ".join(FEATURES) + " |", "|" + "---|" * (len(FEATURES) + 2)]
     for kind, record in records.items():
         cells = [record["features"][f].replace("|", "/") for f in FEATURES]

@@ -395,10 +395,6 @@ def layout_problem(config: PreTrainedConfig, key: str, degree: int) -> str | Non
     if swept != "pass":
         return f"the coverage sweep's {feature} check of model_type {config.model_type}: {swept}"
     if key == "pp":  # (the split against its layers is the recipe's check)
-        coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
-        if is_moe(config) and getattr(config, "output_router_logits", False) and coef > 0:
-            return ("its balancing loss (load_balancing_loss_func over every layer's router logits at once) does not "
-                    "split over stages; set model.hf.overrides.output_router_logits=false to stage it")
         return None
     if is_moe(config):
         return "its experts' tensor-parallel plan is not mapped (use expert parallelism, parallel.ep)"

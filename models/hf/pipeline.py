@@ -6,6 +6,7 @@ final norm) and the causal LM's head on the last, all under the model's own name
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from moe_lst.kernels.documents import Documents
@@ -13,6 +14,8 @@ from moe_lst.models.hf import attention as hf_attn
 from torch import nn
 
 from zero.contract import ContractError, ModelContract
+from zero.dist import comm
+from zero.plan import AttachedLossScale, attach_loss
 
 #: The plan's name for the repeated layers (every base_model_pp_plan of transformers names them so).
 LAYERS = "layers"
@@ -40,9 +43,6 @@ def stage_plan(model) -> tuple[list[str], list[str]]:
     blocks = [m for _, m in model.blocks()]
     if not isinstance(layers, nn.ModuleList) or list(layers) != blocks:
         raise refuse(f"{prefix}.{LAYERS} is not the list of its repeated layers")
-    if model.balance is not None:
-        raise refuse("its balancing loss (load_balancing_loss_func over every layer's router logits at once) does "
-                     "not split over stages; set output_router_logits=false to stage it")
     if not model.plain_head:
         raise refuse("its logits are changed after the head (softcapping or scaling), which a stage does not repeat")
     for name, child in base.named_children():
@@ -67,12 +67,19 @@ class HFPipelineStage(nn.Module, ModelContract):
     before; returns hidden states, or logits (vocabulary-sliced under tensor parallelism) on the last stage. The
     layers are called as the base model calls them: hidden states, no attention mask (the adapter's attention is
     causal, with each layer's window), position ids and, where the base model has one, the rotary embedding's
-    tables of those positions."""
+    tables of those positions.
+
+    With a balancing loss (moe_lst.models.hf.balance) the activation sent on carries, after the hidden states,
+    `stats_rows` more positions holding the micro-batch's per-expert sums over the layers so far (top-k counts,
+    rows, and routing probabilities, these differentiable): each stage adds its own, and the last computes the
+    loss over every layer from them, exactly as one process; the gradient of the probability sums comes back with
+    the activation's."""
 
     def __init__(self, model, layers: range, first: bool, last: bool) -> None:
         super().__init__()
         before, after = stage_plan(model)
         self.first, self.last, self.before, self.after = first, last, before, after
+        self.balance = model.balance
         base, prefix = model.base, model.causal_lm.base_model_prefix
         self.prefix = prefix
         inner = nn.Module()  # holds the base model's modules of this stage, under their names
@@ -115,6 +122,13 @@ class HFPipelineStage(nn.Module, ModelContract):
         if position_ids is None:
             raise ValueError("pipeline stages need position_ids beside their input (pass them to every stage)")
         inner = self._inner()
+        balance, incoming = self.balance, None
+        if balance is not None:
+            balance.begin(self.training and torch.is_grad_enabled())
+            if balance.stats is not None and not self.last:  # (the gradient its sums get back is already scaled)
+                balance.stats.scale = AttachedLossScale(1.0)
+            if not self.first:
+                x, incoming = unpack_stats(x, balance.num_experts)
         if self.first:
             for name in self.before:
                 x = getattr(inner, name)(x)
@@ -135,13 +149,129 @@ class HFPipelineStage(nn.Module, ModelContract):
             for name in self.after:
                 x = getattr(inner, name)(x)
             x = getattr(self, self.head_name)(x)
+            if balance is not None:
+                x = _finish_balance(balance, x, incoming)
+        elif balance is not None:
+            x = _pass_balance(balance, x, incoming)
         return x.contiguous()  # sent to the next stage as it is
+
+
+# ---------------------------------------------------------------------------- the balancing loss over stages
+def stats_rows(num_experts: int, batch: int, hidden: int) -> int:
+    """Positions appended to a [batch, s, hidden] activation for the sums of `num_experts` experts: E probability
+    sums (in the activation's dtype, differentiable), then E counts and the row count as float32 bits (two
+    elements each in a 16-bit dtype, so they stay exact), zero-padded."""
+    return math.ceil((3 * num_experts + 2) / (batch * hidden))
+
+
+def pack_stats(x: torch.Tensor, prob_sum: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """`x` [b, s, h] with the sums appended as `stats_rows` positions: `prob_sum` [E] (its gradient flows back
+    through the concatenation), `exact` [E + 1] float32 (counts, rows)."""
+    b, _, h = x.shape
+    e = prob_sum.numel()
+    bits = exact.to(x.dtype) if x.element_size() >= 4 else exact.contiguous().view(x.dtype)
+    flat = torch.cat([prob_sum.to(x.dtype), bits.detach()])
+    k = stats_rows(e, b, h)
+    flat = torch.cat([flat, flat.new_zeros(b * k * h - flat.numel())])
+    return torch.cat([x, flat.view(b, k, h)], dim=1)
+
+
+def unpack_stats(x: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(hidden states, (probability sums [E] float32, differentiable; counts and rows [E + 1] float32)) from an
+    activation `pack_stats` made."""
+    b, n, h = x.shape
+    k = stats_rows(num_experts, b, h)
+    flat = x[:, n - k:].reshape(-1)
+    prob_sum = flat[:num_experts].float()
+    if x.element_size() >= 4:
+        exact = flat[num_experts:2 * num_experts + 1].detach().float()
+    else:
+        exact = flat[num_experts:3 * num_experts + 2].detach().clone().view(torch.float32)
+    return x[:, :n - k].contiguous(), (prob_sum, exact)
+
+
+class _Carry(torch.autograd.Function):
+    """(hidden, a copy of this stage's probability sums) in forward; backward hands the gradient those sums get
+    (from the stages after) to this stage's routers (`stats.grad_weights`) and makes the micro-batch's statistics
+    the balancing loss's current ones again, for the layers a checkpoint recomputes in this backward (micro-batches
+    interleave under a pipeline schedule). It follows every layer of the stage, so its backward runs before
+    theirs."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, prob_sum: torch.Tensor, stats, balance) -> tuple[torch.Tensor, ...]:
+        ctx.stats, ctx.balance = stats, balance
+        return hidden.view_as(hidden), prob_sum.clone()
+
+    @staticmethod
+    def backward(ctx, grad_hidden: torch.Tensor, grad_prob: torch.Tensor):
+        ctx.stats.grad_weights = grad_prob.float()
+        ctx.balance.stats = ctx.stats
+        return grad_hidden, None, None, None
+
+
+class _Resume(torch.autograd.Function):
+    """The last stage's output unchanged; backward makes its micro-batch's statistics the balancing loss's current
+    ones again (as _Carry), before any of its layers is recomputed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, stats, balance) -> torch.Tensor:
+        ctx.stats, ctx.balance = stats, balance
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.balance.stats = ctx.stats
+        return grad, None, None
+
+
+def _pass_balance(balance, x: torch.Tensor, incoming) -> torch.Tensor:
+    """A stage before the last: its sums added to those received, appended to its hidden states."""
+    e = balance.num_experts
+    s = balance.stats
+    prob_sum = torch.zeros(e, dtype=torch.float32, device=x.device)
+    exact = torch.zeros(e + 1, dtype=torch.float32, device=x.device)
+    if s is not None:
+        if s.rows:
+            exact = torch.cat([s.counts, s.prob_sum.new_tensor([float(s.rows)])]).to(x.device)
+        x, own = _Carry.apply(x, s.prob_sum.to(x.device), s, balance)
+        prob_sum = prob_sum + own
+    if incoming is not None:
+        prob_sum, exact = prob_sum + incoming[0], exact + incoming[1]
+    balance.stats = None  # (this micro-batch's forward is done; the next begins its own)
+    return pack_stats(x, prob_sum, exact)
+
+
+def _finish_balance(balance, logits: torch.Tensor, incoming) -> torch.Tensor:
+    """The last stage: the loss over every stage's sums (as BalancingLoss.finish over one process's layers), its
+    gradient to this stage's routers and, through the logits, into the sums received."""
+    s, e = balance.stats, balance.num_experts
+    balance.stats = None
+    if s is None:
+        return logits
+    counts, prob_sum = s.counts.to(logits.device), s.prob_sum.to(logits.device)
+    rows = torch.tensor([float(s.rows)], device=logits.device)
+    if incoming is not None:
+        counts, rows = counts + incoming[1][:e], rows + incoming[1][e:]
+        prob_sum = prob_sum + incoming[0].detach()
+    totals = torch.cat([counts, prob_sum, rows])
+    comm.all_reduce(totals, balance.sp_group)
+    counts, prob_sum, rows = totals[:e], totals[e:-1], totals[-1]
+    if not float(rows):
+        return logits
+    s.grad_weights = balance.coef * e * counts / rows**2
+    balance.last_value = float(torch.sum((counts / rows) * (prob_sum / rows)) * e)
+    if incoming is not None and incoming[0].requires_grad:
+        logits = attach_loss(logits, torch.sum(s.grad_weights * incoming[0]), balance.scale)
+    return _Resume.apply(logits, s, balance) if logits.requires_grad else logits
 
 
 def pipeline_shapes(model, tokens_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(activation between stages, last stage's output) for a micro-batch of tokens [b, s]: hidden [b, s / tp,
-    hidden_size] (sequence-parallel shards under tensor parallelism) and logits [b, s, vocab / tp]."""
+    hidden_size] (sequence-parallel shards under tensor parallelism; with a balancing loss `stats_rows` more positions
+    carry its sums) and logits [b, s, vocab / tp]."""
     b, s = tokens_shape
     local_vocab = model.output_weight.shape[0]
     tp = model.config.vocab_size // local_vocab
-    return (b, s // tp, model.config.hidden_size), (b, s, local_vocab)
+    hidden = model.config.hidden_size
+    extra = 0 if model.balance is None else stats_rows(model.balance.num_experts, b, hidden)
+    return (b, s // tp + extra, hidden), (b, s, local_vocab)

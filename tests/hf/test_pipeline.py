@@ -1,7 +1,8 @@
 """Pipeline stages of the adapter from a config's base_model_pp_plan (moe_lst.models.hf.pipeline), in one process:
 the stages chained give the whole model's logits and gradients, a tied head's last stage holds the embedding under
 its own name (so the pipeline keeps and sums the two copies), and what cannot be staged is refused in one line.
-The stages on 2 ranks through the recipe: tests/hf/test_recipe_layouts.py."""
+The stages on 2 ranks through the recipe: tests/hf/test_recipe_layouts.py; with a balancing loss:
+tests/hf/test_pipeline_moe.py."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def test_chained_stages_give_the_models_logits_and_gradients(kind):
     assert [n for n, _ in first.blocks()] == ["model.layers.0"] and [n for n, _ in last.blocks()] == ["model.layers.1"]
 
 
-def test_a_balancing_loss_is_refused_in_one_line():
-    model = build(tiny_config("mixtral"))
-    with pytest.raises(ContractError, match=r"^pipeline_stage: mixtral declares base_model_pp_plan \(embed_tokens, "
-                                            r"layers, norm\), but its balancing loss .* does not split over stages"):
+def test_logits_changed_after_the_head_are_refused_in_one_line():
+    model = build(tiny_config("gemma2"))  # (final logit softcapping, which no stage repeats)
+    with pytest.raises(ContractError, match=r"^pipeline_stage: gemma2 declares base_model_pp_plan \(embed_tokens, "
+                                            r"layers, norm\), but its logits are changed after the head"):
         model.pipeline_stage(range(0, 1), True, False)
