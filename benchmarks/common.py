@@ -530,23 +530,11 @@ def _build_deepspeed_ops(builders: list[str]) -> None:
 def _clear_stale_lock(lock: Path) -> None:
     """Remove torch's build lock of a JIT extension that no process on this machine holds open (torch's builder
     keeps it open while it builds): its builder was killed, and every load of the op would wait for it forever."""
-    if lock.exists() and not lock_holders(lock):
-        lock.unlink(missing_ok=True)
+    from moe_lst.kernels.build import clear_stale_lock
+
+    if clear_stale_lock(lock):
         print(f"note: removed {lock}, a build lock left by a builder that was killed (no process holds it)",
               flush=True)
-
-
-def lock_holders(path: Path) -> list[int]:
-    """The processes of this machine (that this user may inspect) that hold `path` open."""
-    target = os.path.realpath(path)
-    holders = []
-    for fd_dir in glob.glob("/proc/[0-9]*/fd"):
-        try:
-            if any(os.readlink(os.path.join(fd_dir, fd)) == target for fd in os.listdir(fd_dir)):
-                holders.append(int(fd_dir.split("/")[2]))
-        except OSError:  # (gone meanwhile, or not ours to inspect)
-            continue
-    return holders
 
 
 def deepspeed_moe(dim: int, ffn: int, num_experts: int, top_k: int, backend: str = "gloo"):

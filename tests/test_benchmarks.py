@@ -385,7 +385,9 @@ def test_a_peer_that_fails_is_one_line_and_the_run_goes_on(forked, capsys):
 def test_a_build_lock_that_no_process_holds_is_removed(tmp_path, capsys):
     """torch's loader waits forever for a JIT extension's lock file to go; one whose builder was killed (nobody holds
     it open) is removed, one being built (held open) is left."""
-    from benchmarks.common import _clear_stale_lock, lock_holders
+    from moe_lst.kernels.build import lock_holders
+
+    from benchmarks.common import _clear_stale_lock
 
     lock = tmp_path / "lock"
     held = os.open(lock, os.O_CREAT | os.O_EXCL)  # as torch's FileBaton holds it while it builds

@@ -61,6 +61,7 @@ def native_kernel():
     30 s, then cached per source and flags). Raises RuntimeError naming the cause if it cannot be built."""
     if "module" not in _native_state:
         try:
+            from moe_lst.kernels.build import build_lock, clear_stale_lock
             from torch.utils.cpp_extension import load
 
             # -fno-trapping-math lets GCC vectorise the exp loops (float -> int conversion); inf/nan stay IEEE.
@@ -69,7 +70,10 @@ def native_kernel():
             # machines with different CPUs never hands one of them a binary built for the other.
             # ... and after its source path: another copy of the project (or a missing source) builds apart
             # instead of invalidating this one's cached binary.
-            _native_state["module"] = load(name=f"moe_lst_block_sparse_{_cpu_tag(_NATIVE_SOURCE)}",
+            name = f"moe_lst_block_sparse_{_cpu_tag(_NATIVE_SOURCE)}"
+            if clear_stale_lock(build_lock(name)):  # (a builder killed mid-build left it: loading would wait forever)
+                warnings.warn(f"removed the stale build lock of {name} (its builder was killed)", stacklevel=2)
+            _native_state["module"] = load(name=name,
                                            sources=[_NATIVE_SOURCE],
                                            extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: reported below

@@ -2,6 +2,7 @@
 layout formulas, the FlexAttention block mask describes the same mask, memory stays below [seq, seq]."""
 
 import math
+import os
 import struct
 import warnings
 
@@ -335,6 +336,30 @@ def test_a_kernel_that_cannot_build_falls_back_with_one_warning(monkeypatch, tmp
     monkeypatch.setattr(sparse, "CPU_IMPL", "native")
     with pytest.raises(RuntimeError, match="could not be built"):
         block_sparse_attention(q, k, v, layout)
+
+
+def test_a_build_lock_left_by_a_killed_builder_is_removed_before_the_kernel_loads(monkeypatch, tmp_path):
+    """torch's loader waits as long as the build's lock file exists: one that no process holds open (its builder
+    was killed mid-build) is removed, with a warning, before the load; one a live builder holds stays."""
+    import torch.utils.cpp_extension as cpp
+    from moe_lst.kernels.build import build_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(sparse.cpu, "_native_state", {})
+    seen = []
+    monkeypatch.setattr(cpp, "load", lambda name, **_: seen.append(build_lock(name).exists()) or "module")
+    lock = build_lock(f"moe_lst_block_sparse_{sparse.cpu._cpu_tag(sparse.cpu._NATIVE_SOURCE)}")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()  # (no process holds it: a killed builder's)
+    with pytest.warns(UserWarning, match="removed the stale build lock"):
+        assert sparse.cpu.native_kernel() == "module"
+    assert seen == [False]
+    held = os.open(lock, os.O_CREAT | os.O_EXCL)  # (as a live builder holds it)
+    try:
+        monkeypatch.setattr(sparse.cpu, "_native_state", {})
+        assert sparse.cpu.native_kernel() == "module" and seen == [False, True]
+    finally:
+        os.close(held)
 
 
 def test_settings_set_on_the_package_take_effect(monkeypatch):
