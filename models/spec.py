@@ -25,10 +25,10 @@ from zero.config import ConfigError, int_at_least
 __all__ = ["DEFAULT_FAMILY", "FAMILY_KEY", "ConfigError", "ExportError", "FamilySpec", "check_tiled_mlp",
            "family_name", "get", "positive_int", "register", "registered"]
 
-#: The key of the model section that names the run's family.
 #: How the families' refusals name the degrees of zero.dist.topology.ParallelDims (zero.config.key_name): the recipe's
 #: `parallel.*` keys (recipes.config.RECIPE_KEYS takes them from here).
 PARALLEL_KEYS = {f"ParallelDims.{d}": f"parallel.{d}" for d in ("dp", "tp", "pp", "sp", "ep")}
+#: The key of the model section that names the run's family.
 FAMILY_KEY = "family"
 #: The family of a config that names none and that no family claims.
 DEFAULT_FAMILY = "llama"

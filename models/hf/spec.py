@@ -258,7 +258,8 @@ class HFSpec(FamilySpec):
         if stray:
             raise ExportError(f"{run_dir}: {stray[0]} is not a tensor of the {config.model_type} model its config "
                               "describes")
-        missing = sorted(n for n in shapes if n not in held and not _tied_or_buffer(config, n))
+        untrained = _tied_or_buffers(config)
+        missing = sorted(n for n in shapes if n not in held and n not in untrained)
         if missing:
             raise ExportError(f"{run_dir}: the checkpoint lacks {', '.join(missing[:3])}")
         writer = ShardedWriter(out_dir, max_shard_bytes)
@@ -273,7 +274,6 @@ class HFSpec(FamilySpec):
 
     def check_plannable(self, cfg: Any) -> None:
         raise NotImplementedError("the planner covers the project's Llama family (model=hf is not planned yet)")
-
 
 
 @functools.lru_cache(maxsize=16)
@@ -297,15 +297,15 @@ def _meta_buildable(config_json: str) -> bool:
     return True
 
 
-def _tied_or_buffer(config: Any, name: str) -> bool:
-    """Whether state-dict entry `name` of `config`'s model is its tied head or a buffer (not a trained tensor)."""
+def _tied_or_buffers(config: Any) -> set[str]:
+    """The state-dict entries of `config`'s model that are not trained tensors: its buffers and a tied head."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
-    return name in dict(model.named_buffers()) or (config.tie_word_embeddings and name == "lm_head.weight")
+    return set(dict(model.named_buffers())) | ({"lm_head.weight"} if config.tie_word_embeddings else set())
 
 
 register("hf", HFSpec())
