@@ -1,7 +1,7 @@
 """The coverage sweep: every `*ForCausalLM` of the installed transformers, built from a tiny config derived from its
 config class (no downloads), run through the adapter and checked against plain transformers.
 
-    python -m moe_lst.models.hf.coverage [--families a,b,...] [--local-only]
+    python -m moe_lst.models.hf.coverage [--families a,b,...] [--features tp2,pp2] [--local-only] [--update]
 
 For each family: `logits` (the adapter's logits and every parameter's gradient equal the plain model's, its
 balancing loss included), then, on 2 gloo processes (torch.distributed.run), `dp2_zero3` (data parallel at ZeRO-3),
@@ -393,13 +393,15 @@ def _ranks_main(spec_file: str) -> None:
     dist.destroy_process_group()
 
 
-def multirank_sweep(records: dict[str, dict[str, Any]], timeout: float = 3600) -> None:
-    """The 2-process checks of every family whose logits pass, in one torchrun of 2 ranks; results into records."""
+def multirank_sweep(records: dict[str, dict[str, Any]], timeout: float = 3600,
+                    layouts: tuple[str, ...] = MULTIRANK) -> None:
+    """The 2-process checks (`layouts`) of every family whose logits pass, in one torchrun of 2 ranks; results
+    into records."""
     from transformers import CONFIG_MAPPING
 
     jobs = []
     for kind, record in records.items():
-        for layout in MULTIRANK:
+        for layout in layouts:
             if record["features"].get("logits") != "pass":
                 record["features"][layout] = "n/a (logits fail)"
                 continue
@@ -488,12 +490,35 @@ def write(records: dict[str, dict[str, Any]]) -> None:
     DOC.write_text(render(records))
 
 
+def update(records: dict[str, dict[str, Any]], features: tuple[str, ...]) -> None:
+    """Merge `features` of `records` into the recorded table and rewrite it and its page (under a lock: sweeps of
+    other families may update it at the same time)."""
+    import fcntl
+
+    from moe_lst.models.hf.config import COVERAGE_FILE
+
+    with open(COVERAGE_FILE) as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        merged = json.loads(COVERAGE_FILE.read_text())["families"]
+        for kind, record in records.items():
+            row = merged.setdefault(kind, {"moe": record["moe"], "features": {}})
+            row["moe"] = record["moe"]
+            row["features"].update({f: record["features"][f] for f in features})
+        write(merged)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", help="comma-separated model types (default: every causal LM)")
     parser.add_argument("--local-only", action="store_true", help="only the one-process logits check")
+    parser.add_argument("--features", help=f"comma-separated multi-rank checks (default: {','.join(MULTIRANK)})")
+    parser.add_argument("--update", action="store_true",
+                        help="merge these families' results (the checks run) into the recorded table and its page")
     parser.add_argument("--ranks", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    layouts = tuple(args.features.split(",")) if args.features else MULTIRANK
+    if set(layouts) - set(MULTIRANK):
+        parser.error(f"--features {args.features}: the multi-rank checks are {', '.join(MULTIRANK)}")
     warnings.filterwarnings("ignore")
     import transformers
 
@@ -504,10 +529,12 @@ def main(argv: list[str] | None = None) -> None:
     families = args.families.split(",") if args.families else list(causal_lm_types())
     records = local_sweep(families)
     if not args.local_only:
-        multirank_sweep(records)
+        multirank_sweep(records, layouts=layouts)
     finish(records)
     if not args.families:
         write(records)
+    elif args.update:
+        update(records, ("logits",) + (() if args.local_only else layouts))
     good = [k for k, r in records.items() if passes(r)]
     print(f"{len(good)} of {len(records)} families pass: {', '.join(good)}")
 
