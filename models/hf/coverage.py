@@ -454,6 +454,16 @@ def passes(record: dict[str, Any]) -> bool:
                for f, v in record["features"].items() if f in CORE)
 
 
+#: A tp2 / pp2 cell that means the check does not apply: the config declares no plan for it.
+NO_PLAN = "refused: there is no plan to map"
+
+
+def passes_every_check(record: dict[str, Any]) -> bool:
+    """Whether a family passes every check that applies to it, tensor and pipeline parallelism included (they apply
+    where the config declares its base_model_tp_plan / base_model_pp_plan)."""
+    return passes(record) and all(record["features"][f] in ("pass", NO_PLAN) for f in ("tp2", "pp2"))
+
+
 def render(records: dict[str, dict[str, Any]]) -> str:
     """docs/hf_coverage.md: family x feature, pass or the one-line reason."""
     good = [k for k, r in records.items() if passes(r)]
@@ -475,6 +485,9 @@ def render(records: dict[str, dict[str, Any]]) -> str:
              f"processes equal to one (a balancing loss included: each stage sends its per-expert sums on with its "
              f"activation): {len(pp)} of those families pass, the others are refused in one line (no plan, logits "
              "changed after the head, modules outside the plan).", "",
+             f"**{sum(passes_every_check(r) for r in records.values())} families pass every check that applies to "
+             "them, tp2 and pp2 included** (they apply where the config declares its tensor- or pipeline-parallel "
+             "plan).", "",
              "| family | MoE | " + " | ".join(FEATURES) + " |", "|" + "---|" * (len(FEATURES) + 2)]
     for kind, record in records.items():
         cells = [record["features"][f].replace("|", "/") for f in FEATURES]

@@ -24,6 +24,7 @@ def test_the_page_renders_the_recorded_results():
     passing = {k for k, r in records.items() if coverage.passes(r)}
     assert len(passing) >= 40 and set(REQUIRED) <= passing, sorted(set(REQUIRED) - passing)
     assert any(k.startswith(("qwen3_5_moe", "qwen3_next")) for k in passing)
+    assert sum(coverage.passes_every_check(r) for r in records.values()) >= 25
     tensor_parallel = {k for k in passing if records[k]["features"]["tp2"] == "pass"}
     assert {"llama", "mistral", "qwen2"} <= tensor_parallel  # (untied dense models whose plan maps)
     assert records["mixtral"]["features"]["tp2"].startswith("refused: its experts' plan is not mapped")
@@ -39,6 +40,11 @@ def test_passes_needs_every_applicable_feature():
     assert coverage.passes(row)
     assert not coverage.passes({**row, "features": {**row["features"], "ep2": "AssertionError: rank 0 losses"}})
     assert not coverage.passes({**row, "features": {**row["features"], "logits": "TimeoutError: ..."}})
+    # every check that applies, tp2 and pp2 included: a missing plan does not count against it, a refusal does
+    assert not coverage.passes_every_check(row)
+    planless = {**row["features"], "tp2": coverage.NO_PLAN, "pp2": "pass"}
+    assert coverage.passes_every_check({**row, "features": planless})
+    assert not coverage.passes_every_check({**row, "features": {**planless, "ep2": "AssertionError: ..."}})
 
 
 @pytest.mark.parametrize("kind", RECHECKED)
