@@ -411,6 +411,14 @@ class Transformer(nn.Module, ModelContract):
         """How this model splits over tp ranks: see parallelize.tensor_parallel_styles."""
         return parallelize.tensor_parallel_styles(self, tp)
 
+    def stage3_edge_units(self) -> list[tuple[str, nn.Module]]:
+        """The modules outside the blocks that ZeRO-3 may gather on their own (zero.sharding.stage3.edge_units): the
+        untied embedding and head, each of whose weights the forward uses only through the module's own call. A
+        tied weight serves both, so it stays in the root (gathered for the whole forward and backward)."""
+        if self.output is None:
+            return []
+        return [("tok_embeddings", self.tok_embeddings), ("output", self.output)]
+
     def pipeline_stage(self, layers: range, first: bool, last: bool) -> nn.Module:
         """A pipeline stage holding `layers` (the embedding when `first`; final norm and head when `last`),
         sharing this model's modules and parameter names (see zero.parallel.pipeline)."""
@@ -441,7 +449,10 @@ class Transformer(nn.Module, ModelContract):
         return_hidden, for losses that apply the output projection themselves, e.g. tiled). `packed`: see
         forward_hidden."""
         hidden = self.forward_hidden(tokens, position_ids, packed)
-        return hidden if return_hidden else F.linear(hidden, self.output_weight)
+        if return_hidden:
+            return hidden
+        # The untied head is called as its module (ZeRO-3 gathers it around this call: stage3_edge_units).
+        return F.linear(hidden, self.tok_embeddings.weight) if self.output is None else self.output(hidden)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,

@@ -236,6 +236,10 @@ class HookGradReducer:
         released one is dropped). Within a backward, buckets of one size (the units of stage 3) then share two or
         three buffers instead of taking a fresh full-size block from the allocator each (on the host: fresh
         pages, or heap fragments)."""
+        # The reductions in flight finish first: their full-size buffers are released (and one reused here) before
+        # a new one is taken, so a large one (an output head's gradient) does not wait beside the next.
+        while self.pending:
+            self._finish(*self.pending.pop(0))
         t, self._spare = self._spare, None
         if t is not None and t.numel() == b.padded and t.dtype == b.dtype and t.device == b.device:
             return t.zero_()
