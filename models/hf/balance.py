@@ -39,13 +39,13 @@ class _DeferredGrad(torch.autograd.Function):
     """Zero in forward; backward sends `grad * stats.grad_weights` into a layer's probability sums."""
 
     @staticmethod
-    def forward(ctx, prob_sum: torch.Tensor, stats: _Statistics) -> torch.Tensor:
-        ctx.stats = stats
+    def forward(ctx, prob_sum: torch.Tensor, stats: _Statistics, share: float) -> torch.Tensor:
+        ctx.stats, ctx.share = stats, share
         return prob_sum.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.stats.grad_weights, None
+        return grad * ctx.stats.grad_weights * ctx.share, None, None
 
 
 def router_modules(causal_lm: nn.Module) -> tuple[list[nn.Module], int]:
@@ -76,6 +76,9 @@ class BalancingLoss:
         self.stats: _Statistics | None = None
         self.last_value: float | None = None  # the loss (without coef) of the last training forward
         self.logits_index = logits_index
+        #: the share of the loss's gradient this rank's routers take: 1/tp under expert tensor parallelism, where tp
+        #: ranks compute the same loss from the same full-sequence logits and their router gradients are summed
+        self.grad_share = 1.0
         for router in routers:
             router.register_forward_hook(self._after_router)
 
@@ -113,7 +116,7 @@ class BalancingLoss:
             s.rows += probs.shape[0]
         if not (torch.is_grad_enabled() and probs.requires_grad):
             return None  # (a checkpointed layer's first pass: its recomputation carries the gradient)
-        surrogate = _DeferredGrad.apply(probs.float().sum(dim=0), s)
+        surrogate = _DeferredGrad.apply(probs.float().sum(dim=0), s, self.grad_share)
         carrier = next((i for i, t in enumerate(outputs) if i != self.logits_index and torch.is_tensor(t)
                         and t.is_floating_point() and t.requires_grad), self.logits_index)
         outputs[carrier] = attach_loss(outputs[carrier], surrogate, self.scale if s.scale is None else s.scale)

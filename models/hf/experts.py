@@ -18,15 +18,19 @@ own MoE layers.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from transformers import PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from moe import MoELayer
 from moe.dispatch import LocalDispatcher, assign_slots
 from moe.experts import grouped_matmul
+from zero.dist.topology import group_rank, group_size
+from zero.parallel.tensor import Style, TensorSplit, reduce_scatter_sequence, substitute_parameters, sum_grad
 from zero.plan import AttachedLossScale
 
 #: The name the runtime's experts forward is registered under in transformers' ExpertsInterface.
@@ -115,14 +119,201 @@ class _AdoptedExperts:
         self.expert_range = (base + start, base + stop)
         self.num_experts = stop - start
 
+    def hidden_units(self) -> int:
+        """Each expert's hidden units (intermediate size)."""
+        up = self.gate_up_proj if self.has_gate else self.up_proj
+        fused = up.shape[2 if self.is_transposed else 1]
+        return fused // 2 if self.has_gate else fused
+
+    def keep_hidden(self, tp_group: ProcessGroup) -> dict[str, TensorSplit]:
+        """Keep this tp rank's slice of every expert's hidden units (expert tensor parallelism): the up (or fused
+        gate / up) weight and bias by their hidden rows (a [gate; up] concatenation as two halves sliced alike, an
+        interleaved one as a contiguous run of (gate, up) pairs), the down weight by its input; the down bias stays
+        whole, added as bias / tp with its gradient summed over tp (its sum over the ranks' partial outputs counts it
+        once). Returns the split of each parameter, by name in this module."""
+        tp, rank = group_size(tp_group), group_rank(tp_group)
+        hidden = self.hidden_units()
+        if hidden % tp:
+            raise ValueError(f"expert tensor parallelism splits each expert's {hidden} hidden units over tp={tp}, "
+                             "which does not divide them; pick a tp that divides the experts' intermediate size")
+        t = bool(self.is_transposed)
+        up_dim, down_dim = (2, 1) if t else (1, 2)  # the hidden dim of [E, ...] weights ([E, H, 2I] when transposed)
+        halves = bool(self.has_gate and self.is_concatenated)
+        up = "gate_up_proj" if self.has_gate else "up_proj"
+        splits = {up: TensorSplit(up_dim, halves=halves), "down_proj": TensorSplit(down_dim)}
+        if self.has_bias:
+            splits[f"{up}_bias"] = TensorSplit(1, halves=halves)
+            splits["down_proj_bias"] = TensorSplit(None, replicas=tp)
+        for name, split in splits.items():
+            p = self._parameters.get(name)
+            if p is None or split.dim is None:
+                continue
+            parts = p.data.chunk(2, split.dim) if split.halves else (p.data,)
+            kept = torch.cat([q.narrow(split.dim, rank * q.shape[split.dim] // tp, q.shape[split.dim] // tp)
+                              for q in parts], split.dim)
+            self.register_parameter(name, nn.Parameter(kept.clone(), requires_grad=p.requires_grad))
+        if self._parameters.get("down_proj_bias") is not None:
+            substitute_parameters(self, {"down_proj_bias": lambda b: sum_grad(b, tp_group) / tp})
+        return {n: s for n, s in splits.items() if self._parameters.get(n) is not None}
+
 
 class _AdoptedLayer(MoELayer):
     """A Hugging Face sparse-MoE block as a moe.MoELayer (mixed into its class): its own forward and router,
     its `experts` child run through EXPERTS with this layer's dispatcher."""
 
-    def set_tensor_parallel(self, tp_group):
-        raise NotImplementedError("expert tensor parallelism of Hugging Face experts is not supported (their "
-                                  "weights keep Hugging Face's names); use expert parallelism (parallel.ep)")
+    def set_expert_parallel(self, dispatcher, ep_group) -> None:
+        # (under expert tensor parallelism the block's output is reduce-scattered by its own hook, after its shared
+        # experts join it: the dispatcher only moves tokens, not wrapped as MoELayer wraps it)
+        tp_group, self.tp_group = self.tp_group, None
+        try:
+            super().set_expert_parallel(dispatcher, ep_group)
+        finally:
+            self.tp_group = tp_group
+
+    def tensor_parallel_problem(self, tp: int, shared: dict[str, str]) -> str | None:
+        """Why this block cannot be split over `tp` ranks by hidden units (None: it can), one line."""
+        experts = self.experts
+        if experts.has_post_expert_norm:
+            return (f"{type(experts).__name__} applies a norm to each expert's output (has_post_expert_norm), which "
+                    "a split of the hidden units does not survive")
+        if experts.hidden_units() % tp:
+            return f"tp={tp} does not divide its experts' {experts.hidden_units()} hidden units"
+        norms = [(n, m) for n, m in self.named_modules() if "norm" in type(m).__name__.lower()
+                 and not n.startswith("experts.")]
+        if norms:
+            return (f"{norms[0][0]} ({type(norms[0][1]).__name__}) normalises inside the block, where each rank holds "
+                    "a partial sum of its output over the split hidden units")
+        for name, kind in shared.items():
+            linear = self.get_submodule(name)
+            if not isinstance(linear, nn.Linear):
+                return f"{name} (a shared-expert projection) is a {type(linear).__name__}, not an nn.Linear"
+            units = linear.weight.shape[1 if kind == "rowwise" else 0] // (2 if kind == "halves" else 1)
+            if units % tp:
+                return f"tp={tp} does not divide the {units} hidden units of its shared expert ({name})"
+        return None
+
+    def set_tensor_parallel(self, tp_group, shared: dict[str, str] | None = None) -> dict[str, TensorSplit]:
+        """Expert tensor parallelism of this Hugging Face block over `tp_group` (Megatron's sequence-parallel form):
+        it takes the full sequence (gathered by the norm before it) and routes it identically on every tp rank; each
+        routed expert keeps this rank's slice of its hidden units (`_AdoptedExperts.keep_hidden`), and so does each
+        shared-expert projection named in `shared` (relative name -> "colwise", "halves" (a fused [gate; up]
+        projection) or "rowwise" (by input, a bias added as bias / tp)); so the block's output is a partial sum,
+        reduce-scattered over tp to this rank's sequence shard once, by a hook on the block. Every other parameter of
+        the block (router weight and bias, shared-expert gate, ...) is replicated with its gradient summed over tp
+        (each rank's partial output gives it a partial gradient). Returns how each parameter is split, by name in
+        this block."""
+        tp, rank = group_size(tp_group), group_rank(tp_group)
+        if tp == 1:
+            return {}
+        if self.tp_group is not None:
+            raise ValueError(f"{type(self).__name__} is already tensor-parallel")
+        shared = dict(shared or {})
+        problem = self.tensor_parallel_problem(tp, shared)
+        if problem:
+            raise NotImplementedError(f"expert tensor parallelism of {type(self).__name__}: {problem}")
+        splits = {f"experts.{n}": s for n, s in self.experts.keep_hidden(tp_group).items()}
+        for name, kind in shared.items():
+            linear = self.get_submodule(name)
+            dim = 1 if kind == "rowwise" else 0
+            w = linear.weight.data
+            parts = w.chunk(2, 0) if kind == "halves" else (w,)
+            size = [q.shape[dim] // tp for q in parts]
+            linear.weight = nn.Parameter(torch.cat([q.narrow(dim, rank * n, n) for q, n in zip(parts, size)], dim)
+                                         .clone(), requires_grad=linear.weight.requires_grad)
+            splits[f"{name}.weight"] = TensorSplit(dim, halves=kind == "halves")
+            if linear.bias is None:
+                continue
+            if kind == "rowwise":  # (added once: its share on every rank, the gradient summed)
+                substitute_parameters(linear, {"bias": lambda b: sum_grad(b, tp_group) / tp})
+                splits[f"{name}.bias"] = TensorSplit(None, replicas=tp)
+            else:
+                b = linear.bias.data
+                parts = b.chunk(2, 0) if kind == "halves" else (b,)
+                linear.bias = nn.Parameter(torch.cat([q.narrow(0, rank * (q.shape[0] // tp), q.shape[0] // tp)
+                                                      for q in parts]).clone(), requires_grad=linear.bias.requires_grad)
+                splits[f"{name}.bias"] = TensorSplit(0, halves=kind == "halves")
+            linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
+        for module_name, module in self.named_modules():
+            replicated = [n for n, p in module.named_parameters(recurse=False)
+                          if p is not None and f"{module_name}.{n}".lstrip(".") not in splits]
+            if replicated:
+                substitute_parameters(module, {n: functools.partial(sum_grad, group=tp_group) for n in replicated})
+                splits.update({f"{module_name}.{n}".lstrip("."): TensorSplit(None, replicas=tp) for n in replicated})
+        self.tp_group = tp_group
+        self.register_forward_hook(functools.partial(_scatter_output, group=tp_group))
+        return splits
+
+
+def _scatter_output(block: nn.Module, args, output, group: ProcessGroup):
+    """The block's output [b, s, H] (or a tuple led by it), a partial sum over tp: summed and cut to this rank's
+    sequence shard [b, s/tp, H]."""
+    first = output[0] if isinstance(output, tuple) else output
+    if first.dim() != 3:
+        raise ValueError(f"{type(block).__name__} returned hidden states of shape {tuple(first.shape)}; expert "
+                         "tensor parallelism takes [batch, seq, hidden]")
+    scattered = reduce_scatter_sequence(first, group, dim=1)
+    return (scattered, *output[1:]) if isinstance(output, tuple) else scattered
+
+
+class ExpertTensorParallelBlock(Style):
+    """The tensor-parallel style of an adopted Hugging Face MoE block (`_AdoptedLayer.set_tensor_parallel`), with
+    the shared-expert projections it slices and the model's balancing loss, whose gradient each of the tp ranks
+    computing it from the same full-sequence router logits sends 1/tp of."""
+
+    #: (the block's parameters inside its children are placed by this style too)
+    places_submodules = True
+
+    def __init__(self, shared: dict[str, str], balance=None) -> None:
+        self.shared, self.balance = dict(shared), balance
+
+    def apply(self, module, group):
+        if not isinstance(module, _AdoptedLayer):
+            raise TypeError(f"ExpertTensorParallelBlock applies to an adopted MoE block, not {type(module).__name__}")
+        splits = module.set_tensor_parallel(group, self.shared)
+        if self.balance is not None:
+            self.balance.grad_share = 1.0 / group_size(group)
+        return splits
+
+
+#: Conventional names of a shared expert's projections: the first with its output feeding the activation, the
+#: second (fused [gate; up]) cut as two halves, the last reduced over its input.
+_SHARED_COLWISE, _SHARED_HALVES, _SHARED_ROWWISE = ("gate_proj", "up_proj"), ("gate_up_proj",), ("down_proj",)
+
+
+def expert_tensor_parallel(model: nn.Module, styles: dict, tp: int, refuse: Callable[[str], Exception]) -> None:
+    """Expert tensor parallelism of every adopted MoE block of `model` (an HFCausalLM) in `styles` (module name ->
+    style, from the config's base_model_tp_plan): the plan's colwise / rowwise entries under a block (its shared
+    experts) are taken out and given to the block's own style instead (sliced alike but not reduce-scattered on
+    their own: their partial sums join the routed experts' before the block's one reduce-scatter), with any shared
+    MLP the plan leaves out (its `gate_proj` / `up_proj` / `gate_up_proj` / `down_proj` projections); raises
+    `refuse(why)` for a block the split of hidden units does not fit."""
+    from zero.parallel.tensor import ColwiseParallel, RowwiseParallel
+
+    for block_name in getattr(model, "moe_blocks", ()):
+        block = model.get_submodule(block_name)
+        shared: dict[str, str] = {}
+        for name in [n for n in styles if n.startswith(block_name + ".")]:
+            style, rel = styles.pop(name), name[len(block_name) + 1:]
+            if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                raise refuse(f"{name} in MoE block {block_name} has style {type(style).__name__}, which expert "
+                             "tensor parallelism does not map")
+            shared[rel] = ("rowwise" if isinstance(style, RowwiseParallel) else
+                           "halves" if rel.rpartition(".")[2] in _SHARED_HALVES else "colwise")
+        for child, module in block.named_children():
+            linears = {n for n, m in module.named_children() if isinstance(m, nn.Linear)}
+            if child == "experts" or not linears & set(_SHARED_ROWWISE):
+                continue
+            for n in linears:
+                kind = ("rowwise" if n in _SHARED_ROWWISE else "halves" if n in _SHARED_HALVES else
+                        "colwise" if n in _SHARED_COLWISE else None)
+                if kind is None:
+                    raise refuse(f"{block_name}.{child}.{n} in a shared MLP is not a projection expert tensor "
+                                 "parallelism knows how to split")
+                shared.setdefault(f"{child}.{n}", kind)
+        problem = block.tensor_parallel_problem(tp, shared)
+        if problem:
+            raise refuse(f"MoE block {block_name}: {problem}")
+        styles[block_name] = ExpertTensorParallelBlock(shared, getattr(model, "balance", None))
 
 
 @functools.cache

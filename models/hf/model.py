@@ -31,7 +31,7 @@ from moe_lst.kernels.positions import position_ids_for
 from moe_lst.models.hf import attention as hf_attn
 from moe_lst.models.hf.attention import ATTENTION, attention_of, hf_attention, hf_dense_attention, set_attention
 from moe_lst.models.hf.balance import BalancingLoss, router_modules
-from moe_lst.models.hf.experts import adopt_experts, is_experts
+from moe_lst.models.hf.experts import adopt_experts, expert_tensor_parallel, is_experts
 from moe_lst.models.hf.structure import attention_modules, blocks_outside_attention, decoder_blocks
 from moe_lst.models.init_replay import Fill, Replay
 from torch.distributed import ProcessGroup
@@ -161,8 +161,6 @@ class HFCausalLM(nn.Module, ModelContract):
 
         if not plan:
             raise refuse("there is no plan to map")
-        if self.moe_blocks:
-            raise refuse("its experts' plan is not mapped (use expert parallelism, parallel.ep)")
         if getattr(config, "tie_word_embeddings", False):
             raise refuse("a tied head under the vocabulary-parallel embedding is not mapped (tie_word_embeddings)")
         for key, value in (("num_attention_heads", config.num_attention_heads),
@@ -171,6 +169,7 @@ class HFCausalLM(nn.Module, ModelContract):
                 raise refuse(f"tp={tp} does not divide {key}={value}")
         modules = dict(self.named_modules())
         styles = _plan_styles(self, plan, refuse)
+        expert_tensor_parallel(self, styles, tp, refuse)  # (MoE blocks split by hidden units, shared experts inside)
         for name, block in self.blocks():
             for child, module in block.named_children():
                 covered = any(n == f"{name}.{child}" or n.startswith(f"{name}.{child}.") for n in styles)
@@ -186,7 +185,8 @@ class HFCausalLM(nn.Module, ModelContract):
             raise refuse("its final norm is not `norm` of the base model")
         styles[names[id(norm)]] = SequenceParallelNorm(gather_output=True)
         styles[names[id(self.causal_lm.get_output_embeddings())]] = ColwiseParallel()
-        placed = {f"{n}.{p}" for n in styles for p, _ in modules[n].named_parameters(recurse=False)}
+        placed = {f"{n}.{p}" for n in styles
+                  for p, _ in modules[n].named_parameters(recurse=getattr(styles[n], "places_submodules", False))}
         loose = [n for n, _ in self.named_parameters() if n not in placed]
         if loose:
             raise refuse(f"{loose[0]} is not placed by it")
@@ -388,7 +388,7 @@ def layout_problem(config: PreTrainedConfig, key: str, degree: int) -> str | Non
     """Why the adapter cannot run `config` at tensor (key "tp") or pipeline ("pp") parallelism of `degree` (None:
     it can): the coverage sweep's tp2 / pp2 result for the model type, then this config's own plan against the
     degree (on a meta-device model: nothing is allocated). One line naming what is missing."""
-    from moe_lst.models.hf.config import coverage, is_moe
+    from moe_lst.models.hf.config import coverage
 
     feature = f"{key}2"
     swept = coverage().get(config.model_type, {}).get("features", {}).get(feature, "not run")
@@ -396,8 +396,6 @@ def layout_problem(config: PreTrainedConfig, key: str, degree: int) -> str | Non
         return f"the coverage sweep's {feature} check of model_type {config.model_type}: {swept}"
     if key == "pp":  # (the split against its layers is the recipe's check)
         return None
-    if is_moe(config):
-        return "its experts' tensor-parallel plan is not mapped (use expert parallelism, parallel.ep)"
     try:
         build(config, meta=True).tensor_parallel_styles(degree)
     except ContractError as e:
