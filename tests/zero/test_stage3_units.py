@@ -60,13 +60,14 @@ def _loss(model, tokens: torch.Tensor, mode: str, before=None) -> torch.Tensor:
 
 
 class _Census:
-    """Bytes of the storages alive at the watched points: every bucket's gathered buffer and the reducer's
-    full-size gradient buffers (staging, late, and those whose reduction is in flight)."""
+    """Bytes of the storages alive at the watched points: every bucket's gathered buffer and the shard read for its
+    gather, and the reducer's full-size gradient buffers (staging, late, and those whose reduction is in flight),
+    with the buckets whose gradient buffers are alive."""
 
     def __init__(self, engine: zero.Engine) -> None:
         self.engine = engine
         self.reducer = engine.zero_optimizer.reducer
-        self.samples: list[tuple[str, int, set[str]]] = []
+        self.samples: list[tuple[str, int, set[str], set[str]]] = []
         names = {b: ",".join(b.names) for b in engine.buckets}
         self.names = names
         launch = self.reducer._launch
@@ -90,12 +91,16 @@ class _Census:
             if not b.resident and b.full.untyped_storage().nbytes():
                 gathered.add(self.names[b])
                 storages[b.full.untyped_storage().data_ptr()] = b.full.untyped_storage().nbytes()
+            if b._gather_source is not None:
+                storages[b._gather_source.untyped_storage().data_ptr()] = b._gather_source.untyped_storage().nbytes()
         chains = [p for chain in self.reducer.chains.values() for p in chain]
+        staged = {self.names[p.bucket] for p in chains if p.staging is not None or p.late is not None}
+        staged |= {self.names[item[0].bucket] for item in self.reducer.pending}
         flats = [t for p in chains for t in (p.staging, p.late) if t is not None]
         flats += [item[1] for item in self.reducer.pending] + list(extra)
         for t in flats:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        self.samples.append((where, sum(storages.values()), gathered))
+        self.samples.append((where, sum(storages.values()), gathered, staged))
 
 
 def _run() -> dict:
@@ -141,10 +146,13 @@ def test_embedding_and_head_are_units_gathered_only_around_their_use() -> None:
         assert big >= 4 * block  # the vocabulary makes the embedding and the head dominate
         for step in r["steps"]:
             samples = step["samples"]
-            where = [w for w, _, _ in samples]
+            where = [w for w, _, _, _ in samples]
+            # at the embedding's forward: it and the block prefetched beside it, no copy of its shard kept
+            nbytes = next(n for w, n, _, _ in samples if w == "forward tok_embeddings")
+            assert step["mode"] == "parts" or nbytes <= big + 2 * block, (nbytes, big + 2 * block)
             if step["mode"] == "logits":
                 # forward: each large unit gathered only at its own call
-                for w, _, gathered in samples:
+                for w, _, gathered, _ in samples:
                     if w.startswith("forward layers."):
                         assert emb not in gathered and head not in gathered, (w, gathered)
                 assert "forward output" in where
@@ -152,7 +160,9 @@ def test_embedding_and_head_are_units_gathered_only_around_their_use() -> None:
                 assert "forward output" not in where
                 assert head in step["after_forward"]
             # backward: the blocks reduce with neither large weight gathered, the embedding never re-gathered
-            for w, _, gathered in samples:
+            for w, _, gathered, staged in samples:
+                if w.startswith("reduce layers."):
+                    assert head not in staged, (w, staged)  # the head's gradient reduced and released first
                 if w.startswith("reduce layers.") and step["mode"] != "parts":
                     assert emb not in gathered and head not in gathered, (step["mode"], w, gathered)
                 if w.startswith("reduce"):
@@ -160,6 +170,6 @@ def test_embedding_and_head_are_units_gathered_only_around_their_use() -> None:
             assert any(w == f"reduce {emb}" for w in where) and any(w == f"reduce {head}" for w in where)
             # the step's peak: the head's weight and its gradient, plus at most two blocks' buffers and gradients
             # (a forward of the model's parts keeps both large weights gathered, as the root did: not bounded)
-            peak = max(nbytes for _, nbytes, _ in samples)
+            peak = max(nbytes for _, nbytes, _, _ in samples)
             assert step["mode"] == "parts" or peak <= 2 * big + 4 * block, (step["mode"], peak, 2 * big + 4 * block)
             assert step["gathered_after_backward"] == []  # nothing stays gathered past backward
