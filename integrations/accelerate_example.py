@@ -6,8 +6,10 @@ the device and the prepared dataloader (each process's share of every global bat
 of `accelerator.backward` / `optimizer.step`. Trains the recipe's tiny Llama on its default data (the Python
 standard library's source, bytes), so its losses equal `python -m recipes.pretrain` with the same settings.
 With `--hf-config` it trains a Hugging Face causal LM of that config.json instead (built as `model=hf` builds it,
-moe_lst.models.hf), with tensor, Ulysses sequence and expert parallelism (`--tp`, `--sp`, `--ep`) through the
-adapter (moe_lst.integrations.hf_parallel); the ranks of a tensor- or sequence-parallel group read the same rows.
+moe_lst.models.hf), with tensor, Ulysses sequence, expert and pipeline parallelism (`--tp`, `--sp`, `--ep`, `--pp`)
+through the adapter (moe_lst.integrations.hf_parallel); the ranks of a tensor-, sequence-parallel or pipeline group
+read the same rows. Under `--pp` a step's `--grad-accum` micro-batches are the pipeline's: stacked into one batch,
+they run forward and backward under the 1F1B schedule in one call (hf_parallel.pipeline_loss).
 
     accelerate launch --cpu --num_processes 2 -m moe_lst.integrations.accelerate_example --stage 3 \\
         --offload cpu --steps 4 --save-every 2 --ckpt-dir runs/acc
@@ -15,6 +17,8 @@ adapter (moe_lst.integrations.hf_parallel); the ranks of a tensor- or sequence-p
         --offload cpu --steps 4 --resume runs/acc/step_2 --ckpt-dir runs/acc_resumed
     accelerate launch --cpu --num_processes 2 -m moe_lst.integrations.accelerate_example --stage 1 \\
         --hf-config path/to/config.json --tp 2
+    accelerate launch --cpu --num_processes 2 -m moe_lst.integrations.accelerate_example --stage 1 \\
+        --hf-config path/to/config.json --pp 2 --grad-accum 2
 
 (drop --cpu on GPUs; `torchrun --nproc_per_node 2 -m moe_lst.integrations.accelerate_example ...` works as well).
 """
@@ -39,6 +43,7 @@ from moe_lst.data.streams import BatchSpec, TokenStream  # noqa: E402
 from moe_lst.models.llama import ModelConfig, Transformer  # noqa: E402
 
 import zero  # noqa: E402
+from zero.parallel.pipeline import Pipeline  # noqa: E402
 
 
 class StreamRows(torch.utils.data.Dataset):
@@ -76,28 +81,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", type=Path, default=None, help="a checkpoint directory this script wrote")
     p.add_argument("--metrics", type=Path, default=None, help="append one JSON line per step (main process)")
     p.add_argument("--hf-config", type=Path, default=None, help="a Hugging Face config.json (or a directory with one)")
-    for key, what in (("tp", "tensor"), ("sp", "Ulysses sequence"), ("ep", "expert")):
+    for key, what in (("tp", "tensor"), ("sp", "Ulysses sequence"), ("ep", "expert"), ("pp", "pipeline (1F1B)")):
         p.add_argument(f"--{key}", type=int, default=1, help=f"{what}-parallel degree (with --hf-config)")
     return p.parse_args(argv)
 
 
-def build_engine(args: argparse.Namespace, dims: zero.ParallelDims) -> zero.Engine:
+def build_engine(args: argparse.Namespace, dims: zero.ParallelDims) -> tuple[zero.Engine, Pipeline | None]:
     """The recipe's model=tiny (or, with --hf-config, model=hf of that config, parallelised through the adapter),
-    AdamW as the recipe's (lr constant), clipping at 1.0."""
+    AdamW as the recipe's (lr constant), clipping at 1.0; and this rank's pipeline under --pp."""
     torch.manual_seed(args.seed)  # the same model on every process
     plans: list[zero.Plan] = []
     if args.hf_config is not None:
         from moe_lst.integrations.hf_parallel import parallelize_hf
         from moe_lst.models.hf import build, load_config
 
-        model, plans = parallelize_hf(build(load_config(args.hf_config), sp_group=dims.sequence_group), dims)
+        # (under pp: this rank's stages, the pipeline's micro-batches the step's grad_accum ones)
+        model, plans = parallelize_hf(build(load_config(args.hf_config), sp_group=dims.sequence_group), dims,
+                                      microbatches=args.grad_accum)
     else:
         model = Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
                                         max_seq_len=512))
     config = zero.ZeroConfig(stage=args.stage, grad_accum_steps=args.grad_accum, clip_grad_norm=1.0,
                              offload_optimizer=args.offload, offload_params=args.offload if args.stage == 3 else "none")
     optimizer = zero.FastAdamW(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    return zero.initialize(model, optimizer, config, dims, plans=plans)
+    pipe = next((plan for plan in plans if isinstance(plan, Pipeline)), None)
+    return zero.initialize(model, optimizer, config, dims, plans=plans), pipe
 
 
 def loss_of(engine: zero.Engine, tokens: torch.Tensor, labels: torch.Tensor, dims: zero.ParallelDims,
@@ -114,15 +122,15 @@ def loss_of(engine: zero.Engine, tokens: torch.Tensor, labels: torch.Tensor, dim
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # joins the launcher's processes (gloo on CPUs)
-    if args.hf_config is None and max(args.tp, args.sp, args.ep) > 1:
-        raise SystemExit("--tp, --sp and --ep apply with --hf-config (the Llama here trains data parallel)")
+    if args.hf_config is None and max(args.tp, args.sp, args.ep, args.pp) > 1:
+        raise SystemExit("--tp, --sp, --ep and --pp apply with --hf-config (the Llama here trains data parallel)")
     if args.hf_config is not None:
         from moe_lst.integrations.hf_parallel import check_layout
         from moe_lst.models.hf import load_config
 
-        check_layout(load_config(args.hf_config), tp=args.tp, ep=args.ep)
-    dims = zero.ParallelDims(tp=args.tp, sp=args.sp, ep=args.ep)  # data parallel over the rest
-    engine = build_engine(args, dims)
+        check_layout(load_config(args.hf_config), tp=args.tp, ep=args.ep, pp=args.pp, microbatches=args.grad_accum)
+    dims = zero.ParallelDims(tp=args.tp, sp=args.sp, ep=args.ep, pp=args.pp)  # data parallel over the rest
+    engine, pipe = build_engine(args, dims)
     spec = BatchSpec(args.micro_batch_size, args.grad_accum, dims.dp, args.seq_len)
     stream, _ = build_streams({"kind": "stdlib", "max_bytes": args.max_bytes}, spec, seed=args.seed, vocab_size=256)
     loader = accelerator.prepare(torch.utils.data.DataLoader(StreamRows(stream, args.steps), spec.micro_batch_size))
@@ -137,7 +145,12 @@ def main(argv: list[str] | None = None) -> None:
                    for step in range(start, args.steps) for micro in range(args.grad_accum))
     for step in range(start, args.steps):
         total = 0.0
-        for _ in range(args.grad_accum):
+        if pipe is not None:  # the step's micro-batches stacked: the pipeline splits them back, in order
+            from moe_lst.integrations.hf_parallel import pipeline_loss
+
+            tokens, labels = (torch.cat(t) for t in zip(*(next(batches) for _ in range(args.grad_accum))))
+            total = pipeline_loss(pipe, engine, tokens, labels, dims, shift=False).item()
+        for _ in range(args.grad_accum if pipe is None else 0):
             tokens, labels = next(batches)  # this process's micro-batch, on its device
             loss = loss_of(engine, tokens, labels, dims, args.hf_config is not None)
             engine.backward(loss)  # scaled by 1/grad_accum; gradients reduced as they are ready

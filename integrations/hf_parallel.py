@@ -1,9 +1,11 @@
 """A Hugging Face causal LM under the runtime's parallelism for the training loops of other frameworks (the Trainer,
-Lightning, Accelerate): the model behind moe_lst.models.hf's adapter with expert, tensor and Ulysses sequence
-parallelism applied as the recipe applies them, and the loss over its sequence shards and vocabulary slices."""
+Lightning, Accelerate): the model behind moe_lst.models.hf's adapter with expert, tensor, Ulysses sequence and
+pipeline parallelism applied as the recipe applies them, and the loss over its sequence shards and vocabulary slices
+(under pp: a whole batch's 1F1B schedule, forward and backward, in one call)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -11,82 +13,137 @@ import torch.nn.functional as F
 from torch import nn
 
 import zero
+from zero.parallel.pipeline import Pipeline
 
 IGNORE_INDEX = -100
+#: The pipeline schedule the loops run (the adapter's stages are one per rank: 1F1B, as model=hf's default).
+SCHEDULE = "1f1b"
 
 
-def refuse_pipeline(pp: int) -> None:
-    """Pipeline stages are not offered through these loops (one line, before anything is built)."""
-    if pp > 1:
-        raise NotImplementedError(f"pp={pp}: pipeline stages are not offered through the Trainer, Lightning or "
-                                  "Accelerate loops, which run one micro-batch's forward and backward at a time while "
-                                  "a pipeline's schedule runs all of a step's (zero.parallel.pipeline); train with "
-                                  "python -m recipes.pretrain model=hf parallel.pp=...")
+def pipeline_microbatches(pp: int, microbatches: int | None) -> int:
+    """The micro-batches a batch is split into under `pp` stages (None: pp, the fewest a 1F1B schedule takes)."""
+    return pp if microbatches is None else microbatches
 
 
-def check_layout(model: Any, *, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
+def check_layout(model: Any, *, tp: int = 1, ep: int = 1, pp: int = 1, microbatches: int | None = None) -> None:
     """Refuse, in one line and before any process group or plan exists, what the adapter does not offer `model`
-    (a transformers model, or its config) at these degrees: pipeline stages, ep for a dense model, and tp where
-    the config's tensor-parallel plan does not map (moe_lst.models.hf.model.layout_problem)."""
+    (a transformers model, or its config) at these degrees: ep for a dense model, tp and pp where the config's
+    tensor- or pipeline-parallel plan does not map (moe_lst.models.hf.model.layout_problem), fewer layers than
+    stages, and fewer micro-batches per batch than stages (1F1B needs at least pp)."""
     from moe_lst.models.hf import is_moe
     from moe_lst.models.hf.model import layout_problem
 
     config = getattr(model, "config", model)
-    refuse_pipeline(pp)
     if ep > 1 and not is_moe(config):
         raise ValueError(f"ep={ep} needs an MoE model (model_type {config.model_type} is dense); use ep=1")
-    problem = layout_problem(config, "tp", tp) if tp > 1 else None
-    if problem:
-        raise NotImplementedError(f"tp={tp} with model_type {config.model_type} is refused: {problem}; use tp=1")
+    for key, degree in (("tp", tp), ("pp", pp)):
+        problem = layout_problem(config, key, degree) if degree > 1 else None
+        if problem:
+            raise NotImplementedError(f"{key}={degree} with model_type {config.model_type} is refused: {problem}; "
+                                      f"use {key}=1")
+    if pp > 1:
+        layers, m = config.num_hidden_layers, pipeline_microbatches(pp, microbatches)
+        if layers < pp:
+            raise ValueError(f"pp={pp} stages but model_type {config.model_type} has {layers} layers: every stage "
+                             f"needs one; use pp <= {layers}")
+        if isinstance(m, bool) or not isinstance(m, int) or m < pp:
+            raise ValueError(f"pp={pp} with {m!r} micro-batches per batch: a 1F1B schedule needs at least pp "
+                             f"micro-batches; split each batch into pp={pp} or more (pp_microbatches=...)")
 
 
-def parallelize_hf(model: nn.Module, dims: zero.ParallelDims) -> tuple[nn.Module, list[zero.Plan]]:
-    """(the adapter around `model`, sharing its modules and parameters, with experts over ep, the config's tensor-
-    parallel plan over tp and Ulysses over sp applied; the plans, in order, for zero.initialize). `model` is a
-    transformers causal LM of a covered model type (or the adapter itself, as moe_lst.models.hf.build gives it,
-    built with `sp_group=dims.sequence_group`), identically initialised on every rank."""
+def parallelize_hf(model: nn.Module, dims: zero.ParallelDims,
+                   microbatches: int | None = None) -> tuple[nn.Module, list[zero.Plan]]:
+    """(the module the engine wraps, the plans, in order, for zero.initialize): the adapter around `model`,
+    sharing its modules and parameters, with experts over ep, the config's tensor-parallel plan over tp and Ulysses
+    over sp applied; under pp, this rank's pipeline stages of it (the last plan is the `Pipeline`, running a batch
+    split into `microbatches`, default pp, with 1F1B: `pipeline_loss`; the other stages' weights are released to
+    the meta device). `model` is a transformers causal LM of a covered model type (or the adapter itself, as
+    moe_lst.models.hf.build gives it, built with `sp_group=dims.sequence_group`), identically initialised on every
+    rank."""
     from moe_lst.models.hf import HFCausalLM
 
     from moe import apply_expert_parallel
     from sequence_parallel import apply_ulysses
+    from zero.parallel.pipeline import apply_pipeline
     from zero.parallel.tensor import apply_tensor_parallel
 
-    check_layout(model, tp=dims.tp, ep=dims.ep, pp=dims.pp)
+    check_layout(model, tp=dims.tp, ep=dims.ep, pp=dims.pp, microbatches=microbatches)
     adapter = model if isinstance(model, HFCausalLM) else HFCausalLM(model, sp_group=dims.sequence_group)
     plans = [adapter.loss_plan()]
     if adapter.moe_blocks:
         plans.append(apply_expert_parallel(adapter, dims))
     plans.append(apply_tensor_parallel(adapter, dims.tp_group))  # (tp=1: changes nothing)
     apply_ulysses(adapter, dims.sp_group)
-    return adapter, plans
+    if dims.pp == 1:
+        return adapter, plans
+    pipe = apply_pipeline(adapter, dims, SCHEDULE, microbatches=pipeline_microbatches(dims.pp, microbatches),
+                          loss_fn=functools.partial(logits_loss, dims=dims))
+    return pipe.module, [*plans, pipe]
+
+
+def pipeline_of(plans: list[zero.Plan]) -> Pipeline | None:
+    """The pipeline among `plans` (parallelize_hf's under pp), else None."""
+    return next((plan for plan in plans if isinstance(plan, Pipeline)), None)
+
+
+def shifted_shard(tokens: torch.Tensor, labels: torch.Tensor | None, dims: zero.ParallelDims,
+                  position_ids: torch.Tensor | None = None, shift: bool = True):
+    """(tokens, targets, position ids) of this rank's sequence shard: the labels shifted (a causal LM's labels are
+    its inputs; `shift=False`: already the targets) before the sequence is split over sp."""
+    from sequence_parallel import shard_sequence
+
+    labels = tokens if labels is None else labels
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if shift else labels
+    return shard_sequence(tokens, targets, dims.sp_group, position_ids, ignore_index=IGNORE_INDEX)
+
+
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor, dims: zero.ParallelDims) -> torch.Tensor:
+    """Mean next-token loss over the whole sequences from this rank's logits [b, s/sp, vocab/tp] (the vocabulary
+    slices reduced over tp, never gathered; the sequence shards over sp). Also the last pipeline stage's loss."""
+    from sequence_parallel import sp_loss
+    from zero.parallel.tensor import vocab_parallel_cross_entropy
+
+    loss_sum, count = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), dims.tp_group,
+                                                   ignore_index=IGNORE_INDEX)
+    return sp_loss(loss_sum, count, dims.sp_group)
 
 
 def next_token_loss(adapter: nn.Module, tokens: torch.Tensor, labels: torch.Tensor | None, dims: zero.ParallelDims,
                     position_ids: torch.Tensor | None = None, shift: bool = True) -> torch.Tensor:
     """Mean next-token loss over the micro-batch's whole sequences: the labels shifted (a causal LM's labels are its
     inputs; `shift=False`: already the targets) before the sequence is split over sp, the logits' vocabulary
-    slices reduced over tp (never gathered)."""
-    from sequence_parallel import shard_sequence, sp_loss
-    from zero.parallel.tensor import vocab_parallel_cross_entropy
+    slices reduced over tp (never gathered). Not under pp: `pipeline_loss` runs a pipeline's batch."""
+    tokens, targets, positions = shifted_shard(tokens, labels, dims, position_ids, shift)
+    return logits_loss(adapter(tokens, positions), targets, dims)
 
-    labels = tokens if labels is None else labels
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if shift else labels
-    tokens, targets, positions = shard_sequence(tokens, targets, dims.sp_group, position_ids,
-                                                ignore_index=IGNORE_INDEX)
-    logits = adapter(tokens, positions)
-    loss_sum, count = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), dims.tp_group,
-                                                   ignore_index=IGNORE_INDEX)
-    return sp_loss(loss_sum, count, dims.sp_group)
+
+def pipeline_loss(pipe: Pipeline, engine: zero.Engine, tokens: torch.Tensor, labels: torch.Tensor | None,
+                  dims: zero.ParallelDims, position_ids: torch.Tensor | None = None,
+                  shift: bool = True) -> torch.Tensor:
+    """One batch through the pipeline: split into `pipe.microbatches` micro-batches of consecutive rows, forward and
+    backward of each under the 1F1B schedule (the engine reduces the gradients, each micro-batch's loss scaled by
+    1/microbatches as gradient accumulation over them would be); the mean of the micro-batches' losses, the same
+    tensor (no graph) on every rank of the pipeline. Every rank of the pipeline passes the batch (the first stage
+    reads the tokens, the last the targets). Call engine.step() after."""
+    if tokens.shape[0] % pipe.microbatches:
+        raise ValueError(f"a batch of {tokens.shape[0]} rows does not split into the pipeline's {pipe.microbatches} "
+                         "micro-batches: make the batch size a multiple of them")
+    tokens, targets, positions = shifted_shard(tokens, labels, dims, position_ids, shift)
+    return torch.tensor(pipe.train_step(engine, tokens, targets, position_ids=positions))
 
 
 def full_state_dict(engine: zero.Engine, plans: list[zero.Plan]) -> dict[str, torch.Tensor]:
     """The whole model's fp32 weights under the model's names: the engine's (gathered from ZeRO shards) with the
-    tensor-parallel slices assembled (collective: every rank calls it)."""
+    tensor-parallel slices assembled and, under pp, every stage's (collective: every rank calls it)."""
+    from zero.dist import comm
     from zero.parallel.tensor import TensorParallel
 
     state = engine.full_state_dict()
     for plan in plans:
         if isinstance(plan, TensorParallel):
             state = plan.full_state_dict(state)
+    pipe = pipeline_of(plans)
+    if pipe is not None:  # (a tied embedding and head: the same values on the first and the last stage)
+        state = {name: value for stage in comm.all_gather_object(state, pipe.dims.pp_group)
+                 for name, value in stage.items()}
     return state
-

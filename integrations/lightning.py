@@ -1,8 +1,8 @@
 """Lightning on this project's runtime: `ZeroStrategy` trains a LightningModule under the ZeRO engine.
 
 `lightning.Trainer(strategy=ZeroStrategy(zero.ZeroConfig(stage=3)), accelerator="cpu", devices=2)` gives
-ZeRO stages 0-3 with cpu/nvme offload, the expert / sequence / tensor parallel plans a module declares from
-`configure_model`, and checkpoints in the engine's sharded format (saved, resumed, resharded).
+ZeRO stages 0-3 with cpu/nvme offload, the expert / sequence / tensor parallel plans and the pipeline a module
+declares from `configure_model`, and checkpoints in the engine's sharded format (saved, resumed, resharded).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import nn
 import zero
 from zero.dist import comm
 from zero.engine import OptimizerFactory, ParamInit
+from zero.parallel.pipeline import Pipeline
 
 # What Lightning calls the precision each engine dtype gives: compute in the dtype, fp32 masters.
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -42,6 +43,7 @@ class ZeroPrecision(Precision):
         self.dtype = dtype
         self.precision = LIGHTNING_PRECISION[dtype]
         self.engine: zero.Engine | None = None  # set by ZeroStrategy once the engine exists
+        self.pipelined = False  # set by ZeroStrategy under a declared pipeline: its schedule runs backward
 
     def convert_input(self, data: Any) -> Any:
         """Floating-point inputs meet parameters held in the compute dtype."""
@@ -50,6 +52,12 @@ class ZeroPrecision(Precision):
 
     def backward(self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any,
                  **kwargs: Any) -> None:
+        if self.pipelined:  # the training_step ran the batch's forward and backward under the schedule
+            if tensor.requires_grad:
+                raise RuntimeError("under a pipeline the training_step runs the batch through its schedule "
+                                   "(moe_lst.integrations.hf_parallel.pipeline_loss), which runs backward, and "
+                                   "returns that loss without a graph; it returned a loss with one")
+            return
         engine = self.engine
         engine.before_backward()
         # Lightning has divided the loss by accumulate_grad_batches already: only the fp16 loss scale is left.
@@ -88,17 +96,22 @@ class ZeroStrategy(DDPStrategy):
 
     config: the engine's ZeroConfig (stage, dtype, offload, buckets); `grad_accum_steps` and `clip_grad_norm`
         come from Trainer(accumulate_grad_batches=..., gradient_clip_val=...) unless set here to the same value.
-    tp, sp, ep: parallel degrees (data parallelism takes the rest of the processes); the module applies the
+    tp, sp, ep, pp: parallel degrees (data parallelism takes the rest of the processes); the module applies the
         parallelism in `configure_model` with `self.trainer.strategy.dims` and declares what it applied with
         `self.trainer.strategy.configure_engine(module, plans=[...])`; for a Hugging Face causal LM,
-        `adapter, plans = moe_lst.integrations.hf_parallel.parallelize_hf(model, self.trainer.strategy.dims)` applies
-        ep, tp and sp through moe_lst.models.hf's adapter (train `adapter`, its loss `hf_parallel.next_token_loss`).
-        Pipelines are not supported (Lightning's loop runs one micro-batch at a time).
+        `module, plans = moe_lst.integrations.hf_parallel.parallelize_hf(model, self.trainer.strategy.dims,
+        microbatches=m)` applies ep, tp, sp and pp through moe_lst.models.hf's adapter (train `module`, its loss
+        `hf_parallel.next_token_loss`). Under pp the plans end with the pipeline (`strategy.pipeline`) and
+        `module` is this rank's stages: each `training_step` runs its whole batch, split into the pipeline's m
+        micro-batches, forward and backward under the 1F1B schedule (`hf_parallel.pipeline_loss(
+        strategy.pipeline, strategy.engine, ...)`) and returns that loss (no graph: the backward Lightning then
+        calls does nothing); the optimizer step is the engine's. Lightning's own accumulation is then 1
+        (accumulate_grad_batches > 1 is refused: the micro-batches are the accumulation).
     """
 
     strategy_name = "zero"
 
-    def __init__(self, config: zero.ZeroConfig | None = None, *, tp: int = 1, sp: int = 1, ep: int = 1,
+    def __init__(self, config: zero.ZeroConfig | None = None, *, tp: int = 1, sp: int = 1, ep: int = 1, pp: int = 1,
                  accelerator: pl.accelerators.Accelerator | None = None, parallel_devices: list | None = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, start_method: str = "popen") -> None:
@@ -107,7 +120,7 @@ class ZeroStrategy(DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=ZeroPrecision(self.config.dtype),
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
-        self._degrees = {"tp": tp, "sp": sp, "ep": ep}
+        self._degrees = {"tp": tp, "sp": sp, "ep": ep, "pp": pp}
         self._dims: zero.ParallelDims | None = None
         self._declared: _Declared | None = None
         self._engine: zero.Engine | None = None
@@ -137,12 +150,25 @@ class ZeroStrategy(DDPStrategy):
         self._declared = _Declared(module, list(plans), param_init)
 
     @property
+    def pipeline(self) -> Pipeline | None:
+        """The pipeline the module declared among its plans (under pp), else None."""
+        plans = self._declared.plans if self._declared is not None else []
+        return next((plan for plan in plans if isinstance(plan, Pipeline)), None)
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         # Ranks that split one sequence (sp) or one layer (tp) read the same rows: the sampler splits over dp.
         return {"num_replicas": self.dims.dp, "rank": self.dims.dp_rank}
 
     # ------------------------------------------------------------------ Lightning's hooks
     def setup_environment(self) -> None:
+        pp, module = self._degrees["pp"], self.lightning_module
+        accum = module.trainer.accumulate_grad_batches if module is not None and module._trainer else 1
+        if pp > 1 and accum != 1:  # (before the process group and the model exist)
+            raise ValueError(f"Trainer(accumulate_grad_batches={accum}) with ZeroStrategy(pp={pp}): under pp each "
+                             "training_step runs its batch as the pipeline's micro-batches; set "
+                             "accumulate_grad_batches=1 and accumulate with the pipeline's micro-batches (a larger "
+                             "batch)")
         super().setup_environment()  # the process group
         self._dims = zero.ParallelDims(**self._degrees)
 
@@ -155,7 +181,9 @@ class ZeroStrategy(DDPStrategy):
                                "return early from configure_model when the model exists (it runs on every fit, "
                                "validate, test and predict)")
         if self._engine is None:
-            if not any(p.is_meta for p in declared.module.parameters()):
+            if any(isinstance(plan, Pipeline) for plan in declared.plans):
+                declared.module.to(self.root_device)  # (this rank's stages: the others' weights stay on meta)
+            elif not any(p.is_meta for p in declared.module.parameters()):
                 self.model_to_device()
             self._engine = self._build_engine(trainer, declared)
             self.precision_plugin.engine = self._engine
@@ -163,10 +191,18 @@ class ZeroStrategy(DDPStrategy):
         self.lr_scheduler_configs = []  # a scheduler is the engine's (stepped after each applied step)
 
     def _build_engine(self, trainer: pl.Trainer, declared: _Declared) -> zero.Engine:
-        _check_covered(self.lightning_module, declared.module)
+        pipe = next((plan for plan in declared.plans if isinstance(plan, Pipeline)), None)
+        if (pipe is not None) != (self.dims.pp > 1):
+            raise ValueError(f"ZeroStrategy(pp={self.dims.pp}) but configure_engine declared "
+                             f"{'a' if pipe else 'no'} pipeline: under pp declare the stages and plans "
+                             "parallelize_hf returns (its last plan is the pipeline), else none")
+        _check_covered(self.lightning_module, declared.module, released=pipe is not None)
         returned = call._call_lightning_module_hook(trainer, "configure_optimizers", pl_module=self.lightning_module)
         optimizer, scheduler = optimizer_factories(returned)
         config = _engine_config(self.config, trainer)
+        if pipe is not None:  # the pipeline's micro-batches are the engine's accumulation cycle
+            config = dataclasses.replace(config, grad_accum_steps=pipe.microbatches)
+            self.precision_plugin.pipelined = True
         return zero.initialize(declared.module, optimizer, config, self.dims, lr_scheduler=scheduler,
                                plans=declared.plans, param_init=declared.param_init)
 
@@ -268,9 +304,12 @@ def _check_precision_flag(trainer: pl.Trainer, ours: str) -> None:
                          "precision through ZeroStrategy(zero.ZeroConfig(dtype='bf16' | 'fp16' | 'fp32'))")
 
 
-def _check_covered(root: nn.Module, module: nn.Module) -> None:
+def _check_covered(root: nn.Module, module: nn.Module, released: bool = False) -> None:
+    """Every trainable parameter of `root` is in `module` (`released`: those a pipeline left on the meta device,
+    the other ranks' stages, excepted)."""
     inside = {id(p) for p in module.parameters()}
-    outside = [n for n, p in root.named_parameters() if p.requires_grad and id(p) not in inside]
+    outside = [n for n, p in root.named_parameters()
+               if p.requires_grad and id(p) not in inside and not (released and p.is_meta)]
     if outside:
         raise ValueError(f"{len(outside)} trainable parameters lie outside the module given to configure_engine "
                          f"(first: {outside[0]!r}) and would not be trained: declare a module that holds them all")

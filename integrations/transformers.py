@@ -1,8 +1,8 @@
 """Hugging Face's Trainer on this project's runtime: `ZeroTrainer` runs backward, the optimizer step and checkpoints
 through the ZeRO engine, so `ZeroTrainer(model, args, train_dataset=..., zero_config=zero.ZeroConfig(stage=3,
 offload_optimizer="cpu")).train()` trains a transformers model with ZeRO 0-3 and offload, and with Ulysses sequence,
-tensor and expert parallelism (`sp=`, `tp=`, `ep=`) through moe_lst.models.hf's adapter
-(moe_lst.integrations.hf_parallel).
+tensor, expert and pipeline parallelism (`sp=`, `tp=`, `ep=`, `pp=`) through moe_lst.models.hf's adapter
+(moe_lst.integrations.hf_parallel). Under pp each training step runs the whole batch through the 1F1B schedule.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from moe_lst.integrations.hf_parallel import (
     full_state_dict,
     next_token_loss,
     parallelize_hf,
-    refuse_pipeline,
+    pipeline_loss,
+    pipeline_microbatches,
+    pipeline_of,
 )
 from torch import nn
 
@@ -81,31 +83,38 @@ class ZeroTrainer(transformers.Trainer):
 
     zero_config: the engine's ZeroConfig (stage, dtype, offload, buckets); `grad_accum_steps` and `clip_grad_norm`
         come from TrainingArguments (gradient_accumulation_steps, max_grad_norm).
-    sp, tp, ep: Ulysses sequence-, tensor- and expert-parallel degrees (data parallelism takes the rest of the
-        processes); any of them > 1 runs the model through moe_lst.models.hf.HFCausalLM (its covered model types;
-        tp where the config's tensor-parallel plan maps, ep for MoE models) with the loss over the whole sequences
-        and the vocabulary slices. pp > 1 is refused (the Trainer runs one micro-batch at a time).
+    sp, tp, ep, pp: Ulysses sequence-, tensor-, expert-parallel and pipeline degrees (data parallelism takes the
+        rest of the processes); any of them > 1 runs the model through moe_lst.models.hf.HFCausalLM (its covered
+        model types; tp and pp where the config's plans map, ep for MoE models) with the loss over the whole
+        sequences and the vocabulary slices.
+    pp_microbatches: under pp, each training step (one batch of per_device_train_batch_size rows) runs forward and
+        backward of this many micro-batches of consecutive rows under the 1F1B schedule (default pp), each loss
+        scaled by 1/pp_microbatches; the Trainer's own accumulation is then 1 (gradient_accumulation_steps > 1 is
+        refused: accumulate with pp_microbatches and a larger batch). Evaluation under pp is refused.
     optimizer_factory: the engine's optimizer (e.g. zero.FastAdamW(lr=..., weight_decay=0.1)); by default the one
         TrainingArguments name, built over the engine's master shards (uniform weight decay only).
     lr_scheduler_factory: optimizer -> scheduler; by default TrainingArguments' schedule over the run's steps.
     """
 
     def __init__(self, *args: Any, zero_config: zero.ZeroConfig | None = None, sp: int = 1, tp: int = 1,
-                 ep: int = 1, pp: int = 1, optimizer_factory: OptimizerFactory | None = None,
-                 lr_scheduler_factory: Any = None, **kwargs: Any) -> None:
-        refuse_pipeline(pp)
+                 ep: int = 1, pp: int = 1, pp_microbatches: int | None = None,
+                 optimizer_factory: OptimizerFactory | None = None, lr_scheduler_factory: Any = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.zero_config = zero_config if zero_config is not None else zero.ZeroConfig()
         self._check_arguments()
-        if max(sp, tp, ep) > 1:
-            check_layout(self.model, tp=tp, ep=ep)
-        self.dims = zero.ParallelDims(sp=sp, tp=tp, ep=ep)
+        if pp > 1:
+            self._check_pipeline(pp, pipeline_microbatches(pp, pp_microbatches))
+        if max(sp, tp, ep, pp) > 1:
+            check_layout(self.model, tp=tp, ep=ep, pp=pp, microbatches=pp_microbatches)
+        self.dims = zero.ParallelDims(sp=sp, tp=tp, ep=ep, pp=pp)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer_factory, lr_scheduler_factory
         self.engine: zero.Engine | None = None
-        self.sequence_model: nn.Module | None = None  # the adapter under sp, tp or ep > 1
+        self.sequence_model: nn.Module | None = None  # the adapter under sp, tp or ep > 1; this rank's stages under pp
         self.plans: list[zero.Plan] = []
-        if max(sp, tp, ep) > 1:
-            self.sequence_model, self.plans = parallelize_hf(self.model, self.dims)
+        if max(sp, tp, ep, pp) > 1:
+            self.sequence_model, self.plans = parallelize_hf(self.model, self.dims, microbatches=pp_microbatches)
+        self.pipe = pipeline_of(self.plans)
         if self.lr_scheduler is not None:
             raise TypeError("Trainer(optimizers=(..., scheduler)): pass lr_scheduler_factory=optimizer -> scheduler "
                             "instead; the engine builds the optimizer over its master shards")
@@ -141,6 +150,18 @@ class ZeroTrainer(transformers.Trainer):
             raise ValueError(f"ZeroConfig(clip_grad_norm={self.zero_config.clip_grad_norm}) differs from "
                              f"max_grad_norm={a.max_grad_norm}: set it in TrainingArguments")
 
+    def _check_pipeline(self, pp: int, microbatches: int) -> None:
+        """Under pp the pipeline's micro-batches are the accumulation: one batch per step, split."""
+        a = self.args
+        if a.gradient_accumulation_steps != 1:
+            raise ValueError(f"gradient_accumulation_steps={a.gradient_accumulation_steps} with pp={pp}: under pp "
+                             "each batch runs as the pipeline's micro-batches in one step; set "
+                             "gradient_accumulation_steps=1 and accumulate with pp_microbatches and a larger "
+                             "per_device_train_batch_size")
+        if isinstance(microbatches, int) and microbatches > 0 and a.per_device_train_batch_size % microbatches:
+            raise ValueError(f"per_device_train_batch_size={a.per_device_train_batch_size} does not split into "
+                             f"pp_microbatches={microbatches}: make it a multiple")
+
     # ------------------------------------------------------------------ the engine
     def _default_optimizer_factory(self) -> OptimizerFactory:
         """TrainingArguments' optimizer (or Trainer(optimizer_cls_and_kwargs=...)) over the master shards."""
@@ -173,7 +194,8 @@ class ZeroTrainer(transformers.Trainer):
         return build
 
     def _build_engine(self, max_steps: int) -> zero.Engine:
-        config = dataclasses.replace(self.zero_config, grad_accum_steps=self.args.gradient_accumulation_steps,
+        accum = self.pipe.microbatches if self.pipe is not None else self.args.gradient_accumulation_steps
+        config = dataclasses.replace(self.zero_config, grad_accum_steps=accum,
                                      clip_grad_norm=self.args.max_grad_norm or self.zero_config.clip_grad_norm)
         module = self.sequence_model if self.sequence_model is not None else self.model
         return zero.initialize(module, self.optimizer_factory or self._default_optimizer_factory(), config,
@@ -206,6 +228,10 @@ class ZeroTrainer(transformers.Trainer):
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         model.train()
         inputs = self._prepare_inputs(inputs)
+        if self.pipe is not None:  # the batch's micro-batches, forward and backward, under the schedule
+            self._check_unpadded(inputs)
+            return pipeline_loss(self.pipe, self.engine, inputs["input_ids"], inputs.get("labels"), self.dims,
+                                 inputs.get("position_ids"))
         self.engine.before_forward()
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
@@ -230,15 +256,22 @@ class ZeroTrainer(transformers.Trainer):
                      num_items_in_batch: torch.Tensor | int | None = None):
         if self.sequence_model is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.pipe is not None:
+            raise NotImplementedError(f"evaluation under pp={self.dims.pp} is not implemented (a forward through "
+                                      "the pipeline stages outside training_step); evaluate with pp=1")
         if return_outputs:
             raise NotImplementedError("outputs under sp, tp or ep > 1 are this rank's sequence shards and "
                                       "vocabulary slices: evaluate with prediction_loss_only=True")
-        mask = inputs.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            raise NotImplementedError("padding (an attention_mask with zeros) is not supported under sp, tp or ep > "
-                                      "1: pack sequences to full length")
+        self._check_unpadded(inputs)
         return next_token_loss(self.sequence_model, inputs["input_ids"], inputs.get("labels"), self.dims,
                                inputs.get("position_ids"))
+
+    @staticmethod
+    def _check_unpadded(inputs: dict[str, Any]) -> None:
+        mask = inputs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise NotImplementedError("padding (an attention_mask with zeros) is not supported under sp, tp, ep or "
+                                      "pp > 1: pack sequences to full length")
 
     def _clip_grad_norm(self, model: nn.Module) -> None:
         return None  # the engine clips the global norm in its step (TrainingArguments.max_grad_norm)
@@ -281,8 +314,8 @@ class ZeroTrainer(transformers.Trainer):
             self._save(output_dir, state_dict=state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's fp32 weights, gathered from the engine's shards and tensor-parallel slices
-        (collective: every rank calls it)."""
+        """The whole model's fp32 weights, gathered from the engine's shards, tensor-parallel slices and pipeline
+        stages (collective: every rank calls it)."""
         return full_state_dict(self.engine, self.plans)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

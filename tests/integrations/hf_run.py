@@ -1,6 +1,7 @@
 """Trains a plain transformers LlamaForCausalLM (tiny config) on the recipe's data, 2 processes under torchrun:
 the engine's own loop, then ZeroTrainer 4 steps straight (checkpoints every 2), then ZeroTrainer resumed from
-checkpoint-2, then (optionally) ZeroTrainer with Ulysses sp=2 or tensor parallel tp=2 through moe_lst.models.hf.
+checkpoint-2, then (optionally) ZeroTrainer with Ulysses sp=2, tensor parallel tp=2 or pipeline stages pp=2 (1F1B over
+each batch's 4 micro-batches, which are the own loop's) through moe_lst.models.hf.
 Rank 0 writes the per-step losses and gradient norms (the Trainer's: what it logged); every rank the final weights of
 each run.
 
@@ -9,7 +10,7 @@ examples/pytorch/language-modeling/run_clm.py, its Trainer a ZeroTrainer, at eac
 text loader, a byte tokenizer built here), each followed by a new trainer resumed from its checkpoint-2; every
 rank writes what it saw (clm/results_rank<r>.json).
 
-torchrun --nproc_per_node 2 tests/integrations/hf_run.py OUT_DIR STAGE OFFLOAD [sp] [tp] [clm=STAGES]
+torchrun --nproc_per_node 2 tests/integrations/hf_run.py OUT_DIR STAGE OFFLOAD [sp] [tp] [pp] [clm=STAGES]
 """
 
 from __future__ import annotations
@@ -71,16 +72,20 @@ def own_loop(stage: int, offload: str) -> tuple[dict, dict]:
     return out, engine.full_state_dict()
 
 
-def trainer_run(out: Path, stage: int, offload: str, resume: str | None = None, sp: int = 1, tp: int = 1):
+def trainer_run(out: Path, stage: int, offload: str, resume: str | None = None, sp: int = 1, tp: int = 1,
+                pp: int = 1):
+    # (under pp the Trainer's accumulation is the pipeline's: a batch of the whole step, split in its micro-batches)
+    batch, accum = (MICRO * sp * tp, ACCUM) if pp == 1 else (MICRO * ACCUM * pp, 1)
     args = transformers.TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=MICRO * sp * tp, gradient_accumulation_steps=ACCUM,
+        output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
         max_steps=STEPS, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
         weight_decay=0.0, max_grad_norm=CLIP, optim="adamw_torch_fused", lr_scheduler_type="linear",
         train_sampling_strategy="sequential", save_strategy="steps", save_steps=2, logging_steps=1,
         report_to="none", disable_tqdm=True, seed=SEED, use_cpu=True)
-    dims_dp = dist.get_world_size() // (sp * tp)
+    dims_dp = dist.get_world_size() // (sp * tp * pp)
     trainer = ZeroTrainer(model=hf_model(), args=args, train_dataset=HFRows(train_stream(2), STEPS),
-                          zero_config=zero_config(stage, offload), sp=sp, tp=tp)
+                          zero_config=zero_config(stage, offload), sp=sp, tp=tp, pp=pp,
+                          pp_microbatches=ACCUM * pp if pp > 1 else None)
     assert dims_dp == trainer.dims.dp
     trainer.train(resume_from_checkpoint=resume)
     # what the Trainer logged at each step it ran (logging_steps=1): the loss over every process, the engine's norm
@@ -230,6 +235,8 @@ def main() -> None:
         results["sp2"], finals["sp2"] = trainer_run(out / "sp2", stage, offload, sp=2)
     if "tp" in flags:
         results["tp2"], finals["tp2"] = trainer_run(out / "tp2", stage, offload, tp=2)
+    if "pp" in flags:
+        results["pp2"], finals["pp2"] = trainer_run(out / "pp2", stage, offload, pp=2)
     torch.save(finals, out / f"final_rank{dist.get_rank()}.pt")
     if dist.get_rank() == 0:
         (out / "losses.json").write_text(json.dumps(results))

@@ -1,9 +1,12 @@
 """Trains the project's Llama with lightning.Trainer(strategy=ZeroStrategy(...), devices=2) on the recipe's data:
 4 steps straight, then 2 steps saved by ModelCheckpoint and resumed for 2 more. Lightning's launcher starts
 the second process (this script again). Rank 0 writes the per-step losses; every rank its final weights.
+Optionally (STAGES: fit, validate and test at each ZeRO stage; hf_pp: a plain transformers Llama through the
+Hugging Face adapter with pipeline stages, pp=2, against the engine's own loop over it) in the same processes after.
 
 python tests/integrations/lightning_run.py OUT_DIR '{"name": {"stage": 3, "offload": "cpu", "moe": true, "ep": 2,
-                                                          "tp": 1, "sp": 1, "meta": false, "micro": 4}, ...}'
+                                                          "tp": 1, "sp": 1, "meta": false, "micro": 4}, ...}' \
+    [STAGES] [hf_pp]
 """
 
 from __future__ import annotations
@@ -195,15 +198,98 @@ def fit_validate_test(stages: list[int], out: Path) -> dict:
     return results
 
 
+# ---------------------------------------------------------------------------- a Hugging Face model under pp
+
+
+class LitHF(L.LightningModule):
+    """tests/integrations/hf_run.py's plain transformers Llama through moe_lst.integrations.hf_parallel's adapter at
+    the strategy's degrees, trained as hf_run.own_loop trains it (labels the inputs, shifted; AdamW without weight
+    decay; the linear schedule). Under pp each training_step runs one step's batch through the pipeline."""
+
+    def __init__(self, microbatches: int) -> None:
+        super().__init__()
+        self.microbatches = microbatches
+        self.model: torch.nn.Module | None = None
+        self.step_losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def configure_model(self) -> None:
+        from moe_lst.integrations.hf_parallel import parallelize_hf
+
+        from tests.integrations.hf_run import hf_model
+
+        if self.model is not None:
+            return
+        strategy = self.trainer.strategy
+        self.hf = hf_model()  # (seeded: the own loop's initial weights)
+        self.model, plans = parallelize_hf(self.hf, strategy.dims, microbatches=self.microbatches)
+        strategy.configure_engine(self.model, plans=plans)
+
+    def training_step(self, batch, batch_idx):
+        from moe_lst.integrations.hf_parallel import next_token_loss, pipeline_loss
+
+        strategy = self.trainer.strategy
+        if strategy.pipeline is not None:  # forward and backward of the batch's micro-batches
+            loss = pipeline_loss(strategy.pipeline, strategy.engine, batch, None, strategy.dims)
+        else:
+            loss = next_token_loss(self.model, batch, None, strategy.dims)
+        self.step_losses.append(loss.item())
+        return loss
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        self.grad_norms.append(self.trainer.strategy.engine.global_grad_norm)
+
+    def configure_optimizers(self):
+        from tests.integrations.hf_run import schedule
+
+        return {"optimizer": lambda p: torch.optim.AdamW(p, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0,
+                                                         fused=True), "lr_scheduler": schedule}
+
+    def train_dataloader(self):
+        from tests.integrations.hf_run import STEPS
+
+        # batch i: step i of the own loop, the micro-batches of both of its data-parallel ranks (4 rows each)
+        stream = train_stream(2)
+        steps = [torch.cat([stream.batch(step, micro, rank)[0] for micro in range(ACCUM) for rank in (0, 1)])
+                 for step in range(STEPS)]
+        return torch.utils.data.DataLoader(steps, batch_size=None)
+
+
+def hf_pipeline(out: Path, stage: int = 2) -> dict:
+    """LitHF under ZeroStrategy(pp=2) (1F1B over each batch's 4 micro-batches: the own loop's) and the engine's own
+    loop over the same model (hf_run.own_loop: dp=2, 2 micro-batches accumulated); per-step losses and gradient
+    norms, every rank's final weights of both (the pipeline's gathered over its stages)."""
+    from moe_lst.integrations.hf_parallel import full_state_dict
+
+    from tests.integrations.hf_run import own_loop
+
+    strategy = ZeroStrategy(zero.ZeroConfig(stage=stage), pp=2)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        gradient_clip_val=CLIP, use_distributed_sampler=False)  # (every stage reads the batch)
+    module = LitHF(microbatches=2 * ACCUM)
+    trainer.fit(module)
+    pp = {"loss": module.step_losses, "grad_norm": module.grad_norms}
+    final_pp = full_state_dict(strategy.engine, strategy._declared.plans)
+    own, final_own = own_loop(stage, "none")
+    torch.save({"pp2": final_pp, "own": final_own}, out / f"hf_final_rank{dist.get_rank()}.pt")
+    return {"pp2": pp, "own": own}
+
+
 def main() -> None:
     out, runs = Path(sys.argv[1]), json.loads(sys.argv[2])  # {name: run}
     results = {}
     for name, run in runs.items():
         (out / name).mkdir(parents=True, exist_ok=True)
         results[name] = straight_and_resumed(run, out / name)
-    if len(sys.argv) > 3:  # the stages of fit_validate_test, comma separated; what each rank saw
+    if len(sys.argv) > 3 and sys.argv[3]:  # the stages of fit_validate_test, comma separated; what each rank saw
         sweep = fit_validate_test([int(s) for s in sys.argv[3].split(",")], out)
         (out / f"sweep_rank{dist.get_rank()}.json").write_text(json.dumps(sweep))
+    if "hf_pp" in sys.argv[4:]:
+        hf = hf_pipeline(out)
+        if dist.get_rank() == 0:
+            (out / "hf_pp.json").write_text(json.dumps(hf))
     if dist.get_rank() == 0:
         (out / "losses.json").write_text(json.dumps(results))
 

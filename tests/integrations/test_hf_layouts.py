@@ -1,8 +1,9 @@
 """A Hugging Face model through the integrations' loops at the adapter's layouts (moe_lst.integrations.hf_parallel):
 the Accelerate example with tensor parallelism (a dense model, tp=2) and expert parallelism (an MoE model, dp=2 x
 ep=2) equals one process of `python -m recipes.pretrain model=hf` with the same config and setting (per-step losses
-and gradient norms, final weights); ZeroTrainer at tp=2 equals the engine's own loop over the plain model. Pipeline
-stages are refused by every loop in one line."""
+and gradient norms, final weights); ZeroTrainer at tp=2 equals the engine's own loop over the plain model. Under
+pipeline stages (pp=2, 1F1B over the step's micro-batches) the example equals one process of the recipe for a dense
+and an MoE model; what the adapter does not map is refused in one line."""
 
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def _assert_same(got: list[dict], want: list[dict], got_final: dict, want_final:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,layout,accum", [("llama", ["--tp", "2"], 2), ("qwen3_moe", ["--ep", "2"], 4)],
-                         ids=["tp2", "dp2_ep2"])
+@pytest.mark.parametrize("kind,layout,accum", [("llama", ["--tp", "2"], 2), ("qwen3_moe", ["--ep", "2"], 4),
+                                               ("llama", ["--pp", "2"], 2), ("qwen3_moe", ["--pp", "2"], 2)],
+                         ids=["tp2", "dp2_ep2", "pp2", "pp2_moe"])
 def test_accelerate_example_at_the_adapters_layouts_equals_the_recipe(tmp_path, kind, layout, accum):
     config = _config(tmp_path / "config", kind)
     torchrun(["-m", "moe_lst.integrations.accelerate_example", "--stage", "1", "--steps", str(STEPS),
@@ -79,14 +81,20 @@ def test_trainer_at_tp2_equals_the_engines_own_loop(tmp_path):
             torch.testing.assert_close(final["tp2"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_pipeline_stages_experts_of_a_dense_model_and_unmapped_plans_are_refused_in_one_line():
+def test_unmapped_plans_experts_of_a_dense_model_and_short_pipelines_are_refused_in_one_line():
     from moe_lst.integrations.hf_parallel import check_layout
-    from transformers import LlamaConfig, MixtralConfig
+    from transformers import AXK1Config, LlamaConfig, OlmoeConfig
 
-    with pytest.raises(NotImplementedError, match=r"^pp=2: pipeline stages are not offered through the Trainer"):
-        check_layout(LlamaConfig(), pp=2)
     with pytest.raises(ValueError, match=r"^ep=2 needs an MoE model \(model_type llama is dense\)"):
         check_layout(LlamaConfig(), ep=2)
-    with pytest.raises(NotImplementedError, match=r"^tp=2 with model_type mixtral is refused: the coverage sweep's "
-                                                  r"tp2 check of model_type mixtral: refused: its experts' plan"):
-        check_layout(MixtralConfig(), tp=2)
+    with pytest.raises(NotImplementedError, match=r"^tp=2 with model_type axk1 is refused: the coverage sweep's "
+                                                  r"tp2 check of model_type axk1: refused: "):
+        check_layout(AXK1Config(), tp=2)
+    with pytest.raises(NotImplementedError, match=r"^pp=2 with model_type olmoe is refused: the coverage sweep's "
+                                                  r"pp2 check of model_type olmoe: refused: there is no plan to map"):
+        check_layout(OlmoeConfig(), pp=2)
+    with pytest.raises(ValueError, match=r"^pp=4 stages but model_type llama has 2 layers"):
+        check_layout(LlamaConfig(num_hidden_layers=2), pp=4)
+    with pytest.raises(ValueError, match=r"^pp=2 with 1 micro-batches per batch: a 1F1B schedule needs at least pp"):
+        check_layout(LlamaConfig(), pp=2, microbatches=1)
+    check_layout(LlamaConfig(), pp=2)  # (the fewest micro-batches by default: pp)

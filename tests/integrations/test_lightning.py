@@ -1,6 +1,7 @@
 """lightning.Trainer(strategy=ZeroStrategy(...), accelerator="cpu", devices=2) on the project's Llama: the same
 per-step losses as `python -m recipes.pretrain` with the same settings, and a resume from Lightning's own
-checkpoint that continues bit for bit (losses and final parameters)."""
+checkpoint that continues bit for bit (losses and final parameters); and a Hugging Face model through the adapter with
+pipeline stages (pp=2) as the engine's own loop trains it."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ SWEEP_STAGES = (0, 1, 2, 3)
 def lightning_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("lightning")
     launch([sys.executable, str(REPO / "tests/integrations/lightning_run.py"), str(out), json.dumps(RUNS),
-            ",".join(map(str, SWEEP_STAGES))])
+            ",".join(map(str, SWEEP_STAGES)), "hf_pp"])
     return out, json.loads((out / "losses.json").read_text())
 
 
@@ -102,6 +103,22 @@ def test_fit_validate_test_at_every_zero_stage(lightning_runs):
         assert_same_state(torch.load(out / f"sweep_stage{stage}.pt"), first, rtol=1e-5, atol=1e-6)
 
 
+def test_pipeline_stages_of_a_hugging_face_model(lightning_runs):
+    """ZeroStrategy(pp=2): each training_step runs one step's batch, its 4 micro-batches (the own loop's 2 data-
+    parallel ranks x 2 accumulated) forward and backward under 1F1B (hf_parallel.pipeline_loss), the optimizer step
+    the engine's: the losses, gradient norms and weights of the engine's own loop over the plain model."""
+    out, _ = lightning_runs
+    runs = json.loads((out / "hf_pp.json").read_text())
+    for key in ("loss", "grad_norm"):
+        assert runs["pp2"][key] == pytest.approx(runs["own"][key], rel=1e-5, abs=0), key
+    assert runs["own"]["loss"][-1] < runs["own"]["loss"][0] - 0.3  # it trains
+    for rank in (0, 1):
+        final = torch.load(out / f"hf_final_rank{rank}.pt")  # (the pipeline's gathered over its stages)
+        assert sorted(final["pp2"]) == sorted(final["own"])
+        for name, value in final["own"].items():
+            torch.testing.assert_close(final["pp2"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
 # ---------------------------------------------------------------------------- one process: what is refused
 
 
@@ -152,6 +169,21 @@ def test_trainer_settings_reach_the_engine_config():
         _engine_config(zero.ZeroConfig(clip_grad_norm=1.0), trainer())
     with pytest.raises(NotImplementedError, match="value"):
         _engine_config(zero.ZeroConfig(), trainer(algorithm="value"))
+
+
+def test_pipeline_refusals():
+    from moe_lst.integrations.lightning import ZeroPrecision, ZeroStrategy
+
+    strategy = ZeroStrategy(pp=2)  # Lightning's own accumulation under pp: before any process group exists
+    strategy._lightning_module = types.SimpleNamespace(_trainer=True,
+                                                       trainer=types.SimpleNamespace(accumulate_grad_batches=2))
+    with pytest.raises(ValueError, match=r"^Trainer\(accumulate_grad_batches=2\) with ZeroStrategy\(pp=2\)"):
+        strategy.setup_environment()
+    precision = ZeroPrecision()
+    precision.pipelined = True  # the schedule ran backward: a loss with a graph means the step did not run it
+    with pytest.raises(RuntimeError, match="returned a loss with one"):
+        precision.backward(torch.ones(1, requires_grad=True), None, None)
+    precision.backward(torch.ones(1), None, None)  # (the pipeline's loss: nothing left to do)
 
 
 def test_the_sampler_splits_over_data_parallel_ranks_only():

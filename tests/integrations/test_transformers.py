@@ -1,8 +1,9 @@
 """ZeroTrainer (transformers.Trainer through the engine) on a plain Hugging Face LlamaForCausalLM, 2 processes under
 torchrun with ZeRO-3 and cpu offload: the same per-step losses and final weights as the engine's own loop over the
-same model and data, a resume from the Trainer's own checkpoint that continues bit for bit, Ulysses sp=2
-through moe_lst.models.hf's adapter, and the same per-step losses and gradient norms as `python -m recipes.pretrain
-model=hf` from the same save_pretrained weights on the recipe's own batches."""
+same model and data, a resume from the Trainer's own checkpoint that continues bit for bit, Ulysses sp=2 and
+pipeline stages pp=2 (1F1B over each batch's micro-batches) through moe_lst.models.hf's adapter, and the same
+per-step losses and gradient norms as `python -m recipes.pretrain model=hf` from the same save_pretrained weights on
+the recipe's own batches."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ CLM_STAGES = (0, 1, 2, 3)
 def hf_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf")
     clm = [f"clm={','.join(map(str, CLM_STAGES))}"] if importlib.util.find_spec("datasets") else []
-    torchrun([str(REPO / "tests/integrations/hf_run.py"), str(out), "3", "cpu", "sp", *clm])
+    torchrun([str(REPO / "tests/integrations/hf_run.py"), str(out), "3", "cpu", "sp", "pp", *clm])
     finals = [torch.load(out / f"final_rank{rank}.pt") for rank in (0, 1)]
     return json.loads((out / "losses.json").read_text()), finals, out
 
@@ -60,6 +61,18 @@ def test_sequence_parallel_through_the_adapter(hf_runs):
     for final in finals:
         for name, value in final["own"].items():
             torch.testing.assert_close(final["sp2"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_pipeline_stages_through_the_adapter(hf_runs):
+    runs, finals, _ = hf_runs
+    # pp=2 (dp=1): one batch of the step's 16 rows per training_step, its 4 micro-batches the own loop's (2 ranks x
+    # 2 accumulated); the loss each rank logged is the last stage's, so the Trainer's mean over ranks is it
+    for key in ("loss", "grad_norm"):
+        assert runs["pp2"][key] == pytest.approx(runs["own"][key], rel=1e-5, abs=0), key
+    for final in finals:  # every stage's weights, gathered over the pipeline (Trainer.full_state_dict)
+        assert sorted(final["pp2"]) == sorted(final["own"])
+        for name, value in final["own"].items():
+            torch.testing.assert_close(final["pp2"][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_run_clm_example_at_every_zero_stage(hf_runs):
@@ -131,7 +144,7 @@ def test_trainer_equals_the_recipe_on_a_hugging_face_model(tmp_path):
 # ---------------------------------------------------------------------------- one process: what is refused
 
 
-def _trainer(tmp_path, rows: int = 16, stage: int = 1, **overrides):
+def _trainer(tmp_path, rows: int = 16, stage: int = 1, degrees: dict | None = None, **overrides):
     import transformers
     from moe_lst.integrations.transformers import ZeroTrainer
 
@@ -142,7 +155,7 @@ def _trainer(tmp_path, rows: int = 16, stage: int = 1, **overrides):
                 "report_to": "none", "disable_tqdm": True, "use_cpu": True, "save_strategy": "no", **overrides}
     dataset = torch.utils.data.Subset(HFRows(train_stream(1), 2), range(rows))
     return ZeroTrainer(model=hf_model(), args=transformers.TrainingArguments(**settings), train_dataset=dataset,
-                       zero_config=zero.ZeroConfig(stage=stage))
+                       zero_config=zero.ZeroConfig(stage=stage), **(degrees or {}))
 
 
 def test_one_process_trains_evaluates_saves_and_refuses_a_partial_accumulation_cycle(tmp_path):
@@ -166,6 +179,11 @@ def test_refusals(tmp_path):
         _trainer(tmp_path, bf16=True)
     with pytest.raises(ValueError, match="bf16_full_eval"):
         _trainer(tmp_path, bf16_full_eval=True)  # it would cast the engine's buffers
+    # under pp the pipeline's micro-batches are the accumulation (refused before any group or stage exists)
+    with pytest.raises(ValueError, match=r"^gradient_accumulation_steps=2 with pp=2: under pp each batch runs"):
+        _trainer(tmp_path, degrees={"pp": 2})
+    with pytest.raises(ValueError, match=r"^per_device_train_batch_size=2 does not split into pp_microbatches=4"):
+        _trainer(tmp_path, degrees={"pp": 2, "pp_microbatches": 4}, gradient_accumulation_steps=1)
     trainer = _trainer(tmp_path, max_steps=2)
     (tmp_path / "checkpoint-1").mkdir()
     with pytest.raises(zero.CheckpointError, match="not written by ZeroTrainer"):
