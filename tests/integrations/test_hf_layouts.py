@@ -54,15 +54,18 @@ def _assert_same(got: list[dict], want: list[dict], got_final: dict, want_final:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,layout,accum", [("llama", ["--tp", "2"], 2), ("qwen3_moe", ["--ep", "2"], 4),
-                                               ("llama", ["--pp", "2"], 2), ("qwen3_moe", ["--pp", "2"], 2)],
-                         ids=["tp2", "dp2_ep2", "pp2", "pp2_moe"])
-def test_accelerate_example_at_the_adapters_layouts_equals_the_recipe(tmp_path, kind, layout, accum):
+@pytest.mark.parametrize("kind,layout,accum,nproc", [
+    ("llama", ["--tp", "2"], 2, 2), ("qwen3_moe", ["--ep", "2"], 4, 2),
+    ("llama", ["--pp", "2"], 2, 2), ("qwen3_moe", ["--pp", "2"], 2, 2),
+    # 4 processes: pipeline stages over 2 data-parallel ranks, the MoE's experts over those 2 ranks of each stage
+    ("llama", ["--pp", "2"], 4, 4), ("qwen3_moe", ["--pp", "2", "--ep", "2"], 4, 4)],
+    ids=["tp2", "dp2_ep2", "pp2", "pp2_moe", "pp2_dp2", "pp2_dp2_ep2_moe"])
+def test_accelerate_example_at_the_adapters_layouts_equals_the_recipe(tmp_path, kind, layout, accum, nproc):
     config = _config(tmp_path / "config", kind)
     torchrun(["-m", "moe_lst.integrations.accelerate_example", "--stage", "1", "--steps", str(STEPS),
               "--max-bytes", str(MAX_BYTES), "--hf-config", str(config), *layout, "--ckpt-dir", str(tmp_path / "acc"),
-              "--metrics", str(tmp_path / "acc.jsonl")])
-    # one process reads the global batch of both data-parallel ranks (dp2_ep2) as twice the micro-batches
+              "--metrics", str(tmp_path / "acc.jsonl")], nproc=nproc)
+    # one process reads the global batch of both data-parallel ranks (dp2_*) as twice the micro-batches
     recipe = _recipe_one_process(tmp_path / "recipe", config, accum)
     final = zero.consolidate(zero.open_checkpoint(str(tmp_path / "acc" / f"step_{STEPS}")))
     want = zero.consolidate(zero.open_checkpoint(str(recipe / "checkpoints" / f"step_{STEPS:07d}")))
