@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from tests.multirank import run_multirank
 from tests.recipes.pretrained import RUN_MODEL, pretrained_fixture  # noqa: F401 (the `pretrained` fixture)
+from zero.parallel.tensor import TensorSplit
 from zero.plan import Placement
 
 
@@ -267,10 +268,11 @@ def test_a_meta_build_gives_every_parameter_and_slice_the_eager_values():
 @pytest.mark.parametrize("kind", ["olmoe", *(pytest.param(k, marks=pytest.mark.slow) for k in ("qwen3_moe",
                                                                                                 "mixtral"))])
 def test_a_hugging_face_moe_meta_build_gives_the_eager_values(kind):
-    """A Hugging Face MoE built on the meta device: every parameter, and half of the experts (a rank's slice under
-    ep=2), equal transformers' eager build with the same seed bit for bit (its init's fills replayed, a padding row
-    zeroed after its fill included: olmoe's), as do the buffers, and the global generator continues where the eager
-    build left it."""
+    """A Hugging Face MoE built on the meta device: every parameter, half of the experts (a rank's slice under
+    ep=2) and a tp=2 rank's hidden units of every expert (rows, [gate; up] rows as two halves, down columns: the
+    TensorSplits of expert tensor parallelism), equal transformers' eager build with the same seed bit for bit (its
+    init's fills replayed, a padding row zeroed after its fill included: olmoe's), as do the buffers, and the global
+    generator continues where the eager build left it."""
     from moe_lst.models.hf import build
 
     from tests.hf.tiny import tiny_config
@@ -294,5 +296,12 @@ def test_a_hugging_face_moe_meta_build_gives_the_eager_values(kind):
             got = torch.empty(placement.local_shape)
             meta.init_parameter(name, got, placement)
             assert torch.equal(got, p[half:]), name
+            for dim, halves in ((1, False), (1, True), (2, False)):  # (tp rank 1's hidden units)
+                split = TensorSplit(dim, halves=halves)
+                local = p.shape[:dim] + (p.shape[dim] // 2,) + p.shape[dim + 1:]
+                got = torch.empty(local)
+                meta.init_parameter(name, got, split.placement(local, 1, 2))
+                want = [q.chunk(2, dim)[1] for q in p.chunk(2, dim)] if halves else [p.chunk(2, dim)[1]]
+                assert torch.equal(got, torch.cat(want, dim)), (name, dim, halves)
     for (name, b), (other, c) in zip(eager.named_buffers(), meta.named_buffers(), strict=True):
         assert name == other and torch.equal(b, c), name
