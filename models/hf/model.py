@@ -63,6 +63,54 @@ def plain_head(causal_lm: PreTrainedModel) -> bool:
         return False
 
 
+#: The statements a causal LM forward runs on its logits after the head (comments and blank lines dropped, spaces
+#: collapsed; `{head}` the head's call) that the adapter repeats elementwise (on a stage's or a vocabulary slice's
+#: logits), each with the transform of (causal_lm, logits): the scales and softcappings transformers' families use.
+_LOGIT_FORMS: dict[tuple[str, ...], Callable[[PreTrainedModel, torch.Tensor], torch.Tensor]] = {
+    ("logits = {head}",): lambda lm, x: x,
+    ("logits = {head}.contiguous()",): lambda lm, x: x,
+    ("logits = {head}", "logits = logits * self.logit_scale"): lambda lm, x: x * lm.logit_scale,
+    ("logits = {head}", "logits = logits / self.config.logits_scaling"): lambda lm, x: x / lm.config.logits_scaling,
+    ("logits = {head} * self.config.logits_scaling",): lambda lm, x: x * lm.config.logits_scaling,
+    ("logits = {head}", "if self.config.final_logit_softcapping is not None:",
+     "logits = logits / self.config.final_logit_softcapping", "logits = torch.tanh(logits)",
+     "logits = logits * self.config.final_logit_softcapping"): lambda lm, x: _softcap(x, lm.config, False),
+    ("logits = {head}", "if self.config.final_logit_softcapping is not None:",
+     "logits = logits.float() / self.config.final_logit_softcapping", "logits = torch.tanh(logits)",
+     "logits = logits * self.config.final_logit_softcapping"): lambda lm, x: _softcap(x, lm.config, True),
+}
+_HEAD_CALL = re.compile(r"self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)")
+
+
+def _softcap(logits: torch.Tensor, config: PreTrainedConfig, to_float: bool) -> torch.Tensor:
+    cap = config.final_logit_softcapping
+    if cap is None:
+        return logits
+    return torch.tanh((logits.float() if to_float else logits) / cap) * cap
+
+
+def logit_transform(causal_lm: PreTrainedModel) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
+    """(what `causal_lm`'s forward does to the head's logits, as a function of them, or None where it is none of the
+    known elementwise forms; the statements it runs after the head, as read, for a refusal)."""
+    try:
+        source = inspect.getsource(type(causal_lm).forward)
+    except (OSError, TypeError):
+        return None, "its forward's source cannot be read"
+    lines = [re.sub(r"\s+", " ", line.split("#", 1)[0]).strip() for line in source.splitlines()]
+    lines = [line for line in lines if line]
+    at = next((k for k, line in enumerate(lines) if _HEAD_CALL.search(line) and line.startswith("logits =")), None)
+    if at is None:
+        return None, "no `logits = self.lm_head(hidden_states)` in its forward"
+    end = next((k for k in range(at, len(lines)) if lines[k] == "loss = None"), None)
+    if end is None:
+        return None, "no `loss = None` after its head in its forward"
+    statements = (_HEAD_CALL.sub("{head}", lines[at]), *lines[at + 1:end])
+    form = _LOGIT_FORMS.get(statements)
+    if form is None:
+        return None, "; ".join(statements[1:] or statements)
+    return (lambda logits: form(causal_lm, logits)), "; ".join(statements)
+
+
 def structure_problems(causal_lm: PreTrainedModel) -> list[str]:
     """What keeps the adapter from running `causal_lm` (empty when nothing does), each a short phrase."""
     problems = []
@@ -111,6 +159,8 @@ class HFCausalLM(nn.Module, ModelContract):
             self.add_module(name, child)
         self.__dict__["base"] = causal_lm.get_submodule(causal_lm.base_model_prefix)  # (not a second child)
         self.plain_head = plain_head(causal_lm)
+        #: what its forward does to the head's logits (None: not a known elementwise form), and those statements
+        self.logit_fn, self.logit_statements = logit_transform(causal_lm)
         self.init_seed = torch.initial_seed() if init_seed is None else init_seed
         self.moe_blocks: tuple[str, ...] = ()
         #: (a meta build of an MoE model: the eager build's fills, replayed per parameter by init_parameter)
@@ -146,11 +196,18 @@ class HFCausalLM(nn.Module, ModelContract):
         """The config's `base_model_tp_plan` on this runtime's tensor parallelism (zero.parallel.tensor, Megatron's
         sequence-parallel form): `colwise` projections split by output rows (whole heads: their units are the
         heads), `rowwise` ones by input columns with the output reduce-scattered to sequence shards,
-        `replicated_with_grad_allreduce` modules (q / k norms over heads) replicated with their gradient summed;
-        the embedding vocabulary-parallel, the layers' input and post-attention norms and the final norm
-        sequence-parallel (gathering the sequence for the projections after them), an untied head column-parallel
-        (vocabulary-sliced logits). ContractError naming what is missing where a model does not fit this form."""
-        from zero.parallel.tensor import ColwiseParallel, SequenceParallelNorm, VocabParallelEmbedding
+        `replicated_with_grad_allreduce` modules (q / k norms over heads) replicated with their gradient summed,
+        `colwise_gather_output` / `rowwise_split_input` with what runs between them replicated (see _plan_styles).
+        Between blocks the hidden states are sequence shards: each layer child the plan splits gathers them at its
+        entry; the layers' other children with parameters (their norms, wherever they sit: before, after or around
+        attention and MLP) and the final norm run on the shards with their gradients summed, the final norm
+        gathering the sequence for the head. Inside a split child the modules the plan leaves out (e.g. MLA's
+        latent projections and norms before the heads' split) run replicated on the gathered sequence, their
+        gradients summed (or, between gathered and split features, whole on every rank). The embedding is
+        vocabulary-parallel; the head column-parallel (an untied one) or the embedding's own local slice (a tied
+        one), so the logits are vocabulary-sliced, the model's own elementwise transform (scaling, softcapping)
+        applied to them. ContractError naming what is missing where a model does not fit this form."""
+        from zero.parallel import tensor as ztp
 
         config, kind = self.config, self.config.model_type
         plan = getattr(config, "base_model_tp_plan", None) or {}
@@ -161,30 +218,50 @@ class HFCausalLM(nn.Module, ModelContract):
 
         if not plan:
             raise refuse("there is no plan to map")
-        if getattr(config, "tie_word_embeddings", False):
-            raise refuse("a tied head under the vocabulary-parallel embedding is not mapped (tie_word_embeddings)")
-        for key, value in (("num_attention_heads", config.num_attention_heads),
-                           ("vocab_size", config.vocab_size), ("intermediate_size", config.intermediate_size)):
-            if value % tp:
+        if self.logit_fn is None:
+            raise refuse(f"its forward changes the logits after the head ({self.logit_statements}), which is not "
+                         "known to be elementwise on a vocabulary slice")
+        for key in ("num_attention_heads", "vocab_size", "intermediate_size"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and value % tp:
                 raise refuse(f"tp={tp} does not divide {key}={value}")
         modules = dict(self.named_modules())
         styles = _plan_styles(self, plan, refuse)
         expert_tensor_parallel(self, styles, tp, refuse)  # (MoE blocks split by hidden units, shared experts inside)
         for name, block in self.blocks():
             for child, module in block.named_children():
-                covered = any(n == f"{name}.{child}" or n.startswith(f"{name}.{child}.") for n in styles)
-                if child in ("input_layernorm", "post_attention_layernorm"):
-                    styles[f"{name}.{child}"] = SequenceParallelNorm(gather_output=True)
-                elif not covered and any(True for _ in module.parameters()):
-                    raise refuse(f"{name}.{child} holds parameters the plan does not place")
-        embeddings = self.base.get_input_embeddings()
+                key = f"{name}.{child}"
+                if key in styles or any(n.startswith(key + ".") for n in styles):
+                    _inside_split_child(key, module, styles, refuse)
+                    gather = ztp.SequenceGather()  # (the whole sequence into it)
+                    styles[key] = ztp.Chain(styles[key], gather) if key in styles else gather
+                elif any(True for _ in module.parameters()):
+                    if not _norm_like(module):
+                        raise refuse(f"{key} ({type(module).__name__}) holds parameters the plan does not place")
+                    styles[key] = ztp.SequenceParallelNorm(gather_output=False)  # (on the sequence shards)
         names = {id(m): n for n, m in modules.items()}
-        styles[names[id(embeddings)]] = VocabParallelEmbedding()
-        norm = getattr(self.base, "norm", None)
-        if norm is None:
-            raise refuse("its final norm is not `norm` of the base model")
-        styles[names[id(norm)]] = SequenceParallelNorm(gather_output=True)
-        styles[names[id(self.causal_lm.get_output_embeddings())]] = ColwiseParallel()
+        embeddings = self.base.get_input_embeddings()
+        head = self.causal_lm.get_output_embeddings()
+        if not isinstance(embeddings, nn.Embedding) or not isinstance(head, nn.Linear):
+            raise refuse(f"its embedding ({type(embeddings).__name__}) or head ({type(head).__name__}) is not an "
+                         "nn.Embedding / nn.Linear")
+        styles[names[id(embeddings)]] = ztp.VocabParallelEmbedding(scale=_embedding_scale(embeddings, refuse))
+        blocks = {id(m) for _, m in self.blocks()}
+        rest = [(n, m) for n, m in self.base.named_children()
+                if m is not embeddings and (any(True for _ in m.parameters()) or _norm_like(m))
+                and not (isinstance(m, nn.ModuleList) and all(id(b) in blocks for b in m))]
+        if len(rest) != 1 or not _norm_like(rest[0][1]):  # (the final norm: on shards, gathering for the head)
+            found = ", ".join(f"{n} ({type(m).__name__})" for n, m in rest) or "none"
+            raise refuse(f"the base model's modules outside the embedding and layers are not one final norm ({found})")
+        try:
+            calls = len(re.findall(rf"self\.{rest[0][0]}\(", inspect.getsource(type(self.base).forward)))
+        except (OSError, TypeError):
+            calls = 0
+        if calls > 1:
+            raise refuse(f"its final norm {rest[0][0]} is applied {calls} times in its forward (not only at the end)")
+        styles[names[id(rest[0][1])]] = ztp.SequenceParallelNorm(gather_output=True)
+        tied = head.weight is embeddings.weight
+        styles[names[id(head)]] = ztp.TiedHead(embeddings) if tied else ztp.ColwiseParallel()
         placed = {f"{n}.{p}" for n in styles
                   for p, _ in modules[n].named_parameters(recurse=getattr(styles[n], "places_submodules", False))}
         loose = [n for n, _ in self.named_parameters() if n not in placed]
@@ -362,11 +439,16 @@ class HFCausalLM(nn.Module, ModelContract):
 
 def _plan_styles(model: HFCausalLM, plan: dict, refuse: Callable[[str], ContractError]) -> dict:
     """The runtime's styles of the modules `plan` (base_model_tp_plan: patterns under the base model, `*` a layer
-    index) names: colwise (whole heads as units inside attention), rowwise, replicated_with_grad_allreduce."""
+    index) names: colwise (whole heads as units inside attention), rowwise, replicated_with_grad_allreduce (and
+    mla_kv_a_proj, MLA's shared latent projection: replicated on the gathered sequence before the heads' split, its
+    gradient summed), colwise_gather_output / rowwise_split_input (the features gathered after the first, what runs
+    between them replicated, this rank's slice of them into the second); embedding_rowwise on the input embedding
+    is left to tensor_parallel_styles (vocabulary-parallel: the same lookup, split by rows)."""
     from zero.parallel.tensor import ColwiseParallel, RowwiseParallel, SequenceParallelNorm
 
     prefix = model.causal_lm.base_model_prefix
     modules = dict(model.named_modules())
+    embedding = model.base.get_input_embeddings()
     styles: dict = {}
     for pattern, style in plan.items():
         regex = re.compile("^" + re.escape(f"{prefix}.{pattern}").replace(r"\*", r"\d+") + "$")
@@ -377,11 +459,71 @@ def _plan_styles(model: HFCausalLM, plan: dict, refuse: Callable[[str], Contract
                 styles[name] = ColwiseParallel(units=rows // head_dim if head_dim and not rows % head_dim else None)
             elif style == "rowwise":
                 styles[name] = RowwiseParallel()
-            elif style == "replicated_with_grad_allreduce":
+            elif style in ("replicated_with_grad_allreduce", "mla_kv_a_proj"):
                 styles[name] = SequenceParallelNorm(gather_output=False)
+            elif style == "colwise_gather_output" and isinstance(modules[name], nn.Linear):
+                styles[name] = ColwiseParallel(gather_output=True)
+            elif style == "rowwise_split_input" and isinstance(modules[name], nn.Linear):
+                styles[name] = RowwiseParallel(split_input=True)
+            elif style == "embedding_rowwise" and modules[name] is embedding:
+                continue
             else:
-                raise refuse(f"its style {style!r} ({pattern}) is not mapped")
+                raise refuse(f"its style {style!r} ({pattern}, {type(modules[name]).__name__}) is not mapped")
     return styles
+
+
+#: The forward of a scaled word embedding (gemma's): the lookup times its `embed_scale`, elementwise.
+_SCALED_EMBEDDING = "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
+
+
+def _embedding_scale(embedding: nn.Embedding, refuse: Callable[[str], ContractError]) -> str | None:
+    """The attribute the input embedding's lookup is multiplied by (None: a plain nn.Embedding forward)."""
+    forward = type(embedding).forward
+    if forward is nn.Embedding.forward:
+        return None
+    try:
+        lines = [line.strip() for line in inspect.getsource(forward).splitlines()[1:] if line.strip()]
+    except (OSError, TypeError):
+        lines = []
+    if lines == [_SCALED_EMBEDDING]:
+        return "embed_scale"
+    raise refuse(f"its input embedding {type(embedding).__name__} has a forward of its own that the "
+                 "vocabulary-parallel lookup does not repeat")
+
+
+def _norm_like(module: nn.Module) -> bool:
+    """Whether `module` is a token-wise norm: a class named like one, holding 1-D parameters only."""
+    return "norm" in type(module).__name__.lower() and all(p.dim() == 1 for p in module.parameters())
+
+
+def _inside_split_child(key: str, child: nn.Module, styles: dict, refuse: Callable[[str], ContractError]) -> None:
+    """Styles for the modules of layer child `key` that the plan splits inside but leaves out themselves: run on the
+    gathered sequence, replicated; their gradients summed over tp where what follows them is split (partial per
+    rank), left whole where the child's projections gather their output features (all that follows replicated)."""
+    from zero.parallel.tensor import ColwiseParallel, Replicated, SequenceParallelNorm
+
+    inner = {n: s for n, s in styles.items() if n == key or n.startswith(key + ".")}
+    gathered = [n for n, s in inner.items() if isinstance(s, ColwiseParallel) and s.gather_output]
+    split = [n for n, s in inner.items() if isinstance(s, ColwiseParallel) and not s.gather_output]
+    if gathered and split:
+        raise refuse(f"{key} mixes colwise_gather_output ({gathered[0]}) and colwise ({split[0]}) projections")
+    if gathered and any(isinstance(s, SequenceParallelNorm) for s in inner.values()):
+        raise refuse(f"{key} has replicated_with_grad_allreduce modules between gathered features")
+    covering = [n for n, s in inner.items() if getattr(s, "places_submodules", False)]  # (e.g. an MoE block's)
+    for sub, module in child.named_modules(prefix=key):
+        own = [p for p, _ in module.named_parameters(recurse=False)]
+        if not own or sub in styles or any(sub == n or sub.startswith(n + ".") for n in covering):
+            continue
+        if sub == key:
+            raise refuse(f"{key} holds parameters of its own ({', '.join(own)}) the plan does not place")
+        if gathered:
+            if not _norm_like(module):
+                raise refuse(f"{sub} ({type(module).__name__}) sits between gathered features and is not a norm")
+            styles[sub] = Replicated()
+        elif isinstance(module, nn.Linear) or _norm_like(module):
+            styles[sub] = SequenceParallelNorm(gather_output=False)
+        else:
+            raise refuse(f"{sub} ({type(module).__name__}) holds parameters the plan does not place")
 
 
 def layout_problem(config: PreTrainedConfig, key: str, degree: int) -> str | None:

@@ -1,7 +1,8 @@
 """Pipeline stages of an adapted Hugging Face causal LM, from its config's `base_model_pp_plan`: the plan's modules
 before `layers` (the embedding) on the first stage, a slice of the layers on each, the modules after `layers` (the
-final norm) and the causal LM's head on the last, all under the model's own names, for the runtime's pipeline
-(zero.parallel.pipeline)."""
+final norm) and the causal LM's head on the last (with what the model's forward does to the head's logits: its
+scaling or softcapping, read from its source by moe_lst.models.hf.model.logit_transform), all under the model's own
+names, for the runtime's pipeline (zero.parallel.pipeline)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ def stage_plan(model) -> tuple[list[str], list[str]]:
     blocks = [m for _, m in model.blocks()]
     if not isinstance(layers, nn.ModuleList) or list(layers) != blocks:
         raise refuse(f"{prefix}.{LAYERS} is not the list of its repeated layers")
-    if not model.plain_head:
-        raise refuse("its logits are changed after the head (softcapping or scaling), which a stage does not repeat")
+    if model.logit_fn is None:
+        raise refuse(f"its forward changes the logits after the head ({model.logit_statements}) in a way the last "
+                     "stage does not repeat")
     for name, child in base.named_children():
         if name not in names and name != ROTARY and any(True for _ in child.parameters()):
             raise refuse(f"{prefix}.{name} holds parameters outside the plan")
@@ -64,10 +66,10 @@ class HFPipelineStage(nn.Module, ModelContract):
     the pipeline keeps one copy per end and sums their gradients.
 
     forward(x, position_ids, packed=False): token ids on the first stage, else the hidden states from the stage
-    before; returns hidden states, or logits (vocabulary-sliced under tensor parallelism) on the last stage. The
-    layers are called as the base model calls them: hidden states, no attention mask (the adapter's attention is
-    causal, with each layer's window), position ids and, where the base model has one, the rotary embedding's
-    tables of those positions.
+    before; returns hidden states, or logits (vocabulary-sliced under tensor parallelism, the model's own transform
+    applied) on the last stage. The layers are called as the base model calls them: hidden states, no attention mask
+    (the adapter's attention is causal, with each layer's window), position ids and, where the base model has one,
+    the rotary embedding's tables of those positions.
 
     With a balancing loss (moe_lst.models.hf.balance) the activation sent on carries, after the hidden states,
     `stats_rows` more positions holding the micro-batch's per-expert sums over the layers so far (top-k counts,
@@ -80,6 +82,7 @@ class HFPipelineStage(nn.Module, ModelContract):
         before, after = stage_plan(model)
         self.first, self.last, self.before, self.after = first, last, before, after
         self.balance = model.balance
+        self.logit_fn = model.logit_fn  # (the model's own scaling / softcapping of the head's logits, elementwise)
         base, prefix = model.base, model.causal_lm.base_model_prefix
         self.prefix = prefix
         inner = nn.Module()  # holds the base model's modules of this stage, under their names
@@ -148,7 +151,7 @@ class HFPipelineStage(nn.Module, ModelContract):
         if self.last:
             for name in self.after:
                 x = getattr(inner, name)(x)
-            x = getattr(self, self.head_name)(x)
+            x = self.logit_fn(getattr(self, self.head_name)(x))
             if balance is not None:
                 x = _finish_balance(balance, x, incoming)
         elif balance is not None:

@@ -153,10 +153,15 @@ def test_contract_parts_and_refusals():
     assert [s.name for s in model.attention_sites()] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert [n for n, _ in model.mlp_sites()] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert model.output_weight is model.model.embed_tokens.weight  # tied
+    from zero.parallel.tensor import TiedHead, VocabParallelEmbedding
+
+    styles = model.tensor_parallel_styles(2)  # (the tied head reads the vocabulary-parallel embedding's slice)
+    assert isinstance(styles["lm_head"], TiedHead) and styles["lm_head"].embedding is model.model.embed_tokens
+    assert isinstance(styles["model.embed_tokens"], VocabParallelEmbedding)
     with pytest.raises(ContractError, match=r"tensor_parallel_styles: qwen3 declares base_model_tp_plan \(\d+ "
                                             r"entries: colwise, replicated_with_grad_allreduce, rowwise\), "
-                                            r"but a tied head .* is not mapped \(tie_word_embeddings\)"):
-        model.tensor_parallel_styles(2)
+                                            r"but tp=3 does not divide num_attention_heads=4"):
+        model.tensor_parallel_styles(3)
     first = model.pipeline_stage(range(1), True, False)  # (the config's base_model_pp_plan: embed_tokens, layers, norm)
     names = {n.split(".weight")[0] for n, _ in first.named_parameters()}
     assert "model.embed_tokens" in names and not any(n.startswith(("model.layers.1", "model.norm", "lm_head"))

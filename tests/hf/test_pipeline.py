@@ -11,7 +11,6 @@ import torch
 from moe_lst.models.hf import build
 
 from tests.hf.tiny import tiny_config
-from zero.contract import ContractError
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])  # (qwen3's tiny config ties its head to the embedding)
@@ -36,8 +35,19 @@ def test_chained_stages_give_the_models_logits_and_gradients(kind):
     assert [n for n, _ in first.blocks()] == ["model.layers.0"] and [n for n, _ in last.blocks()] == ["model.layers.1"]
 
 
-def test_logits_changed_after_the_head_are_refused_in_one_line():
-    model = build(tiny_config("gemma2"))  # (final logit softcapping, which no stage repeats)
-    with pytest.raises(ContractError, match=r"^pipeline_stage: gemma2 declares base_model_pp_plan \(embed_tokens, "
-                                            r"layers, norm\), but its logits are changed after the head"):
-        model.pipeline_stage(range(0, 1), True, False)
+def test_the_last_stage_applies_the_models_logit_softcapping():
+    """gemma3_text softcaps its logits after the (tied) head: the stages chained give the model's logits (a last
+    stage without the softcap gives other logits; the unknown forms are refused: tests/hf/test_tp_styles.py)."""
+    from moe_lst.models.hf import coverage
+
+    torch.manual_seed(0)
+    model = build(coverage.tiny_config("gemma3_text", final_logit_softcapping=2.0))
+    assert model.config.final_logit_softcapping and not model.plain_head
+    n = len(model.blocks())
+    first, last = model.pipeline_stage(range(n // 2), True, False), model.pipeline_stage(range(n // 2, n), False, True)
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        want = model(tokens)
+        got = last(first(tokens, positions), positions)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

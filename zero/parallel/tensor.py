@@ -15,9 +15,17 @@ each for the MLP, and no rank stores a full-sequence activation between blocks.
 Styles (what `tensor_parallel_styles` maps each module name to):
   SequenceParallelNorm(gather_output)  replicated weights over a sequence shard; grads summed over tp
   ColwiseParallel(units)               output features sliced; `units` < tp replicates whole units
-                                       (GQA kv heads when kv_heads < tp)
-  RowwiseParallel()                    input features sliced; output reduce-scattered over sequence
+                                       (GQA kv heads when kv_heads < tp); `gather_output`: the features
+                                       all-gathered after it (what follows runs replicated)
+  RowwiseParallel()                    input features sliced; output reduce-scattered over sequence;
+                                       `split_input`: its input is the whole (replicated) features
+  Replicated()                         replicated weights that each rank differentiates completely (on
+                                       replicated activations): no gradient reduction
   VocabParallelEmbedding()             vocabulary rows sliced; output reduce-scattered over sequence
+  TiedHead(embedding)                  an output projection reading the (vocabulary-parallel) embedding's own
+                                       local weight: vocabulary-sliced logits, one parameter for both
+  SequenceGather()                     a module whose input hidden states are sequence shards, all-gathered
+                                       at its entry (the column-parallel layers inside it need the whole sequence)
 and `vocab_parallel_cross_entropy` computes the loss from vocabulary-sliced logits without gathering them.
 """
 
@@ -115,6 +123,36 @@ class _SumGradSlots(torch.autograd.Function):
         buf[ctx.slot].copy_(grad)
         comm.all_reduce(buf, ctx.group)
         return buf[ctx.slot], None, None, None
+
+
+class _GatherFeatures(torch.autograd.Function):
+    """Forward: all-gather the last dim (each rank's slice of the features); backward: this rank's slice of the
+    gradient (what follows runs replicated, so every rank holds the whole gradient already)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_dim(x, group, x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world, rank = group_size(ctx.group), group_rank(ctx.group)
+        return grad.chunk(world, -1)[rank].contiguous(), None
+
+
+class _SplitFeatures(torch.autograd.Function):
+    """Forward: this rank's slice of the last dim of replicated features; backward: the slices' gradients
+    all-gathered (the replicated computation before it gets the whole gradient on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        world, rank = group_size(group), group_rank(group)
+        return x.chunk(world, -1)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_dim(grad.contiguous(), ctx.group, grad.dim() - 1), None
 
 
 def gather_sequence(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
@@ -276,6 +314,33 @@ class SequenceParallelNorm(Style):
         return {n: TensorSplit(None, replicas=group_size(group)) for n in names}
 
 
+class Replicated(Style):
+    """A module with replicated parameters on replicated activations (between a ColwiseParallel(gather_output)
+    and a RowwiseParallel(split_input)): every rank computes the whole gradient, so none is reduced."""
+
+    def apply(self, module, group):
+        return {n: TensorSplit(None, replicas=group_size(group)) for n, _ in module.named_parameters(recurse=False)}
+
+
+class Chain(Style):
+    """Several styles applied to one module in order (their parameters' splits merged; none may split the same
+    parameter twice)."""
+
+    def __init__(self, *styles: Style) -> None:
+        self.styles = styles
+        #: (whether one of them places the parameters of the module's children too)
+        self.places_submodules = any(getattr(s, "places_submodules", False) for s in styles)
+
+    def apply(self, module, group):
+        out: dict[str, TensorSplit] = {}
+        for style in self.styles:
+            splits = style.apply(module, group)
+            if set(splits) & set(out):
+                raise ValueError(f"Chain: parameters {sorted(set(splits) & set(out))} are split by two styles")
+            out.update(splits)
+        return out
+
+
 class ColwiseParallel(Style):
     """nn.Linear split by output features (weight rows; a bias likewise). Its input is the full sequence
     (gathered by the norm before it), its output this rank's features.
@@ -285,11 +350,15 @@ class ColwiseParallel(Style):
     on tp / units ranks, whose gradients are summed over them.
     """
 
-    def __init__(self, units: int | None = None) -> None:
-        self.units = units
+    def __init__(self, units: int | None = None, gather_output: bool = False) -> None:
+        self.units, self.gather_output = units, gather_output
 
     def apply(self, module, group):
         world, rank = group_size(group), group_rank(group)
+        if self.gather_output:
+            if self.units is not None:
+                raise ValueError("ColwiseParallel: gather_output slices the features evenly (no units)")
+            module.register_forward_hook(lambda m, args, out: _GatherFeatures.apply(out, group))
         rows = module.weight.shape[0]
         units = self.units or world
         if rows % units:
@@ -326,8 +395,8 @@ class RowwiseParallel(Style):
     """nn.Linear split by input features (weight columns). Its input is this rank's features, its output
     the partial sum, reduce-scattered to this rank's sequence shard (a bias is added once, after)."""
 
-    def __init__(self, seq_dim: int = 1) -> None:
-        self.seq_dim = seq_dim
+    def __init__(self, seq_dim: int = 1, split_input: bool = False) -> None:
+        self.seq_dim, self.split_input = seq_dim, split_input
 
     def apply(self, module, group):
         world, rank = group_size(group), group_rank(group)
@@ -336,6 +405,8 @@ class RowwiseParallel(Style):
         module.in_features = module.weight.shape[1]
 
         def forward(x):
+            if self.split_input:  # (the whole features, replicated: this rank's slice of them)
+                x = _SplitFeatures.apply(x, group)
             y = reduce_scatter_sequence(F.linear(x, module.weight), group, self.seq_dim)
             # The bias is replicated and added to a sequence shard: its gradient is summed over tp.
             return y if module.bias is None else y + sum_grad(module.bias, group)
@@ -352,8 +423,9 @@ class VocabParallelEmbedding(Style):
     and the partial embeddings are reduce-scattered to sequence shards. A tied output projection that
     reads the same weight then yields vocabulary-sliced logits (see vocab_parallel_cross_entropy)."""
 
-    def __init__(self, seq_dim: int = 1) -> None:
-        self.seq_dim = seq_dim
+    def __init__(self, seq_dim: int = 1, scale: str | None = None) -> None:
+        #: `scale`: the name of a module attribute (a scalar tensor) its lookup is multiplied by (a scaled embedding)
+        self.seq_dim, self.scale = seq_dim, scale
 
     def apply(self, module, group):
         world, rank = group_size(group), group_rank(group)
@@ -369,10 +441,57 @@ class VocabParallelEmbedding(Style):
             out = F.embedding(local, module.weight, module.padding_idx, module.max_norm, module.norm_type,
                               module.scale_grad_by_freq, module.sparse)
             out = out * inside.unsqueeze(-1).to(out.dtype)
-            return reduce_scatter_sequence(out, group, self.seq_dim)
+            out = reduce_scatter_sequence(out, group, self.seq_dim)
+            return out if self.scale is None else out * getattr(module, self.scale).to(module.weight.dtype)
 
         module.forward = forward
         return {"weight": TensorSplit(0)}
+
+
+class TiedHead(Style):
+    """nn.Linear output projection tied to `embedding` (same weight), which VocabParallelEmbedding splits first: after
+    the split the head holds the embedding's local Parameter itself (one parameter for the optimizer, ZeRO and
+    checkpoints), so its output is this rank's vocabulary slice of the logits (see vocab_parallel_cross_entropy).
+    Its input is the full sequence (gathered by the norm before it)."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        self.embedding = embedding
+
+    def apply(self, module, group):
+        world = group_size(group)
+        weight = self.embedding.weight
+        if module.weight is weight:
+            raise ValueError("TiedHead: the embedding is not split yet (apply VocabParallelEmbedding to it first)")
+        if weight.shape[0] * world != module.weight.shape[0] or weight.shape[1:] != module.weight.shape[1:]:
+            raise ValueError(f"TiedHead: the embedding's local weight {tuple(weight.shape)} is not a tp={world} "
+                             f"vocabulary slice of the head's {tuple(module.weight.shape)}")
+        if module.bias is not None:
+            raise NotImplementedError("TiedHead: a tied output projection with a bias is not split")
+        module._parameters["weight"] = weight
+        module.out_features = weight.shape[0]
+        return {"weight": TensorSplit(0)}
+
+
+class SequenceGather(Style):
+    """A module without parameters of its own here (e.g. an attention or MLP whose projections have their own
+    styles) that takes sequence-sharded hidden states (its first argument or `hidden_states=`): they are all-gathered
+    at its entry (backward: reduce-scattered), as a sequence-parallel norm's `gather_output` would."""
+
+    def __init__(self, seq_dim: int = 1) -> None:
+        self.seq_dim = seq_dim
+
+    def apply(self, module, group):
+        def gather(m, args, kwargs):
+            if "hidden_states" in kwargs:
+                kwargs = {**kwargs, "hidden_states": gather_sequence(kwargs["hidden_states"], group, self.seq_dim)}
+            elif args:
+                args = (gather_sequence(args[0], group, self.seq_dim), *args[1:])
+            else:
+                raise ValueError(f"SequenceGather: {type(m).__name__} was called without hidden states")
+            return args, kwargs
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        return {}
 
 
 class TensorParallel(Plan):
