@@ -58,8 +58,9 @@ CASES = [  # (config.json kind and keys, overrides, the message)
      r"parallel.tp=2 with model=hf is refused: tp=2 does not divide intermediate_size=47"),
     (("llama", {}), ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
      r"parallel.pp_schedule=interleaved_1f1b places several stages on a rank, which model=hf does not offer"),
-    (("mixtral", {}), ["parallel.tp=2"], r"parallel.tp=2 with model=hf is refused: the coverage sweep's tp2 check "
-                                         r"of model_type mixtral: refused: its experts' plan is not mapped"),
+    (("qwen3_moe", {"moe_intermediate_size": 25}), ["parallel.tp=2"],
+     r"parallel.tp=2 with model=hf is refused: MoE block model.layers.0.mlp: tp=2 does not divide its experts' 25 "
+     r"hidden units"),
     (("olmoe", {}), ["parallel.pp=2"], r"parallel.pp=2 with model=hf is refused: the coverage sweep's pp2 check "
                                        r"of model_type olmoe: refused: there is no plan to map"),
     (("llama", {}), ["parallel.sp=8"], r"parallel.sp=8 cannot exceed the number of query heads \(4\): the rule is sp "

@@ -12,6 +12,7 @@ at ep=2 x tp=2 on 4 ranks against one process (losses and every parameter after 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.multirank import run_multirank
@@ -105,3 +106,50 @@ def _expert_tp_blocks(cases: list[tuple[dict, str]]) -> None:
 
 def test_expert_tp_blocks_equal_one_process():
     run_multirank(_expert_tp_blocks, 2, _configs(), timeout=120)
+
+
+def _ep_tp_run(config_dict: dict) -> dict:
+    """One of 4 ranks (dp=2 with ep=2 over it, tp=2): two SGD steps of the whole model through the engine, as the
+    coverage sweep's ranks run them; the global losses and this rank's parameters after them (tp slices
+    assembled, experts left as this rank's ep slice)."""
+    import torch.distributed as dist
+    from moe_lst.models.hf import coverage
+    from moe_lst.models.hf.model import build
+    from transformers import CONFIG_MAPPING
+
+    import zero
+    from moe import apply_expert_parallel
+    from zero.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+
+    config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
+    dims = zero.ParallelDims(dp=2, ep=2, tp=2)
+    torch.manual_seed(0)
+    model = build(config)
+    plans = [model.loss_plan(), apply_expert_parallel(model, dims)]
+    tp_plan = apply_tensor_parallel(model, dims.tp_group)
+    engine = zero.initialize(model, lambda params: torch.optim.SGD(params, lr=coverage.LR), zero.ZeroConfig(stage=0),
+                             dims, plans=[*plans, tp_plan])
+    losses = []
+    for step in range(coverage.STEPS):
+        x, y = coverage._batch(step)
+        rows = slice(dims.dp_rank * coverage.BATCH // 2, (dims.dp_rank + 1) * coverage.BATCH // 2)
+        x, y = x[rows], y[rows]
+        loss_sum, _ = vocab_parallel_cross_entropy(engine(x).flatten(0, 1), y.flatten(), dims.tp_group)
+        loss = loss_sum / y.numel()
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().clone()
+        dist.all_reduce(value, group=dims.dp_group)
+        losses.append(value.item() / 2)
+    state = tp_plan.full_state_dict({k: v.clone() for k, v in engine.full_state_dict().items()})
+    ranges = {n: list(model.get_submodule(n).experts.expert_range) for n in model.moe_blocks}
+    return {"losses": losses, "state": state, "expert_ranges": ranges}
+
+
+@pytest.mark.slow
+def test_expert_and_tensor_parallel_together_equal_one_process():
+    from moe_lst.models.hf import coverage
+
+    config = coverage.tiny_config("glm4_moe")  # (DeepSeek-style routing, shared experts, a first dense layer)
+    ranks = run_multirank(_ep_tp_run, 4, config.to_dict(), timeout=600)
+    coverage.compare(ranks, coverage.reference_run(config, "ep2"))

@@ -119,6 +119,20 @@ def test_tensor_and_pipeline_parallel_runs_equal_one_process(root):
         assert_same_run(root / kind / layout, _reference(root, kind), f"{kind} {layout}")
 
 
+#: MoE families the recipe trains at tp=2 with their experts split by hidden units (expert tensor parallelism): routed
+#: experts alone, DeepSeek-style grouped sigmoid routing with shared experts and a first dense layer, a shared expert
+#: behind its own gate; each with transformers' balancing loss where its config has one.
+MOE_TP = ("mixtral", "glm4_moe", "qwen2_moe")
+
+
+@pytest.mark.slow
+def test_moe_families_at_tp2_equal_one_process(root):
+    assert {(kind, "tp2") for kind in MOE_TP} <= set(passing_cases())
+    run_multirank(_train_each, 2, [_overrides(root, kind, "tp2", LAYOUTS["tp2"]) for kind in MOE_TP], timeout=600)
+    for kind in MOE_TP:
+        assert_same_run(root / kind / "tp2", _reference(root, kind), f"{kind} tp2")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,layout", passing_cases())
 def test_every_passing_family_and_layout_equals_one_process(root, kind, layout):

@@ -1,8 +1,10 @@
 """ZeRO-3: parameters partitioned per unit module, gathered just before use with prefetch, freed after.
 
-Units (by default the children of every nn.ModuleList, e.g. transformer blocks) own flat buckets whose
-full storage exists only between a unit's forward pre-hook and post-hook, and again from the first
-gradient reaching its outputs until its parameters' gradients have been reduce-scattered.
+Units (by default the children of every nn.ModuleList, e.g. transformer blocks, and a contract model's blocks and
+edge units: an untied embedding and output head) own flat buckets whose full storage exists only between a unit's
+forward pre-hook and post-hook, and again from the first gradient reaching its outputs (not for an embedding, whose
+backward reads no weight) until its parameters' gradients have been reduce-scattered. The rest (the root: parameters
+of no unit or of several, e.g. a tied embedding and head) stays gathered for the whole forward and backward.
 """
 
 from __future__ import annotations
