@@ -258,8 +258,8 @@ class LitHF(L.LightningModule):
 
 def hf_pipeline(out: Path, stage: int = 2) -> dict:
     """LitHF under ZeroStrategy(pp=2) (1F1B over each batch's 4 micro-batches: the own loop's) and the engine's own
-    loop over the same model (hf_run.own_loop: dp=2, 2 micro-batches accumulated); per-step losses and gradient
-    norms, every rank's final weights of both (the pipeline's gathered over its stages)."""
+    loop over the same model (hf_run.own_loop: dp=2, 2 micro-batches accumulated); per-step losses (of each rank)
+    and gradient norms, every rank's final weights of both (the pipeline's gathered over its stages)."""
     from moe_lst.integrations.hf_parallel import full_state_dict
 
     from tests.integrations.hf_run import own_loop
@@ -270,7 +270,10 @@ def hf_pipeline(out: Path, stage: int = 2) -> dict:
                         gradient_clip_val=CLIP, use_distributed_sampler=False)  # (every stage reads the batch)
     module = LitHF(microbatches=2 * ACCUM)
     trainer.fit(module)
-    pp = {"loss": module.step_losses, "grad_norm": module.grad_norms}
+    # (what each rank's training_step returned: the loss Lightning logs there)
+    losses = [None, None]
+    dist.all_gather_object(losses, module.step_losses)
+    pp = {"loss": losses, "grad_norm": module.grad_norms}
     final_pp = full_state_dict(strategy.engine, strategy._declared.plans)
     own, final_own = own_loop(stage, "none")
     torch.save({"pp2": final_pp, "own": final_own}, out / f"hf_final_rank{dist.get_rank()}.pt")
