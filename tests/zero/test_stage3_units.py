@@ -10,7 +10,8 @@ One 2-rank run of a tiny Llama with a large vocabulary (the embedding and the he
   design holds both large weights and the head's gradient at once: over it);
 - the losses and parameters of 2 ranks equal one process's plain PyTorch loop, with the logits loss, the tiled
   loss (the head's weight read after `forward(return_hidden=True)`) and a forward of the model's parts
-  (`forward_hidden`), each of which needs the head's weight gathered outside its own call.
+  (`forward_hidden`), each of which needs the head's weight gathered outside its own call; every gather and
+  gradient reduction takes gloo's paths without a full-size temporary (zero.dist.comm.LEAN_GLOO_BYTES set to 0).
 """
 
 from __future__ import annotations
@@ -104,6 +105,17 @@ class _Census:
 
 
 def _run() -> dict:
+    from zero.dist import comm
+
+    lean = comm.LEAN_GLOO_BYTES
+    comm.LEAN_GLOO_BYTES = 0  # every gather and gradient reduction takes gloo's paths without a full-size temporary
+    try:
+        return _train()
+    finally:
+        comm.LEAN_GLOO_BYTES = lean
+
+
+def _train() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model()
     sgd = functools.partial(torch.optim.SGD, lr=0.5)

@@ -74,7 +74,7 @@ def _reduce(bucket: FlatBucket, flat: torch.Tensor, async_op: bool):
                                              async_op=async_op)
     if bucket.sharded and bucket.world > 1:
         out = torch.empty(bucket.shard_size, dtype=flat.dtype, device=flat.device)
-        return out, comm.reduce_scatter_tensor(out, flat, bucket.grad_group, async_op=async_op)
+        return out, comm.reduce_scatter_scratch(out, flat, bucket.grad_group, async_op=async_op)  # (flat: ours)
     return flat, comm.all_reduce(flat, bucket.grad_group, async_op=async_op)
 
 
