@@ -278,7 +278,7 @@ def _directory_weights(family: str, directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family,layout", [("llama", "ep2_zero3"), ("hf", "ep2_zero3"),
                                            *(pytest.param("llama", k, marks=pytest.mark.slow) for k in ("tp2", "pp2")),
-                                           pytest.param("hf", "pp2", marks=pytest.mark.slow)])
+                                           *(pytest.param("hf", k, marks=pytest.mark.slow) for k in ("pp2", "tp2"))])
 def test_init_from_under_a_layout_equals_one_process_and_reads_only_its_slices(pretrained, tmp_path, family, layout):
     """Two ranks initialised from the directory train as one process does (tests.equivalence: losses, gradient
     norms, every parameter's first update, which is its gradient here, on every rank), each reading from the files

@@ -1,7 +1,8 @@
 """No rank ever holds the whole model: an accounting of live tensor storages (not RSS) through the recipe's build,
 its materialisation by the engine, train.init_from and the first step of the MoE Llama at ZeRO-3 with ep=2, at tp=2
-and at pp=2, and of a Hugging Face MoE (qwen3_moe) at ZeRO-3 with ep=2 and at pp=2; and the meta build gives every
-parameter, and every rank's slice of one, an eager build's values (both families).
+and at pp=2, and of a Hugging Face MoE (qwen3_moe) at ZeRO-3 with ep=2, at tp=2 (its experts split by hidden
+units) and at pp=2; and the meta build gives every parameter, and every rank's slice of one, an eager build's values
+(both families).
 
 `StorageLedger` sees every CPU storage an op creates or touches (a TorchDispatchMode) and forgets it when torch
 frees it (weakref.finalize on the storage, whose Python object torch keeps exactly as long as the storage lives),
@@ -216,7 +217,7 @@ def _check(results: list[dict], layout: str) -> None:
 # (the Hugging Face MoE's default case is its init_from equivalence in tests/recipes/test_streaming_load.py)
 @pytest.mark.parametrize("family,layout", [("llama", "ep2_zero3"),
                                            *(pytest.param("hf", k, marks=pytest.mark.slow) for k in
-                                             ("ep2_zero3", "pp2")),
+                                             ("ep2_zero3", "pp2", "tp2")),
                                            *(pytest.param("llama", k, marks=pytest.mark.slow) for k in
                                              ("tp2", "pp2", "tp2_zero3", "pp2_zero3"))])
 def test_no_rank_holds_more_than_its_part_plus_one_unit(pretrained, tmp_path, family, layout):
@@ -227,7 +228,7 @@ def test_no_rank_holds_more_than_its_part_plus_one_unit(pretrained, tmp_path, fa
 
 @pytest.mark.parametrize("family,layout", [("llama", "ep2_zero3"),
                                            *(pytest.param("hf", k, marks=pytest.mark.slow) for k in
-                                             ("ep2_zero3", "pp2"))])
+                                             ("ep2_zero3", "pp2", "tp2"))])
 def test_the_eager_build_of_the_old_path_fails_the_same_check(pretrained, tmp_path, family, layout):
     """Built whole on every rank (the rule before: MoE models eagerly, every stage on every pipeline rank), the
     build's peak passes the bound: the accounting sees what it is there to see."""
