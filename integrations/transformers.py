@@ -158,6 +158,10 @@ class ZeroTrainer(transformers.Trainer):
                              "each batch runs as the pipeline's micro-batches in one step; set "
                              "gradient_accumulation_steps=1 and accumulate with pp_microbatches and a larger "
                              "per_device_train_batch_size")
+        if str(getattr(a.eval_strategy, "value", a.eval_strategy)) != "no":
+            raise NotImplementedError(f"eval_strategy={a.eval_strategy.value!r} with pp={pp}: evaluation through the "
+                                      "pipeline stages is not implemented; set eval_strategy='no' and evaluate the "
+                                      "saved model at pp=1")
         if isinstance(microbatches, int) and microbatches > 0 and a.per_device_train_batch_size % microbatches:
             raise ValueError(f"per_device_train_batch_size={a.per_device_train_batch_size} does not split into "
                              f"pp_microbatches={microbatches}: make it a multiple")

@@ -144,7 +144,7 @@ def test_trainer_equals_the_recipe_on_a_hugging_face_model(tmp_path):
 # ---------------------------------------------------------------------------- one process: what is refused
 
 
-def _trainer(tmp_path, rows: int = 16, stage: int = 1, degrees: dict | None = None, **overrides):
+def _trainer(tmp_path, rows: int = 16, stage: int = 1, extra: dict | None = None, **overrides):
     import transformers
     from moe_lst.integrations.transformers import ZeroTrainer
 
@@ -155,7 +155,7 @@ def _trainer(tmp_path, rows: int = 16, stage: int = 1, degrees: dict | None = No
                 "report_to": "none", "disable_tqdm": True, "use_cpu": True, "save_strategy": "no", **overrides}
     dataset = torch.utils.data.Subset(HFRows(train_stream(1), 2), range(rows))
     return ZeroTrainer(model=hf_model(), args=transformers.TrainingArguments(**settings), train_dataset=dataset,
-                       zero_config=zero.ZeroConfig(stage=stage), **(degrees or {}))
+                       zero_config=zero.ZeroConfig(stage=stage), **(extra or {}))
 
 
 def test_one_process_trains_evaluates_saves_and_refuses_a_partial_accumulation_cycle(tmp_path):
@@ -181,9 +181,12 @@ def test_refusals(tmp_path):
         _trainer(tmp_path, bf16_full_eval=True)  # it would cast the engine's buffers
     # under pp the pipeline's micro-batches are the accumulation (refused before any group or stage exists)
     with pytest.raises(ValueError, match=r"^gradient_accumulation_steps=2 with pp=2: under pp each batch runs"):
-        _trainer(tmp_path, degrees={"pp": 2})
+        _trainer(tmp_path, extra={"pp": 2})
     with pytest.raises(ValueError, match=r"^per_device_train_batch_size=2 does not split into pp_microbatches=4"):
-        _trainer(tmp_path, degrees={"pp": 2, "pp_microbatches": 4}, gradient_accumulation_steps=1)
+        _trainer(tmp_path, extra={"pp": 2, "pp_microbatches": 4}, gradient_accumulation_steps=1)
+    with pytest.raises(NotImplementedError, match=r"^eval_strategy='steps' with pp=2: evaluation through the pipeline"):
+        _trainer(tmp_path, extra={"pp": 2, "eval_dataset": [{"input_ids": torch.zeros(8, dtype=torch.long)}]},
+                 gradient_accumulation_steps=1, eval_strategy="steps", eval_steps=1)
     trainer = _trainer(tmp_path, max_steps=2)
     (tmp_path / "checkpoint-1").mkdir()
     with pytest.raises(zero.CheckpointError, match="not written by ZeroTrainer"):
