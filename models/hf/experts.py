@@ -18,6 +18,8 @@ own MoE layers.
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 from collections.abc import Callable
 
 import torch
@@ -170,6 +172,18 @@ class _AdoptedLayer(MoELayer):
         finally:
             self.tp_group = tp_group
 
+    def output_norm(self) -> str | None:
+        """The child norm the block's forward applies last, to its whole output (`return self.<norm>(hidden_states)`,
+        read from its source), or None: under expert tensor parallelism it runs after the reduce-scatter, on the
+        summed output's sequence shard, as it must (a norm of a partial sum is not the norm of the sum)."""
+        try:
+            lines = [line.strip() for line in inspect.getsource(type(self).forward).splitlines() if line.strip()]
+        except (OSError, TypeError):
+            return None
+        match = re.fullmatch(r"return self\.(\w+)\(hidden_states\)", lines[-1]) if lines else None
+        module = self._modules.get(match.group(1)) if match else None
+        return match.group(1) if module is not None and "norm" in type(module).__name__.lower() else None
+
     def tensor_parallel_problem(self, tp: int, shared: dict[str, str]) -> str | None:
         """Why this block cannot be split over `tp` ranks by hidden units (None: it can), one line."""
         experts = self.experts
@@ -178,8 +192,9 @@ class _AdoptedLayer(MoELayer):
                     "a split of the hidden units does not survive")
         if experts.hidden_units() % tp:
             return f"tp={tp} does not divide its experts' {experts.hidden_units()} hidden units"
+        last = self.output_norm()
         norms = [(n, m) for n, m in self.named_modules() if "norm" in type(m).__name__.lower()
-                 and not n.startswith("experts.")]
+                 and not n.startswith("experts.") and n != last]
         if norms:
             return (f"{norms[0][0]} ({type(norms[0][1]).__name__}) normalises inside the block, where each rank holds "
                     "a partial sum of its output over the split hidden units")
@@ -198,10 +213,11 @@ class _AdoptedLayer(MoELayer):
         routed expert keeps this rank's slice of its hidden units (`_AdoptedExperts.keep_hidden`), and so does each
         shared-expert projection named in `shared` (relative name -> "colwise", "halves" (a fused [gate; up]
         projection) or "rowwise" (by input, a bias added as bias / tp)); so the block's output is a partial sum,
-        reduce-scattered over tp to this rank's sequence shard once, by a hook on the block. Every other parameter of
-        the block (router weight and bias, shared-expert gate, ...) is replicated with its gradient summed over tp
-        (each rank's partial output gives it a partial gradient). Returns how each parameter is split, by name in
-        this block."""
+        reduce-scattered over tp to this rank's sequence shard once, by a hook on the block, which then applies the
+        block's output norm (`output_norm`) there, on the summed shard. Every other parameter of the block (router
+        weight and bias, shared-expert gate, the output norm's weight, ...) is replicated with its gradient summed
+        over tp (each rank's partial output, or sequence shard, gives it a partial gradient). Returns how each
+        parameter is split, by name in this block."""
         tp, rank = group_size(tp_group), group_rank(tp_group)
         if tp == 1:
             return {}
@@ -240,18 +256,28 @@ class _AdoptedLayer(MoELayer):
                 substitute_parameters(module, {n: functools.partial(sum_grad, group=tp_group) for n in replicated})
                 splits.update({f"{module_name}.{n}".lstrip("."): TensorSplit(None, replicas=tp) for n in replicated})
         self.tp_group = tp_group
-        self.register_forward_hook(functools.partial(_scatter_output, group=tp_group))
+        norm_name, after = self.output_norm(), None
+        if norm_name is not None:  # (its forward, with its gradient sum, moves after the reduce-scatter)
+            norm = self.get_submodule(norm_name)
+            after, norm.forward = norm.forward, _identity
+        self.register_forward_hook(functools.partial(_scatter_output, group=tp_group, after=after))
         return splits
 
 
-def _scatter_output(block: nn.Module, args, output, group: ProcessGroup):
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _scatter_output(block: nn.Module, args, output, group: ProcessGroup, after: Callable | None = None):
     """The block's output [b, s, H] (or a tuple led by it), a partial sum over tp: summed and cut to this rank's
-    sequence shard [b, s/tp, H]."""
+    sequence shard [b, s/tp, H], then `after` (the block's output norm) applied to the shard."""
     first = output[0] if isinstance(output, tuple) else output
     if first.dim() != 3:
         raise ValueError(f"{type(block).__name__} returned hidden states of shape {tuple(first.shape)}; expert "
                          "tensor parallelism takes [batch, seq, hidden]")
     scattered = reduce_scatter_sequence(first, group, dim=1)
+    if after is not None:
+        scattered = after(scattered)
     return (scattered, *output[1:]) if isinstance(output, tuple) else scattered
 
 

@@ -5,8 +5,9 @@ to sequence shards, against one process of the same block.
 The default case runs, in one 2-rank spawn, the MoE block of a tiny DeepSeek-V3 (shared experts from the plan's
 colwise / rowwise entries, sigmoid grouped routing with a score-correction bias, a first dense layer) and of a tiny
 GPT-OSS (interleaved gate / up pairs in a transposed layout, expert biases, a router bias, a block that returns a
-tuple), each with transformers' balancing loss: the output shards, the balancing loss, the input's gradient (summed
-over the ranks, as the gather before the block sums it) and every parameter's gradient (assembled from the ranks'
+tuple, transformers' balancing loss) and of a tiny AXK1 (a norm over the block's summed output, which must run after
+the reduce-scatter): the output shards, the balancing loss, the input's gradient (summed over the ranks, as the
+gather before the block sums it) and every parameter's gradient (assembled from the ranks'
 slices by their declared TensorSplit) equal the one-process block's. Under -m slow: a whole model through the engine
 at ep=2 x tp=2 on 4 ranks against one process (losses and every parameter after two SGD steps)."""
 
@@ -18,7 +19,7 @@ import torch
 from tests.multirank import run_multirank
 
 #: Tiny configs (the coverage sweep's sizes), the MoE block each case splits.
-CASES = (("deepseek_v3", "model.layers.1.mlp"), ("gpt_oss", "model.layers.0.mlp"))
+CASES = (("deepseek_v3", "model.layers.1.mlp"), ("gpt_oss", "model.layers.0.mlp"), ("axk1", "model.layers.1.mlp"))
 SEQ, BATCH = 8, 2
 
 
