@@ -67,6 +67,42 @@ def test_a_slice_read_is_the_imported_slice_and_reads_only_its_bytes(tmp_path, e
     assert checkpoint.bytes_read == checkpoint.data_bytes_read + checkpoint.header_bytes()
 
 
+@pytest.mark.parametrize("original_format", [True, False])
+def test_a_hugging_face_tensor_parallel_slice_read_is_its_hidden_units(tmp_path, original_format):
+    """A Hugging Face MoE directory, experts per expert (the published layout: the stacked [gate; up] made of two
+    tensors per expert) or fused: each tp=2 rank's slice of every stacked expert weight as a TensorSplit places it
+    (its hidden units by its rows or, [gate; up], as two halves sliced alike; the down projection's by its columns;
+    and along any other dim: experts) read by the streaming reader equals that slice of the weights transformers
+    loads, and reads exactly the slice's bytes (fp32 files) beyond the headers."""
+    from moe_lst.models.hf import load_config
+    from moe_lst.models.hf.streaming import open_streaming
+
+    from tests.recipes.pretrained import write_hf
+    from zero.parallel.tensor import TensorSplit
+
+    directory = write_hf(tmp_path, original_format=original_format)
+    weights = open_streaming(directory, load_config(directory))
+    checkpoint = weights.checkpoint
+    whole = _directory_weights("hf", directory)
+    assert any(n.endswith("experts.gate_up_proj") for n in weights.sources)
+    for name, value in whole.items():
+        if value.dim() != 3:  # (the other parameters' slices: the same reader, the Llama's test above)
+            continue
+        for dim, n in enumerate(value.shape):
+            for split in [TensorSplit(dim)] * (n % 2 == 0) + [TensorSplit(dim, halves=True)] * (n % 4 == 0):
+                local = value.shape[:dim] + (n // 2,) + value.shape[dim + 1:]
+                for rank in range(2):
+                    placement = split.placement(local, rank, 2)
+                    read = checkpoint.reader(weights.sources, {name: placement}, {})
+                    before = checkpoint.data_bytes_read
+                    want = placement.take(value).reshape(-1)
+                    got = read(name, 0, want.numel())
+                    assert torch.equal(got, want), (name, split, rank)
+                    assert checkpoint.data_bytes_read - before == 4 * want.numel(), (name, split, rank)
+    assert checkpoint.bytes_read == checkpoint.data_bytes_read + checkpoint.header_bytes()
+    checkpoint.close()
+
+
 def test_flat_boxes_cover_a_range_in_order():
     shape = (3, 4, 5)
     flat = torch.arange(60).reshape(shape)
