@@ -143,6 +143,14 @@ def _host_run_config(overrides: list[str]):
         return compose("config", overrides=fixed + list(overrides))
 
 
+def nvme_file_bytes(engine) -> int:
+    """The sizes of this rank's offload files as written: its stage-3 parameter shards' and its nvme optimizer
+    state's (what the planner's nvme_bytes predicts)."""
+    masters = engine.zero_optimizer.masters
+    files = [b.file for b in engine.buckets if b.file is not None] + (masters.files if masters.kind == "nvme" else [])
+    return sum(f.size_bytes() for f in files)
+
+
 def measure_host(overrides: list[str]) -> dict:
     """The host-memory side of a plan on this rank: the recipe's `Run` built (with its `train.init_from`, if any)
     and two training steps taken, with the process's high-water mark (VmHWM) read at the end of each phase and
@@ -152,7 +160,7 @@ def measure_host(overrides: list[str]) -> dict:
     the phase's peak less `baseline`: what was resident just before the build (the interpreter, torch, the
     project, the corpus, the process groups, `WARM_IMPORTS`), after glibc's free memory went back to the system.
     glibc's mmap and trim thresholds are pinned first (as `measure` does), so resident memory follows the live
-    tensors."""
+    tensors. `nvme_bytes`: the rank's offload files once the steps are done (`nvme_file_bytes`)."""
     import gc
     import importlib
 
@@ -196,7 +204,8 @@ def measure_host(overrides: list[str]) -> dict:
         pretrain.train_step(run.engine, run.train_stream, step, cfg, run.dims, run.pipe)
     end("step")
     out = {"phases": {k: marks[k] for k in ("build", "load", "step")}, "baseline": marks["baseline"],
-           "peak_reset": marks["peak_reset"], "pinned": pinned, "memory": run.engine.memory_breakdown()}
+           "peak_reset": marks["peak_reset"], "pinned": pinned, "memory": run.engine.memory_breakdown(),
+           "nvme_bytes": nvme_file_bytes(run.engine)}
     run.logger.finish()
     run.engine.close()
     return out

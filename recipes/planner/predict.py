@@ -26,6 +26,15 @@ from recipes.planner.build import (
 )
 from recipes.planner.cluster import Cluster
 from recipes.planner.host import host_phases
+from recipes.planner.stage3 import (
+    Window,
+    after_first_reduction,
+    backward_gather,
+    backward_windows,
+    forward_windows,
+    largest_read,
+    root_window,
+)
 from recipes.planner.trace import Trace, trace_micro_batch
 from zero.dist import quantized
 
@@ -209,7 +218,9 @@ def _grad_shard_bytes(b: BucketSpec, stage: int, isz: int) -> int:
 def state_memory(layout: Layout, cfg: DictConfig, isz: int) -> tuple[dict[str, int], dict[str, int], int]:
     """(device, host, nvme) bytes of what a rank keeps from step to step: parameters, flat padding, the full
     flat gradients of stages 0-1, masters, optimizer state, the host gradient copies of cpu offload and the
-    chunk buffers of nvme offload."""
+    chunk buffers of nvme offload. The nvme bytes are the sizes of the rank's files: a stage-3 parameter shard
+    per partitioned bucket, and per trainable bucket the optimizer file's fields (master, the moments and, at
+    stages 2-3, the spilled gradient)."""
     z = cfg.zero
     dev, host = defaultdict(int), defaultdict(int)
     nvme = 0
@@ -236,8 +247,8 @@ def state_memory(layout: Layout, cfg: DictConfig, isz: int) -> tuple[dict[str, i
             host["master_weights"] += master
             host["optimizer_state"] += states
             host["gradients"] += b.shard * 4  # the step's fp32 gradient copies on the host
-        else:
-            nvme += master + states
+        else:  # (stages 2-3 also spill each reduced gradient shard into the file: a field of its own)
+            nvme += master + states + (b.shard * 4 if z.stage >= 2 else 0)
     if z.offload_optimizer == "nvme":
         # a ring of chunk buffers (master, the states, the gradient) the step streams the files through: slot k
         # serves chunks k, k + count, ..., and becomes resident as far as the largest of them reaches
@@ -263,15 +274,17 @@ def step_buffers(layout: Layout, cfg: DictConfig, isz: int) -> dict[str, int]:
         out["gradient_staging"] = sum(sizes[:2]) if any(b.world > 1 for b in trainable) else sum(sizes[:1])
     if z.stage == 3 and any(b.secondary for b in layout.buckets):  # every unit's copy, forward to end of backward
         out["hpz_secondary"] = sum(b.padded // b.secondary * isz for b in layout.buckets if b.secondary)
-    if z.stage == 3:
-        units = defaultdict(int)
-        for b in layout.buckets:
-            if b.role == "unit":
-                units[b.unit] += b.padded * isz
-        largest = max(units.values(), default=0)
-        out["zero3_roots"] = sum(b.padded * isz for b in layout.buckets if b.role == "root")
-        out["zero3_gathered"] = largest * (1 + z.prefetch_depth) + out["zero3_roots"]
     return out
+
+
+def gradient_write_temporaries(b: BucketSpec, cfg: DictConfig) -> int:
+    """Bytes a background write of a reduced gradient shard into its nvme file holds (stages 2-3 with
+    offload_optimizer=nvme: `NvmeMasters._accumulate`, one chunk at a time): the final micro-batch's sum of squares
+    takes the chunk's float64 copy and its square (16 bytes per element); a later micro-batch also reads the
+    file's chunk back into a buffer of its own (4)."""
+    z = cfg.zero
+    chunk = min(z.offload_chunk_size, b.shard)
+    return chunk * (16 + (4 if cfg.train.grad_accum > 1 else 0))
 
 
 def in_flight_micro_batches(cfg: DictConfig, rm: RankModel) -> float:
@@ -409,8 +422,58 @@ def collective_temporaries(layout: Layout, cfg: DictConfig, isz: int) -> dict[st
     return out
 
 
+# what backward holds from its start to its end (the moments within it take these from "backward")
+_HELD = ("activations", "moe_dispatch", "pipeline_outputs", "hpz_secondary", "gradients")
+
+
+def _gathered(window: Window, roots: Window) -> dict[str, int]:
+    return {"zero3_gathered": window.gathered + roots.gathered, "nvme_parameter_reads": window.reads + roots.reads}
+
+
+def _stage3_moments(phases: dict, layout: Layout, cfg: DictConfig, isz: int, copies: bool) -> None:
+    """Stage 3's gathered parameters in the step's moments (recipes.planner.stage3), each with its nvme read
+    buffers: at the loss the largest forward window (an upper bound of the forward's), in backward the largest
+    backward window with its prefetches' gathers in flight, or (a moment of its own) the largest unit backward
+    gathers with nothing prefetched yet, its own gather in flight; at the end of backward the roots."""
+    roots = root_window(layout, cfg, isz)
+    fwd = max(forward_windows(layout, cfg, isz, copies), key=lambda w: w.total, default=Window())
+    bwd = max(backward_windows(layout, cfg, isz, copies).values(), key=lambda w: w.total, default=Window())
+    alone = backward_gather(layout, cfg, isz, copies)
+    phases["loss"].update(_gathered(fwd, roots))
+    phases["backward"].update({**_gathered(bwd, roots), "collective_buffers": bwd.in_flight})
+    phases["backward gather"] = {**{k: phases["backward"].get(k, 0) for k in _HELD},
+                                 **_gathered(alone, roots), "collective_buffers": alone.in_flight}
+    phases["end of backward"].update(_gathered(Window(), roots))
+
+
+def _nvme_gradient_writes(phases: dict, layout: Layout, cfg: DictConfig, isz: int, copies: bool) -> None:
+    """Stages 2-3 with offload_optimizer=nvme: each reduced shard goes to its file in the background (up to
+    offload_buffer_count queued, at their most at the end of backward), and the write holds its temporaries
+    (`gradient_write_temporaries`) once its reduction has returned: at the end of backward beside the queue in
+    place of the last reduction's collective temporary, and (a moment of its own) after backward's first reduction,
+    while the next units' backward runs beside the first bucket's staging buffer, kept for reuse."""
+    z = cfg.zero
+    trainable = [b for b in layout.buckets if b.trainable]
+    if z.offload_optimizer != "nvme" or z.stage < 2 or not trainable:
+        return
+    shards = sorted((b.shard * 4 for b in trainable), reverse=True)
+    end = phases["end of backward"]
+    end["nvme_gradient_queue"] = sum(shards[:z.offload_buffer_count])
+    last = [gradient_write_temporaries(b, cfg) for b in trainable[-z.offload_io_threads:]]
+    end["nvme_gradient_writes"] = max(0, max(last) - end.get("collective_buffers", 0))
+    first = trainable[0]
+    after = {k: phases["backward"].get(k, 0) for k in _HELD}
+    if z.stage == 3:
+        after.update({**_gathered(after_first_reduction(layout, cfg, isz, copies), root_window(layout, cfg, isz)),
+                      "collective_buffers": after_first_reduction(layout, cfg, isz, copies).in_flight})
+    kept = first.padded * isz if first.world > 1 else 0  # (unsharded, the staging buffer is the reduced shard)
+    phases["first gradient write"] = {**after, "gradient_staging": kept, "nvme_gradient_queue": first.shard * 4,
+                                      "nvme_gradient_writes": gradient_write_temporaries(first, cfg)}
+
+
 def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imbalance: float, runtime: int = 0,
-                  copies: bool = False) -> tuple[dict[str, tuple[dict[str, int], dict[str, int]]], int]:
+                  copies: bool = False, unified: bool = True
+                  ) -> tuple[dict[str, tuple[dict[str, int], dict[str, int]]], int]:
     """(device, host) bytes by category at each moment of a step where the peak can fall, and the nvme bytes.
 
     - "loss": the end of a forward, all its saved activations and the logits' working set alive; the reduced
@@ -419,10 +482,13 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
       recomputed block (checkpointing), the gathered units of stage 3, the largest weight's own gradient;
     - "end of backward": every reduced gradient (nvme offload: the shards queued for their files), the staging of
       the last buckets, the gathered roots of stage 3;
-    - "step": the optimizer step over the reduced gradients.
+    - "step": the optimizer step over the reduced gradients;
+    - stage 3's "backward gather" and nvme offload's "first gradient write" (`_stage3_moments`,
+      `_nvme_gradient_writes`).
     What persists (parameters, masters, optimizer state, flat gradients, and `runtime` bytes: the cluster's memory
     of the runtime beyond tensors) is in every moment; with `copies` (the cluster's `collective_copies`) the
-    backend's temporaries of `collective_temporaries` too."""
+    backend's temporaries of `collective_temporaries` too. Not `unified` (a GPU), a stage-3 gather's nvme read
+    buffer is on the host only until its shard is copied to the device: one at a time."""
     z = cfg.zero
     dev, host, nvme = state_memory(layout, cfg, isz)
     if runtime:
@@ -431,44 +497,48 @@ def memory_phases(layout: Layout, cfg: DictConfig, rm: RankModel, isz: int, imba
     acts = activation_memory(cfg, rm, isz, imbalance)
     earlier = cfg.train.grad_accum > 1 and (z.stage >= 2 or rm.dims.pp > 1)
     reduced = buf["reduced_gradients"]
-    gathered = {"zero3_gathered": buf.get("zero3_gathered", 0), "hpz_secondary": buf.get("hpz_secondary", 0)}
     saved = {"activations": acts["activations"], "moe_dispatch": acts.get("moe_dispatch", 0),
-             "pipeline_outputs": acts.get("pipeline_outputs", 0)}
+             "pipeline_outputs": acts.get("pipeline_outputs", 0), "hpz_secondary": buf.get("hpz_secondary", 0)}
     staging = buf.get("gradient_staging", 0)
-    first = max((b.padded * isz for b in layout.buckets[:1] if b.trainable and (b.world > 1 or isz != 4)),
-                default=0) if z.stage >= 2 else 0
+    # the first bucket's staging buffer in backward (none where the bucket's one parameter's gradient is it)
+    first = max((b.padded * isz for b in layout.buckets[:1] if b.trainable and (b.world > 1 or isz != 4)
+                 and not (len(b.numels) == 1 and b.padded == b.numel)), default=0) if z.stage >= 2 else 0
     # autograd makes each weight's gradient in a tensor of its own before it is added to the flat gradient (or
     # copied to the staging buffer): the largest of them is alive in backward
     weight_grad = max((n * isz for b in layout.buckets if b.trainable for n in b.numels), default=0)
     phases = {
-        "loss": {**saved, "logits": acts.get("logits", 0), **gathered,
-                 "gradients": reduced if earlier and z.stage >= 2 else 0},
-        "backward": {**saved, "recompute": acts.get("recompute", 0), **gathered,
-                     "gradient_staging": first if staging else 0, "weight_gradient": weight_grad,
-                     "gradients": reduced if earlier and z.stage >= 2 else 0},
-        # (a unit is released after its backward: the roots stay gathered to the end; hpZ's copies are dropped
-        # after the last reduction: an upper bound)
+        "loss": {**saved, "logits": acts.get("logits", 0), "gradients": reduced if earlier and z.stage >= 2 else 0},
+        "backward": {**saved, "recompute": acts.get("recompute", 0), "gradient_staging": first if staging else 0,
+                     "weight_gradient": weight_grad, "gradients": reduced if earlier and z.stage >= 2 else 0},
+        # (hpZ's copies are dropped after the last reduction: an upper bound)
         "end of backward": {"gradients": reduced if z.stage >= 2 else 0, "gradient_staging": staging,
-                            "zero3_gathered": buf.get("zero3_roots", 0), "hpz_secondary": gathered["hpz_secondary"]},
+                            "hpz_secondary": saved["hpz_secondary"]},
         "step": {"gradients": reduced},
     }
-    if z.offload_optimizer == "nvme" and z.stage >= 2:
-        # each reduced shard goes to its file in the background: up to offload_buffer_count of them queued, at
-        # their most at the end of backward
-        shards = sorted((b.shard * 4 for b in layout.buckets if b.trainable), reverse=True)
-        phases["end of backward"]["nvme_gradient_queue"] = sum(shards[:z.offload_buffer_count])
     for name, n in (collective_temporaries(layout, cfg, isz) if copies else {}).items():
         phases[name]["collective_buffers"] = n
         if name == "end of backward" and staging:  # (a synchronous reduction: one bucket's staging at a time)
             phases[name]["gradient_staging"] = max((b.padded * isz for b in layout.buckets if b.trainable), default=0)
+    if z.stage == 3:
+        _stage3_moments(phases, layout, cfg, isz, copies)
+    _nvme_gradient_writes(phases, layout, cfg, isz, copies)
+    return _moments(phases, dev, host, 0 if unified else largest_read(layout, cfg, isz)), nvme
+
+
+def _moments(phases: dict, dev: dict, host: dict, read_buffer: int) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
+    """Each moment's (device, host) bytes: what persists plus the moment's own; `read_buffer`: a stage-3 gather's
+    host read buffer beside a device, in the moments where gathers run."""
     out = {}
     for name, extra in phases.items():
         d = dict(dev)
         for k, v in extra.items():
             if v:
                 d[k] = d.get(k, 0) + v
-        out[name] = (d, dict(host))
-    return out, nvme
+        h = dict(host)
+        if read_buffer and name not in ("end of backward", "step"):  # (the moments where gathers run)
+            h["nvme_read_buffer"] = read_buffer
+        out[name] = (d, h)
+    return out
 
 
 def gemm_cache_memory(trace: Trace, cluster: Cluster) -> int:
@@ -603,7 +673,7 @@ def _plan_rank(cfg: DictConfig, rank: int, cluster: Cluster, a2a_rows: float | N
         # what this rank's experts received over uniform is its imbalance for the expert activations
         imbalance = max(0.0, 2 * a2a_rows / (trace.a2a_rows * cfg.train.grad_accum) - 1)
     phases, nvme = memory_phases(layout, cfg, rm, isz, imbalance, int(cluster.runtime_memory_mb * 2**20),
-                                 cluster.collective_copies)
+                                 cluster.collective_copies, cluster.unified_memory)
     caches = gemm_cache_memory(trace, cluster)
     if caches:  # (resident from the first step on: in every moment)
         for d, _ in phases.values():
