@@ -86,13 +86,13 @@ def test_trainer_at_tp2_equals_the_engines_own_loop(tmp_path):
 
 def test_unmapped_plans_experts_of_a_dense_model_and_short_pipelines_are_refused_in_one_line():
     from moe_lst.integrations.hf_parallel import check_layout
-    from transformers import AXK1Config, LlamaConfig, OlmoeConfig
+    from transformers import LlamaConfig, OlmoeConfig, StableLmConfig
 
     with pytest.raises(ValueError, match=r"^ep=2 needs an MoE model \(model_type llama is dense\)"):
         check_layout(LlamaConfig(), ep=2)
-    with pytest.raises(NotImplementedError, match=r"^tp=2 with model_type axk1 is refused: the coverage sweep's "
-                                                  r"tp2 check of model_type axk1: refused: "):
-        check_layout(AXK1Config(), tp=2)
+    with pytest.raises(NotImplementedError, match=r"^tp=2 with model_type stablelm is refused: the coverage sweep's "
+                                                  r"tp2 check of model_type stablelm: refused: there is no plan"):
+        check_layout(StableLmConfig(), tp=2)
     with pytest.raises(NotImplementedError, match=r"^pp=2 with model_type olmoe is refused: the coverage sweep's "
                                                   r"pp2 check of model_type olmoe: refused: there is no plan to map"):
         check_layout(OlmoeConfig(), pp=2)
