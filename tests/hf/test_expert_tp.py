@@ -78,6 +78,7 @@ def _expert_tp_blocks(cases: list[tuple[dict, str]]) -> None:
     for config_dict, block_name in cases:
         config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
         x = torch.randn(BATCH, SEQ, config.hidden_size, generator=torch.Generator().manual_seed(3))
+        whole = {n: p.detach().clone() for n, p in _built(config).named_parameters()}
         reference = _block_run(_built(config), block_name, x, None)
         model = _built(config)
         styles = _plan_styles(model, config.base_model_tp_plan or {}, ValueError)
@@ -95,6 +96,10 @@ def _expert_tp_blocks(cases: list[tuple[dict, str]]) -> None:
         comm.all_reduce(got["x_grad"], group)  # (the gather before the block reduce-scatters this sum)
         torch.testing.assert_close(got["x_grad"], reference["x_grad"], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, label=label: f"{label} input gradient: {m}")
+        for name, split in splits.items():  # (where checkpoints, ZeRO-3 shards and init_from place each slice)
+            local = model.get_parameter(name).detach()
+            torch.testing.assert_close(split.placement(local.shape, rank, 2).take(whole[name]), local, rtol=0, atol=0,
+                                       msg=lambda m, n=name, label=label: f"{label} placement of {n}: {m}")
         plan = TensorParallel(group, model, splits)
         local = {n: model.get_parameter(n).grad for n in splits}
         assert all(g is not None for g in local.values()), f"{label}: a parameter got no gradient"
