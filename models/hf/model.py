@@ -199,14 +199,16 @@ class HFCausalLM(nn.Module, ModelContract):
         `replicated_with_grad_allreduce` modules (q / k norms over heads) replicated with their gradient summed,
         `colwise_gather_output` / `rowwise_split_input` with what runs between them replicated (see _plan_styles).
         Between blocks the hidden states are sequence shards: each layer child the plan splits gathers them at its
-        entry; the layers' other children with parameters (their norms, wherever they sit: before, after or around
-        attention and MLP) and the final norm run on the shards with their gradients summed, the final norm
-        gathering the sequence for the head. Inside a split child the modules the plan leaves out (e.g. MLA's
-        latent projections and norms before the heads' split) run replicated on the gathered sequence, their
-        gradients summed (or, between gathered and split features, whole on every rank). The embedding is
-        vocabulary-parallel; the head column-parallel (an untied one) or the embedding's own local slice (a tied
-        one), so the logits are vocabulary-sliced, the model's own elementwise transform (scaling, softcapping)
-        applied to them. ContractError naming what is missing where a model does not fit this form."""
+        entry; the layers' norms (wherever they sit: before, after or around attention and MLP) and the final norm
+        run on the shards with their gradients summed, the final norm gathering the sequence for the head; a layer
+        child the plan leaves whole (an attention with sinks, a linear attention, a short convolution) runs
+        replicated on the gathered sequence, keeps its own shard of the output and sums its gradients. Inside a
+        split child the modules the plan leaves out (e.g. MLA's latent projections and norms before the heads'
+        split) run replicated on the gathered sequence, their gradients summed (or, between gathered and split
+        features, whole on every rank). The embedding is vocabulary-parallel; the head column-parallel (an untied
+        one) or the embedding's own local slice (a tied one), so the logits are vocabulary-sliced, the model's own
+        elementwise transform (scaling, softcapping) applied to them. ContractError naming what is missing where a
+        model does not fit this form."""
         from zero.parallel import tensor as ztp
 
         config, kind = self.config, self.config.model_type
@@ -229,16 +231,20 @@ class HFCausalLM(nn.Module, ModelContract):
         styles = _plan_styles(self, plan, refuse)
         expert_tensor_parallel(self, styles, tp, refuse)  # (MoE blocks split by hidden units, shared experts inside)
         for name, block in self.blocks():
-            for child, module in block.named_children():
-                key = f"{name}.{child}"
-                if key in styles or any(n.startswith(key + ".") for n in styles):
+            for key, module in _layer_children(name, block):
+                inner = {n: s for n, s in styles.items() if n == key or n.startswith(key + ".")}
+                if inner and all(isinstance(s, ztp.ColwiseParallel) and s.gather_output for s in inner.values()):
+                    for n in inner:  # (all its projections gathered: all of it replicated, as one whole module)
+                        del styles[n]
+                    styles[key] = ztp.ReplicatedSequence()
+                elif inner:
                     _inside_split_child(key, module, styles, refuse)
                     gather = ztp.SequenceGather()  # (the whole sequence into it)
                     styles[key] = ztp.Chain(styles[key], gather) if key in styles else gather
-                elif any(True for _ in module.parameters()):
-                    if not _norm_like(module):
-                        raise refuse(f"{key} ({type(module).__name__}) holds parameters the plan does not place")
+                elif _norm_like(module):
                     styles[key] = ztp.SequenceParallelNorm(gather_output=False)  # (on the sequence shards)
+                elif any(True for _ in module.parameters()):  # (unsplit: whole, on the gathered sequence)
+                    styles[key] = ztp.ReplicatedSequence()
         names = {id(m): n for n, m in modules.items()}
         embeddings = self.base.get_input_embeddings()
         head = self.causal_lm.get_output_embeddings()
@@ -442,18 +448,28 @@ def _plan_styles(model: HFCausalLM, plan: dict, refuse: Callable[[str], Contract
     index) names: colwise (whole heads as units inside attention), rowwise, replicated_with_grad_allreduce (and
     mla_kv_a_proj, MLA's shared latent projection: replicated on the gathered sequence before the heads' split, its
     gradient summed), colwise_gather_output / rowwise_split_input (the features gathered after the first, what runs
-    between them replicated, this rank's slice of them into the second); embedding_rowwise on the input embedding
-    is left to tensor_parallel_styles (vocabulary-parallel: the same lookup, split by rows)."""
-    from zero.parallel.tensor import ColwiseParallel, RowwiseParallel, SequenceParallelNorm
+    between them replicated, this rank's slice of them into the second), colwise on a bare parameter (attention
+    sinks, a per-head gate bias: this rank's heads; `local_params` on its owner needs nothing more here, where
+    parameters are local tensors); embedding_rowwise on the input embedding is left to tensor_parallel_styles
+    (vocabulary-parallel: the same lookup, split by rows)."""
+    from zero.parallel.tensor import ColwiseParallel, ColwiseParams, RowwiseParallel, SequenceParallelNorm
 
     prefix = model.causal_lm.base_model_prefix
     modules = dict(model.named_modules())
     embedding = model.base.get_input_embeddings()
     styles: dict = {}
+    sliced: dict[str, list[str]] = {}  # owner -> its direct parameters the plan splits by heads (sinks, gate biases)
     for pattern, style in plan.items():
         regex = re.compile("^" + re.escape(f"{prefix}.{pattern}").replace(r"\*", r"\d+") + "$")
+        for owner, module in modules.items():
+            for leaf in [n for n, _ in module.named_parameters(recurse=False) if regex.match(f"{owner}.{n}")]:
+                if style != "colwise":
+                    raise refuse(f"its style {style!r} of the parameter {owner}.{leaf} ({pattern}) is not mapped")
+                sliced.setdefault(owner, []).append(leaf)
         for name in [n for n in modules if regex.match(n)]:
-            if style == "colwise":
+            if style == "local_params":
+                continue
+            if style in ("colwise", "unit_colwise"):  # (unit_colwise: whole heads, replicated below tp of them)
                 head_dim = getattr(model.get_submodule(name.rpartition(".")[0]), "head_dim", None)
                 rows = modules[name].weight.shape[0]
                 styles[name] = ColwiseParallel(units=rows // head_dim if head_dim and not rows % head_dim else None)
@@ -469,7 +485,11 @@ def _plan_styles(model: HFCausalLM, plan: dict, refuse: Callable[[str], Contract
                 continue
             else:
                 raise refuse(f"its style {style!r} ({pattern}, {type(modules[name]).__name__}) is not mapped")
-    return styles
+    for owner, names in sliced.items():
+        if owner in styles:
+            raise refuse(f"{owner} has a style and parameters ({', '.join(names)}) split by heads")
+        styles[owner] = ColwiseParams(names)
+    return styles  # (`local_params` marks the owners of such parameters: ours are local tensors already)
 
 
 #: The forward of a scaled word embedding (gemma's): the lookup times its `embed_scale`, elementwise.
@@ -489,6 +509,18 @@ def _embedding_scale(embedding: nn.Embedding, refuse: Callable[[str], ContractEr
         return "embed_scale"
     raise refuse(f"its input embedding {type(embedding).__name__} has a forward of its own that the "
                  "vocabulary-parallel lookup does not repeat")
+
+
+def _layer_children(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules a layer calls on its hidden states: its children, those of a ModuleList / ModuleDict child (a
+    layer with two attentions or a list of norms) in its place."""
+    out = []
+    for child, module in block.named_children():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            out.extend((f"{name}.{child}.{n}", m) for n, m in module.named_children())
+        else:
+            out.append((f"{name}.{child}", module))
+    return out
 
 
 def _norm_like(module: nn.Module) -> bool:

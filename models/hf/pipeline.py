@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 
 import torch
 from moe_lst.kernels.documents import Documents
@@ -22,6 +23,30 @@ from zero.plan import AttachedLossScale, attach_loss
 LAYERS = "layers"
 #: Modules of the base model outside its pp plan that a stage may share: they hold buffers only (rotary tables).
 ROTARY = "rotary_emb"
+
+
+#: The keyword arguments a stage gives (or leaves at their defaults for) the layers it calls.
+LAYER_ARGUMENTS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "cache_position",
+                   "position_embeddings"}
+
+
+def layer_arguments(base_class: type) -> set[str]:
+    """The keyword arguments `base_class`'s forward passes to its layers (`decoder_layer(...)`), read from its source
+    (empty where it cannot be read)."""
+    try:
+        source = inspect.getsource(base_class.forward)
+    except (OSError, TypeError):
+        return set()
+    start = source.find("decoder_layer(")
+    if start < 0:
+        return set()
+    depth, end = 0, len(source)
+    for k in range(start + len("decoder_layer"), len(source)):
+        depth += {"(": 1, ")": -1}.get(source[k], 0)
+        if depth == 0:
+            end = k
+            break
+    return set(re.findall(r"(\w+)\s*=(?!=)", source[start:end]))
 
 
 def stage_plan(model) -> tuple[list[str], list[str]]:
@@ -47,6 +72,9 @@ def stage_plan(model) -> tuple[list[str], list[str]]:
     if model.logit_fn is None:
         raise refuse(f"its forward changes the logits after the head ({model.logit_statements}) in a way the last "
                      "stage does not repeat")
+    extra = sorted(layer_arguments(type(base)) - LAYER_ARGUMENTS)
+    if extra:
+        raise refuse(f"its base model gives its layers {', '.join(extra)}, which a stage does not")
     for name, child in base.named_children():
         if name not in names and name != ROTARY and any(True for _ in child.parameters()):
             raise refuse(f"{prefix}.{name} holds parameters outside the plan")

@@ -322,6 +322,66 @@ class Replicated(Style):
         return {n: TensorSplit(None, replicas=group_size(group)) for n, _ in module.named_parameters(recurse=False)}
 
 
+class ReplicatedSequence(Style):
+    """A module the plan does not split (e.g. an attention with sinks, a short convolution) between sequence shards:
+    it runs replicated on the whole sequence (its input hidden states all-gathered at its entry) and keeps this rank's
+    sequence shard of its output (the first element of a tuple); each rank differentiates only its shard's outputs,
+    so the gradients of its parameters (its children's included) are summed over tp, and those of its input by the
+    gather's reduce-scatter."""
+
+    #: (the parameters of its children are placed by it too)
+    places_submodules = True
+
+    def __init__(self, seq_dim: int = 1) -> None:
+        self.seq_dim = seq_dim
+
+    def apply(self, module, group):
+        world, rank = group_size(group), group_rank(group)
+        owned = [(sub, n, f"{prefix}.{n}".lstrip(".")) for prefix, sub in module.named_modules()
+                 for n, _ in sub.named_parameters(recurse=False)]
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):  # (every parameter inside summed, read by its own module's forward or not)
+            saved = [(sub, n, sub._parameters[n]) for sub, n, _ in owned]
+            try:
+                for sub, n, p in saved:
+                    sub._parameters[n] = sum_grad(p, group)
+                return inner(*args, **kwargs)
+            finally:
+                for sub, n, p in saved:
+                    sub._parameters[n] = p
+
+        module.forward = forward
+        SequenceGather(self.seq_dim).apply(module, group)
+        splits = {name: TensorSplit(None, replicas=world) for _, _, name in owned}
+
+        def shard(m, args, output):
+            first = output[0] if isinstance(output, tuple) else output
+            if first.shape[self.seq_dim] % world:
+                raise ValueError(f"{type(m).__name__}: a sequence of {first.shape[self.seq_dim]} does not split "
+                                 f"over tp={world}")
+            part = first.chunk(world, self.seq_dim)[rank]
+            return (part, *output[1:]) if isinstance(output, tuple) else part
+
+        module.register_forward_hook(shard)
+        return splits
+
+
+class ColwiseParams(Style):
+    """Direct parameters of a module (e.g. attention sinks or a per-head gate bias, [heads, ...]) sliced along dim 0
+    like the column-parallel projections beside them (this rank's heads)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+
+    def apply(self, module, group):
+        world, rank = group_size(group), group_rank(group)
+        for n in self.names:
+            _replace(module, n, module._parameters[n][_rank_slice(module._parameters[n].shape[0], world, rank, n)])
+        return dict.fromkeys(self.names, TensorSplit(0))
+
+
 class Chain(Style):
     """Several styles applied to one module in order (their parameters' splits merged; none may split the same
     parameter twice)."""
