@@ -192,6 +192,10 @@ class _AdoptedLayer(MoELayer):
                     "a split of the hidden units does not survive")
         if experts.hidden_units() % tp:
             return f"tp={tp} does not divide its experts' {experts.hidden_units()} hidden units"
+        identity = getattr(self, "zero_expert_num", 0)
+        if isinstance(identity, int) and identity > 0:
+            return (f"its {identity} zero-computation experts (zero_expert_num) add the block's own input to its "
+                    "output on every tp rank, beside the partial sums of the split experts")
         last = self.output_norm()
         norms = [(n, m) for n, m in self.named_modules() if "norm" in type(m).__name__.lower()
                  and not n.startswith("experts.") and n != last]
