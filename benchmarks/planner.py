@@ -98,8 +98,11 @@ def grid(base: list[str] | None = None) -> list[tuple[str, int, list[str]]]:
 
 # The host-memory grid (docs/planner_host.md): models whose state (a 16k vocabulary, untied) outweighs the step's
 # activations (one sequence of 32 tokens), so that the build and the load, not only the step, can be the peak.
+# Where the engine pins glibc's mmap threshold itself (zero.host_mmap_threshold, 1 MiB by default: nvme parameter
+# offload), it pins the measurement's own 64 KiB, so that resident memory follows the live tensors there too.
 HOST_BASE = ["train.micro_batch_size=1", "train.seq_len=32", "model.n_layers=4", "model.dim=256", "model.ffn_dim=768",
-             "model.vocab_size=16384", "model.max_seq_len=64", "model.tie_embeddings=false"]
+             "model.vocab_size=16384", "model.max_seq_len=64", "model.tie_embeddings=false",
+             f"zero.host_mmap_threshold={MMAP_THRESHOLD}"]
 HOST_NVME = "zero.nvme_path=runs/planner_host_nvme"
 HOST_CHECKPOINTS = "runs/planner_host_checkpoints"
 
@@ -108,10 +111,7 @@ def host_grid() -> list[tuple[str, int, list[str]]]:
     """(name, ranks, overrides) of the host-memory grid; each run starts from its model's checkpoint
     (train.init_from, added by host_run)."""
     z3_cpu = ["zero.stage=3", "zero.offload_optimizer=cpu", "zero.offload_params=cpu"]
-    # (nvme parameter offload pins glibc's mmap threshold at zero.host_mmap_threshold, 1 MiB by default: the
-    # measurement's own 64 KiB is kept instead, so that resident memory follows the live tensors here too)
-    z3_nvme = ["zero.stage=3", "zero.offload_optimizer=nvme", "zero.offload_params=nvme", HOST_NVME,
-               f"zero.host_mmap_threshold={MMAP_THRESHOLD}"]
+    z3_nvme = ["zero.stage=3", "zero.offload_optimizer=nvme", "zero.offload_params=nvme", HOST_NVME]
     out = [("dense 1r z0", 1, DENSE + ["zero.stage=0"]),
            ("dense 1r z3", 1, DENSE + ["zero.stage=3"]),
            ("dense 1r z1 bf16", 1, DENSE + ["zero.stage=1", "zero.dtype=bf16"]),
