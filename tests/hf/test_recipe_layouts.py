@@ -120,9 +120,10 @@ def test_tensor_and_pipeline_parallel_runs_equal_one_process(root):
 
 
 #: MoE families the recipe trains at tp=2 with their experts split by hidden units (expert tensor parallelism): routed
-#: experts alone, DeepSeek-style grouped sigmoid routing with shared experts and a first dense layer, a shared expert
-#: behind its own gate; each with transformers' balancing loss where its config has one.
-MOE_TP = ("mixtral", "glm4_moe", "qwen2_moe")
+#: experts alone with transformers' balancing loss (mixtral), DeepSeek-V3's grouped sigmoid routing with shared
+#: experts, a first dense layer and latent attention, GPT-OSS's interleaved gate / up pairs with expert biases beside
+#: its attention with sinks (run whole on the gathered sequence).
+MOE_TP = ("mixtral", "deepseek_v3", "gpt_oss")
 
 
 @pytest.mark.slow
