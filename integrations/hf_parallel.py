@@ -118,18 +118,20 @@ def next_token_loss(adapter: nn.Module, tokens: torch.Tensor, labels: torch.Tens
 
 
 def pipeline_loss(pipe: Pipeline, engine: zero.Engine, tokens: torch.Tensor, labels: torch.Tensor | None,
-                  dims: zero.ParallelDims, position_ids: torch.Tensor | None = None,
-                  shift: bool = True) -> torch.Tensor:
+                  dims: zero.ParallelDims, position_ids: torch.Tensor | None = None, shift: bool = True,
+                  training: bool = True) -> torch.Tensor:
     """One batch through the pipeline: split into `pipe.microbatches` micro-batches of consecutive rows, forward and
     backward of each under the 1F1B schedule (the engine reduces the gradients, each micro-batch's loss scaled by
     1/microbatches as gradient accumulation over them would be); the mean of the micro-batches' losses, the same
     tensor (no graph) on every rank of the pipeline. Every rank of the pipeline passes the batch (the first stage
-    reads the tokens, the last the targets). Call engine.step() after."""
+    reads the tokens, the last the targets). Call engine.step() after. `training=False`: forward only (evaluation),
+    no gradients."""
     if tokens.shape[0] % pipe.microbatches:
         raise ValueError(f"a batch of {tokens.shape[0]} rows does not split into the pipeline's {pipe.microbatches} "
                          "micro-batches: make the batch size a multiple of them")
     tokens, targets, positions = shifted_shard(tokens, labels, dims, position_ids, shift)
-    return torch.tensor(pipe.train_step(engine, tokens, targets, position_ids=positions))
+    run = pipe.train_step if training else pipe.eval_step
+    return torch.tensor(run(engine, tokens, targets, position_ids=positions))
 
 
 def full_state_dict(engine: zero.Engine, plans: list[zero.Plan]) -> dict[str, torch.Tensor]:

@@ -106,7 +106,8 @@ class ZeroStrategy(DDPStrategy):
         micro-batches, forward and backward under the 1F1B schedule (`hf_parallel.pipeline_loss(
         strategy.pipeline, strategy.engine, ...)`) and returns that loss (no graph: the backward Lightning then
         calls does nothing); the optimizer step is the engine's. Lightning's own accumulation is then 1
-        (accumulate_grad_batches > 1 is refused: the micro-batches are the accumulation).
+        (accumulate_grad_batches > 1 is refused: the micro-batches are the accumulation). A `validation_step`
+        evaluates with `pipeline_loss(..., training=False)` (forward only).
     """
 
     strategy_name = "zero"

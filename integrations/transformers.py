@@ -90,7 +90,8 @@ class ZeroTrainer(transformers.Trainer):
     pp_microbatches: under pp, each training step (one batch of per_device_train_batch_size rows) runs forward and
         backward of this many micro-batches of consecutive rows under the 1F1B schedule (default pp), each loss
         scaled by 1/pp_microbatches; the Trainer's own accumulation is then 1 (gradient_accumulation_steps > 1 is
-        refused: accumulate with pp_microbatches and a larger batch). Evaluation under pp is refused.
+        refused: accumulate with pp_microbatches and a larger batch). Evaluation runs each batch forward through
+        the stages (its loss only: prediction_loss_only; the last batch must split into the micro-batches too).
     optimizer_factory: the engine's optimizer (e.g. zero.FastAdamW(lr=..., weight_decay=0.1)); by default the one
         TrainingArguments name, built over the engine's master shards (uniform weight decay only).
     lr_scheduler_factory: optimizer -> scheduler; by default TrainingArguments' schedule over the run's steps.
@@ -158,13 +159,10 @@ class ZeroTrainer(transformers.Trainer):
                              "each batch runs as the pipeline's micro-batches in one step; set "
                              "gradient_accumulation_steps=1 and accumulate with pp_microbatches and a larger "
                              "per_device_train_batch_size")
-        if str(getattr(a.eval_strategy, "value", a.eval_strategy)) != "no":
-            raise NotImplementedError(f"eval_strategy={a.eval_strategy.value!r} with pp={pp}: evaluation through the "
-                                      "pipeline stages is not implemented; set eval_strategy='no' and evaluate the "
-                                      "saved model at pp=1")
-        if isinstance(microbatches, int) and microbatches > 0 and a.per_device_train_batch_size % microbatches:
-            raise ValueError(f"per_device_train_batch_size={a.per_device_train_batch_size} does not split into "
-                             f"pp_microbatches={microbatches}: make it a multiple")
+        for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+            if isinstance(microbatches, int) and microbatches > 0 and getattr(a, key) % microbatches:
+                raise ValueError(f"{key}={getattr(a, key)} does not split into pp_microbatches={microbatches}: make "
+                                 "it a multiple")
 
     # ------------------------------------------------------------------ the engine
     def _default_optimizer_factory(self) -> OptimizerFactory:
@@ -261,14 +259,36 @@ class ZeroTrainer(transformers.Trainer):
         if self.sequence_model is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if self.pipe is not None:
-            raise NotImplementedError(f"evaluation under pp={self.dims.pp} is not implemented (a forward through "
-                                      "the pipeline stages outside training_step); evaluate with pp=1")
+            raise NotImplementedError(f"compute_loss under pp={self.dims.pp}: the stages run a whole batch through "
+                                      "the pipeline's schedule (training_step; prediction_step for evaluation)")
         if return_outputs:
             raise NotImplementedError("outputs under sp, tp or ep > 1 are this rank's sequence shards and "
                                       "vocabulary slices: evaluate with prediction_loss_only=True")
         self._check_unpadded(inputs)
         return next_token_loss(self.sequence_model, inputs["input_ids"], inputs.get("labels"), self.dims,
                                inputs.get("position_ids"))
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        """Under sp, tp, ep or pp > 1: the loss alone (outputs would be sequence shards, vocabulary slices or the
+        last stage's), forward only; under pp through the stages."""
+        if self.sequence_model is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if not prediction_loss_only:
+            raise NotImplementedError("outputs under sp, tp, ep or pp > 1 are this rank's sequence shards, vocabulary "
+                                      "slices or the last stage's: evaluate with prediction_loss_only=True and no "
+                                      "compute_metrics")
+        model.eval()
+        inputs = self._prepare_inputs(inputs)
+        self._check_unpadded(inputs)
+        with torch.no_grad():
+            if self.pipe is not None:  # (the batch's micro-batches forward through the stages)
+                loss = pipeline_loss(self.pipe, self.engine, inputs["input_ids"], inputs.get("labels"), self.dims,
+                                     inputs.get("position_ids"), training=False)
+            else:
+                self.engine.before_forward()
+                loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
 
     @staticmethod
     def _check_unpadded(inputs: dict[str, Any]) -> None:
@@ -292,14 +312,21 @@ class ZeroTrainer(transformers.Trainer):
         return self.dims.sp
 
     def get_train_dataloader(self):
-        loader = super().get_train_dataloader()
+        return self._dealt_over_data_parallel(super().get_train_dataloader(), "train_dataset")
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._dealt_over_data_parallel(super().get_eval_dataloader(eval_dataset), "eval_dataset")
+
+    def _dealt_over_data_parallel(self, loader, what: str):
         if self.dims.dp == self.dims.world_size:
             return loader
-        # Ranks of one sequence-parallel group read the same batches: deal them over the data-parallel ranks only.
+        # Ranks of one sequence-parallel, tensor-parallel or pipeline group read the same batches: deal them over the
+        # data-parallel ranks only.
         shard = getattr(loader, "batch_sampler", None)
         if not hasattr(shard, "process_index"):
-            raise NotImplementedError(f"sp={self.dims.sp} needs a map-style train_dataset (batches dealt over the "
-                                      "data-parallel ranks); an iterable dataset is not supported")
+            raise NotImplementedError(f"dp={self.dims.dp} of {self.dims.world_size} processes needs a map-style "
+                                      f"{what} (batches dealt over the data-parallel ranks); an iterable dataset is "
+                                      "not supported")
         shard.num_processes, shard.process_index = self.dims.dp, self.dims.dp_rank
         return loader
 

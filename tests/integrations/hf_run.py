@@ -1,7 +1,7 @@
 """Trains a plain transformers LlamaForCausalLM (tiny config) on the recipe's data, 2 processes under torchrun:
 the engine's own loop, then ZeroTrainer 4 steps straight (checkpoints every 2), then ZeroTrainer resumed from
 checkpoint-2, then (optionally) ZeroTrainer with Ulysses sp=2, tensor parallel tp=2 or pipeline stages pp=2 (1F1B over
-each batch's 4 micro-batches, which are the own loop's) through moe_lst.models.hf.
+each batch's 4 micro-batches, which are the own loop's) through moe_lst.models.hf, each then evaluate().
 Rank 0 writes the per-step losses and gradient norms (the Trainer's: what it logged); every rank the final weights of
 each run.
 
@@ -32,6 +32,7 @@ from recipes.losses import mean_over_dp
 from tests.integrations.common import ACCUM, BETAS, CLIP, EPS, LR, MICRO, SEED, HFRows, train_stream
 
 STEPS = 4
+EVAL_ROWS = range(16)  # the rows evaluate() reads after training under sp or pp (2 batches of 8 at dp=1)
 
 
 def hf_model() -> transformers.LlamaForCausalLM:
@@ -93,7 +94,22 @@ def trainer_run(out: Path, stage: int, offload: str, resume: str | None = None, 
     first = 2 if resume else 0
     assert [r["step"] for r in logged][-STEPS + first:] == list(range(first + 1, STEPS + 1)), logged
     logged = logged[-STEPS + first:]
-    return {k: [r[k] for r in logged] for k in ("loss", "grad_norm")}, trainer.full_state_dict()
+    result = {k: [r[k] for r in logged] for k in ("loss", "grad_norm")}
+    final = trainer.full_state_dict()
+    if pp > 1 or sp > 1:  # evaluation through the adapter (under pp the stages: batches of 8 rows, each 4
+        # micro-batches): the trained model's loss over the first rows, and the same in one forward here
+        rows = torch.utils.data.Subset(trainer.train_dataset, EVAL_ROWS)
+        result["eval_loss"] = trainer.evaluate(rows)["eval_loss"]
+        result["plain_eval_loss"] = plain_loss(final, torch.stack([row["input_ids"] for row in rows]))
+    return result, final
+
+
+def plain_loss(weights: dict[str, torch.Tensor], ids: torch.Tensor) -> float:
+    """The loss of the plain model with `weights` over the rows `ids`, in one forward in this process alone."""
+    model = hf_model()
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        return model(input_ids=ids, labels=ids).loss.item()
 
 
 # ---------------------------------------------------------------------------- run_clm.py under ZeroTrainer

@@ -204,7 +204,8 @@ def fit_validate_test(stages: list[int], out: Path) -> dict:
 class LitHF(L.LightningModule):
     """tests/integrations/hf_run.py's plain transformers Llama through moe_lst.integrations.hf_parallel's adapter at
     the strategy's degrees, trained as hf_run.own_loop trains it (labels the inputs, shifted; AdamW without weight
-    decay; the linear schedule). Under pp each training_step runs one step's batch through the pipeline."""
+    decay; the linear schedule). Under pp each training_step (and validation_step, forward only) runs one step's
+    batch through the pipeline."""
 
     def __init__(self, microbatches: int) -> None:
         super().__init__()
@@ -236,6 +237,16 @@ class LitHF(L.LightningModule):
         self.step_losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        from moe_lst.integrations.hf_parallel import next_token_loss, pipeline_loss
+
+        strategy = self.trainer.strategy
+        if strategy.pipeline is not None:  # forward only, through the stages
+            loss = pipeline_loss(strategy.pipeline, strategy.engine, batch, None, strategy.dims, training=False)
+        else:
+            loss = next_token_loss(self.model, batch, None, strategy.dims)
+        self.log("val_loss", loss, sync_dist=True)
+
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)
         self.grad_norms.append(self.trainer.strategy.engine.global_grad_norm)
@@ -262,7 +273,7 @@ def hf_pipeline(out: Path, stage: int = 2) -> dict:
     and gradient norms, every rank's final weights of both (the pipeline's gathered over its stages)."""
     from moe_lst.integrations.hf_parallel import full_state_dict
 
-    from tests.integrations.hf_run import own_loop
+    from tests.integrations.hf_run import own_loop, plain_loss
 
     strategy = ZeroStrategy(zero.ZeroConfig(stage=stage), pp=2)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
@@ -274,7 +285,11 @@ def hf_pipeline(out: Path, stage: int = 2) -> dict:
     losses = [None, None]
     dist.all_gather_object(losses, module.step_losses)
     pp = {"loss": losses, "grad_norm": module.grad_norms}
+    # validate through the stages after fit: the first step's batch, forward only (16 rows, 4 micro-batches)
+    first = torch.utils.data.DataLoader(module.train_dataloader().dataset[:1], batch_size=None)
+    pp["val_loss"] = trainer.validate(module, first, verbose=False)[0]["val_loss"]
     final_pp = full_state_dict(strategy.engine, strategy._declared.plans)
+    pp["plain_val_loss"] = plain_loss(final_pp, first.dataset[0])  # (the trained model, one forward here)
     own, final_own = own_loop(stage, "none")
     torch.save({"pp2": final_pp, "own": final_own}, out / f"hf_final_rank{dist.get_rank()}.pt")
     return {"pp2": pp, "own": own}

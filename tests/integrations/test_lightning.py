@@ -106,7 +106,8 @@ def test_fit_validate_test_at_every_zero_stage(lightning_runs):
 def test_pipeline_stages_of_a_hugging_face_model(lightning_runs):
     """ZeroStrategy(pp=2): each training_step runs one step's batch, its 4 micro-batches (the own loop's 2 data-
     parallel ranks x 2 accumulated) forward and backward under 1F1B (hf_parallel.pipeline_loss), the optimizer step
-    the engine's: the losses, gradient norms and weights of the engine's own loop over the plain model."""
+    the engine's: the losses, gradient norms and weights of the engine's own loop over the plain model; validate
+    runs forward through the stages."""
     out, _ = lightning_runs
     runs = json.loads((out / "hf_pp.json").read_text())
     for rank, losses in enumerate(runs["pp2"]["loss"]):  # the last stage's loss, on both stages' ranks
@@ -118,6 +119,8 @@ def test_pipeline_stages_of_a_hugging_face_model(lightning_runs):
         assert sorted(final["pp2"]) == sorted(final["own"])
         for name, value in final["own"].items():
             torch.testing.assert_close(final["pp2"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    # trainer.validate through the stages: the trained model's loss over the first batch, in one forward
+    assert runs["pp2"]["val_loss"] == pytest.approx(runs["pp2"]["plain_val_loss"], rel=1e-5)
 
 
 # ---------------------------------------------------------------------------- one process: what is refused

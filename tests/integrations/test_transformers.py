@@ -61,6 +61,8 @@ def test_sequence_parallel_through_the_adapter(hf_runs):
     for final in finals:
         for name, value in final["own"].items():
             torch.testing.assert_close(final["sp2"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    # evaluate() through the adapter (the loss only): the trained model's, evaluated in one forward
+    assert runs["sp2"]["eval_loss"] == pytest.approx(runs["sp2"]["plain_eval_loss"], rel=1e-5)
 
 
 def test_pipeline_stages_through_the_adapter(hf_runs):
@@ -73,6 +75,8 @@ def test_pipeline_stages_through_the_adapter(hf_runs):
         assert sorted(final["pp2"]) == sorted(final["own"])
         for name, value in final["own"].items():
             torch.testing.assert_close(final["pp2"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    # evaluate() through the stages: the trained model's loss over the first rows, evaluated in one forward
+    assert runs["pp2"]["eval_loss"] == pytest.approx(runs["pp2"]["plain_eval_loss"], rel=1e-5)
 
 
 def test_run_clm_example_at_every_zero_stage(hf_runs):
@@ -184,9 +188,8 @@ def test_refusals(tmp_path):
         _trainer(tmp_path, extra={"pp": 2})
     with pytest.raises(ValueError, match=r"^per_device_train_batch_size=2 does not split into pp_microbatches=4"):
         _trainer(tmp_path, extra={"pp": 2, "pp_microbatches": 4}, gradient_accumulation_steps=1)
-    with pytest.raises(NotImplementedError, match=r"^eval_strategy='steps' with pp=2: evaluation through the pipeline"):
-        _trainer(tmp_path, extra={"pp": 2, "eval_dataset": [{"input_ids": torch.zeros(8, dtype=torch.long)}]},
-                 gradient_accumulation_steps=1, eval_strategy="steps", eval_steps=1)
+    with pytest.raises(ValueError, match=r"^per_device_eval_batch_size=3 does not split into pp_microbatches=2"):
+        _trainer(tmp_path, extra={"pp": 2}, gradient_accumulation_steps=1, per_device_eval_batch_size=3)
     trainer = _trainer(tmp_path, max_steps=2)
     (tmp_path / "checkpoint-1").mkdir()
     with pytest.raises(zero.CheckpointError, match="not written by ZeroTrainer"):
