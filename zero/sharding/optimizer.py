@@ -248,8 +248,10 @@ class HookGradReducer:
     def _launch(self, progress: _BucketProgress, flat: torch.Tensor) -> None:
         out, handle = _reduce(progress.bucket, flat, self.overlap)
         self.pending.append((progress, flat, out, handle))
-        # Bound the staging memory: a full-size gradient buffer lives only while its reduction is in flight.
-        while len(self.pending) > self.max_in_flight:
+        # Bound the staging memory: a full-size gradient buffer lives only while its reduction is in flight. A large
+        # one in host memory is waited for at once: in flight, it would stay beside the next unit's whole backward.
+        large = flat.device.type == "cpu" and flat.numel() * flat.element_size() >= HOST_WAIT_BYTES
+        while len(self.pending) > (0 if large else self.max_in_flight):
             self._finish(*self.pending.pop(0))
 
     def _finish(self, progress: _BucketProgress, flat: torch.Tensor, out: torch.Tensor, handle) -> None:
@@ -462,6 +464,9 @@ class ZeroOptimizer:
             if h is not None:
                 h.wait()
 
+
+#: Bytes from which a gradient buffer in host memory is reduced synchronously (HookGradReducer._launch).
+HOST_WAIT_BYTES = 64 << 20
 
 #: Elements of a gradient shard per float64 norm in grad_norm_sq (each piece's float64 temporary: 8 MiB at most).
 NORM_PIECE = 1 << 20
