@@ -51,9 +51,6 @@ CASES = [  # (config.json kind and keys, overrides, the message)
      r"train.seq_len=128 does not fit the model: its max_position_embeddings=64; lower train.seq_len or set "
      r"model.hf.overrides.max_position_embeddings"),
     (("llama", {"attention_dropout": 0.1}), [], r"attention_dropout=0.1 \(the adapter's attention has no dropout"),
-    (("llama", {"tie_word_embeddings": True}), ["parallel.tp=2"],
-     r"parallel.tp=2 with model=hf is refused: a tied head under the vocabulary-parallel embedding is not mapped "
-     r"\(tie_word_embeddings\); use parallel.tp=1"),
     (("llama", {}), ["parallel.tp=2", "model.hf.overrides={intermediate_size: 47}"],
      r"parallel.tp=2 with model=hf is refused: tp=2 does not divide intermediate_size=47"),
     (("llama", {}), ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
