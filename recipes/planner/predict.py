@@ -32,6 +32,7 @@ from recipes.planner.stage3 import (
     backward_gather,
     backward_windows,
     forward_windows,
+    gathered_again,
     largest_read,
     root_window,
 )
@@ -135,12 +136,16 @@ def _encoded(b: BucketSpec, codec: str, block: int) -> int:
 
 def _stage3_gathers(out: _Counter, layout: Layout, cfg: DictConfig, rm: RankModel, isz: int) -> None:
     """ZeRO-3's parameter all-gathers: each unit in forward and again in backward (inside the node from hpZ's
-    copies when it keeps them), the root once per step (per micro-batch without a pipeline)."""
+    copies when it keeps them; not at all for a unit backward does not gather, an embedding), the root once per
+    step (per micro-batch without a pipeline)."""
     z, m = cfg.zero, cfg.train.grad_accum
+    again = gathered_again(layout)
     for b in layout.buckets:
         one = (b.group - 1) * (_encoded(b, z.quantize_weights, z.quantize_block) if z.quantize_weights != "none"
                                else b.shard * isz)
-        if b.role == "unit" and b.secondary:
+        if b.role == "unit" and not again[b.unit]:
+            out.add("all_gather", f"{b.reduce_group} parameters", b.group, one, m)
+        elif b.role == "unit" and b.secondary:
             out.add("all_gather", f"{b.reduce_group} parameters", b.group, one, m)
             s = b.secondary
             out.add("all_gather", f"{b.reduce_group} parameters (node)", s, (s - 1) * (b.padded // s) * isz, m)

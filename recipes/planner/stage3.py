@@ -48,9 +48,14 @@ def _units(layout: Layout, cfg: DictConfig, isz: int, copies: bool) -> list[tupl
             units[b.unit].gathered += b.padded * isz
             units[b.unit].reads += b.shard * isz if nvme and not b.resident else 0
             units[b.unit].in_flight += b.padded * isz if copies and b.world > 1 else 0
+    return list(zip(units, gathered_again(layout)))
+
+
+def gathered_again(layout: Layout) -> list[bool]:
+    """Per unit (forward order): whether backward gathers it again (not an embedding, whose backward reads only
+    the indices: `zero.sharding.stage3`)."""
     modules = [m for _, m in layout.unit_modules] if len(layout.unit_modules) == layout.units else []
-    again = [not isinstance(m, nn.Embedding) for m in modules] or [True] * layout.units
-    return list(zip(units, again))
+    return [not isinstance(m, nn.Embedding) for m in modules] or [True] * layout.units
 
 
 def _window(current: Window, ahead: list[Window]) -> Window:

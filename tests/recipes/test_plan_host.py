@@ -136,6 +136,10 @@ def test_untied_stage3_windows_and_nvme_gradient_writes(tmp_path):
     assert [type(m).__name__ for _, m in layout.unit_modules] == ["Embedding", "TransformerBlock",
                                                                   "TransformerBlock", "Linear"]
     assert sorted(backward_windows(layout, cfg, 4, True)) == [1, 2, 3]
+    # so its shard is all-gathered once a step, the blocks' and the head's twice, the root's (the final norm) once:
+    # what zero.dist.comm counted for this run on 2 ranks
+    gathers = estimate(config(TINY + ["zero.stage=3", "model.tie_embeddings=false"]), world=2)[0]
+    assert gathers.comm_bytes_by_kind["all_gather"] == (256 * 64 // 2 * 3 + BLOCK // 2 * 2 * 2 + 32) * 4 == 394_368
     head = 256 * 64 // 2  # (its shard; the untied head is the first bucket backward reduces)
     write = dev["first gradient write"]
     assert write["nvme_gradient_writes"] == 16 * head and write["nvme_gradient_queue"] == head * 4
