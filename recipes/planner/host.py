@@ -16,8 +16,9 @@ Each phase is what persists then (the engine's state as far as it exists) plus t
 
 Where the cluster's device memory is the host's (`Cluster.unified_memory`: the cpu preset, one process per
 rank on one machine) every category counts; elsewhere only what lives on the host: offloaded parameters,
-masters, optimizer state and gradient copies, nvme offload's chunk buffers, the load's read buffers and mapped
-pages, the fp32 values drawn on the CPU for a parameter being initialised. `Cluster.host_overhead_mb` is added
+masters, optimizer state and gradient copies, nvme offload's chunk buffers and a stage-3 gather's nvme read buffer
+(one at a time: the shard is copied to the device), the load's read buffers and mapped pages, the fp32 values drawn
+on the CPU for a parameter being initialised. `Cluster.host_overhead_mb` is added
 to every phase (memory beyond tensors the build leaves: module objects, the allocator's heaps), and the step's
 `runtime_memory_mb` where unified (it is counted with the device's figures).
 """
