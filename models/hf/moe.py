@@ -133,9 +133,9 @@ class HFMoEBlock(MoELayer):
         return super().forward(x)
 
     def set_tensor_parallel(self, tp_group):
-        raise NotImplementedError("expert tensor parallelism of Hugging Face MoE blocks is not supported "
-                                  "(their expert weights keep Hugging Face's names); use expert parallelism "
-                                  "(parallel.ep) for the experts")
+        raise NotImplementedError("expert tensor parallelism of Hugging Face MoE blocks swapped by adopt_moe_blocks "
+                                  "is not supported; build the model with moe_lst.models.hf.HFCausalLM, whose "
+                                  "tensor_parallel_styles split its experts by hidden units")
 
 
 def _check_shapes(gate_weight: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
