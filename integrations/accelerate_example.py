@@ -121,14 +121,14 @@ def loss_of(engine: zero.Engine, tokens: torch.Tensor, labels: torch.Tensor, dim
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # joins the launcher's processes (gloo on CPUs)
     if args.hf_config is None and max(args.tp, args.sp, args.ep, args.pp) > 1:
         raise SystemExit("--tp, --sp, --ep and --pp apply with --hf-config (the Llama here trains data parallel)")
-    if args.hf_config is not None:
+    if args.hf_config is not None:  # (refused before the processes join)
         from moe_lst.integrations.hf_parallel import check_layout
         from moe_lst.models.hf import load_config
 
         check_layout(load_config(args.hf_config), tp=args.tp, ep=args.ep, pp=args.pp, microbatches=args.grad_accum)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # joins the launcher's processes (gloo on CPUs)
     dims = zero.ParallelDims(tp=args.tp, sp=args.sp, ep=args.ep, pp=args.pp)  # data parallel over the rest
     engine, pipe = build_engine(args, dims)
     spec = BatchSpec(args.micro_batch_size, args.grad_accum, dims.dp, args.seq_len)

@@ -48,7 +48,8 @@ def check_layout(model: Any, *, tp: int = 1, ep: int = 1, pp: int = 1, microbatc
                              f"needs one; use pp <= {layers}")
         if isinstance(m, bool) or not isinstance(m, int) or m < pp:
             raise ValueError(f"pp={pp} with {m!r} micro-batches per batch: a 1F1B schedule needs at least pp "
-                             f"micro-batches; split each batch into pp={pp} or more (pp_microbatches=...)")
+                             f"micro-batches; split each batch into pp={pp} or more (ZeroTrainer's pp_microbatches, "
+                             "parallelize_hf's microbatches, the Accelerate example's --grad-accum)")
 
 
 def parallelize_hf(model: nn.Module, dims: zero.ParallelDims,
