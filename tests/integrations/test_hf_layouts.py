@@ -57,9 +57,11 @@ def _assert_same(got: list[dict], want: list[dict], got_final: dict, want_final:
 @pytest.mark.parametrize("kind,layout,accum,nproc", [
     ("llama", ["--tp", "2"], 2, 2), ("qwen3_moe", ["--ep", "2"], 4, 2),
     ("llama", ["--pp", "2"], 2, 2), ("qwen3_moe", ["--pp", "2"], 2, 2),
-    # 4 processes: pipeline stages over 2 data-parallel ranks, the MoE's experts over those 2 ranks of each stage
-    ("llama", ["--pp", "2"], 4, 4), ("qwen3_moe", ["--pp", "2", "--ep", "2"], 4, 4)],
-    ids=["tp2", "dp2_ep2", "pp2", "pp2_moe", "pp2_dp2", "pp2_dp2_ep2_moe"])
+    # 4 processes: pipeline stages over 2 data-parallel ranks, the MoE's experts over those 2 ranks of each stage;
+    # stages of 2 tensor-parallel ranks each
+    ("llama", ["--pp", "2"], 4, 4), ("qwen3_moe", ["--pp", "2", "--ep", "2"], 4, 4),
+    ("llama", ["--pp", "2", "--tp", "2"], 2, 4)],
+    ids=["tp2", "dp2_ep2", "pp2", "pp2_moe", "pp2_dp2", "pp2_dp2_ep2_moe", "pp2_tp2"])
 def test_accelerate_example_at_the_adapters_layouts_equals_the_recipe(tmp_path, kind, layout, accum, nproc):
     config = _config(tmp_path / "config", kind)
     torchrun(["-m", "moe_lst.integrations.accelerate_example", "--stage", "1", "--steps", str(STEPS),
