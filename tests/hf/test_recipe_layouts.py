@@ -135,6 +135,15 @@ def test_moe_families_at_tp2_equal_one_process(root):
 
 
 @pytest.mark.slow
+def test_moe_at_ep2_and_tp2_on_four_processes_equals_one_process(root):
+    # (experts split by ep over the data-parallel ranks and by hidden units over tp; the balancing loss per dp rank's
+    # micro-batch, as one process computes it per micro-batch)
+    run_multirank(_train_each, 4, [_overrides(root, "mixtral", "ep2_tp2", [*LAYOUTS["ep2"], "parallel.tp=2"])],
+                  timeout=600)
+    assert_same_run(root / "mixtral" / "ep2_tp2", _reference(root, "mixtral"), "mixtral ep2 x tp2")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,layout", passing_cases())
 def test_every_passing_family_and_layout_equals_one_process(root, kind, layout):
     run_multirank(_train_each, 2, [_overrides(root, kind, layout, LAYOUTS[layout])], timeout=300)
