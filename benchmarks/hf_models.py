@@ -13,7 +13,10 @@ implementation.
 - plain: the transformers model, torch AdamW, gradients all-reduced in one flat buffer after backward (DDP-style);
 - plain+grouped (MoE only): the same loop with the sparse blocks swapped for our grouped experts
   (`adopt_moe_blocks`): the gain of the grouped experts over transformers' default expert implementation;
-- ours: `HFCausalLM` (MoE blocks swapped) under our engine at stage 3;
+- ours: `HFCausalLM` (MoE blocks swapped) under our engine at stage 3 (which pins glibc's mmap threshold at
+  `zero.host_mmap_threshold`, 1 MiB, on the host);
+- ours+release: the same with `zero.release_host_memory=True` (glibc's free memory trimmed after backward and step);
+- ours-unpinned: the same with `zero.host_mmap_threshold=0` (glibc's allocator left alone: its dynamic threshold);
 - ours-meta (Llama only): the same, the model built by `moe_lst.models.hf.build(config, meta=True)`, so no rank
   ever holds the whole model (its weights come from the adapter's init by name: other losses than the rest);
 - deepspeed: `deepspeed.initialize` at stage 3 on the plain transformers model (built whole on every rank, as
@@ -52,7 +55,7 @@ ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 KINDS = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss")
 QUICK_KINDS = ("llama", "qwen3_moe")  # a quick run's default (the others: --models)
 LABELS = {"step_s": "step time", "peak_rss_mb": "peak RSS", "train_rss_mb": "train RSS"}
-VARIANTS = ("plain", "plain+grouped", "ours", "ours+release", "ours-meta", "deepspeed")
+VARIANTS = ("plain", "plain+grouped", "ours", "ours+release", "ours-unpinned", "ours-meta", "deepspeed")
 
 
 # ---------------------------------------------------------------------------- models
@@ -171,10 +174,12 @@ def plain_step(model, phases: Phases):
     return train_step
 
 
-def ours_step(model, args, phases: Phases, release: bool = False):
+def ours_step(model, args, phases: Phases, release: bool = False, pinned: bool = True):
     """Our engine at ZeRO-3 around the adapter (`HFCausalLM`, sparse blocks swapped for grouped experts); `model`
     is a transformers model, or an adapted one already (e.g. built on the meta device). `release`: the engine's
-    `release_host_memory` (free host memory handed back to the OS after each backward and step)."""
+    `release_host_memory` (free host memory handed back to the OS after each backward and step). `pinned=False`:
+    `host_mmap_threshold=0`, glibc's allocator left alone (by default the engine pins its mmap threshold at stage 3
+    on the host)."""
     import torch
     from moe_lst.models.hf import HFCausalLM
 
@@ -183,7 +188,7 @@ def ours_step(model, args, phases: Phases, release: bool = False):
                                common.parallel_dims(dp=WORLD), plans=[adapted.loss_plan()], stage=3,
                                clip_grad_norm=None, reduce_bucket_size=args.bucket,
                                allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1,
-                               release_host_memory=release)
+                               release_host_memory=release, **({} if pinned else {"host_mmap_threshold": 0}))
     phases.mark("initialize")
     return _engine_step(engine, lambda x: engine(x), phases)
 
@@ -246,8 +251,9 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
 
         adopt_moe_blocks(model)
         train_step = plain_step(model, phases)
-    elif variant in ("ours", "ours-meta", "ours+release"):
-        train_step = ours_step(model, args, phases, release=variant == "ours+release")
+    elif variant in ("ours", "ours-meta", "ours+release", "ours-unpinned"):
+        train_step = ours_step(model, args, phases, release=variant == "ours+release",
+                               pinned=variant != "ours-unpinned")
     elif variant == "deepspeed":
         train_step = deepspeed_step(model, args, phases)
     else:
@@ -262,7 +268,7 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
 def variants_of(kind: str, args: argparse.Namespace) -> list[str]:
     """The variants run for `kind`: those that apply to it (plain+grouped: a sparse-MoE block type the hand-written
     swap covers; ours-meta: a dense model), less those --variants leaves out and DeepSpeed where it cannot run."""
-    applies = ["plain", *(["plain+grouped"] if kind == "qwen3_moe" else []), "ours", "ours+release",
+    applies = ["plain", *(["plain+grouped"] if kind == "qwen3_moe" else []), "ours", "ours+release", "ours-unpinned",
                *(["ours-meta"] if kind == "llama" else []), "deepspeed"]
     chosen = applies if args.variants is None else [v for v in applies if v in args.variants]
     return [v for v in chosen if v != "deepspeed" or args.with_deepspeed]
@@ -359,6 +365,9 @@ def report(kind: str, runs: dict[str, list[dict]], args: argparse.Namespace) -> 
     ratio("ours with release_host_memory/deepspeed peak memory", "ours+release", "deepspeed", "peak_rss_mb",
           "step_s")
     ratio("ours (meta-device build)/deepspeed peak memory", "ours-meta", "deepspeed", "peak_rss_mb", "step_s")
+    ratio("ours, allocator left alone (host_mmap_threshold=0)/deepspeed peak memory", "ours-unpinned", "deepspeed",
+          "peak_rss_mb", "step_s")
+    ratio("ours/ours with the allocator left alone step time", "ours", "ours-unpinned", "step_s", "peak_rss_mb")
     ratio("ours/plain step time", "ours", "plain", "step_s", "peak_rss_mb")
     if "plain" in runs and "plain+grouped" in runs:
         value, _ = _ratio(runs, "plain", "plain+grouped", "step_s")
@@ -383,8 +392,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 steps (smoke run)")
     parser.add_argument("--models", default=None, help=f"of {','.join(KINDS)} (default: all; quick: "
                         f"{','.join(QUICK_KINDS)})")
-    parser.add_argument("--variants", default=None, help="of plain,plain+grouped,ours,ours+release,ours-meta,"
-                        "deepspeed (default: every one that applies)")
+    parser.add_argument("--variants", default=None, help="of plain,plain+grouped,ours,ours+release,ours-unpinned,"
+                        "ours-meta,deepspeed (default: every one that applies)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the variants, interleaved (figures: "
                         "medians over rounds)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 3; quick 1)")

@@ -107,6 +107,17 @@ def _check_meta(model: nn.Module, param_init: ParamInit | None) -> torch.device 
     return default_device()
 
 
+def pins_host_allocator(config: ZeroConfig, device: torch.device) -> bool:
+    """Whether the engine pins glibc's mmap threshold at `config.host_mmap_threshold` (0: never): with nvme
+    parameter offload, and at stage 3 on a CPU `device` (the parameters', where units are gathered). Left alone, glibc
+    raises the threshold to the size of each large block it frees (up to 32 MiB), after which the unit gathers,
+    gradient buffers and collective copies that stage 3 allocates and frees every step come from heaps that keep
+    freed pages and fragment: resident memory grows step after step to far more than is ever live at once."""
+    if not config.host_mmap_threshold:
+        return False
+    return config.offload_params == "nvme" or (config.stage == 3 and device.type == "cpu")
+
+
 class Engine:
     """A model wrapped for data-parallel training with ZeRO stage 0-3. Build it with `zero.initialize`."""
 
@@ -136,8 +147,8 @@ class Engine:
         self._tp_replicas = {id(self._meta_ids.get(id(p), p)): k for p, k in replicated_params.items() if k > 1}
         # Parameters with a copy on other ranks (a pipeline's tied embedding and head): gradients summed there.
         self._tied = {id(self._meta_ids.get(id(p), p)): g for p, g in tied_params.items() if g is not None}
-        if config.host_mmap_threshold and config.offload_params == "nvme":
-            pin_mmap_threshold(config.host_mmap_threshold)  # bounded host memory needs a well-behaved allocator
+        if pins_host_allocator(config, next(model.parameters(), torch.empty(0)).device):
+            pin_mmap_threshold(config.host_mmap_threshold)  # before the buckets are built and gathered
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage3: Stage3Hooks | None = None
         #: The bucket policy's layout (zero.sharding.policy), the one the planner predicts: buckets in reduction order.
