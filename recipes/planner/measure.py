@@ -79,7 +79,8 @@ def measure(overrides: list[str], steps: int = 3) -> dict:
     _count_a2a_rows(counter)
     run_dir = tempfile.mkdtemp(prefix="plan-measure-") if int(os.environ.get("RANK", "0")) == 0 else "unused"
     fixed = [f"run_dir={run_dir}", f"train.steps={steps}", "train.eval_batches=0", "train.sample_tokens=0",
-             "wandb.mode=disabled", "train.progress=false", "train.ckpt_every=1000000"]
+             "wandb.mode=disabled", "train.progress=false", "train.ckpt_every=1000000",
+             f"zero.host_mmap_threshold={MMAP_THRESHOLD}"]  # (the engine pins it at stage 3 on the host: ours kept)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose("config", overrides=fixed + list(overrides))
     run = Run(cfg)
@@ -138,7 +139,8 @@ def _host_run_config(overrides: list[str]):
 
     run_dir = tempfile.mkdtemp(prefix="plan-host-") if int(os.environ.get("RANK", "0")) == 0 else "unused"
     fixed = [f"run_dir={run_dir}", "train.steps=2", "train.eval_batches=0", "train.sample_tokens=0",
-             "wandb.mode=disabled", "train.progress=false", "train.ckpt_every=1000000"]
+             "wandb.mode=disabled", "train.progress=false", "train.ckpt_every=1000000",
+             f"zero.host_mmap_threshold={MMAP_THRESHOLD}"]  # (the engine pins it at stage 3 on the host: ours kept)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return compose("config", overrides=fixed + list(overrides))
 
