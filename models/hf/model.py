@@ -570,8 +570,10 @@ def layout_problem(config: PreTrainedConfig, key: str, degree: int) -> str | Non
         return f"the coverage sweep's {feature} check of model_type {config.model_type}: {swept}"
     if key == "pp":  # (the split against its layers is the recipe's check)
         return None
+    with torch.device("meta"):  # (its structure only: no values, nor the replay of an MoE build's fills)
+        causal_lm = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
     try:
-        build(config, meta=True).tensor_parallel_styles(degree)
+        HFCausalLM(causal_lm).tensor_parallel_styles(degree)
     except ContractError as e:
         return str(e).split(", but ", 1)[-1]
     return None
