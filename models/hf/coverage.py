@@ -478,13 +478,14 @@ def render(records: dict[str, dict[str, Any]]) -> str:
              "process of the plain model. A cell is `pass` or the one-line reason the check refuses or fails.", "",
              f"{len(good)} of {len(records)} families pass every check of logits, dp2_zero3, sp2 and ep2 that "
              f"applies to them ({len(moe)} of them MoE). `tp2`: the config's `base_model_tp_plan` mapped onto the "
-             "runtime's tensor parallelism (sequence-parallel norms, vocabulary-parallel embedding and logits), two "
+             "runtime's tensor parallelism (sequence-parallel norms, vocabulary-parallel embedding and logits, a "
+             "tied head on the embedding's slice, unsplit layer children replicated on the gathered sequence), two "
              f"steps on 2 processes equal to one: {len(tp)} of those families pass, the others are refused in one "
-             "line (MoE experts, tied heads, modules the plan does not place). `pp2`: the config's "
+             "line (no plan, a structure the mapping does not cover). `pp2`: the config's "
              "`base_model_pp_plan` as two stages of the runtime's pipeline (1F1B, two micro-batches), two steps on 2 "
              f"processes equal to one (a balancing loss included: each stage sends its per-expert sums on with its "
-             f"activation): {len(pp)} of those families pass, the others are refused in one line (no plan, logits "
-             "changed after the head, modules outside the plan).", "",
+             f"activation): {len(pp)} of those families pass, the others are refused in one line (no plan, "
+             "arguments its layers get that a stage does not give, modules outside the plan).", "",
              f"**{sum(passes_every_check(r) for r in records.values())} families pass every check that applies to "
              "them, tp2 and pp2 included** (they apply where the config declares its tensor- or pipeline-parallel "
              "plan).", "",
