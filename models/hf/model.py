@@ -263,11 +263,11 @@ class HFCausalLM(nn.Module, ModelContract):
             calls = len(re.findall(rf"self\.{rest[0][0]}\(", inspect.getsource(type(self.base).forward)))
         except (OSError, TypeError):
             calls = 0
-        if calls > 1:
-            raise refuse(f"its final norm {rest[0][0]} is applied {calls} times in its forward (not only at the end)")
-        styles[names[id(rest[0][1])]] = ztp.SequenceParallelNorm(gather_output=True)
+        # (a norm also applied before the layers, to the embedding's shards: the head gathers its own input instead)
+        styles[names[id(rest[0][1])]] = ztp.SequenceParallelNorm(gather_output=calls <= 1)
         tied = head.weight is embeddings.weight
-        styles[names[id(head)]] = ztp.TiedHead(embeddings) if tied else ztp.ColwiseParallel()
+        head_style = ztp.TiedHead(embeddings) if tied else ztp.ColwiseParallel()
+        styles[names[id(head)]] = head_style if calls <= 1 else ztp.Chain(head_style, ztp.SequenceGather())
         placed = {f"{n}.{p}" for n in styles
                   for p, _ in modules[n].named_parameters(recurse=getattr(styles[n], "places_submodules", False))}
         loose = [n for n, _ in self.named_parameters() if n not in placed]
