@@ -178,13 +178,18 @@ class FlatBucket:
         if backward and self.secondary is not None:
             self._gather_source = self.secondary
             return comm.all_gather_into_tensor(self.full, self.secondary, self.secondary_group, async_op=async_op)
-        # Kept until `free`: an asynchronous gather still reads it.
-        self._gather_source = self._shard_for_gather()
         if self.weight_codec is not None and self.world > 1:
+            # Kept until `free`: an asynchronous gather still reads it.
+            self._gather_source = self._shard_for_gather()
             handle = quantized.all_gather(self.full, self._gather_source, self.group, self.weight_codec,
                                           self.quant_block, async_op=async_op)
         else:
-            handle = comm.all_gather_into_tensor(self.full, self._gather_source, self.group, async_op=async_op)
+            # In place: the shard is copied into its own slice of the full buffer, so the copy read from its file is
+            # released at once instead of staying beside the gathered buffer. (Not read into the slice directly:
+            # handing `full`'s storage to numpy would pin its size, which free() changes.)
+            mine = self.shard_of(self.full)
+            mine.copy_(self._shard_for_gather(), non_blocking=True)
+            handle = comm.all_gather_into_tensor(self.full, mine, self.group, async_op=async_op)
         if self.secondary_group is None:
             return handle
         if handle is None:
