@@ -209,8 +209,6 @@ class HFCausalLM(nn.Module, ModelContract):
         one) or the embedding's own local slice (a tied one), so the logits are vocabulary-sliced, the model's own
         elementwise transform (scaling, softcapping) applied to them. ContractError naming what is missing where a
         model does not fit this form."""
-        from zero.parallel import tensor as ztp
-
         config, kind = self.config, self.config.model_type
         plan = getattr(config, "base_model_tp_plan", None) or {}
 
@@ -230,44 +228,8 @@ class HFCausalLM(nn.Module, ModelContract):
         modules = dict(self.named_modules())
         styles = _plan_styles(self, plan, refuse)
         expert_tensor_parallel(self, styles, tp, refuse)  # (MoE blocks split by hidden units, shared experts inside)
-        for name, block in self.blocks():
-            for key, module in _layer_children(name, block):
-                inner = {n: s for n, s in styles.items() if n == key or n.startswith(key + ".")}
-                if inner and all(isinstance(s, ztp.ColwiseParallel) and s.gather_output for s in inner.values()):
-                    for n in inner:  # (all its projections gathered: all of it replicated, as one whole module)
-                        del styles[n]
-                    styles[key] = ztp.ReplicatedSequence()
-                elif inner:
-                    _inside_split_child(key, module, styles, refuse)
-                    gather = ztp.SequenceGather()  # (the whole sequence into it)
-                    styles[key] = ztp.Chain(styles[key], gather) if key in styles else gather
-                elif _norm_like(module):
-                    styles[key] = ztp.SequenceParallelNorm(gather_output=False)  # (on the sequence shards)
-                elif any(True for _ in module.parameters()):  # (unsplit: whole, on the gathered sequence)
-                    styles[key] = ztp.ReplicatedSequence()
-        names = {id(m): n for n, m in modules.items()}
-        embeddings = self.base.get_input_embeddings()
-        head = self.causal_lm.get_output_embeddings()
-        if not isinstance(embeddings, nn.Embedding) or not isinstance(head, nn.Linear):
-            raise refuse(f"its embedding ({type(embeddings).__name__}) or head ({type(head).__name__}) is not an "
-                         "nn.Embedding / nn.Linear")
-        styles[names[id(embeddings)]] = ztp.VocabParallelEmbedding(scale=_embedding_scale(embeddings, refuse))
-        blocks = {id(m) for _, m in self.blocks()}
-        rest = [(n, m) for n, m in self.base.named_children()
-                if m is not embeddings and (any(True for _ in m.parameters()) or _norm_like(m))
-                and not (isinstance(m, nn.ModuleList) and all(id(b) in blocks for b in m))]
-        if len(rest) != 1 or not _norm_like(rest[0][1]):  # (the final norm: on shards, gathering for the head)
-            found = ", ".join(f"{n} ({type(m).__name__})" for n, m in rest) or "none"
-            raise refuse(f"the base model's modules outside the embedding and layers are not one final norm ({found})")
-        try:
-            calls = len(re.findall(rf"self\.{rest[0][0]}\(", inspect.getsource(type(self.base).forward)))
-        except (OSError, TypeError):
-            calls = 0
-        # (a norm also applied before the layers, to the embedding's shards: the head gathers its own input instead)
-        styles[names[id(rest[0][1])]] = ztp.SequenceParallelNorm(gather_output=calls <= 1)
-        tied = head.weight is embeddings.weight
-        head_style = ztp.TiedHead(embeddings) if tied else ztp.ColwiseParallel()
-        styles[names[id(head)]] = head_style if calls <= 1 else ztp.Chain(head_style, ztp.SequenceGather())
+        _layer_styles(self, styles, refuse)
+        _end_styles(self, styles, refuse)
         placed = {f"{n}.{p}" for n in styles
                   for p, _ in modules[n].named_parameters(recurse=getattr(styles[n], "places_submodules", False))}
         loose = [n for n, _ in self.named_parameters() if n not in placed]
@@ -496,8 +458,10 @@ def _plan_styles(model: HFCausalLM, plan: dict, refuse: Callable[[str], Contract
 _SCALED_EMBEDDING = "return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)"
 
 
-def _embedding_scale(embedding: nn.Embedding, refuse: Callable[[str], ContractError]) -> str | None:
-    """The attribute the input embedding's lookup is multiplied by (None: a plain nn.Embedding forward)."""
+def _embedding_scale(embedding: nn.Embedding,
+                     refuse: Callable[[str], ContractError]) -> Callable[[nn.Module], torch.Tensor] | None:
+    """What the input embedding's lookup is multiplied by, as a function of the module (None: a plain nn.Embedding
+    forward)."""
     forward = type(embedding).forward
     if forward is nn.Embedding.forward:
         return None
@@ -506,9 +470,60 @@ def _embedding_scale(embedding: nn.Embedding, refuse: Callable[[str], ContractEr
     except (OSError, TypeError):
         lines = []
     if lines == [_SCALED_EMBEDDING]:
-        return "embed_scale"
+        return lambda module: module.embed_scale
     raise refuse(f"its input embedding {type(embedding).__name__} has a forward of its own that the "
                  "vocabulary-parallel lookup does not repeat")
+
+
+def _layer_styles(model: HFCausalLM, styles: dict, refuse: Callable[[str], ContractError]) -> None:
+    """The styles of every layer's children (see HFCausalLM.tensor_parallel_styles), into `styles`."""
+    from zero.parallel import tensor as ztp
+
+    for name, block in model.blocks():
+        for key, module in _layer_children(name, block):
+            inner = {n: s for n, s in styles.items() if n == key or n.startswith(key + ".")}
+            if inner and all(isinstance(s, ztp.ColwiseParallel) and s.gather_output for s in inner.values()):
+                for n in inner:  # (all its projections gathered: all of it replicated, as one whole module)
+                    del styles[n]
+                styles[key] = ztp.ReplicatedSequence()
+            elif inner:
+                _inside_split_child(key, module, styles, refuse)
+                gather = ztp.SequenceGather()  # (the whole sequence into it)
+                styles[key] = ztp.Chain(styles[key], gather) if key in styles else gather
+            elif _norm_like(module):
+                styles[key] = ztp.SequenceParallelNorm(gather_output=False)  # (on the sequence shards)
+            elif any(True for _ in module.parameters()):  # (unsplit: whole, on the gathered sequence)
+                styles[key] = ztp.ReplicatedSequence()
+
+
+def _end_styles(model: HFCausalLM, styles: dict, refuse: Callable[[str], ContractError]) -> None:
+    """The styles of the embedding, the final norm and the head (see HFCausalLM.tensor_parallel_styles)."""
+    from zero.parallel import tensor as ztp
+
+    modules = dict(model.named_modules())
+    names = {id(m): n for n, m in modules.items()}
+    embeddings = model.base.get_input_embeddings()
+    head = model.causal_lm.get_output_embeddings()
+    if not isinstance(embeddings, nn.Embedding) or not isinstance(head, nn.Linear):
+        raise refuse(f"its embedding ({type(embeddings).__name__}) or head ({type(head).__name__}) is not an "
+                     "nn.Embedding / nn.Linear")
+    styles[names[id(embeddings)]] = ztp.VocabParallelEmbedding(scale=_embedding_scale(embeddings, refuse))
+    blocks = {id(m) for _, m in model.blocks()}
+    rest = [(n, m) for n, m in model.base.named_children()
+            if m is not embeddings and (any(True for _ in m.parameters()) or _norm_like(m))
+            and not (isinstance(m, nn.ModuleList) and all(id(b) in blocks for b in m))]
+    if len(rest) != 1 or not _norm_like(rest[0][1]):  # (the final norm: on shards, gathering for the head)
+        found = ", ".join(f"{n} ({type(m).__name__})" for n, m in rest) or "none"
+        raise refuse(f"the base model's modules outside the embedding and layers are not one final norm ({found})")
+    try:
+        calls = len(re.findall(rf"self\.{rest[0][0]}\(", inspect.getsource(type(model.base).forward)))
+    except (OSError, TypeError):
+        calls = 0
+    # (a norm also applied before the layers, to the embedding's shards: the head gathers its own input instead)
+    styles[names[id(rest[0][1])]] = ztp.SequenceParallelNorm(gather_output=calls <= 1)
+    tied = head.weight is embeddings.weight
+    head_style = ztp.TiedHead(embeddings) if tied else ztp.ColwiseParallel()
+    styles[names[id(head)]] = head_style if calls <= 1 else ztp.Chain(head_style, ztp.SequenceGather())
 
 
 def _layer_children(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:

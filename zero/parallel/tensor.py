@@ -483,8 +483,8 @@ class VocabParallelEmbedding(Style):
     and the partial embeddings are reduce-scattered to sequence shards. A tied output projection that
     reads the same weight then yields vocabulary-sliced logits (see vocab_parallel_cross_entropy)."""
 
-    def __init__(self, seq_dim: int = 1, scale: str | None = None) -> None:
-        #: `scale`: the name of a module attribute (a scalar tensor) its lookup is multiplied by (a scaled embedding)
+    def __init__(self, seq_dim: int = 1, scale: Callable[[nn.Module], torch.Tensor] | None = None) -> None:
+        #: `scale(module)`: the scalar its lookup is multiplied by (a scaled embedding's), read at each forward
         self.seq_dim, self.scale = seq_dim, scale
 
     def apply(self, module, group):
@@ -502,7 +502,7 @@ class VocabParallelEmbedding(Style):
                               module.scale_grad_by_freq, module.sparse)
             out = out * inside.unsqueeze(-1).to(out.dtype)
             out = reduce_scatter_sequence(out, group, self.seq_dim)
-            return out if self.scale is None else out * getattr(module, self.scale).to(module.weight.dtype)
+            return out if self.scale is None else out * self.scale(module).to(module.weight.dtype)
 
         module.forward = forward
         return {"weight": TensorSplit(0)}
