@@ -81,11 +81,22 @@ class ModelContract(Protocol):
         """Fill `tensor` with the initial values of parameter `name` (in any order of calls)."""
         raise _missing(self, "init_parameter(name, tensor)")
 
+    def stage3_edge_units(self) -> Sequence[tuple[str, nn.Module]]:
+        """Optional: modules outside `blocks()` that ZeRO-3 gathers as units of their own (an untied embedding and
+        head), with their names; every use of their parameters goes through their own call. Default: none."""
+        return []
+
+
+def offers(model: object, part: str) -> bool:
+    """Whether `model` implements the contract's `part` (a method name) itself: its class, or a class it inherits
+    from other than ModelContract, defines it."""
+    return any(part in vars(cls) for cls in type(model).__mro__[:-1] if cls is not ModelContract)
+
 
 def contract_of(model: object, needed_by: str, part: str) -> ModelContract:
     """`model`, checked to offer the contract's `part` (a method name) that `needed_by` calls: a model that
     subclasses ModelContract, or whose class defines that method; else a one-line ContractError."""
-    if isinstance(model, ModelContract) or any(part in vars(cls) for cls in type(model).__mro__[:-1]):
+    if isinstance(model, ModelContract) or offers(model, part):
         return model  # a subclass without the part raises ContractError naming it when called
     raise ContractError(f"{needed_by} needs {type(model).__name__}.{part}() of the model contract "
                         f"(zero.contract.ModelContract); {type(model).__name__} does not define it")

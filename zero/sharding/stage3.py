@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from zero.contract import ContractError, ModelContract
+from zero.contract import ContractError, ModelContract, offers
 from zero.sharding.buckets import FlatBucket
 
 
@@ -59,8 +59,7 @@ def edge_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
     the model's forward did not call is gathered at its end, and a forward of the model's parts without its own
     (`model.forward_hidden`) gathers every edge unit; either way they stay gathered until their gradients are
     reduced (or backward ends), as the root does."""
-    declared = getattr(module, "stage3_edge_units", None)
-    return list(declared()) if callable(declared) else []
+    return list(module.stage3_edge_units()) if offers(module, "stage3_edge_units") else []
 
 
 def _backward_needs_parameters(unit: nn.Module) -> bool:
