@@ -1,8 +1,8 @@
 """ZeRO-3 on the host pins glibc's mmap threshold (zero.host_mmap_threshold, 1 MiB by default; 0 leaves the
 allocator alone): left to itself, glibc raises the threshold to the size of each large block it frees, so the unit
 gathers, gradient buffers and collective copies that stage 3 allocates and frees every step come from heaps that
-keep the freed pages, and resident memory grows step after step (benchmarks/hf_models.md: peak RSS 2127-2273 MiB
-after 6 steps of a 75M DeepSeek-V3-style model instead of 1352 MiB with the pin). What a pinned threshold does is
+keep the freed pages, and resident memory grows step after step (benchmarks/hf_models.md: VmHWM 2151 MiB after 6
+steps of a 75M DeepSeek-V3-style model, 1350 MiB with the pin). What a pinned threshold does is
 checked on the allocator itself: a block the engine frees after it is pinned goes back to the operating system."""
 
 from __future__ import annotations
