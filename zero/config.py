@@ -105,9 +105,9 @@ class ZeroConfig:
         is pinned to this many bytes when the engine is built (process-wide; 0 leaves the allocator alone).
         glibc raises the threshold to the size of each large block it frees, after which the gather/free
         cycle of stage 3 is served from heaps that keep freed pages, and resident memory creeps up step
-        after step; a fixed threshold returns every larger block at once. It costs CPU time (fresh pages
-        for every large block: about 35% more CPU per step of a 75M MoE on a 2-core CPU, benchmarks/
-        hf_models.md) and saves about 40% of the peak there; stages 0-2 on a CPU leave the allocator alone.
+        after step; a fixed threshold returns every larger block at once. It costs time (fresh pages for
+        every large block: 1.3x the step of a 75M MoE on a quiet 2-core CPU, benchmarks/hf_models.md) and
+        saves about a third of the peak there; stages 0-2 on a CPU leave the allocator alone.
     release_host_memory: after each backward and each optimizer step, hand the host memory the C allocator
         holds free back to the operating system (glibc's malloc_trim; nothing elsewhere). On a CPU device the
         activations, gathered stage-3 units and gradient buffers of a step are freed into glibc's heaps,
