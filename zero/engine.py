@@ -19,6 +19,7 @@ from zero.config import ZeroConfig
 from zero.contract import ModelContract
 from zero.dist import comm
 from zero.dist.topology import ParallelDims, default_device, group_size, peak_rss_bytes, release_free_host_memory
+from zero.offload.masters import streamed_shard
 from zero.offload.nvme import check_nvme_path, pin_mmap_threshold
 from zero.optim.bound import BoundOptimizer, StepOverride
 from zero.plan import Placement, Plan, RuntimeFacts
@@ -465,22 +466,33 @@ class Engine:
                     out.append(name)
         return out
 
-    def state_dict(self, *, file_backed: bool = False) -> dict:
+    def state_dict(self, *, file_backed: bool = False, streamed: bool = False) -> dict:
         """This rank's shard of the training state (what its checkpoint file holds).
 
         file_backed=True lets nvme-offloaded optimizer state come as tensors mapped from its files rather
         than copies in memory (so a larger-than-memory state can be saved); they follow the files, so
-        serialise them before the next step. save_checkpoint does so."""
+        serialise them before the next step. save_checkpoint does so.
+
+        streamed=True gives, for every shard, master and optimizer-state tensor, a zero.state.shardfile
+        StreamedTensor read from where it lives (memory: the tensor itself; nvme: chunk by chunk) only while a
+        shard file is written: saving holds no copy of the state beyond one chunk. Valid until the next step."""
+        if streamed:
+            masters = self.zero_optimizer.masters
+            index = {id(b): i for i, b in enumerate(self.zero_optimizer.trainable)}
+            shards = [masters.streamed_master(index[id(b)]) if b.trainable else
+                      streamed_shard(b, self.config.offload_chunk_size) for b in self.buckets]
+        else:
+            shards = [self._shard_values(b).detach().clone() for b in self.buckets]
         return {
             "format": "zero-sharded-v1",
             "stage": self.config.stage,
             "dtype": self.config.dtype,
             "layout": self.bucket_records(),
-            "shards": [self._shard_values(b).detach().clone() for b in self.buckets],
-            "optimizer": self.zero_optimizer.masters.state_dict(file_backed),
+            "shards": shards,
+            "optimizer": self.zero_optimizer.masters.state_dict(file_backed, streamed),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.zero_optimizer.scaler.state_dict() if self.zero_optimizer.scaler else None,
-            "buffers": {n: b.detach().clone() for n, b in self.module.named_buffers()},
+            "buffers": {n: b.detach() if streamed else b.detach().clone() for n, b in self.module.named_buffers()},
             "step_override": self.step_override.state_dict() if self.step_override is not None else None,
             "counters": {
                 "micro_steps": self.micro_steps,

@@ -27,6 +27,7 @@ from zero.offload.overlap import (
     step_view,
 )
 from zero.sharding.buckets import FlatBucket
+from zero.state.shardfile import StreamedTensor
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 _F32 = 4  # bytes per fp32 element
@@ -88,7 +89,14 @@ class DeviceMasters:
         """Set elements [start, start + len(values)) of master `index`."""
         self.masters[index][start : start + values.numel()].copy_(values)
 
-    def state_dict(self, file_backed: bool = False) -> dict:
+    def streamed_master(self, index: int) -> StreamedTensor:
+        """Master `index` for a checkpoint shard: read only while the shard is written (valid until the next
+        step). In memory here, so its one chunk is the master itself (no copy)."""
+        numel = self.masters[index].numel()
+        return StreamedTensor(torch.float32, (numel,), lambda: iter([self.read_master(index)]))
+
+    def state_dict(self, file_backed: bool = False, streamed: bool = False) -> dict:
+        """The torch optimizer state dict (its tensors are the optimizer's own, not copies)."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
@@ -129,6 +137,7 @@ class HostMasters(DeviceMasters):
     def __init__(self, buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory,
                  executor: InlineExecutor | None = None) -> None:
         self.buckets = buckets
+        self.stream_chunk = config.offload_chunk_size  # elements per read of a streamed checkpoint tensor
         self.aliased = [False] * len(buckets)  # the master never aliases the shard: values travel back
         pin = _pin()
         self.masters = []
@@ -226,12 +235,13 @@ class HostMasters(DeviceMasters):
         """True when the device holds the values of the update before the masters' (the delayed regime)."""
         return self.delayed and self.steps_done > self.warmup
 
-    def state_dict(self, file_backed: bool = False) -> dict:
+    def state_dict(self, file_backed: bool = False, streamed: bool = False) -> dict:
         self.finish_pending()
-        state = dict(super().state_dict(file_backed))
+        state = dict(super().state_dict(file_backed, streamed))
         state[self.STEPS_KEY] = self.steps_done
         if self.lagging():  # what the next forward runs on: update t-1 (the masters hold update t)
-            state[self.LAGGED_KEY] = [b.read_shard().detach().clone() for b in self.buckets]
+            state[self.LAGGED_KEY] = [streamed_shard(b, self.stream_chunk) if streamed else
+                                      b.read_shard().detach().clone() for b in self.buckets]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -460,17 +470,24 @@ class NvmeMasters(DeviceMasters):
     def write_master(self, index: int, values: torch.Tensor, start: int = 0) -> None:
         self.files[index].write("master", start, values)
 
-    def state_dict(self, file_backed: bool = False) -> dict:
+    def streamed_master(self, index: int) -> StreamedTensor:
+        """Master `index` read from its file chunk by chunk while a checkpoint shard is written."""
+        f = self.files[index]
+        return StreamedTensor(torch.float32, (f.numel,), lambda: f.chunks("master", self.chunk))
+
+    def state_dict(self, file_backed: bool = False, streamed: bool = False) -> dict:
         """The torch optimizer state dict the on-device optimizer would have (read from the files).
 
         file_backed=True gives tensors mapped from the files instead of copies: no memory is needed for
-        them, but they follow the files, so they must be serialised before the next step (checkpoints)."""
+        them, but they follow the files, so they must be serialised before the next step (checkpoints).
+        streamed=True maps them likewise (a shard writer drops each one's pages once it is written: one
+        tensor's pages at a time); the masters stream chunk by chunk (streamed_master)."""
         group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
         state = {}
         if self.scalars is not None:
             for i, f in enumerate(self.files):
                 entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.scalars.items()}
-                entry.update({k: f.mapped(k) if file_backed else f.read_all(k) for k in self.state_keys})
+                entry.update({k: f.mapped(k) if file_backed or streamed else f.read_all(k) for k in self.state_keys})
                 state[i] = entry
         return {"state": state, "param_groups": [{**group, "params": list(range(len(self.files)))}]}
 
@@ -504,6 +521,15 @@ class NvmeMasters(DeviceMasters):
         self.io.shutdown(wait=True)
         for f in self.files:
             f.close()
+
+
+def streamed_shard(b: FlatBucket, chunk: int) -> StreamedTensor:
+    """Bucket `b`'s parameter shard (compute dtype) for a checkpoint shard: from its nvme file `chunk` elements
+    at a time, else the in-memory shard itself (no copy). Valid until the next step."""
+    if b.file is not None:
+        return StreamedTensor(b.file.dtype, (b.file.numel,), lambda: b.file.chunks("shard", chunk))
+    shard = b.shard_tensor()
+    return StreamedTensor(shard.dtype, (shard.numel(),), lambda: iter([b.shard_tensor().detach()]))
 
 
 def build_masters(buckets: list[FlatBucket], config: ZeroConfig, factory: OptimizerFactory,

@@ -9,6 +9,7 @@ never read again (a restart starts from a checkpoint, which is written atomicall
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import os
 import secrets
@@ -120,7 +121,10 @@ class TensorFile:
     def mapped(self, field: str) -> torch.Tensor:
         """The field as a read-only tensor backed by the file's pages (no copy in anonymous memory: the
         kernel can drop the pages again, so saving a larger-than-memory state does not need the memory).
-        Valid until the file is written again; callers serialise it at once."""
+        Valid until the file is written again; callers serialise it at once. Its `release_after_write()`
+        (called by zero.state.shardfile.dump once the tensor is written) drops the pages it touched from the
+        process, so a shard's writer holds one mapped tensor's pages at a time, not all of them."""
+        import mmap
         import warnings
 
         import numpy as np
@@ -128,11 +132,24 @@ class TensorFile:
         if not self.numel:
             return torch.empty(0, dtype=self.dtype)
         os.fsync(self.fd)
-        array = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._offset(field, 0),
-                          shape=(self.numel * self.itemsize,))
+        offset = self._offset(field, 0)
+        skip = offset % mmap.ALLOCATIONGRANULARITY
+        nbytes = self.numel * self.itemsize
+        pages = mmap.mmap(self.fd, nbytes + skip, mmap.MAP_SHARED, mmap.PROT_READ, offset=offset - skip)
+        array = np.frombuffer(pages, dtype=np.uint8, count=nbytes, offset=skip)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only numpy memory: we never write to it
-            return torch.from_numpy(array).view(self.dtype)
+            tensor = torch.from_numpy(array).view(self.dtype)
+        # A shared read-only file mapping: dropped pages are read again from the file if touched again.
+        tensor.release_after_write = functools.partial(pages.madvise, mmap.MADV_DONTNEED)
+        return tensor
+
+    def chunks(self, field: str, size: int):
+        """The field's elements in order, `size` at a time, read into one buffer that each chunk reuses (a
+        chunk is valid until the next is asked for): a whole field streams through `size` elements of memory."""
+        buf = torch.empty(max(1, min(size, self.numel)), dtype=self.dtype)
+        for start in range(0, self.numel, size):
+            yield self.read(field, start, buf[: min(size, self.numel - start)])
 
     def read_all(self, field: str) -> torch.Tensor:
         return self.read(field, 0, torch.empty(self.numel, dtype=self.dtype))

@@ -104,7 +104,9 @@ def save_checkpoint(engine: CheckpointedEngine, path: str | os.PathLike, client_
     comm.barrier(group)
     state = {
         "shard": {"rank": rank, "world_size": world, "global_steps": engine.global_steps, "run_id": run_id},
-        "engine": engine.state_dict(file_backed=True),  # written below, before any further step
+        # StreamedTensors: each read from where it lives while the shard is written (below, before any further
+        # step), so a save holds no copy of the state beyond one tensor or nvme chunk
+        "engine": engine.state_dict(streamed=True),
         "client_state": client_state,
         "rng": {
             "torch": torch.get_rng_state(),

@@ -3,7 +3,9 @@ lists, tuples, numbers, strings, None) as a JSON skeleton in the file's header t
 
 Reading a shard parses JSON and maps tensors; nothing is unpickled, so a crafted file can be refused but never
 runs code. Tensors come back memory-mapped (safetensors' `safe_open`): a reader touches only the bytes it uses.
-Writing streams one tensor at a time (a tensor mapped from an nvme file is never copied whole into memory).
+Writing streams one tensor at a time (a tensor mapped from an nvme file is never copied whole into memory), and a
+`StreamedTensor` (a dtype, a shape and a generator of its values piece by piece) is read from where it lives only
+while it is written: a saved state need not exist in memory at once.
 
 The skeleton's nodes: null, booleans, numbers (NaN and infinities as Python's json writes them) and strings stand
 for themselves, a JSON list for a list, and every other value is an object with one tag:
@@ -22,7 +24,7 @@ import enum
 import json
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -48,15 +50,41 @@ class ShardFormatError(ValueError):
     """A value a shard cannot hold (on save), or a file that is not a shard of this format (on load)."""
 
 
+class StreamedTensor:
+    """A tensor that `dump` writes without it ever being whole in memory: its dtype and shape, and `chunks()`, a
+    generator of its elements in order (flat tensors of this dtype, on any device), called once, while the file is
+    written. A chunk may reuse the previous chunk's buffer (each is written before the next is asked for). A shard
+    reads it back as an ordinary tensor."""
+
+    def __init__(self, dtype: torch.dtype, shape: Sequence[int], chunks: Callable[[], Iterator[torch.Tensor]]) -> None:
+        self.dtype, self.shape, self.chunks = dtype, torch.Size(shape), chunks
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def materialize(self) -> torch.Tensor:
+        """The whole tensor in memory (CPU): for callers that need one, never for writing a shard."""
+        out = torch.empty(self.numel(), dtype=self.dtype)
+        start = 0
+        for part in self.chunks():
+            out[start : start + part.numel()].copy_(part.reshape(-1))
+            start += part.numel()
+        return out.view(self.shape)
+
+
 class _Encoder:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self._key_of: dict[int, str] = {}  # id(tensor) -> key: one object stored once
 
-    def _tensor_key(self, t: torch.Tensor, where: str, path: str) -> str:
+    def _tensor_key(self, t: torch.Tensor | StreamedTensor, where: str, path: str) -> str:
         if id(t) in self._key_of:
             return self._key_of[id(t)]
-        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        if not isinstance(t, StreamedTensor) and (
+                t.layout != torch.strided or t.is_quantized or t.device.type == "meta"):
             raise ShardFormatError(f"{where}: a {t.layout} {'quantized ' if t.is_quantized else ''}tensor on "
                                    f"{t.device} cannot be stored; store a dense, materialised tensor (e.g. "
                                    ".to_dense() or .dequantize())")
@@ -78,7 +106,7 @@ class _Encoder:
             return {"numpy_scalar": self._array_key(np.asarray(x), where, path)}
         if x is None or type(x) in (bool, int, float, str):
             return x
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, (torch.Tensor, StreamedTensor)):
             return {"tensor": self._tensor_key(x, where, path)}
         if isinstance(x, np.ndarray):
             return {"ndarray": self._array_key(x, where, path)}
@@ -123,7 +151,7 @@ def _join(path: str, key: Any) -> str:
     return f"{path}/{key}" if path else str(key)
 
 
-def encode(obj: Any, name: str = "state") -> tuple[str, dict[str, torch.Tensor]]:
+def encode(obj: Any, name: str = "state") -> tuple[str, dict[str, torch.Tensor | StreamedTensor]]:
     """`obj` as (its JSON skeleton, its tensors by key); raises ShardFormatError naming the first value that
     cannot be stored (`name` begins its place, e.g. `state['client_state']['config']`)."""
     encoder = _Encoder()
@@ -229,9 +257,36 @@ def dump(obj: Any, f: BinaryIO) -> None:
     f.write(text)
     for key in order:
         t = tensors[key]
-        if t.numel():
+        if isinstance(t, StreamedTensor):
+            _write_streamed(t, key, f)
+        elif t.numel():
             # [any shape] -> [bytes]: one write per tensor, straight from its memory when it is a CPU tensor
-            f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+            f.write(_bytes(t))
+            release = getattr(t, "release_after_write", None)
+            if release is not None:  # e.g. a tensor mapped from a file drops the pages the write touched
+                release()
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _write_streamed(t: StreamedTensor, key: str, f: BinaryIO) -> None:
+    """Write `t`'s chunks one after the other (each dropped before the next is produced); its header entry
+    promised numel x element_size bytes, so any other count is an error, not a corrupt file."""
+    expected, done = t.numel() * t.element_size(), 0
+    for part in t.chunks():
+        if part.dtype != t.dtype:
+            raise ShardFormatError(f"tensor {key!r}: a streamed chunk of dtype {part.dtype}, declared {t.dtype}")
+        done += part.numel() * part.element_size()
+        if done > expected:
+            break
+        if part.numel():
+            f.write(_bytes(part))
+        del part
+    if done != expected:
+        raise ShardFormatError(f"tensor {key!r}: its chunks hold {'more than ' if done > expected else ''}{done} "
+                               f"bytes, its shape {list(t.shape)} of {t.dtype} {expected}")
 
 
 def load(path: str | Path) -> Any:
