@@ -27,7 +27,7 @@ from zero.offload.overlap import (
     step_view,
 )
 from zero.sharding.buckets import FlatBucket
-from zero.state.shardfile import StreamedTensor
+from zero.state.shardfile import StreamedTensor, done_reading
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 _F32 = 4  # bytes per fp32 element
@@ -504,6 +504,7 @@ class NvmeMasters(DeviceMasters):
         for i, f in enumerate(self.files):
             for k in self.state_keys:
                 f.write(k, 0, entries[i][k])
+                done_reading(entries[i][k])  # copied to the file: a loaded shard's pages leave the process
         self.scalars = {k: entries[0][k] for k in self.scalar_keys}
         if any(isinstance(v, torch.Tensor) for v in self.scalars.values()):
             self.scalars = {k: v.detach().to("cpu").clone() if isinstance(v, torch.Tensor) else v

@@ -20,7 +20,9 @@ the state (e.g. `state['client_state']['config']`), so a save never writes what 
 from __future__ import annotations
 
 import base64
+import ctypes
 import enum
+import functools
 import json
 import struct
 import sys
@@ -289,6 +291,34 @@ def _write_streamed(t: StreamedTensor, key: str, f: BinaryIO) -> None:
                                f"bytes, its shape {list(t.shape)} of {t.dtype} {expected}")
 
 
+def _drop_pages(t: torch.Tensor) -> None:
+    """Drop from the process the whole pages under `t`, a tensor of a loaded shard (a private, never written
+    mapping of the file: a page touched again is read again from the file)."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if last > first:
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def done_reading(t: Any) -> None:
+    """A reader copied `t` (a tensor of a loaded shard) to where it lives and never uses it again: its file pages
+    leave the process, so a load holds one tensor's pages at a time. Never for a tensor something keeps (an
+    optimizer state that aliases it) or writes to; a no-op for any other value."""
+    release = getattr(t, "release_after_read", None)
+    if release is not None:
+        release()
+
+
 def load(path: str | Path) -> Any:
     """The object a shard file holds, its tensors memory-mapped. Raises ShardFormatError (naming the problem, not
     the file) for anything that is not a shard of this format: a pickle, another safetensors file, a skeleton
@@ -310,7 +340,9 @@ def load(path: str | Path) -> Any:
         def tensor(key: str) -> torch.Tensor:
             if key not in keys:
                 raise ShardFormatError(f"its skeleton names tensor {key!r:.80}, which the file does not hold")
-            return f.get_tensor(key)
+            t = f.get_tensor(key)
+            t.release_after_read = functools.partial(_drop_pages, t)
+            return t
 
         obj, used = decode(meta["skeleton"], tensor)
     if used != keys:
