@@ -40,7 +40,10 @@ TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_lay
             topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
             sliding_window=6, attention_chunk_size=8, router_aux_loss_coef=0.1, output_router_logits=True,
             decoder_sparse_step=1, moe_layer_freq=1, num_nextn_predict_layers=0, rope_theta=10000.0,
-            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+            encoder_attention_heads=4, decoder_attention_heads=4, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
+            d_head=8, d_inner=48, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1)
 #: Dropout keys zeroed (the adapter trains without dropout).
 DROPOUT = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
            "hidden_dropout_prob", "attention_probs_dropout_prob", "embedding_dropout", "residual_dropout",
@@ -57,11 +60,30 @@ def causal_lm_types() -> dict[str, str]:
     return {k: v for k, v in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()) if isinstance(v, str)}
 
 
+class NoTinyConfig(NotImplementedError):
+    """No tiny config of a family could be derived; the message names the key or validator that stops it (the
+    sweep's cell reads `refused: no tiny config: <message>`)."""
+
+
+def _read_only(cls, key: str) -> bool:
+    """Whether config class `cls` derives `key` (or the attribute it aliases) from other fields: a property
+    without a setter, which a tiny value must not be set on."""
+    name = getattr(cls, "attribute_map", {}).get(key, key)
+    attr = getattr(cls, name, None)
+    return isinstance(attr, property) and attr.fset is None
+
+
 def _tiny_values(kind: str) -> dict[str, Any]:
     from transformers import CONFIG_MAPPING
 
-    base = CONFIG_MAPPING[kind]()
-    text = base.get_text_config()
+    cls = CONFIG_MAPPING[kind]
+    try:
+        base = cls()
+        text = base.get_text_config()
+    except Exception as e:  # noqa: BLE001 - the default config itself does not give one text config
+        if type(e).__name__ == "StrictDataclassClassValidationError":
+            raise NoTinyConfig(_config_problem(cls, e, "its own defaults")) from e
+        raise NoTinyConfig(f"{cls.__name__}() with its defaults gives no text config ({_one_line(e)})") from e
     if text is not base:
         raise NotImplementedError("a composite config (its causal LM is a sub-config of another model)")
     known = set(base.to_dict()) | set(getattr(base, "attribute_map", {}))
@@ -71,35 +93,79 @@ def _tiny_values(kind: str) -> dict[str, Any]:
         if isinstance(getattr(base, key, None), int):
             values[key] = {"pad_token_id": 0, "bos_token_id": 1}.get(key, 2)
     layers = values.get("num_hidden_layers", 2)
-    if isinstance(getattr(base, "layer_types", None), list):
-        kinds = list(dict.fromkeys(base.layer_types))
+    if isinstance(getattr(base, "layer_types", None), list) and not _read_only(cls, "layer_types"):
+        kinds = list(dict.fromkeys(base.layer_types))  # (each kind, cycled over the tiny layers)
         values["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
+    if isinstance(getattr(base, "attention_types", None), list):  # ([[kinds, repeats]] spelling the layers)
+        kinds = list(dict.fromkeys(k for group, _ in base.attention_types for k in group))[:layers]
+        values["attention_types"] = [[kinds, layers // len(kinds)]]
+    for key in ("block_types",):  # (a hybrid's pattern of kinds: each kind within the 2 layers)
+        if isinstance(getattr(base, key, None), list) and not _read_only(cls, key):
+            values[key] = list(dict.fromkeys(getattr(base, key)))[-layers:]
+    if "attn_layer_indices" in known:  # (a hybrid with no attention layer unless told)
+        values["attn_layer_indices"] = [layers - 1]
+    if isinstance(getattr(base, "per_layer_config", None), dict):  # (per-layer overrides of the tiny sizes)
+        values["per_layer_config"] = {}
+    aliases = set(getattr(base, "attribute_map", {}).values())
+    if "num_heads" in known and "num_heads" not in aliases and isinstance(getattr(base, "expand", None), int):
+        # (state-space heads: num_heads * head_dim spans expand * hidden_size)
+        values["num_heads"] = values.get("hidden_size", 32) * base.expand // values.get("head_dim", 8)
     for key in ("mlp_only_layers",):
         if isinstance(getattr(base, key, None), list):
             values[key] = []
-    return values
+    return {k: v for k, v in values.items() if not _read_only(cls, k)}
+
+
+def _config_problem(cls, error: BaseException, what: str = "the derived sizes") -> str:
+    """One line: why config class `cls` refuses the derived values, naming its validator or key."""
+    text = str(error)
+    if type(error).__name__ == "StrictDataclassClassValidationError":
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        validator = text.split("validator '", 1)[-1].split("'", 1)[0]
+        detail = lines[1] if len(lines) > 1 else type(error).__name__
+        return f"{cls.__name__}'s validator {validator!r} rejects {what} ({detail})"
+    if isinstance(error, AttributeError) and "has no setter" in text:
+        key = text.split("property '", 1)[-1].split("'", 1)[0]
+        return f"{cls.__name__}.{key} is derived from other fields and has no setter"
+    return f"{cls.__name__} refuses {what} ({_one_line(error)})"
 
 
 def tiny_config(kind: str, **overrides):
     """A tiny config of model type `kind` (2 layers, width 32, 4 heads, 4 experts top-2 for MoE, 256 tokens),
-    derived from its config class; variants are tried until the plain transformers model runs a forward."""
+    derived from its config class; variants are tried until the plain transformers model runs a forward. Where none
+    can be derived: NoTinyConfig naming the key, validator or model class that stops it."""
     from transformers import CONFIG_MAPPING
 
+    cls = CONFIG_MAPPING[kind]
     values = {**_tiny_values(kind), **overrides}
-    size = _meta_size(CONFIG_MAPPING[kind](**values))
-    if size > MAX_PARAMS:
-        raise NotImplementedError(f"the derived config still has {size / 1e6:.1f}M parameters (sizes under keys the "
-                                  "sweep does not know)")
     tries = [values, {**values, "num_key_value_heads": values.get("num_attention_heads", 4)},
              {k: v for k, v in values.items() if k != "head_dim"}]
+    if "head_dim" in values:
+        tries.append({**values, "head_dim": 16})
+    tries.append({**values, "use_cache": False})  # (a hybrid whose 2 layers hold no attention gives no cache)
     error: Exception | None = None
+    problem = None
     for attempt in tries:
         try:
-            config = CONFIG_MAPPING[kind](**attempt)
+            config = cls(**attempt)
+        except Exception as e:  # noqa: BLE001 - a variant the config's own checks refuse: try the next one
+            problem = problem or _config_problem(cls, e)
+            continue
+        try:
+            size = _meta_size(config)
+        except Exception as e:  # noqa: BLE001 - a variant the model class does not build from: try the next one
+            problem = problem or f"{cls.__name__}'s model does not build from the derived sizes ({_one_line(e)})"
+            continue
+        if size > MAX_PARAMS:
+            raise NotImplementedError(f"the derived config still has {size / 1e6:.1f}M parameters (sizes under keys "
+                                      "the sweep does not know)")
+        try:
             _plain(config)(input_ids=torch.randint(3, 200, (1, 8)))
             return config
         except Exception as e:  # noqa: BLE001 - any failure of the plain model means: try the next variant
             error = e
+    if error is None:
+        raise NoTinyConfig(problem)
     raise NotImplementedError(f"no tiny config runs in plain transformers ({_one_line(error)})")
 
 
@@ -121,12 +187,15 @@ def _plain(config, seed: int = 0):
     return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
 
 
-def _one_line(error: BaseException | None) -> str:
+def _one_line(error: BaseException | None, prefix: str | None = None) -> str:
+    """The error's first line, `Type: message` (or `prefix` + message), at most 160 characters."""
     if error is None:
         return "unknown"
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
+    head = f"{type(error).__name__}: " if prefix is None else prefix
+    text = f"{head}{lines[0]}" if lines else head + type(error).__name__
+    limit = 160 if prefix is None else 240  # (a refusal keeps room for the key or validator it names)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,6 +435,8 @@ def local_sweep(families: list[str]) -> dict[str, dict[str, Any]]:
             record["config"] = config.to_dict()
             check_logits(config)
             record["features"]["logits"] = "pass"
+        except NoTinyConfig as e:
+            record["features"]["logits"] = _one_line(e, prefix="refused: no tiny config: ")
         except Exception as e:  # noqa: BLE001 - the table records any failure as the family's reason
             record["features"]["logits"] = _one_line(e)
         finally:

@@ -65,3 +65,45 @@ def test_the_whole_sweep_reproduces_the_recorded_results():
     coverage.finish(fresh)
     want = recorded()
     assert {k: r["features"] for k, r in fresh.items()} == {k: r["features"] for k, r in want.items()}
+
+
+
+class _DerivedLayersConfig:
+    """A config whose layer pattern is a property derived from other fields (no setter), as several hybrid configs of
+    transformers have, reached through an alias (`layer_types`) and, inside its own init, through a field it sets."""
+
+    model_type = "derived_layers_probe"
+    attribute_map = {"layer_types": "layers_block_type"}
+
+    def __init__(self, **values):
+        self.hidden_size, self.num_hidden_layers = 4096, 32
+        for key, value in values.items():
+            setattr(self, self.attribute_map.get(key, key), value)
+        if values.get("num_hidden_layers", 32) != 32:  # (its own rule: the pattern is fixed for 32 layers)
+            self.layers_block_type = None
+
+    @property
+    def layers_block_type(self):
+        return ["attention", "mamba"] * (self.num_hidden_layers // 2)
+
+    def get_text_config(self):
+        return self
+
+    def to_dict(self):
+        return {"hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
+                "layers_block_type": self.layers_block_type}
+
+
+def test_a_config_the_sweep_cannot_derive_is_one_line_naming_why(monkeypatch):
+    from transformers import CONFIG_MAPPING
+
+    kind = _DerivedLayersConfig.model_type
+    monkeypatch.setitem(CONFIG_MAPPING._extra_content, kind, _DerivedLayersConfig)
+    assert "layer_types" not in coverage._tiny_values(kind)  # (the alias of a read-only property is left alone)
+    cell = coverage.local_sweep([kind])[kind]["features"]["logits"]
+    assert cell == ("refused: no tiny config: _DerivedLayersConfig.layers_block_type is derived from other fields and "
+                    "has no setter"), cell
+    # a config's own validator: the cell names it and its rule, on one line
+    cell = coverage.local_sweep(["kolibri1_1"])["kolibri1_1"]["features"]["logits"]
+    assert cell.startswith("refused: no tiny config: Kolibri1_1Config's validator 'validate_architecture' rejects")
+    assert "head_dim" in cell and "\n" not in cell
