@@ -474,9 +474,11 @@ class Engine:
         than copies in memory (so a larger-than-memory state can be saved); they follow the files, so
         serialise them before the next step. save_checkpoint does so.
 
-        streamed=True gives, for every shard, master and optimizer-state tensor, a zero.state.shardfile
-        StreamedTensor read from where it lives (memory: the tensor itself; nvme: chunk by chunk) only while a
-        shard file is written: saving holds no copy of the state beyond one chunk. Valid until the next step."""
+        streamed=True gives every shard and fp32 master as a zero.state.shardfile StreamedTensor read from where
+        it lives (memory: the tensor itself; nvme: chunk by chunk) only while a shard file is written, in-memory
+        optimizer state as the optimizer's own tensors and nvme optimizer state as file mappings whose pages the
+        writer drops after each tensor: saving holds no copy of the state beyond one tensor. Valid until the next
+        step."""
         if streamed:
             masters = self.zero_optimizer.masters
             index = {id(b): i for i, b in enumerate(self.zero_optimizer.trainable)}

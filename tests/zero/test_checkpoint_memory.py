@@ -158,3 +158,52 @@ def test_nvme_save_then_load_continues_bitwise(tmp_path):
             assert torch.equal(got[name], value), name
     finally:
         resumed.close()
+
+
+def test_nvme_load_holds_one_tensor_of_the_shard_file_at_a_time(tmp_path, monkeypatch):
+    """Loading copies each tensor of the (memory-mapped) shard where it lives and drops its pages at once: once
+    every bucket shard and nvme moment is in place, the shard file's pages left in the process are within one
+    tensor's and the pages that tensors share at their boundaries (kept: they are not wholly one tensor's), not the
+    whole file. (The reader may map a small file whole up front, so
+    the check is after the copies, where an unreleased load still holds every page it touched.)"""
+    import zero.engine
+    import zero.offload.masters
+
+    (tmp_path / "nvme").mkdir()
+    config = zero.ZeroConfig(stage=3, offload_optimizer="nvme", offload_params="nvme", nvme_path=str(tmp_path / "nvme"),
+                             offload_chunk_size=4096, stage3_unit_classes=("Linear",))
+
+    def engine(seed: int) -> zero.Engine:
+        torch.manual_seed(seed)
+        return zero.initialize(torch.nn.Sequential(*[torch.nn.Linear(96, 96) for _ in range(6)]), ADAMW, config)
+
+    first = engine(0)
+    try:
+        loss = first(torch.randn(4, 96)).square().mean()
+        first.backward(loss)
+        assert first.step()
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+        largest = max(b.shard_size * 4 for b in first.buckets)
+        shard_file = (tmp_path / "ckpt" / "rank00000.safetensors").stat().st_size
+    finally:
+        first.close()
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert largest > 4 * page and shard_file > 3 * (largest + 22 * page), "tensors of several pages, many of them"
+    resident = []
+    for module in (zero.engine, zero.offload.masters):
+        real = module.done_reading
+
+        def probe(t, real=real):
+            real(t)
+            resident.append(_mapped_rss(str(tmp_path / "ckpt")))
+
+        monkeypatch.setattr(module, "done_reading", probe)
+    second = engine(1)
+    try:
+        second.load_checkpoint(str(tmp_path / "ckpt"))
+    finally:
+        second.close()
+    assert len(resident) == 6 + 6 * 2, "every bucket shard and both moments of every bucket are released"
+    bound = largest + (len(resident) + 4) * page  # a boundary page per tensor, the header's, the RNG state's
+    assert resident[-1] <= bound, (f"{resident[-1]} bytes of the {shard_file}-byte shard file still resident after "
+                                   f"a load; at most one tensor ({largest} bytes) and a page per tensor: {bound}")
