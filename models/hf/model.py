@@ -329,13 +329,15 @@ class HFCausalLM(nn.Module, ModelContract):
                 target._parameters = {k: None if p is None else torch.empty(p.shape, dtype=p.dtype)
                                       for k, p in module._parameters.items()}
                 target._buffers = dict(module._buffers)
+            unset = {n: _unset_value(module._buffers[n].dtype, f"{type(module).__name__}.{n}") for n in meta}
             for n in meta:
-                target._buffers[n] = torch.full(module._buffers[n].shape, math.nan, dtype=module._buffers[n].dtype,
+                target._buffers[n] = torch.full(module._buffers[n].shape, unset[n], dtype=module._buffers[n].dtype,
                                                 device=device)
             self.causal_lm._init_weights(target)
             for n in meta:
                 module._buffers[n] = target._buffers[n]
-            if any(module._buffers[n].isnan().any() for n in meta):
+            if any((module._buffers[n].isnan() if isinstance(unset[n], float) else module._buffers[n] == unset[n]).any()
+                   for n in meta):
                 raise NotImplementedError(f"{type(module).__name__}: its buffers have no init in "
                                           f"{type(self.causal_lm).__name__}._init_weights; build it on a real device")
 
@@ -598,6 +600,17 @@ def _num_experts(config: PreTrainedConfig, causal_lm: nn.Module) -> int:
     return next(int(m.expert_range[1] - m.expert_range[0]) for m in causal_lm.modules() if is_experts(m))
 
 
+def _unset_value(dtype: torch.dtype, name: str) -> float | int:
+    """What a meta-device buffer of `dtype` is filled with before its init, to tell afterwards whether the init set
+    it: NaN for floating point, the dtype's least value for integers (an integer scale, e.g. an embedding's)."""
+    if dtype.is_floating_point:
+        return math.nan
+    if dtype == torch.bool or dtype.is_complex:
+        raise NotImplementedError(f"{name}: a {dtype} buffer, whose init a meta-device build cannot check; build "
+                                  "this model on a real device")
+    return torch.iinfo(dtype).min
+
+
 def _site(name: str, module: nn.Module) -> AttentionSite:
     return AttentionSite(name, lambda: attention_of(module), lambda fn: set_attention(module, fn))
 
@@ -619,6 +632,7 @@ def build(config: PreTrainedConfig, meta: bool = False, device: torch.device | s
         return _meta_moe(config, device, attention_fn, sp_group)
     with torch.device("meta"):
         causal_lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _to_meta(causal_lm)
     model = HFCausalLM(causal_lm, attention_fn, sp_group=sp_group)
     try:
         model.materialise_buffers(device)
@@ -632,6 +646,19 @@ def build(config: PreTrainedConfig, meta: bool = False, device: torch.device | s
         return HFCausalLM(AutoModelForCausalLM.from_config(config, dtype=torch.float32), attention_fn,
                           sp_group=sp_group)
     return model
+
+
+def _to_meta(module: nn.Module) -> None:
+    """Parameters a module made on the CPU despite the meta device (torch.normal with float arguments, e.g.
+    DiffLlama's lambdas) onto the meta device, tied ones staying tied: every parameter then gets its value by name
+    (init_parameter), as on the CPU build."""
+    moved: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None and not p.is_meta:
+                if id(p) not in moved:
+                    moved[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                sub._parameters[name] = moved[id(p)]
 
 
 def _meta_moe(config: PreTrainedConfig, device, attention_fn, sp_group) -> HFCausalLM:
