@@ -14,9 +14,12 @@ implementation.
 - plain+grouped (MoE only): the same loop with the sparse blocks swapped for our grouped experts
   (`adopt_moe_blocks`): the gain of the grouped experts over transformers' default expert implementation;
 - ours: `HFCausalLM` (MoE blocks swapped) under our engine at stage 3 (which pins glibc's mmap threshold at
-  `zero.host_mmap_threshold`, 1 MiB, on the host);
+  `zero.host_mmap_threshold`, 1 MiB, on the host, and advises its fresh buffers for transparent huge pages), the
+  rank started with `zero.offload.hugepages.enable_torch_huge_pages()` (torch's large host blocks advised too);
 - ours+release: the same with `zero.release_host_memory=True` (glibc's free memory trimmed after backward and step);
 - ours-unpinned: the same with `zero.host_mmap_threshold=0` (glibc's allocator left alone: its dynamic threshold);
+- ours-4k: ours without huge pages (zero.offload.hugepages: the advice the engine gives its fresh unit-sized buffers
+  turned off after initialize, torch's own large blocks not advised): the engine of runs K and L;
 - ours-meta (Llama only): the same, the model built by `moe_lst.models.hf.build(config, meta=True)`, so no rank
   ever holds the whole model (its weights come from the adapter's init by name: other losses than the rest);
 - deepspeed: `deepspeed.initialize` at stage 3 on the plain transformers model (built whole on every rank, as
@@ -55,7 +58,7 @@ ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 KINDS = ("llama", "qwen3_moe", "deepseek_v3", "gpt_oss")
 QUICK_KINDS = ("llama", "qwen3_moe")  # a quick run's default (the others: --models)
 LABELS = {"step_s": "step time", "peak_rss_mb": "peak RSS", "train_rss_mb": "train RSS"}
-VARIANTS = ("plain", "plain+grouped", "ours", "ours+release", "ours-unpinned", "ours-meta", "deepspeed")
+VARIANTS = ("plain", "plain+grouped", "ours", "ours+release", "ours-unpinned", "ours-4k", "ours-meta", "deepspeed")
 
 
 # ---------------------------------------------------------------------------- models
@@ -174,14 +177,16 @@ def plain_step(model, phases: Phases):
     return train_step
 
 
-def ours_step(model, args, phases: Phases, release: bool = False, pinned: bool = True):
+def ours_step(model, args, phases: Phases, release: bool = False, pinned: bool = True, huge: bool = True):
     """Our engine at ZeRO-3 around the adapter (`HFCausalLM`, sparse blocks swapped for grouped experts); `model`
     is a transformers model, or an adapted one already (e.g. built on the meta device). `release`: the engine's
     `release_host_memory` (free host memory handed back to the OS after each backward and step). `pinned=False`:
     `host_mmap_threshold=0`, glibc's allocator left alone (by default the engine pins its mmap threshold at stage 3
-    on the host)."""
+    on the host). `huge=False`: the huge page advice the pinned engine gives its fresh buffers turned off."""
     import torch
     from moe_lst.models.hf import HFCausalLM
+
+    from zero.offload.hugepages import enable_huge_pages
 
     adapted = model if isinstance(model, HFCausalLM) else HFCausalLM(model)
     engine = common.initialize(adapted, functools.partial(torch.optim.AdamW, **ADAMW),
@@ -189,6 +194,8 @@ def ours_step(model, args, phases: Phases, release: bool = False, pinned: bool =
                                clip_grad_norm=None, reduce_bucket_size=args.bucket,
                                allgather_bucket_size=args.bucket, overlap_comm=True, prefetch_depth=1,
                                release_host_memory=release, **({} if pinned else {"host_mmap_threshold": 0}))
+    if not huge:
+        enable_huge_pages(False)
     phases.mark("initialize")
     return _engine_step(engine, lambda x: engine(x), phases)
 
@@ -228,6 +235,11 @@ def deepspeed_step(model, args, phases: Phases):
 
 def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
     """One rank of one variant: build, train the warm-up and measured steps, report."""
+    huge = False
+    if variant in ("ours", "ours-meta", "ours+release"):  # before any tensor exists: torch reads it once
+        from zero.offload.hugepages import enable_torch_huge_pages
+
+        huge = enable_torch_huge_pages()
     if variant == "deepspeed":
         import deepspeed  # noqa: F401 - its imports belong to the baseline, not to the training's RSS
     import moe_lst.models.hf  # noqa: F401
@@ -251,17 +263,33 @@ def _rank(kind: str, variant: str, args: argparse.Namespace) -> dict:
 
         adopt_moe_blocks(model)
         train_step = plain_step(model, phases)
-    elif variant in ("ours", "ours-meta", "ours+release", "ours-unpinned"):
+    elif variant in ("ours", "ours-meta", "ours+release", "ours-unpinned", "ours-4k"):
         train_step = ours_step(model, args, phases, release=variant == "ours+release",
-                               pinned=variant != "ours-unpinned")
+                               pinned=variant != "ours-unpinned", huge=variant != "ours-4k")
     elif variant == "deepspeed":
         train_step = deepspeed_step(model, args, phases)
     else:
         raise ValueError(variant)
     phases.marks.setdefault("initialize", phases.marks["build"])  # the plain loop has nothing to initialise
-    figures = zero_bench.timed_steps(train_step, model.config.vocab_size, rank, counts, args)
+    faults: list[int] = []
+    figures = zero_bench.timed_steps(_counting_faults(train_step, faults), model.config.vocab_size, rank, counts,
+                                     args)
     return {"params": n_params, "experts_impl": experts, **figures, "baseline_rss_mb": baseline,
-            "phases": phases.marks}
+            "phases": phases.marks, "faults_per_step": statistics.median(faults[args.warmup:]),
+            "torch_huge_pages": huge}
+
+
+def _counting_faults(train_step, faults: list[int]):
+    """`train_step` appending to `faults` the minor page faults this process takes in each step."""
+    import resource
+
+    def counted(x, y):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        loss = train_step(x, y)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        return loss
+
+    return counted
 
 
 # ---------------------------------------------------------------------------- the runs and the report
@@ -269,6 +297,7 @@ def variants_of(kind: str, args: argparse.Namespace) -> list[str]:
     """The variants run for `kind`: those that apply to it (plain+grouped: a sparse-MoE block type the hand-written
     swap covers; ours-meta: a dense model), less those --variants leaves out and DeepSpeed where it cannot run."""
     applies = ["plain", *(["plain+grouped"] if kind == "qwen3_moe" else []), "ours", "ours+release", "ours-unpinned",
+               "ours-4k",
                *(["ours-meta"] if kind == "llama" else []), "deepspeed"]
     chosen = applies if args.variants is None else [v for v in applies if v in args.variants]
     return [v for v in chosen if v != "deepspeed" or args.with_deepspeed]
@@ -295,10 +324,14 @@ def run_model(kind: str, args: argparse.Namespace) -> dict[str, list[dict]]:
                     continue
             largest = max(ranks, key=lambda r: r["peak_rss_mb"])  # its phases: the rank whose peak is reported
             row = {**zero_bench.summarise_ranks(ranks), "experts_impl": ranks[0]["experts_impl"],
-                   "phases": largest["phases"], "baseline": largest["baseline_rss_mb"], "round": round_}
+                   "phases": largest["phases"], "baseline": largest["baseline_rss_mb"], "round": round_,
+                   "faults": max(r["faults_per_step"] for r in ranks),
+                   "torch_huge_pages": all(r["torch_huge_pages"] for r in ranks)}
             rows.setdefault(variant, []).append(row)
             print(f"done {kind} {variant} round {round_ + 1}/{args.repeats}: {row['step_s']:.3f} s/step, "
-                  f"peak {row['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
+                  f"peak {row['peak_rss_mb']:.0f} MB, {row['faults']:.0f} page faults/step, torch's large blocks "
+                  f"huge-page advised: {row['torch_huge_pages']}", file=sys.stderr,
+                  flush=True)
     return rows
 
 
@@ -329,10 +362,11 @@ def report(kind: str, runs: dict[str, list[dict]], args: argparse.Namespace) -> 
     for name, row in rows.items():
         losses = " ".join(f"{x:.4f}" for x in row["losses"])
         print(f"{name:>14} {row['step_s']:>8.3f} {row['peak_rss_mb']:>11.0f} {row['train_rss_mb']:>12.0f}  {losses}")
-    if args.repeats > 1:
-        print(f"{kind} each round, step s / peak RSS MB:")
-        for name, each in runs.items():
-            print(f"{name:>14} " + "  ".join(f"{r['step_s']:.3f} / {r['peak_rss_mb']:.0f}" for r in each))
+    print(f"{kind} each round, step s / peak RSS MB / minor page faults per measured step (median; the rank with "
+          "more):")
+    for name, each in runs.items():
+        print(f"{name:>14} " + "  ".join(f"{r['step_s']:.3f} / {r['peak_rss_mb']:.0f} / {r['faults']:.0f}"
+                                         for r in each))
     print(f"{kind} memory at phases, MiB, the rank with the larger peak (RSS after start-up imports, then VmRSS "
           "after build and initialize and after the last step's forward, backward and step; VmHWM at the end), "
           "first round:")
@@ -368,6 +402,7 @@ def report(kind: str, runs: dict[str, list[dict]], args: argparse.Namespace) -> 
     ratio("ours, allocator left alone (host_mmap_threshold=0)/deepspeed peak memory", "ours-unpinned", "deepspeed",
           "peak_rss_mb", "step_s")
     ratio("ours/ours with the allocator left alone step time", "ours", "ours-unpinned", "step_s", "peak_rss_mb")
+    ratio("ours/ours without huge page advice step time", "ours", "ours-4k", "step_s", "peak_rss_mb")
     ratio("ours/plain step time", "ours", "plain", "step_s", "peak_rss_mb")
     if "plain" in runs and "plain+grouped" in runs:
         value, _ = _ratio(runs, "plain", "plain+grouped", "step_s")
@@ -393,7 +428,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default=None, help=f"of {','.join(KINDS)} (default: all; quick: "
                         f"{','.join(QUICK_KINDS)})")
     parser.add_argument("--variants", default=None, help="of plain,plain+grouped,ours,ours+release,ours-unpinned,"
-                        "ours-meta,deepspeed (default: every one that applies)")
+                        "ours-4k,ours-meta,deepspeed (default: every one that applies)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the variants, interleaved (figures: "
                         "medians over rounds)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 3; quick 1)")

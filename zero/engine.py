@@ -19,6 +19,7 @@ from zero.config import ZeroConfig
 from zero.contract import ModelContract
 from zero.dist import comm
 from zero.dist.topology import ParallelDims, default_device, group_size, peak_rss_bytes, release_free_host_memory
+from zero.offload.hugepages import enable_huge_pages
 from zero.offload.masters import streamed_shard
 from zero.offload.nvme import check_nvme_path, pin_mmap_threshold
 from zero.optim.bound import BoundOptimizer, StepOverride
@@ -151,6 +152,7 @@ class Engine:
         self._tied = {id(self._meta_ids.get(id(p), p)): g for p, g in tied_params.items() if g is not None}
         if pins_host_allocator(config, next(model.parameters(), torch.empty(0)).device):
             pin_mmap_threshold(config.host_mmap_threshold)  # before the buckets are built and gathered
+            enable_huge_pages(True)  # its fresh per-step mappings then fault in 2 MiB pages where THP allows
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage3: Stage3Hooks | None = None
         #: The bucket policy's layout (zero.sharding.policy), the one the planner predicts: buckets in reduction order.

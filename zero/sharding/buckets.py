@@ -16,6 +16,7 @@ from torch.distributed import ProcessGroup
 
 from zero.dist import comm, quantized
 from zero.dist.topology import group_rank, group_size
+from zero.offload.hugepages import advise_huge_pages
 from zero.offload.nvme import TensorFile
 
 
@@ -174,6 +175,7 @@ class FlatBucket:
         if self.resident or self.gathered:
             return None
         _resize_storage(self.full, self.padded * self.full.element_size())
+        advise_huge_pages(self.full)  # before the gather first writes it: faulted in 2 MiB pages where THP allows
         self.gathered = True
         if backward and self.secondary is not None:
             self._gather_source = self.secondary

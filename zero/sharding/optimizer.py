@@ -17,6 +17,7 @@ from torch.distributed import ReduceOp
 
 from zero.config import ZeroConfig
 from zero.dist import comm, quantized
+from zero.offload.hugepages import empty_advised, zeros_advised
 from zero.offload.masters import build_masters
 from zero.sharding.buckets import FlatBucket
 
@@ -73,7 +74,7 @@ def _reduce(bucket: FlatBucket, flat: torch.Tensor, async_op: bool):
         return out, quantized.reduce_scatter(out, flat, bucket.grad_group, bucket.grad_codec, bucket.quant_block,
                                              async_op=async_op)
     if bucket.sharded and bucket.world > 1:
-        out = torch.empty(bucket.shard_size, dtype=flat.dtype, device=flat.device)
+        out = empty_advised(bucket.shard_size, flat.dtype, flat.device)
         return out, comm.reduce_scatter_scratch(out, flat, bucket.grad_group, async_op=async_op)  # (flat: ours)
     return flat, comm.all_reduce(flat, bucket.grad_group, async_op=async_op)
 
@@ -243,7 +244,7 @@ class HookGradReducer:
         t, self._spare = self._spare, None
         if t is not None and t.numel() == b.padded and t.dtype == b.dtype and t.device == b.device:
             return t.zero_()
-        return torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+        return zeros_advised(b.padded, b.dtype, b.device)  # faulted in 2 MiB pages where THP allows
 
     def _launch(self, progress: _BucketProgress, flat: torch.Tensor) -> None:
         out, handle = _reduce(progress.bucket, flat, self.overlap)
