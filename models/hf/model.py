@@ -129,6 +129,10 @@ def structure_problems(causal_lm: PreTrainedModel) -> list[str]:
     return problems
 
 
+#: Routers whose choice of experts in training is a random draw per call (not a function of the weights and input).
+SAMPLED_ROUTING = {"PhimoeTopKRouter": "samples its experts in training (sparsemixer's Gumbel draws, new per call)"}
+
+
 class HFCausalLM(nn.Module, ModelContract):
     """A transformers causal LM under the model contract: blocks are its `_no_split_modules` layers, attention
     sites its AttentionInterface modules, MLP sites the blocks' dense `mlp` children; `init_parameter` is the
@@ -153,6 +157,10 @@ class HFCausalLM(nn.Module, ModelContract):
         if problems:
             raise NotImplementedError(f"model_type={config.model_type!r} ({type(causal_lm).__name__}) is not covered "
                                       f"by the Hugging Face adapter: {'; '.join(problems)}")
+        sampled = next((m for m in causal_lm.modules() if type(m).__name__ in SAMPLED_ROUTING), None)
+        if sampled is not None:
+            raise NotImplementedError(f"model_type={config.model_type!r}: {type(sampled).__name__} "
+                                      f"{SAMPLED_ROUTING[type(sampled).__name__]}: not supported")
         self.__dict__["causal_lm"] = causal_lm  # not a child: its children are ours, under the same names
         self.config = config
         for name, child in causal_lm.named_children():
