@@ -210,6 +210,9 @@ def _plain_loss(model, x: torch.Tensor, y: torch.Tensor, value_only_ce: bool = F
     loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
     aux = getattr(out, "aux_loss", None)
     if aux is not None:
+        if getattr(model.config, "router_aux_loss_coef", None) is None:
+            raise NotImplementedError(f"{type(model.config).__name__} has no router_aux_loss_coef: the balancing loss "
+                                      "its model returns is scaled by a key the adapter does not read")
         term = model.config.router_aux_loss_coef * aux
         loss = loss + (term - term.detach() if value_only_ce else term)
     return loss

@@ -161,6 +161,14 @@ class HFCausalLM(nn.Module, ModelContract):
         if sampled is not None:
             raise NotImplementedError(f"model_type={config.model_type!r}: {type(sampled).__name__} "
                                       f"{SAMPLED_ROUTING[type(sampled).__name__]}: not supported")
+        if getattr(config, "attention_chunk_size", None):
+            raise NotImplementedError(f"model_type={config.model_type!r}: attention_chunk_size="
+                                      f"{config.attention_chunk_size} (chunked attention, through the mask): not "
+                                      "supported")
+        indexer = next((m for m in causal_lm.modules() if type(m).__name__.endswith("Indexer")), None)
+        if indexer is not None:
+            raise NotImplementedError(f"model_type={config.model_type!r}: {type(indexer).__name__} (a sparse "
+                                      "attention's top-k indexer) needs an attention mask: not supported")
         self.__dict__["causal_lm"] = causal_lm  # not a child: its children are ours, under the same names
         self.config = config
         for name, child in causal_lm.named_children():
