@@ -90,8 +90,8 @@ def config_file(source: str | Path) -> Path:
 
 
 def _read(file: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(file.read_text())
+    try:  # (as transformers reads it: floats it cannot write as JSON, e.g. Infinity, are tagged objects)
+        raw = PreTrainedConfig._dict_from_json_file(file)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HFConfigError(f"{file} is not a readable JSON config ({e})") from None
     if not isinstance(raw, dict):

@@ -77,6 +77,10 @@ def _stages_per_rank(par: Any) -> int:
         return 1
 
 
+#: Config keys that bound a model's positions, in the order read (the first one the config has as an int).
+POSITION_LIMIT_KEYS = ("max_position_embeddings", "max_target_positions", "n_positions", "max_sequence_length")
+
+
 class HFSpec(FamilySpec):
     """Any causal LM of a model type the adapter covers (moe_lst.models.hf): data, sequence (Ulysses) and expert
     parallelism; tensor and pipeline parallelism where the adapter maps the config's plans (check_layout)."""
@@ -95,9 +99,12 @@ class HFSpec(FamilySpec):
         config = hf_model_config(cfg)
         check_attention(cfg)
         seq_len, fix = cfg.train.seq_len, "lower train.seq_len or set model.hf.overrides.{key}"
-        if seq_len > config.max_position_embeddings:
-            raise ConfigError(f"train.seq_len={seq_len} does not fit the model: its max_position_embeddings="
-                              f"{config.max_position_embeddings}; {fix.format(key='max_position_embeddings')}")
+        # (the key its positions are bounded by: decoders of encoder-decoder families name it otherwise; a model with
+        # none, e.g. recurrent layers beside local attention, has no bound)
+        key = next((k for k in POSITION_LIMIT_KEYS if isinstance(getattr(config, k, None), int)), None)
+        if key is not None and seq_len > getattr(config, key):
+            raise ConfigError(f"train.seq_len={seq_len} does not fit the model: its {key}={getattr(config, key)}; "
+                              f"{fix.format(key=key)}")
         window = sliding_window(config)
         if window is not None and window < seq_len:
             raise ConfigError(f"train.seq_len={seq_len} is longer than the model's sliding_window={window}: the "
@@ -285,9 +292,9 @@ def _meta_buildable(config_json: str) -> bool:
     import json
 
     from moe_lst.models.hf import build
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PreTrainedConfig
 
-    values = json.loads(config_json)
+    values = PreTrainedConfig._decode_special_floats(json.loads(config_json))  # (to_json_string tags Infinity)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     try:
         with torch.random.fork_rng(devices=[]):

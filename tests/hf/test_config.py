@@ -108,3 +108,18 @@ def test_command_line_exits_2_in_one_line(tmp_path):
     assert run.stderr.count("\n") == 1 and run.stderr.startswith("error: model.hf.config=") and \
         "model_type='bert'" in run.stderr and "is not covered by the Hugging Face adapter" in run.stderr, run.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_configs_with_tagged_floats_and_other_position_keys_are_read(tmp_path):
+    # transformers writes floats JSON has no literal for as tagged objects (bamba's time_step_limit [0, Infinity]),
+    # and bounds some decoders' positions under another key (whisper's max_target_positions)
+    from moe_lst.models.hf.coverage import tiny_config
+
+    tiny_config("bamba").save_pretrained(tmp_path / "bamba")
+    assert '"__float__": "Infinity"' in (tmp_path / "bamba" / "config.json").read_text()
+    _check(tmp_path, f"model.hf.config={tmp_path / 'bamba'}", "train.seq_len=16")
+    tiny_config("whisper").save_pretrained(tmp_path / "whisper")
+    _check(tmp_path, f"model.hf.config={tmp_path / 'whisper'}", "train.seq_len=16")
+    with pytest.raises(ConfigError, match=r"train.seq_len=4096 does not fit the model: its max_target_positions=\d+; "
+                                          r"lower train.seq_len or set model.hf.overrides.max_target_positions"):
+        _check(tmp_path, f"model.hf.config={tmp_path / 'whisper'}", "train.seq_len=4096")
