@@ -110,6 +110,14 @@ def _check_meta(model: nn.Module, param_init: ParamInit | None) -> torch.device 
     return default_device()
 
 
+def _tune_host_allocator(model: nn.Module, config: ZeroConfig) -> None:
+    """Pin glibc's mmap threshold where the engine should (`pins_host_allocator`), and advise the fresh per-step
+    mappings it then makes to fault in 2 MiB pages where the kernel's transparent huge pages allow."""
+    if pins_host_allocator(config, next(model.parameters(), torch.empty(0)).device):
+        pin_mmap_threshold(config.host_mmap_threshold)
+        enable_huge_pages(True)
+
+
 def pins_host_allocator(config: ZeroConfig, device: torch.device) -> bool:
     """Whether the engine pins glibc's mmap threshold at `config.host_mmap_threshold` (0: never): with nvme
     parameter offload, and at stage 3 on a CPU `device` (the parameters', where units are gathered). Left alone, glibc
@@ -150,9 +158,7 @@ class Engine:
         self._tp_replicas = {id(self._meta_ids.get(id(p), p)): k for p, k in replicated_params.items() if k > 1}
         # Parameters with a copy on other ranks (a pipeline's tied embedding and head): gradients summed there.
         self._tied = {id(self._meta_ids.get(id(p), p)): g for p, g in tied_params.items() if g is not None}
-        if pins_host_allocator(config, next(model.parameters(), torch.empty(0)).device):
-            pin_mmap_threshold(config.host_mmap_threshold)  # before the buckets are built and gathered
-            enable_huge_pages(True)  # its fresh per-step mappings then fault in 2 MiB pages where THP allows
+        _tune_host_allocator(model, config)  # before the buckets are built and gathered
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage3: Stage3Hooks | None = None
         #: The bucket policy's layout (zero.sharding.policy), the one the planner predicts: buckets in reduction order.
