@@ -382,14 +382,18 @@ def multirank_applies(config, layout: str) -> str | None:
             return f"refused: {str(e).split(', but ', 1)[-1]}"  # (what the runtime does not map)
         return None
     if layout == "sp2":
-        from moe_lst.models.hf.structure import blocks_outside_attention
+        from moe_lst.models.hf.structure import blocks_outside_attention, positions_from_length
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            outside = blocks_outside_attention(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
+            causal_lm = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        outside = blocks_outside_attention(causal_lm)
         if outside:
             return (f"n/a (refused: {outside[0]} mixes tokens outside AttentionInterface, so Ulysses shards do not "
                     "reach it)")
+        if positions_from_length(causal_lm):
+            return (f"n/a (refused: {positions_from_length(causal_lm)} takes no position_ids, so Ulysses shards would "
+                    "get positions from 0)")
     return None
 
 

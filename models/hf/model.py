@@ -32,7 +32,8 @@ from moe_lst.models.hf import attention as hf_attn
 from moe_lst.models.hf.attention import ATTENTION, attention_of, hf_attention, hf_dense_attention, set_attention
 from moe_lst.models.hf.balance import BalancingLoss, router_modules
 from moe_lst.models.hf.experts import adopt_experts, expert_tensor_parallel, is_experts
-from moe_lst.models.hf.structure import attention_modules, blocks_outside_attention, decoder_blocks
+from moe_lst.models.hf.structure import (attention_modules, blocks_outside_attention, decoder_blocks,
+                                        positions_from_length)
 from moe_lst.models.init_replay import Fill, Replay
 from torch.distributed import ProcessGroup
 from transformers import AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
@@ -195,6 +196,7 @@ class HFCausalLM(nn.Module, ModelContract):
             attention_fn = hf_dense_attention  # the same, with sliding windows and sinks
         self._sites = [n for n, _ in attention_modules(causal_lm)]
         self.outside_attention = blocks_outside_attention(causal_lm)
+        self.positions_from_length = positions_from_length(causal_lm)
         for name in self._sites:
             set_attention(self.get_submodule(name), attention_fn)
 
@@ -386,6 +388,12 @@ class HFCausalLM(nn.Module, ModelContract):
                 f"{type(self.causal_lm).__name__}: layers {', '.join(self.outside_attention[:2])} mix tokens outside "
                 f"transformers' AttentionInterface, so {'packed documents' if packed else 'Ulysses sequence shards'} "
                 "do not reach them: train it unpacked and without sequence parallelism")
+        if self.positions_from_length and (packed or self._sequence_split()):
+            what = "packed documents" if packed else "Ulysses sequence shards"
+            raise NotImplementedError(
+                f"{type(self.causal_lm).__name__}: {self.positions_from_length} takes no position_ids (it numbers the "
+                f"positions of the sequence it is given from 0), so {what} would get other positions: train it "
+                "unpacked and without sequence parallelism")
         kwargs = dict(input_ids=tokens, position_ids=positions, use_cache=False)
         if documents is not None:
             kwargs["documents"] = documents

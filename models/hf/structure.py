@@ -4,6 +4,8 @@ otherwise."""
 
 from __future__ import annotations
 
+import inspect
+
 from moe_lst.models.hf.attention import calls_attention_interface
 from torch import nn
 
@@ -29,3 +31,22 @@ def blocks_outside_attention(causal_lm: nn.Module) -> list[str]:
     them."""
     sites = [n for n, _ in attention_modules(causal_lm)]
     return [b for b, _ in decoder_blocks(causal_lm) if not any(s.startswith(b + ".") for s in sites)]
+
+
+def positions_from_length(causal_lm: nn.Module) -> str | None:
+    """The module running the repeated layers where neither it nor a module above it takes `position_ids` in its
+    forward (it numbers positions 0..s-1 over the sequence it is given: neither a Ulysses shard nor a packed
+    document gets its own positions then), else None."""
+    blocks = decoder_blocks(causal_lm)
+    if not blocks:
+        return None
+    parts = blocks[0][0].split(".")
+    owner = parts[:-2] if len(parts) > 2 and parts[-1].isdigit() else parts[:-1]
+    for depth in range(len(owner), -1, -1):
+        module = causal_lm.get_submodule(".".join(owner[:depth])) if depth else causal_lm
+        try:
+            if "position_ids" in inspect.signature(module.forward).parameters:
+                return None
+        except (TypeError, ValueError):
+            return None
+    return f"{'.'.join(owner) or type(causal_lm).__name__} ({type(causal_lm.get_submodule('.'.join(owner))).__name__})"

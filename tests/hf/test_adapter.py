@@ -173,3 +173,24 @@ def test_contract_parts_and_refusals():
         from tests.hf.tiny import plain_model as plain
 
         adapted_copy(plain("gemma2", **GEMMA2))(x)
+
+
+def test_a_model_that_numbers_positions_itself_refuses_packed_documents_and_sequence_shards():
+    # PLBart's decoder takes no position_ids (it numbers the sequence it is given from 0): packed documents and
+    # Ulysses shards would get other positions; whisper's decoder takes them, as the Llama's model does
+    from moe_lst.models.hf import build
+    from moe_lst.models.hf.coverage import tiny_config as swept_config
+    from moe_lst.models.hf.structure import positions_from_length
+
+    model = build(swept_config("plbart"))
+    assert model.positions_from_length == "model.decoder (PLBartDecoder)"
+    tokens = torch.randint(3, 200, (1, 8))
+    model(tokens)  # (one whole sequence: its own positions)
+    with pytest.raises(NotImplementedError, match=r"model.decoder \(PLBartDecoder\) takes no position_ids .* packed "
+                                                  r"documents would get other positions"):
+        model(tokens, torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), packed=True)
+    for kind in ("llama", "whisper"):
+        with torch.device("meta"):
+            from transformers import AutoModelForCausalLM
+
+            assert positions_from_length(AutoModelForCausalLM.from_config(swept_config(kind))) is None
