@@ -347,15 +347,22 @@ class HFCausalLM(nn.Module, ModelContract):
                 target._parameters = {k: None if p is None else torch.empty(p.shape, dtype=p.dtype)
                                       for k, p in module._parameters.items()}
                 target._buffers = dict(module._buffers)
-            unset = {n: _unset_value(module._buffers[n].dtype, f"{type(module).__name__}.{n}") for n in meta}
+            # Filled with a value the init must overwrite (NaN; an integer or bool buffer is initialised again from
+            # a second fill, under a forked generator, and must come out the same), so an unset buffer shows.
+            fills = {n: _unset_values(module._buffers[n].dtype, f"{type(module).__name__}.{n}") for n in meta}
+            done = _init_buffers(self.causal_lm, target, {n: (module._buffers[n].shape, module._buffers[n].dtype,
+                                                             fills[n][0]) for n in meta}, device)
+            again = done
+            if any(len(f) == 2 for f in fills.values()):
+                with torch.random.fork_rng(devices=[]):
+                    again = _init_buffers(self.causal_lm, target, {n: (module._buffers[n].shape,
+                                                                       module._buffers[n].dtype, fills[n][-1])
+                                                                   for n in meta}, device)
+            unset = [n for n in meta if (done[n].isnan().any() if len(fills[n]) == 1
+                                         else not torch.equal(done[n], again[n]))]
             for n in meta:
-                target._buffers[n] = torch.full(module._buffers[n].shape, unset[n], dtype=module._buffers[n].dtype,
-                                                device=device)
-            self.causal_lm._init_weights(target)
-            for n in meta:
-                module._buffers[n] = target._buffers[n]
-            if any((module._buffers[n].isnan() if isinstance(unset[n], float) else module._buffers[n] == unset[n]).any()
-                   for n in meta):
+                module._buffers[n] = done[n]
+            if unset:
                 raise NotImplementedError(f"{type(module).__name__}: its buffers have no init in "
                                           f"{type(self.causal_lm).__name__}._init_weights; build it on a real device")
 
@@ -624,15 +631,26 @@ def _num_experts(config: PreTrainedConfig, causal_lm: nn.Module) -> int:
     return next(int(m.expert_range[1] - m.expert_range[0]) for m in causal_lm.modules() if is_experts(m))
 
 
-def _unset_value(dtype: torch.dtype, name: str) -> float | int:
+def _unset_values(dtype: torch.dtype, name: str) -> tuple:
     """What a meta-device buffer of `dtype` is filled with before its init, to tell afterwards whether the init set
-    it: NaN for floating point, the dtype's least value for integers (an integer scale, e.g. an embedding's)."""
+    it: NaN for floating point; for integers and bools two fills (the dtype's least and greatest value, True and
+    False), initialised in turn, which give the same values only if the init set them."""
     if dtype.is_floating_point:
-        return math.nan
-    if dtype == torch.bool or dtype.is_complex:
+        return (math.nan,)
+    if dtype.is_complex:
         raise NotImplementedError(f"{name}: a {dtype} buffer, whose init a meta-device build cannot check; build "
                                   "this model on a real device")
-    return torch.iinfo(dtype).min
+    if dtype == torch.bool:
+        return (True, False)
+    return (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+
+
+def _init_buffers(causal_lm: nn.Module, target: nn.Module, buffers: dict, device) -> dict[str, torch.Tensor]:
+    """`target`'s buffers (name -> shape, dtype, fill) filled and then initialised by the model's `_init_weights`."""
+    for n, (shape, dtype, fill) in buffers.items():
+        target._buffers[n] = torch.full(shape, fill, dtype=dtype, device=device)
+    causal_lm._init_weights(target)
+    return {n: target._buffers[n] for n in buffers}
 
 
 def _site(name: str, module: nn.Module) -> AttentionSite:

@@ -194,3 +194,24 @@ def test_a_model_that_numbers_positions_itself_refuses_packed_documents_and_sequ
             from transformers import AutoModelForCausalLM
 
             assert positions_from_length(AutoModelForCausalLM.from_config(swept_config(kind))) is None
+
+
+def test_a_meta_build_checks_that_the_init_sets_integer_and_bool_buffers(monkeypatch):
+    # gpt_bigcode's causal-mask buffer is bool, minicpm3's embedding scale int64: each is filled twice (True then
+    # False, the least then the greatest value) and must come out of the model's init the same; one the init leaves
+    # alone is refused by name
+    from moe_lst.models.hf import build
+    from moe_lst.models.hf.coverage import tiny_config as swept_config
+
+    for kind in ("gpt_bigcode", "minicpm3"):
+        eager = dict(build(swept_config(kind)).named_buffers())
+        meta = build(swept_config(kind), meta=True)
+        meta.materialise_buffers()
+        assert {k: b.dtype for k, b in meta.named_buffers()} == {k: b.dtype for k, b in eager.items()}
+        assert all(torch.equal(b, eager[k]) for k, b in meta.named_buffers()), kind
+    from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeForCausalLM
+
+    config = swept_config("gpt_bigcode")
+    monkeypatch.setattr(GPTBigCodeForCausalLM, "_init_weights", lambda self, module: None)
+    with pytest.raises(NotImplementedError, match=r"its buffers have no init in GPTBigCodeForCausalLM._init_weights"):
+        build(config, meta=True)
