@@ -62,7 +62,8 @@ def _banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = logits.softmax(dim=-1)[..., :-1]
     else:
-        probs = scores.float().softmax(dim=-1).to(scores.dtype)
+        # (at least fp32: a float64 model keeps its precision)
+        probs = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1).to(scores.dtype)
     return torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
 
 

@@ -215,3 +215,23 @@ def test_a_meta_build_checks_that_the_init_sets_integer_and_bool_buffers(monkeyp
     monkeypatch.setattr(GPTBigCodeForCausalLM, "_init_weights", lambda self, module: None)
     with pytest.raises(NotImplementedError, match=r"its buffers have no init in GPTBigCodeForCausalLM._init_weights"):
         build(config, meta=True)
+
+
+def test_a_sliding_window_model_in_float64_equals_plain_transformers_exactly():
+    # the banded path (sliding windows, sinks) keeps a float64 model's precision: its logits are the plain model's to
+    # float64 rounding (a float32 softmax inside left them 2.6e-7 apart)
+    import copy
+
+    from moe_lst.models.hf import build
+    from moe_lst.models.hf.coverage import _batch, _plain
+    from moe_lst.models.hf.coverage import tiny_config as swept_config
+
+    config = swept_config("gemma3_text")
+    torch.manual_seed(0)
+    ours = build(config)
+    plain = _plain(config)
+    plain.load_state_dict(ours.state_dict(), strict=False)
+    x, _ = _batch(0)
+    with torch.no_grad():
+        want, got = plain.double()(input_ids=x).logits, copy.deepcopy(ours).double()(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
