@@ -150,10 +150,8 @@ class _AdoptedExperts:
             p = self._parameters.get(name)
             if p is None or split.dim is None:
                 continue
-            parts = p.data.chunk(2, split.dim) if split.halves else (p.data,)
-            kept = torch.cat([q.narrow(split.dim, rank * q.shape[split.dim] // tp, q.shape[split.dim] // tp)
-                              for q in parts], split.dim)
-            self.register_parameter(name, nn.Parameter(kept.clone(), requires_grad=p.requires_grad))
+            self.register_parameter(name, nn.Parameter(split.local(p.data, rank, tp).clone(),
+                                                       requires_grad=p.requires_grad))
         if self._parameters.get("down_proj_bias") is not None:
             substitute_parameters(self, {"down_proj_bias": lambda b: sum_grad(b, tp_group) / tp})
         return {n: s for n, s in splits.items() if self._parameters.get(n) is not None}
@@ -234,24 +232,20 @@ class _AdoptedLayer(MoELayer):
         splits = {f"experts.{n}": s for n, s in self.experts.keep_hidden(tp_group).items()}
         for name, kind in shared.items():
             linear = self.get_submodule(name)
-            dim = 1 if kind == "rowwise" else 0
-            w = linear.weight.data
-            parts = w.chunk(2, 0) if kind == "halves" else (w,)
-            size = [q.shape[dim] // tp for q in parts]
-            linear.weight = nn.Parameter(torch.cat([q.narrow(dim, rank * n, n) for q, n in zip(parts, size)], dim)
-                                         .clone(), requires_grad=linear.weight.requires_grad)
-            splits[f"{name}.weight"] = TensorSplit(dim, halves=kind == "halves")
+            split = TensorSplit(1 if kind == "rowwise" else 0, halves=kind == "halves")
+            linear.weight = nn.Parameter(split.local(linear.weight.data, rank, tp).clone(),
+                                         requires_grad=linear.weight.requires_grad)
+            splits[f"{name}.weight"] = split
             if linear.bias is None:
                 continue
             if kind == "rowwise":  # (added once: its share on every rank, the gradient summed)
                 substitute_parameters(linear, {"bias": lambda b: sum_grad(b, tp_group) / tp})
                 splits[f"{name}.bias"] = TensorSplit(None, replicas=tp)
             else:
-                b = linear.bias.data
-                parts = b.chunk(2, 0) if kind == "halves" else (b,)
-                linear.bias = nn.Parameter(torch.cat([q.narrow(0, rank * (q.shape[0] // tp), q.shape[0] // tp)
-                                                      for q in parts]).clone(), requires_grad=linear.bias.requires_grad)
-                splits[f"{name}.bias"] = TensorSplit(0, halves=kind == "halves")
+                split = TensorSplit(0, halves=kind == "halves")
+                linear.bias = nn.Parameter(split.local(linear.bias.data, rank, tp).clone(),
+                                           requires_grad=linear.bias.requires_grad)
+                splits[f"{name}.bias"] = split
             linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
         for module_name, module in self.named_modules():
             replicated = [n for n, p in module.named_parameters(recurse=False)

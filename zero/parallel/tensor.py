@@ -262,6 +262,17 @@ class TensorSplit:
             return torch.cat([h[0] for h in halves] + [h[1] for h in halves], self.dim)
         return torch.cat(list(parts), self.dim)
 
+    def local(self, whole: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        """Tp rank `rank`'s local tensor cut from the full one (the inverse of `assemble`; a view)."""
+        if self.dim is None:
+            return whole
+        if self.slots:
+            size = whole.shape[self.dim] // self.slots
+            return whole.narrow(self.dim, rank * self.slots // world * size, size)
+        parts = whole.chunk(2, self.dim) if self.halves else (whole,)
+        cut = [q.narrow(self.dim, rank * (q.shape[self.dim] // world), q.shape[self.dim] // world) for q in parts]
+        return cut[0] if len(cut) == 1 else torch.cat(cut, self.dim)
+
     def placement(self, local_shape: Sequence[int], rank: int, world: int) -> Placement:
         """Where tp rank `rank`'s local tensor of `local_shape` lies in the full tensor."""
         if self.dim is None:
