@@ -552,12 +552,8 @@ class Engine:
                 done_reading(shard)  # a loaded shard's file pages leave the process one tensor at a time
                 if b.resident and b.sharded and b.world > 1:
                     comm.all_gather_into_tensor(b.full, b.shard_tensor().clone(), b.group)
-        masters = self.zero_optimizer.masters
-        for i, (b, v) in enumerate(zip(self.zero_optimizer.trainable, [v for b, v in zip(self.buckets, state["shards"])
-                                                                        if b.trainable])):
-            masters.write_master(i, v)  # ZeroOptimizer.load_masters, bucket by bucket
-            b.write_shard(v)
-            done_reading(v)
+        self.zero_optimizer.load_masters([v for b, v in zip(self.buckets, state["shards"]) if b.trainable],
+                                         done=done_reading)
         self.zero_optimizer.masters.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -437,11 +437,14 @@ class ZeroOptimizer:
         self.masters.clear_grads()
 
     @torch.no_grad()
-    def load_masters(self, values: list[torch.Tensor]) -> None:
-        """Set every trainable bucket's fp32 master (and its compute-dtype shard) from `values`."""
+    def load_masters(self, values: list[torch.Tensor], done: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Set every trainable bucket's fp32 master (and its compute-dtype shard) from `values`, calling `done(v)`
+        once each value is written (a loaded checkpoint's tensor then releases its file pages, bucket by bucket)."""
         for i, (b, v) in enumerate(zip(self.trainable, values)):
             self.masters.write_master(i, v)
             b.write_shard(v)
+            if done is not None:
+                done(v)
 
     def read_master(self, b: FlatBucket) -> torch.Tensor:
         """This rank's fp32 master shard of trainable bucket `b` (read from wherever it lives)."""
