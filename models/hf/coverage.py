@@ -391,9 +391,9 @@ def multirank_applies(config, layout: str) -> str | None:
         if outside:
             return (f"n/a (refused: {outside[0]} mixes tokens outside AttentionInterface, so Ulysses shards do not "
                     "reach it)")
-        if positions_from_length(causal_lm):
-            return (f"n/a (refused: {positions_from_length(causal_lm)} takes no position_ids, so Ulysses shards would "
-                    "get positions from 0)")
+        numbering = positions_from_length(causal_lm)
+        if numbering:
+            return f"n/a (refused: {numbering} takes no position_ids, so Ulysses shards would get positions from 0)"
     return None
 
 
