@@ -43,7 +43,7 @@ TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_lay
             linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
             encoder_attention_heads=4, decoder_attention_heads=4, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
             d_head=8, d_inner=48, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-            expert_layer_offset=1)
+            expert_layer_offset=1, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8)
 #: Dropout keys zeroed (the adapter trains without dropout).
 DROPOUT = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
            "hidden_dropout_prob", "attention_probs_dropout_prob", "embedding_dropout", "residual_dropout",
@@ -104,8 +104,9 @@ def _tiny_values(kind: str) -> dict[str, Any]:
             values[key] = list(dict.fromkeys(getattr(base, key)))[-layers:]
     if "attn_layer_indices" in known:  # (a hybrid with no attention layer unless told)
         values["attn_layer_indices"] = [layers - 1]
-    if isinstance(getattr(base, "per_layer_config", None), dict):  # (per-layer overrides of the tiny sizes)
-        values["per_layer_config"] = {}
+    defaults = base.to_dict()
+    if defaults.get("per_layer_config"):
+        values["per_layer_config"] = _tiny_layer_overrides(defaults, values, layers)
     aliases = set(getattr(base, "attribute_map", {}).values())
     if "num_heads" in known and "num_heads" not in aliases and isinstance(getattr(base, "expand", None), int):
         # (state-space heads: num_heads * head_dim spans expand * hidden_size)
@@ -114,6 +115,30 @@ def _tiny_values(kind: str) -> dict[str, Any]:
         if isinstance(getattr(base, key, None), list):
             values[key] = []
     return {k: v for k, v in values.items() if not _read_only(cls, k)}
+
+
+def _tiny_layer_overrides(defaults: dict[str, Any], values: dict[str, Any], layers: int) -> dict[int, dict]:
+    """The tiny model's per-layer overrides (a heterogeneous config's `per_layer_config`): tiny layer i takes the
+    overrides of the first default layer of its kind (of layer i where the config names no kinds), each size that the
+    tiny config shrinks scaled by the same ratio (Gemma 4's 512-wide global heads against its 256-wide ones give 16
+    against 8), so the tiny model keeps the family's heterogeneity without its full-size widths."""
+    per_layer = {int(k): v for k, v in defaults["per_layer_config"].items()}
+    kinds, tiny_kinds = defaults.get("layer_types"), values.get("layer_types")
+    out: dict[int, dict] = {}
+    for i in range(layers):
+        source = i
+        if isinstance(kinds, list) and isinstance(tiny_kinds, list):
+            source = kinds.index(tiny_kinds[i]) if tiny_kinds[i] in kinds else -1
+        layer = {}
+        for key, value in per_layer.get(source, {}).items():
+            full = defaults.get(key)
+            if key in values and isinstance(value, int) and isinstance(full, int) and full > 0 \
+                    and not isinstance(value, bool):
+                value = max(1, round(value * values[key] / full))
+            layer[key] = value
+        if layer:
+            out[i] = layer
+    return out
 
 
 def _config_problem(cls, error: BaseException, what: str = "the derived sizes") -> str:
