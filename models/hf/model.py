@@ -112,6 +112,45 @@ def logit_transform(causal_lm: PreTrainedModel) -> tuple[Callable[[torch.Tensor]
     return (lambda logits: form(causal_lm, logits)), "; ".join(statements)
 
 
+#: Statements a causal LM forward runs on the base model's hidden states before its head that the adapter repeats
+#: (spaces collapsed), each with the transform of (causal_lm, hidden states); the slicing to `logits_to_keep` (all
+#: positions here) is left out.
+_HEAD_INPUT_FORMS: dict[str, Callable[[PreTrainedModel, torch.Tensor], torch.Tensor]] = {
+    "hidden_states = hidden_states / self.config.logits_scaling": lambda lm, h: h / lm.config.logits_scaling,
+}
+_KEEP_SLICE = re.compile(r"hidden_states = slice_logits_to_keep\(hidden_states, logits_to_keep\)|"
+                         r"slice_indices = .*|if hidden_states\.shape\[1\] == .*:")
+_LAST_HIDDEN = re.compile(r"hidden_states = outputs(\.last_hidden_state|\[0\])")
+
+
+def head_input_transform(causal_lm: PreTrainedModel) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
+    """(what `causal_lm`'s forward does to the base model's last hidden states before its head, as a function of
+    them (the identity where nothing), or None where it is not one of _HEAD_INPUT_FORMS; those statements, for a
+    refusal)."""
+    try:
+        source = inspect.getsource(type(causal_lm).forward)
+    except (OSError, TypeError):
+        return None, "its forward's source cannot be read"
+    lines = [re.sub(r"\s+", " ", line.split("#", 1)[0]).strip() for line in source.splitlines()]
+    lines = [line for line in lines if line]
+    start = next((k for k, line in enumerate(lines) if _LAST_HIDDEN.fullmatch(line)), None)
+    head = next((k for k, line in enumerate(lines) if _HEAD_CALL.search(line) and line.startswith("logits =")), None)
+    if start is None or head is None or head < start:
+        return None, "no `hidden_states = outputs.last_hidden_state` before its head in its forward"
+    statements = [line for line in lines[start + 1:head] if not _KEEP_SLICE.fullmatch(line)]
+    unknown = [line for line in statements if line not in _HEAD_INPUT_FORMS]
+    if unknown:
+        return None, "; ".join(unknown)
+    forms = [_HEAD_INPUT_FORMS[line] for line in statements]
+
+    def transform(hidden: torch.Tensor) -> torch.Tensor:
+        for form in forms:
+            hidden = form(causal_lm, hidden)
+        return hidden
+
+    return transform, "; ".join(statements)
+
+
 def structure_problems(causal_lm: PreTrainedModel) -> list[str]:
     """What keeps the adapter from running `causal_lm` (empty when nothing does), each a short phrase."""
     problems = []
@@ -175,9 +214,12 @@ class HFCausalLM(nn.Module, ModelContract):
         for name, child in causal_lm.named_children():
             self.add_module(name, child)
         self.__dict__["base"] = causal_lm.get_submodule(causal_lm.base_model_prefix)  # (not a second child)
-        self.plain_head = plain_head(causal_lm)
         #: what its forward does to the head's logits (None: not a known elementwise form), and those statements
         self.logit_fn, self.logit_statements = logit_transform(causal_lm)
+        #: what it does to the last hidden states before the head (None: not a known form), and those statements
+        self.head_input_fn, self.head_input_statements = head_input_transform(causal_lm)
+        # (tiled losses get the base model's hidden states: only where the head is applied to them as they are)
+        self.plain_head = plain_head(causal_lm) and self.head_input_fn is not None and not self.head_input_statements
         self.init_seed = torch.initial_seed() if init_seed is None else init_seed
         self.moe_blocks: tuple[str, ...] = ()
         #: (a meta build of an MoE model: the eager build's fills, replayed per parameter by init_parameter)

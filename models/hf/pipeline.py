@@ -6,11 +6,14 @@ names, for the runtime's pipeline (zero.parallel.pipeline)."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import math
-import re
+import textwrap
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from moe_lst.kernels.documents import Documents
 from moe_lst.models.hf import attention as hf_attn
 from torch import nn
@@ -25,28 +28,122 @@ LAYERS = "layers"
 ROTARY = "rotary_emb"
 
 
-#: The keyword arguments a stage gives (or leaves at their defaults for) the layers it calls.
+#: The keyword arguments a stage gives (or leaves at their defaults for) the layers it calls; `shared_kv_states` is a
+#: fresh dict per stage call (see _kv_sharing_problem for the layers that read another layer's keys and values).
 LAYER_ARGUMENTS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "cache_position",
-                   "position_embeddings"}
+                   "position_embeddings", "shared_kv_states"}
+#: Statements between a base model's embedding and its layers that change the hidden states, which the first stage
+#: repeats (as transformers writes them, unparsed by `ast`), each with the transform of (base model, hidden states,
+#: training): the input multipliers and dropouts transformers' families use.
+_EMBEDDING_FORMS: dict[str, Callable[[nn.Module, torch.Tensor, bool], torch.Tensor]] = {
+    "inputs_embeds = inputs_embeds * self.embedding_multiplier":
+        lambda base, x, training: x * base.embedding_multiplier,
+    "if self.config.mup_enabled:\n    hidden_states = hidden_states * self.config.hidden_size ** 0.5":
+        lambda base, x, training: x * base.config.hidden_size ** 0.5 if base.config.mup_enabled else x,
+    "inputs_embeds = self.embed_dropout(inputs_embeds)":
+        lambda base, x, training: F.dropout(x, base.embed_dropout.p, training),
+    "hidden_states = nn.functional.dropout(hidden_states, p=self.embedding_dropout, training=self.training)":
+        lambda base, x, training: F.dropout(x, base.embedding_dropout, training),
+}
+#: The names a base model's forward holds its hidden states under before and between its layers.
+_HIDDEN = ("inputs_embeds", "hidden_states")
+
+
+def _forward_tree(base_class: type) -> tuple[ast.FunctionDef, int] | None:
+    """(`base_class.forward` parsed, the index in its body of the loop that calls `decoder_layer`), or None where
+    its source cannot be read or has no such loop."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(base_class.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    fn = tree.body[0]
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    loop = next((k for k, s in enumerate(fn.body) if isinstance(s, ast.For) and _layer_call(s) is not None), None)
+    return None if loop is None else (fn, loop)
+
+
+def _layer_call(node: ast.AST) -> ast.Call | None:
+    """The first `decoder_layer(...)` call under `node`."""
+    return next((n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                 and n.func.id == "decoder_layer"), None)
 
 
 def layer_arguments(base_class: type) -> set[str]:
     """The keyword arguments `base_class`'s forward passes to its layers (`decoder_layer(...)`), read from its source
-    (empty where it cannot be read)."""
-    try:
-        source = inspect.getsource(base_class.forward)
-    except (OSError, TypeError):
+    (empty where it cannot be read); a second positional argument counts under its expression (e.g.
+    `per_layer_input`)."""
+    found = _forward_tree(base_class)
+    if found is None:
         return set()
-    start = source.find("decoder_layer(")
-    if start < 0:
-        return set()
-    depth, end = 0, len(source)
-    for k in range(start + len("decoder_layer"), len(source)):
-        depth += {"(": 1, ")": -1}.get(source[k], 0)
-        if depth == 0:
-            end = k
-            break
-    return set(re.findall(r"(\w+)\s*=(?!=)", source[start:end]))
+    call = _layer_call(found[0].body[found[1]])
+    return {k.arg for k in call.keywords if k.arg} | {ast.unparse(a) for a in call.args[1:]}
+
+
+def _assigns_hidden(statement: ast.stmt) -> bool:
+    """Whether `statement` assigns the hidden states (inputs_embeds / hidden_states), anywhere inside it."""
+    for node in ast.walk(statement):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        if any(isinstance(n, ast.Name) and n.id in _HIDDEN for t in targets for n in ast.walk(t)):
+            return True
+    return False
+
+
+def _is_lookup(statement: ast.stmt, before: list[str]) -> bool:
+    """Whether `statement` is the embedding's lookup (`inputs_embeds = self.embed_tokens(input_ids)`, under an `if`
+    on the inputs or not) or names it the hidden states (`hidden_states = inputs_embeds`)."""
+    if isinstance(statement, ast.If):
+        return all(_is_lookup(s, before) for s in statement.body) and not statement.orelse
+    if not isinstance(statement, (ast.Assign, ast.AnnAssign)) or statement.value is None:
+        return False
+    value = statement.value
+    if isinstance(value, ast.Name):
+        return value.id == "inputs_embeds"
+    return (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in before
+            and isinstance(value.func.value, ast.Name) and value.func.value.id == "self")
+
+
+def embedding_statements(base_class: type, before: list[str], after: list[str]) -> tuple[list, str | None]:
+    """(the transforms of the hidden states the base model's forward runs between its embedding and its layers, in
+    order, from _EMBEDDING_FORMS; what it runs on them that a stage does not repeat, or None): the statements
+    assigning them before the layers' loop other than the lookup, and after it anything but the plan's final
+    modules (`hidden_states = self.norm(hidden_states)`)."""
+    found = _forward_tree(base_class)
+    if found is None:
+        return [], "its forward's source has no `for ... decoder_layer(...)` loop to read"
+    fn, loop = found
+    forms = []
+    for statement in fn.body[:loop]:
+        if not _assigns_hidden(statement) or _is_lookup(statement, before):
+            continue
+        text = ast.unparse(statement)
+        if text not in _EMBEDDING_FORMS:
+            return forms, f"its forward runs `{text.splitlines()[0]}` before its layers"
+        forms.append(_EMBEDDING_FORMS[text])
+    finals = [f"hidden_states = self.{name}(hidden_states)" for name in after]
+    ran = [ast.unparse(s) for s in fn.body[loop + 1:] if _assigns_hidden(s)]
+    if ran != finals:
+        extra = next((t for t in ran if t not in finals), None) or "; ".join(ran) or "nothing"
+        return forms, f"its forward runs `{extra.splitlines()[0]}` after its layers, not only its final modules"
+    return forms, None
+
+
+def _kv_sharing_problem(config, layers: range) -> str | None:
+    """Where a layer of `layers` reads the keys and values another layer stored (config.kv_sharing_modes "reuse": the
+    last "store" layer of its type before it) and that layer is on another stage: what, in one line."""
+    modes = getattr(config, "kv_sharing_modes", None)
+    if not modes or "reuse" not in modes:
+        return None
+    kinds = list(config.layer_types)
+    for i in layers:
+        if modes[i] != "reuse":
+            continue
+        source = next((j for j in range(i - 1, -1, -1) if modes[j] == "store" and kinds[j] == kinds[i]), None)
+        if source is None or source not in layers:
+            return (f"layer {i} reuses the keys and values of layer {source} (num_kv_shared_layers="
+                    f"{config.num_kv_shared_layers}), which is on another stage: put them on one stage")
+    return None
 
 
 def stage_plan(model) -> tuple[list[str], list[str]]:
@@ -72,6 +169,9 @@ def stage_plan(model) -> tuple[list[str], list[str]]:
     if model.logit_fn is None:
         raise refuse(f"its forward changes the logits after the head ({model.logit_statements}) in a way the last "
                      "stage does not repeat")
+    if model.head_input_fn is None:
+        raise refuse(f"its forward changes the hidden states before the head ({model.head_input_statements}) in a "
+                     "way the last stage does not repeat")
     extra = sorted(layer_arguments(type(base)) - LAYER_ARGUMENTS)
     if extra:
         raise refuse(f"its base model gives its layers {', '.join(extra)}, which a stage does not")
@@ -84,6 +184,9 @@ def stage_plan(model) -> tuple[list[str], list[str]]:
         if name != LAYERS and getattr(base, name, None) is None:
             raise refuse(f"{prefix}.{name} is not a module of the base model")
     at = names.index(LAYERS)
+    _, problem = embedding_statements(type(base), names[:at], names[at + 1:])
+    if problem:
+        raise refuse(problem)
     return names[:at], names[at + 1:]
 
 
@@ -108,11 +211,20 @@ class HFPipelineStage(nn.Module, ModelContract):
     def __init__(self, model, layers: range, first: bool, last: bool) -> None:
         super().__init__()
         before, after = stage_plan(model)
+        shared = _kv_sharing_problem(model.config, layers)
+        if shared:
+            raise ContractError(f"pipeline_stage: {model.config.model_type}: {shared}")
         self.first, self.last, self.before, self.after = first, last, before, after
+        #: what the base model does to the hidden states between its embedding and its layers (first stage)
+        self.embedding_forms = embedding_statements(type(model.base), before, after)[0]
+        #: where the base model gives its layers a dict they store keys and values in (a fresh one per call here)
+        self.kv_sharing = "shared_kv_states" in layer_arguments(type(model.base))
+        self.head_input_fn = model.head_input_fn  # (what the causal LM does to the hidden states before its head)
         self.balance = model.balance
         self.logit_fn = model.logit_fn  # (the model's own scaling / softcapping of the head's logits, elementwise)
         base, prefix = model.base, model.causal_lm.base_model_prefix
         self.prefix = prefix
+        self.__dict__["base"] = base  # (read by the embedding forms: its multipliers and settings; not a child)
         inner = nn.Module()  # holds the base model's modules of this stage, under their names
         head = model.causal_lm.get_output_embeddings()
         tied = head.weight is base.get_input_embeddings().weight
@@ -163,7 +275,13 @@ class HFPipelineStage(nn.Module, ModelContract):
         if self.first:
             for name in self.before:
                 x = getattr(inner, name)(x)
+            for form in self.embedding_forms:
+                x = form(self.base, x, self.training)
         kwargs = dict(attention_mask=None, position_ids=position_ids, use_cache=False)
+        if self.kv_sharing:  # (as the base model's forward: one dict for the layers of this call)
+            from transformers.cache_utils import KVSharingDict
+
+            kwargs["shared_kv_states"] = KVSharingDict()
         tables = self._rotary_tables(x, position_ids)
         if packed:
             kwargs["documents"] = Documents(position_ids)  # attention stays inside each packed document
@@ -179,7 +297,7 @@ class HFPipelineStage(nn.Module, ModelContract):
         if self.last:
             for name in self.after:
                 x = getattr(inner, name)(x)
-            x = self.logit_fn(getattr(self, self.head_name)(x))
+            x = self.logit_fn(getattr(self, self.head_name)(self.head_input_fn(x)))
             if balance is not None:
                 x = _finish_balance(balance, x, incoming)
         elif balance is not None:
