@@ -172,10 +172,13 @@ def stage_plan(model) -> tuple[list[str], list[str]]:
     if model.head_input_fn is None:
         raise refuse(f"its forward changes the hidden states before the head ({model.head_input_statements}) in a "
                      "way the last stage does not repeat")
-    extra = sorted(layer_arguments(type(base)) - LAYER_ARGUMENTS)
+    ple = per_layer_input_modules(base)
+    extra = sorted(layer_arguments(type(base)) - LAYER_ARGUMENTS - ({PER_LAYER_INPUT} if ple is not None else set()))
     if extra:
         raise refuse(f"its base model gives its layers {', '.join(extra)}, which a stage does not")
     for name, child in base.named_children():
+        if name in (ple or ()):  # (the per-layer inputs' modules: on the first stage)
+            continue
         if name not in names and name != ROTARY and any(True for _ in child.parameters()):
             raise refuse(f"{prefix}.{name} holds parameters outside the plan")
         if name not in names and name not in (ROTARY, LAYERS) and any(True for _ in child.buffers()):
@@ -188,6 +191,59 @@ def stage_plan(model) -> tuple[list[str], list[str]]:
     if problem:
         raise refuse(problem)
     return names[:at], names[at + 1:]
+
+
+#: The layer argument of Gemma's per-layer inputs (PLE), the base model's methods that make them (from the token ids
+#: and the embedding's output: [b, s, layers, hidden_size_per_layer_input]) and the size that turns them on.
+PER_LAYER_INPUT = "per_layer_input"
+_PLE_METHODS = ("get_per_layer_inputs", "project_per_layer_inputs")
+
+
+def per_layer_input_modules(base: nn.Module) -> list[str] | None:
+    """The base model's modules that make its per-layer inputs (Gemma's PLE: the children its get_per_layer_inputs and
+    project_per_layer_inputs call, e.g. embed_tokens_per_layer, per_layer_model_projection, per_layer_projection_norm),
+    where its forward gives each layer its slice of them as `per_layer_input` ([] where its config turns them off);
+    None where it gives no such argument or lacks those methods."""
+    if PER_LAYER_INPUT not in layer_arguments(type(base)) or not all(hasattr(base, m) for m in _PLE_METHODS):
+        return None
+    if not getattr(base.config, "hidden_size_per_layer_input", None):
+        return []
+    children = dict(base.named_children())
+    called: list[str] = []
+    for method in _PLE_METHODS:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(type(base), method))))
+        except (OSError, TypeError, SyntaxError):
+            return None
+        for node in ast.walk(tree):  # (`self.<child>(...)` calls)
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value,
+                                                                                                   ast.Name)
+                    and node.func.value.id == "self" and node.func.attr in children and node.func.attr not in called):
+                called.append(node.func.attr)
+    return called
+
+
+def ple_rows(config, seq: int) -> int:
+    """Positions appended to a [b, s, hidden] activation for its per-layer inputs [b, s, layers, d] (per batch row:
+    s * layers * d values, zero-padded to whole positions); 0 without them."""
+    d = getattr(config, "hidden_size_per_layer_input", None) or 0
+    return math.ceil(seq * config.num_hidden_layers * d / config.hidden_size)
+
+
+def pack_ple(x: torch.Tensor, per_layer: torch.Tensor) -> torch.Tensor:
+    """`x` [b, s, h] with per-layer inputs [b, s, layers, d] appended as `ple_rows` positions (differentiable)."""
+    b, _, h = x.shape
+    flat = per_layer.reshape(b, -1).to(x.dtype)
+    k = math.ceil(flat.shape[1] / h)
+    flat = torch.cat([flat, flat.new_zeros(b, k * h - flat.shape[1])], dim=1)
+    return torch.cat([x, flat.view(b, k, h)], dim=1)
+
+
+def unpack_ple(x: torch.Tensor, seq: int, layers: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states [b, seq, h], per-layer inputs [b, seq, layers, d]) from an activation pack_ple made."""
+    b, _, h = x.shape
+    per_layer = x[:, seq:].reshape(b, -1)[:, :seq * layers * d].reshape(b, seq, layers, d)
+    return x[:, :seq], per_layer
 
 
 class HFPipelineStage(nn.Module, ModelContract):
@@ -229,6 +285,11 @@ class HFPipelineStage(nn.Module, ModelContract):
         head = model.causal_lm.get_output_embeddings()
         tied = head.weight is base.get_input_embeddings().weight
         for name in before if first or (last and tied) else ():
+            inner.add_module(name, getattr(base, name))
+        #: the per-layer inputs' modules (Gemma's PLE; None: the base model has none), made on the first stage and
+        #: sent on after the hidden states
+        self.ple = per_layer_input_modules(base)
+        for name in self.ple or () if first else ():
             inner.add_module(name, getattr(base, name))
         inner.add_module(LAYERS, nn.ModuleDict({str(i): base.layers[i] for i in layers}))
         for name in after if last else ():
@@ -272,11 +333,19 @@ class HFPipelineStage(nn.Module, ModelContract):
                 balance.stats.scale = AttachedLossScale(1.0)
             if not self.first:
                 x, incoming = unpack_stats(x, balance.num_experts)
+        per_layer = None  # (the per-layer inputs: [b, s, layers, d])
         if self.first:
+            tokens = x
             for name in self.before:
                 x = getattr(inner, name)(x)
+            if self.ple:  # (as the base model's forward: from the token ids and the embedding's output)
+                per_layer = self.base.project_per_layer_inputs(x, self.base.get_per_layer_inputs(tokens, x))
             for form in self.embedding_forms:
                 x = form(self.base, x, self.training)
+        elif self.ple:
+            config = self.base.config
+            x, per_layer = unpack_ple(x, position_ids.shape[1], config.num_hidden_layers,
+                                      config.hidden_size_per_layer_input)
         kwargs = dict(attention_mask=None, position_ids=position_ids, use_cache=False)
         if self.kv_sharing:  # (as the base model's forward: one dict for the layers of this call)
             from transformers.cache_utils import KVSharingDict
@@ -290,10 +359,15 @@ class HFPipelineStage(nn.Module, ModelContract):
             for i, layer in inner.layers.items():
                 if tables:  # (per layer type where the base model keeps a table for each)
                     kwargs["position_embeddings"] = tables[self.layer_types[int(i)] if self.layer_types else None]
-                out = layer(x, **kwargs)
+                if self.ple is not None:  # (its slice of the per-layer inputs, or None where they are off)
+                    out = layer(x, None if per_layer is None else per_layer[:, :, int(i), :], **kwargs)
+                else:
+                    out = layer(x, **kwargs)
                 x = out[0] if isinstance(out, tuple) else out
         finally:
             hf_attn.PACKED.reset(token)
+        if per_layer is not None and not self.last:
+            x = pack_ple(x, per_layer)
         if self.last:
             for name in self.after:
                 x = getattr(inner, name)(x)
@@ -416,11 +490,13 @@ def _finish_balance(balance, logits: torch.Tensor, incoming) -> torch.Tensor:
 
 def pipeline_shapes(model, tokens_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(activation between stages, last stage's output) for a micro-batch of tokens [b, s]: hidden [b, s / tp,
-    hidden_size] (sequence-parallel shards under tensor parallelism; with a balancing loss `stats_rows` more positions
-    carry its sums) and logits [b, s, vocab / tp]."""
+    hidden_size] (sequence-parallel shards under tensor parallelism; with per-layer inputs `ple_rows` more positions
+    carry them, then with a balancing loss `stats_rows` more its sums) and logits [b, s, vocab / tp]."""
     b, s = tokens_shape
     local_vocab = model.output_weight.shape[0]
     tp = model.config.vocab_size // local_vocab
     hidden = model.config.hidden_size
     extra = 0 if model.balance is None else stats_rows(model.balance.num_experts, b, hidden)
+    if per_layer_input_modules(model.base):
+        extra += ple_rows(model.config, s)
     return (b, s // tp + extra, hidden), (b, s, local_vocab)

@@ -100,16 +100,46 @@ def test_layers_sharing_keys_and_values_are_staged_together_or_refused():
         model.pipeline_stage(range(3, 6), False, True)
 
 
-def test_what_a_stage_cannot_give_its_layers_is_refused_by_name():
-    """gemma4_text's per-layer inputs (computed from the token ids and the embedding, a second positional argument of
-    every layer) do not reach later stages: refused naming them."""
+def test_per_layer_inputs_are_made_on_the_first_stage_and_sent_on():
+    """gemma4_text's per-layer inputs (made from the token ids and the embedding, each layer given its slice as a
+    second positional argument) are made by the first stage and sent on after the hidden states (pipeline_shapes
+    counting their positions): three stages chained give the model's logits and every gradient, the per-layer
+    embedding's included."""
     from transformers import CONFIG_MAPPING
-
-    from zero.contract import ContractError
 
     config = CONFIG_MAPPING["gemma4_text"](
         vocab_size=256, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, hidden_size=32,
-        intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    model = build(config, meta=True)
-    with pytest.raises(ContractError, match="gives its layers per_layer_input, which a stage does not"):
+        intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        layer_types=["sliding_attention", "full_attention"] * 2)
+    torch.manual_seed(0)
+    model = build(config)
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(2, 12)
+    want = model(tokens)
+    want.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    stages = [model.pipeline_stage(range(0, 1), True, False), model.pipeline_stage(range(1, 3), False, False),
+              model.pipeline_stage(range(3, 4), False, True)]
+    assert "model.embed_tokens_per_layer.weight" in dict(stages[0].named_parameters())
+    x = tokens
+    for stage in stages:
+        x = stage(x, positions)
+        if stage is not stages[-1]:  # (12 positions of hidden states, 12 * 4 * 8 / 32 of per-layer inputs)
+            assert x.shape == model.pipeline_shapes((2, 12))[0] == (2, 24, 32)
+    torch.testing.assert_close(x, want, rtol=0, atol=0)
+    x.square().mean().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_what_a_stage_cannot_give_its_layers_is_refused_by_name():
+    """beam's layers without rope get a query scale of their positions (attention_scaling) the stage does not make:
+    refused naming it."""
+    from moe_lst.models.hf import coverage
+
+    from zero.contract import ContractError
+
+    model = build(coverage.tiny_config("beam"), meta=True)
+    with pytest.raises(ContractError, match="gives its layers attention_scaling, which a stage does not"):
         model.pipeline_stage(range(0), True, False)
