@@ -583,6 +583,12 @@ def _end_styles(model: HFCausalLM, styles: dict, refuse: Callable[[str], Contrac
         raise refuse(f"its embedding ({type(embeddings).__name__}) or head ({type(head).__name__}) is not an "
                      "nn.Embedding / nn.Linear")
     styles[names[id(embeddings)]] = ztp.VocabParallelEmbedding(scale=_embedding_scale(embeddings, refuse))
+    from moe_lst.models.hf.pipeline import per_layer_input_modules
+
+    per_layer = per_layer_input_modules(model.base)
+    if per_layer:  # (get_per_layer_inputs reshapes its lookup to the token ids' shape, the projection to its input's)
+        raise refuse(f"its per-layer inputs ({', '.join(per_layer)}) add a lookup of the whole sequence's token ids "
+                     "to a projection of the embedding's output, whose sequence shards here do not match it")
     blocks = {id(m) for _, m in model.blocks()}
     rest = [(n, m) for n, m in model.base.named_children()
             if m is not embeddings and (any(True for _ in m.parameters()) or _norm_like(m))

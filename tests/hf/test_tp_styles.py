@@ -109,3 +109,37 @@ def test_an_unknown_change_of_the_logits_after_the_head_is_refused_by_name():
     cap = softcapped.config.final_logit_softcapping
     torch.testing.assert_close(softcapped.logit_fn(head), torch.tanh(head / cap) * cap, rtol=0, atol=0)
     torch.testing.assert_close(softcapped(x), F.tanh(head / cap) * cap, rtol=0, atol=0)
+
+
+class _HalvedLlama(LlamaForCausalLM):
+    """A causal LM whose forward changes the hidden states before the head in a way the adapter does not know."""
+
+    def forward(self, input_ids=None, **kwargs):
+        outputs = self.model(input_ids=input_ids, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        hidden_states = hidden_states.clamp(-1.0, 1.0)
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_an_unknown_change_before_the_head_and_per_layer_inputs_are_refused_by_name():
+    """A statement on the hidden states before the head the last stage cannot repeat refuses pipeline stages (and
+    tiled losses: the head is not plain); gemma4_text's per-layer inputs (a lookup of the whole sequence's token ids
+    added to a projection of the embedding's output) refuse tensor parallelism, whose embedding output is sequence
+    shards."""
+    from moe_lst.models.hf import HFCausalLM, build
+    from transformers import CONFIG_MAPPING
+
+    model = HFCausalLM(_HalvedLlama(coverage.tiny_config("llama")))
+    assert model.head_input_fn is None and not model.plain_head
+    with pytest.raises(ContractError, match=r"^pipeline_stage: llama .*, but its forward changes the hidden states "
+                                            r"before the head \(hidden_states = hidden_states.clamp\(-1.0, 1.0\)\)"):
+        model.pipeline_stage(range(1), True, False)
+    config = CONFIG_MAPPING["gemma4_text"](
+        vocab_size=256, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, hidden_size=32,
+        intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    with pytest.raises(ContractError, match=r"its per-layer inputs \(embed_tokens_per_layer, .*\) add a lookup of the "
+                                            "whole sequence's token ids"):
+        build(config, meta=True).tensor_parallel_styles(2)
