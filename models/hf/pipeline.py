@@ -7,6 +7,7 @@ names, for the runtime's pipeline (zero.parallel.pipeline)."""
 from __future__ import annotations
 
 import ast
+import builtins
 import inspect
 import math
 import textwrap
@@ -146,6 +147,111 @@ def _kv_sharing_problem(config, layers: range) -> str | None:
     return None
 
 
+#: The layers' position_embeddings as the stage's own rotary tables give them: one table, or one per layer type.
+_TABLE_FORMS = ("position_embeddings", "position_embeddings[self.config.layer_types[i]]")
+#: What a replay of the base model's statements is given: the base model, the stage's hidden states (as the
+#: embedding's output: the rotary embeddings read their dtype and device) and the position ids.
+_REPLAY_INPUTS = ("self", "hidden_states", "inputs_embeds", "position_ids")
+
+
+def _names(node: ast.AST) -> tuple[set[str], set[str], set[str]]:
+    """(names `node` reads from outside it, names it assigns, containers it assigns items of); the variables of its
+    loops and comprehensions are its own."""
+    reads, binds, items, local = set(), set(), set(), set()
+    for n in ast.walk(node):
+        if isinstance(n, (ast.For, ast.comprehension)):
+            local |= {m.id for m in ast.walk(n.target) if isinstance(m, ast.Name)}
+        if isinstance(n, ast.Name):
+            (reads if isinstance(n.ctx, ast.Load) else binds).add(n.id)
+        elif isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.ctx, ast.Store):
+            base = n.value
+            while isinstance(base, (ast.Subscript, ast.Attribute)):
+                base = base.value
+            if isinstance(base, ast.Name):
+                items.add(base.id)
+    return reads - local, binds - local, items - local
+
+
+class LayerReplay:
+    """Keyword arguments of the layers that the base model's forward makes from the positions alone (a query scale
+    of layers without rope, rotary tables chosen per layer from several rotary embeddings, or none for some layers),
+    made by its own statements: those of its forward before the layers' loop and of the loop's body before the call
+    that these arguments depend on (not through the hidden states, which they read only for their dtype and
+    device), run per stage call with the base model, the stage's hidden states and the position ids, then per layer
+    with its index. `problem` names what they need that a stage does not have (None: nothing)."""
+
+    def __init__(self, base_class: type, keywords: list[str]) -> None:
+        self.keywords, self.problem, self.modules = keywords, None, []
+        fn, at = _forward_tree(base_class)
+        loop = fn.body[at]
+        call = _layer_call(loop)
+        values = {k.arg: k.value for k in call.keywords if k.arg in keywords}
+        target = loop.target
+        self.index = target.elts[0].id if isinstance(target, ast.Tuple) and isinstance(target.elts[0], ast.Name) \
+            else None
+        needed = set().union(*(_names(v)[0] for v in values.values()))  # (what is read and not yet made)
+        body_at = next(k for k, st in enumerate(loop.body) if _layer_call(st) is not None)
+        per_layer = self._slice(loop.body[:body_at], needed)
+        needed.discard(self.index)
+        before = self._slice(fn.body[:at], needed)
+        scope = vars(inspect.getmodule(base_class))
+        missing = sorted(n for n in needed if n not in _REPLAY_INPUTS and n not in scope and not hasattr(builtins, n))
+        if self.problem is None and missing:
+            self.problem = f"its base model makes its layers' {', '.join(keywords)} from {', '.join(missing)}"
+        if self.problem:
+            return
+        #: the base model's children these statements call or read (`self.rotary_embs`): shared by every stage
+        self.modules = sorted({n.attr for st in before + per_layer for n in ast.walk(st) if isinstance(n, ast.Attribute)
+                               and isinstance(n.value, ast.Name) and n.value.id == "self"})
+        #: the statements replayed, as read (before the loop, then per layer)
+        self.statements = [ast.unparse(st) for st in before + per_layer]
+        where = f"<{base_class.__name__}.forward>"
+        self._globals = scope
+        self._before = compile(ast.Module(body=before, type_ignores=[]), where, "exec")
+        self._per_layer = compile(ast.Module(body=per_layer, type_ignores=[]), where, "exec")
+        self._values = {k: compile(ast.Expression(body=v), where, "eval") for k, v in values.items()}
+
+    def _slice(self, statements: list[ast.stmt], needed: set[str]) -> list[ast.stmt]:
+        """The statements among `statements` (in order) that bind a name in `needed`, which gains what they read."""
+        kept = []
+        for statement in reversed(statements):
+            reads, binds, items = _names(statement)
+            if not (binds | items) & (needed - set(_REPLAY_INPUTS)):
+                continue
+            if _assigns_hidden(statement) and self.problem is None:
+                self.problem = (f"its base model makes its layers' {', '.join(self.keywords)} with its hidden states "
+                                f"(`{ast.unparse(statement).splitlines()[0]}`)")
+            kept.insert(0, statement)
+            needed -= binds - items  # (a container filled item by item is still needed from where it is made)
+            needed |= reads
+        return kept
+
+    def __call__(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> Callable[[int], dict]:
+        """The keyword arguments of layer i, as a function of i, for this call."""
+        scope = dict(self._globals, self=base, hidden_states=hidden, inputs_embeds=hidden, position_ids=position_ids)
+        exec(self._before, scope)  # noqa: S102 - the base model's own statements, read from its source
+
+        def arguments(i: int) -> dict:
+            if self.index is not None:
+                scope[self.index] = i
+            exec(self._per_layer, scope)  # noqa: S102
+            return {k: eval(v, scope) for k, v in self._values.items()}  # noqa: S307
+
+        return arguments
+
+
+def layer_replay(base: nn.Module) -> LayerReplay | None:
+    """The replay of the layers' keyword arguments a stage does not make itself (beyond LAYER_ARGUMENTS, or
+    position_embeddings other than the stage's tables: _TABLE_FORMS), or None where there are none."""
+    found = _forward_tree(type(base))
+    if found is None:
+        return None
+    call = _layer_call(found[0].body[found[1]])
+    keywords = [k.arg for k in call.keywords if k.arg and (k.arg not in LAYER_ARGUMENTS or (
+        k.arg == "position_embeddings" and ast.unparse(k.value) not in _TABLE_FORMS))]
+    return LayerReplay(type(base), keywords) if keywords else None
+
+
 def stage_plan(model) -> tuple[list[str], list[str]]:
     """(the base model's modules before the layers, those after them) as the config's base_model_pp_plan orders
     them; ContractError in one line naming what keeps the model from being staged."""
@@ -173,16 +279,25 @@ def stage_plan(model) -> tuple[list[str], list[str]]:
         raise refuse(f"its forward changes the hidden states before the head ({model.head_input_statements}) in a "
                      "way the last stage does not repeat")
     ple = per_layer_input_modules(base)
-    extra = sorted(layer_arguments(type(base)) - LAYER_ARGUMENTS - ({PER_LAYER_INPUT} if ple is not None else set()))
+    replay = layer_replay(base)
+    if replay is not None and replay.problem:
+        raise refuse(f"{replay.problem}, which a stage does not have")
+    replayed = set(replay.keywords) if replay else set()
+    extra = sorted(layer_arguments(type(base)) - LAYER_ARGUMENTS - replayed
+                   - ({PER_LAYER_INPUT} if ple is not None else set()))
     if extra:
         raise refuse(f"its base model gives its layers {', '.join(extra)}, which a stage does not")
+    shared = {ROTARY, *(replay.modules if replay else ())}
     for name, child in base.named_children():
         if name in (ple or ()):  # (the per-layer inputs' modules: on the first stage)
             continue
-        if name not in names and name != ROTARY and any(True for _ in child.parameters()):
+        if name not in names and name not in shared - {LAYERS} and any(True for _ in child.parameters()):
             raise refuse(f"{prefix}.{name} holds parameters outside the plan")
-        if name not in names and name not in (ROTARY, LAYERS) and any(True for _ in child.buffers()):
-            raise refuse(f"{prefix}.{name} holds buffers outside the plan (only {ROTARY} is shared by stages)")
+        if name not in names and name not in shared | {LAYERS} and any(True for _ in child.buffers()):
+            raise refuse(f"{prefix}.{name} holds buffers outside the plan (only {ROTARY} and the modules that make "
+                         "the layers' arguments from the positions are shared by stages)")
+        if name in shared - {ROTARY} and any(True for _ in child.parameters()):
+            raise refuse(f"{prefix}.{name}, which makes the layers' arguments from the positions, holds parameters")
     for name in names:
         if name != LAYERS and getattr(base, name, None) is None:
             raise refuse(f"{prefix}.{name} is not a module of the base model")
@@ -294,6 +409,11 @@ class HFPipelineStage(nn.Module, ModelContract):
         inner.add_module(LAYERS, nn.ModuleDict({str(i): base.layers[i] for i in layers}))
         for name in after if last else ():
             inner.add_module(name, getattr(base, name))
+        #: the layers' keyword arguments made from the positions by the base model's own statements (or None)
+        self.replay = layer_replay(base)
+        for name in self.replay.modules if self.replay else ():
+            if isinstance(getattr(base, name, None), nn.Module) and name != ROTARY:
+                inner.add_module(name, getattr(base, name))  # (buffers only: shared by every stage)
         rotary = getattr(base, ROTARY, None)
         self.layer_types: list[str] | None = None
         if isinstance(rotary, nn.Module):
@@ -351,7 +471,9 @@ class HFPipelineStage(nn.Module, ModelContract):
             from transformers.cache_utils import KVSharingDict
 
             kwargs["shared_kv_states"] = KVSharingDict()
-        tables = self._rotary_tables(x, position_ids)
+        replayed = self.replay(self.base, x, position_ids) if self.replay else None
+        tables = {} if self.replay and "position_embeddings" in self.replay.keywords else self._rotary_tables(
+            x, position_ids)
         if packed:
             kwargs["documents"] = Documents(position_ids)  # attention stays inside each packed document
         token = hf_attn.PACKED.set(packed)
@@ -359,6 +481,8 @@ class HFPipelineStage(nn.Module, ModelContract):
             for i, layer in inner.layers.items():
                 if tables:  # (per layer type where the base model keeps a table for each)
                     kwargs["position_embeddings"] = tables[self.layer_types[int(i)] if self.layer_types else None]
+                if replayed is not None:
+                    kwargs.update(replayed(int(i)))
                 if self.ple is not None:  # (its slice of the per-layer inputs, or None where they are off)
                     out = layer(x, None if per_layer is None else per_layer[:, :, int(i), :], **kwargs)
                 else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from moe_lst.models.hf import build
+from torch import nn
 
 from tests.hf.tiny import tiny_config
 
@@ -133,13 +134,41 @@ def test_per_layer_inputs_are_made_on_the_first_stage_and_sent_on():
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-6, atol=1e-9, msg=name)
 
 
-def test_what_a_stage_cannot_give_its_layers_is_refused_by_name():
-    """beam's layers without rope get a query scale of their positions (attention_scaling) the stage does not make:
-    refused naming it."""
+@pytest.mark.parametrize("kind, overrides", [("beam", {}), ("granite_swa", dict(layer_rope_theta=[500.0, 0.0]))])
+def test_layer_arguments_made_from_the_positions_are_replayed(kind, overrides):
+    """Layer arguments the base model makes from the positions by statements of its own are made by the same
+    statements on each stage: beam's query scale of its layers without rope (attention_scaling, and no rotary table
+    for them), granite_swa's rotary tables per layer theta from several rotary embeddings (and none for a NoPE
+    layer). The stages chained give the model's logits."""
     from moe_lst.models.hf import coverage
 
-    from zero.contract import ContractError
+    torch.manual_seed(0)
+    model = build(coverage.tiny_config(kind, **overrides))
+    n = len(model.blocks())
+    first, last = model.pipeline_stage(range(n // 2), True, False), model.pipeline_stage(range(n // 2, n), False, True)
+    assert first.replay is not None and "position_embeddings" in first.replay.keywords
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        want = model(tokens)
+        got = last(first(tokens, positions), positions)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
-    model = build(coverage.tiny_config("beam"), meta=True)
-    with pytest.raises(ContractError, match="gives its layers attention_scaling, which a stage does not"):
-        model.pipeline_stage(range(0), True, False)
+
+class _UnstageableModel(nn.Module):
+    """A base model whose layers get an argument made from something a stage does not have (the token ids)."""
+
+    def forward(self, input_ids=None, position_ids=None):
+        hidden_states = self.embed_tokens(input_ids)
+        token_scale = (input_ids > 0).float()
+        for decoder_layer in self.layers:
+            hidden_states = decoder_layer(hidden_states, position_ids=position_ids, token_scale=token_scale)
+        return self.norm(hidden_states)
+
+
+def test_what_a_stage_cannot_make_for_its_layers_is_refused_by_name():
+    from moe_lst.models.hf.pipeline import layer_replay
+
+    replay = layer_replay(_UnstageableModel())
+    assert replay.keywords == ["token_scale"]
+    assert replay.problem == "its base model makes its layers' token_scale from input_ids"
