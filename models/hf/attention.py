@@ -11,7 +11,8 @@ function (`attention_fn`: dense attention, Ulysses around it, block-sparse layou
   so Ulysses hands each rank its heads' sinks and sums their gradients back); `hf_dense_attention` computes them;
 - a value head width other than the query's (multi-head latent attention) is padded with zeros and cut back;
 - `scaling` is the softmax scale; `dropout` must be 0 (not trained here), `is_causal` True, an attention mask,
-  `softcap`, `position_bias` and any other tensor argument are refused with their names.
+  `softcap`, `position_bias` and any other tensor argument are refused with their names, as are keys that are not
+  the queries' tokens (more or fewer of them: compressed KV slots appended to the keys).
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         if sinks is not None:  # one logit per head -> [b, s, h, 1], per token like q (Ulysses splits its heads)
             b, h, s, _ = query.shape
             extra["sinks"] = sinks.reshape(1, 1, h, 1).expand(b, s, h, 1)
+    if key.shape[2] != query.shape[2]:  # (no cache in training: every key is one of the queries' tokens)
+        raise NotImplementedError(f"{name}: {key.shape[2]} keys for {query.shape[2]} tokens (keys that are not the "
+                                  "tokens, e.g. compressed KV slots): not supported")
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [b, s, heads, d] views
     dv = v.shape[-1]
     if dv != q.shape[-1]:  # multi-head latent attention: values narrower than queries and keys

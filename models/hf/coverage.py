@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import signal
@@ -43,7 +44,8 @@ TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_lay
             linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
             encoder_attention_heads=4, decoder_attention_heads=4, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
             d_head=8, d_inner=48, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-            expert_layer_offset=1, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8)
+            expert_layer_offset=1, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8,
+            encoder_layers=2, decoder_layers=2, ffn_dim=48, dim_ff=48, dim_head=8)
 #: Dropout keys zeroed (the adapter trains without dropout).
 DROPOUT = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
            "hidden_dropout_prob", "attention_probs_dropout_prob", "embedding_dropout", "residual_dropout",
@@ -86,6 +88,14 @@ def _tiny_values(kind: str) -> dict[str, Any]:
         raise NoTinyConfig(f"{cls.__name__}() with its defaults gives no text config ({_one_line(e)})") from e
     if text is not base:
         raise NotImplementedError("a composite config (its causal LM is a sub-config of another model)")
+    return _derive(cls, base)
+
+
+def _derive(cls, base) -> dict[str, Any]:
+    """The tiny values of config class `cls` (its default instance `base`); its sub-configs (a vision or audio tower
+    of the causal LM, a patcher, a depth decoder) derived the same way from their own classes."""
+    from transformers import PreTrainedConfig
+
     known = set(base.to_dict()) | set(getattr(base, "attribute_map", {}))
     values = {k: v for k, v in TINY.items() if k in known}
     values.update({k: 0.0 for k in DROPOUT if isinstance(getattr(base, k, None), float)})
@@ -114,14 +124,121 @@ def _tiny_values(kind: str) -> dict[str, Any]:
     for key in ("mlp_only_layers",):
         if isinstance(getattr(base, key, None), list):
             values[key] = []
-    return {k: v for k, v in values.items() if not _read_only(cls, k)}
+    _tiny_layer_schedules(base, defaults, values, layers)
+    for key, value in defaults.items():  # (a choice left open among listed ones: X-MOD's default_language)
+        choices = defaults.get(key.removeprefix("default_") + "s")
+        if key.startswith("default_") and value is None and isinstance(choices, (list, tuple)) and choices:
+            values[key] = choices[0]
+    values.update(_tiny_rotary_dims(base, defaults, values))
+    values = {k: v for k, v in values.items() if not _read_only(cls, k)}
+    for key in getattr(cls, "sub_configs", None) or {}:
+        sub = _default(base, key)  # (the parent's default sub-config, of its actual class)
+        if key not in known or not isinstance(sub, PreTrainedConfig):
+            continue
+        try:
+            derived = _derive(type(sub), sub)
+            cls(**copy.deepcopy({**values, key: derived}))
+        except Exception:  # noqa: BLE001 - the parent derives this sub-config from others: its default is kept
+            continue
+        values[key] = derived
+    values.update(_tiny_unknown_sizes(cls, base, defaults, values))
+    return values
 
 
-def _tiny_layer_overrides(defaults: dict[str, Any], values: dict[str, Any], layers: int) -> dict[int, dict]:
+def _default(base, key: str) -> Any:
+    """The default config's value of `key` (through its attribute_map), None where it has none or where it differs by
+    layer (a heterogeneous config refuses a global value of a per-layer size)."""
+    try:
+        return getattr(base, key, None)
+    except Exception:  # noqa: BLE001 - a per-layer attribute with no single global value
+        return None
+
+
+def _tiny_layer_schedules(base, defaults: dict[str, Any], values: dict[str, Any], layers: int) -> None:
+    """Per-layer schedules beside `layer_types` (`mlp_layer_types`: dense or sparse, hash-routed or learned MoE): each
+    kind cycled over the tiny layers as the layer kinds are; a list of layer indices that names exactly the default
+    layers of one kind (Zamba 2's `hybrid_layer_ids`) names the tiny layers of that kind."""
+    aliases = set(getattr(base, "attribute_map", {}).values())
+    for key, value in defaults.items():
+        if key.endswith("_layer_types") and key not in aliases and key not in values and isinstance(value, list) \
+                and value and all(isinstance(v, str) for v in value):
+            kinds = list(dict.fromkeys(value))
+            values[key] = [kinds[i % len(kinds)] for i in range(layers)]
+    full, tiny = getattr(base, "layer_types", None), values.get("layer_types")
+    if not (isinstance(full, list) and isinstance(tiny, list)):
+        return
+    for key, value in defaults.items():
+        if key in values or not isinstance(value, list) or not value or not all(type(v) is int for v in value):
+            continue
+        for kind in dict.fromkeys(full):
+            if value == [i for i, t in enumerate(full) if t == kind]:
+                values[key] = [i for i, t in enumerate(tiny) if t == kind]
+                break
+
+
+def _tiny_rotary_dims(base, defaults: dict[str, Any], values: dict[str, Any]) -> dict[str, int]:
+    """A rotary width given in channels (`rotary_dim`: GPT-J, CodeGen) keeps its share of the head (64 of 256 gives 2
+    of the tiny 8), an even number of at least 2 and at most the tiny head dim."""
+    heads, width = _default(base, "num_attention_heads"), _default(base, "hidden_size")
+    full_head = _default(base, "head_dim") or (width // heads if heads and width else None)
+    tiny_head = values.get("head_dim") or values.get("hidden_size", 32) // values.get("num_attention_heads", 4)
+    out = {}
+    for key, value in defaults.items():
+        if (key == "rotary_dim" or key.endswith("_rotary_dim")) and type(value) is int and full_head \
+                and value > tiny_head:
+            out[key] = min(tiny_head, max(2, 2 * round(value * tiny_head / full_head / 2)))
+    return out
+
+
+def _tiny_unknown_sizes(cls, base, defaults: dict[str, Any], values: dict[str, Any]) -> dict[str, int]:
+    """Sizes under keys TINY does not name, shrunk by two rules that hold for every config: a key named after a TINY
+    size, at its start or end, `_size` or not (`swa_head_dim`, `first_dense_intermediate_size`, `unpadded_vocab_size`,
+    `encoder_hash_byte_group_vocab`) takes that size's tiny value; else
+    a key whose default (16 or more) equals the default of a size the tiny config shrinks (`o_lora_rank` as
+    `q_lora_rank`, `index_n_heads` as the attention heads) takes its tiny value (the smallest where several match).
+    A key counts as a size where it sizes parameters (shrinking it alone shrinks the model), so scalars and windows
+    that share a default with a size keep theirs; keys the config derives itself (whose value moves when the known
+    sizes shrink, as DeepSeek's qk_head_dim) and token ids are left alone."""
+    aliases = set(getattr(base, "attribute_map", {}).values())
+    try:
+        probe = cls(**copy.deepcopy(values))
+        derived = {k for k, v in probe.to_dict().items() if k in defaults and v != defaults[k]}
+        count = _meta_size(probe)
+    except Exception:  # noqa: BLE001 - the config refuses these values: nothing is known to be derived or counted
+        derived, count = set(), None
+    named = sorted((k for k, v in TINY.items() if type(v) is int), key=len, reverse=True)
+    shrunk: dict[int, int] = {}
+    for key, tiny in values.items():
+        full = _default(base, key)
+        if type(tiny) is int and type(full) is int and tiny < full:
+            shrunk[full] = min(tiny, shrunk.get(full, tiny))
+    out = {}
+    for key, full in defaults.items():
+        if type(full) is not int or key in values or key in aliases or key in derived or _read_only(cls, key) \
+                or key.endswith(("_id", "_ids")):
+            continue
+        size = next((TINY[t] for t in named for word in (t, t.removesuffix("_size"))
+                     if key.endswith("_" + word) or key.startswith(word + "_")),
+                    shrunk.get(full) if full >= 16 else None)
+        if size is None or size >= full:
+            continue
+        if count is not None:
+            try:
+                if _meta_size(cls(**copy.deepcopy({**values, key: size}))) >= count:
+                    continue  # (not a size of the model: a window, a scale, a length)
+            except Exception:  # noqa: BLE001 - the config or model refuses it shrunk alone: leave it
+                continue
+        out[key] = size
+    return out
+
+
+def _tiny_layer_overrides(defaults: dict[str, Any], values: dict[str, Any], layers: int,
+                          flat: bool = False) -> dict[int, dict]:
     """The tiny model's per-layer overrides (a heterogeneous config's `per_layer_config`): tiny layer i takes the
     overrides of the first default layer of its kind (of layer i where the config names no kinds), each size that the
     tiny config shrinks scaled by the same ratio (Gemma 4's 512-wide global heads against its 256-wide ones give 16
-    against 8), so the tiny model keeps the family's heterogeneity without its full-size widths."""
+    against 8), so the tiny model keeps the family's heterogeneity without its full-size widths; `flat`: those sizes
+    left out (the layer takes the tiny ones), its other overrides kept."""
     per_layer = {int(k): v for k, v in defaults["per_layer_config"].items()}
     kinds, tiny_kinds = defaults.get("layer_types"), values.get("layer_types")
     out: dict[int, dict] = {}
@@ -134,6 +251,8 @@ def _tiny_layer_overrides(defaults: dict[str, Any], values: dict[str, Any], laye
             full = defaults.get(key)
             if key in values and isinstance(value, int) and isinstance(full, int) and full > 0 \
                     and not isinstance(value, bool):
+                if flat:
+                    continue
                 value = max(1, round(value * values[key] / full))
             layer[key] = value
         if layer:
@@ -163,16 +282,18 @@ def tiny_config(kind: str, **overrides):
 
     cls = CONFIG_MAPPING[kind]
     values = {**_tiny_values(kind), **overrides}
-    tries = [values, {**values, "num_key_value_heads": values.get("num_attention_heads", 4)},
-             {k: v for k, v in values.items() if k != "head_dim"}]
-    if "head_dim" in values:
-        tries.append({**values, "head_dim": 16})
-    tries.append({**values, "use_cache": False})  # (a hybrid whose 2 layers hold no attention gives no cache)
+    defaults = cls().to_dict()
+    scaled = defaults.get("per_layer_config") and "per_layer_config" not in overrides
     error: Exception | None = None
     problem = None
-    for attempt in tries:
+    too_big = 0
+    for attempt in _variants(values):
+        flat = attempt.pop(_FLAT, False)
+        if scaled:  # (the per-layer overrides scaled from this variant's own sizes)
+            attempt["per_layer_config"] = _tiny_layer_overrides(defaults, attempt,
+                                                                attempt.get("num_hidden_layers", 2), flat)
         try:
-            config = cls(**attempt)
+            config = cls(**copy.deepcopy(attempt))
         except Exception as e:  # noqa: BLE001 - a variant the config's own checks refuse: try the next one
             problem = problem or _config_problem(cls, e)
             continue
@@ -181,17 +302,52 @@ def tiny_config(kind: str, **overrides):
         except Exception as e:  # noqa: BLE001 - a variant the model class does not build from: try the next one
             problem = problem or f"{cls.__name__}'s model does not build from the derived sizes ({_one_line(e)})"
             continue
-        if size > MAX_PARAMS:
-            raise NotImplementedError(f"the derived config still has {size / 1e6:.1f}M parameters (sizes under keys "
-                                      "the sweep does not know)")
+        if size > MAX_PARAMS:  # (a variant that restores a full-size default: the next one may not)
+            too_big = max(too_big, size)
+            continue
         try:
             _plain(config)(input_ids=torch.randint(3, 200, (1, 8)))
             return config
         except Exception as e:  # noqa: BLE001 - any failure of the plain model means: try the next variant
             error = e
+    if error is None and too_big:
+        raise NotImplementedError(f"the derived config still has {too_big / 1e6:.1f}M parameters (sizes under keys "
+                                  "the sweep does not know)")
     if error is None:
         raise NoTinyConfig(problem)
     raise NotImplementedError(f"no tiny config runs in plain transformers ({_one_line(error)})")
+
+
+#: A variant's marker (not a config key): its per-layer overrides keep the tiny sizes (_tiny_layer_overrides flat).
+_FLAT = "__flat_per_layer_sizes__"
+
+
+def _variants(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """The derived values, then each relaxation alone, then every combination of them (in that order, so a family
+    that runs with one keeps the config it had): as many key-value heads as query heads, no head_dim (the config
+    derives it), head_dim 16, no cache (a hybrid whose 2 layers hold no attention gives none), per-layer overrides
+    that keep the tiny sizes (a heterogeneous layer whose scaled sizes break the config's own rules, as a head
+    width that must equal the sum of its rotary and plain parts)."""
+    relaxations = [("num_key_value_heads", values.get("num_attention_heads", 4)), ("head_dim", None),
+                   ("head_dim", 16), ("use_cache", False), (_FLAT, True)]
+    if "head_dim" not in values:
+        relaxations = [r for r in relaxations if r[0] != "head_dim"]
+    if "per_layer_config" not in values:
+        relaxations = [r for r in relaxations if r[0] != _FLAT]
+    out = []
+    for n in range(len(relaxations) + 1):
+        for combo in itertools.combinations(relaxations, n):
+            keys = [key for key, _ in combo]
+            if len(set(keys)) < len(keys):
+                continue
+            attempt = dict(values)
+            for key, value in combo:
+                if value is None:
+                    attempt.pop(key, None)
+                else:
+                    attempt[key] = value
+            out.append(attempt)
+    return out
 
 
 MAX_PARAMS = 2_000_000
@@ -370,7 +526,8 @@ def compare(ranks: list[dict], reference: dict) -> None:
                 continue
             ref = want[name]
             block = next((b for b in result["expert_ranges"] if name.startswith(b + ".experts.")), None)
-            if block is not None:
+            # (a tensor of the experts module that is not sharded, whole on every rank, is compared whole)
+            if block is not None and value.numel() != ref.numel():
                 start, stop = result["expert_ranges"][block]
                 ref = ref[start:stop]
             scale = float(ref.abs().max()) or 1.0  # (a floor for tensors that stay near 0, e.g. key biases)

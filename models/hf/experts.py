@@ -113,6 +113,11 @@ class _AdoptedExperts:
 
     def keep_experts(self, start: int, stop: int) -> None:
         """Drop every expert outside [start, stop) (relative to the experts this module holds now)."""
+        others = [n for n, _ in self.named_parameters() if n not in WEIGHTS]
+        if others:  # (moe.parallel declares every parameter of the experts as one expert's, reduced over its replicas)
+            raise NotImplementedError(f"expert parallelism of {type(self).__name__}: {others[0]} is a tensor of the "
+                                      "experts module beside its fused weights, which is not sharded with them: not "
+                                      "supported")
         for name in WEIGHTS:
             p = self._parameters.get(name)
             if p is not None:

@@ -121,3 +121,96 @@ def test_a_config_the_sweep_cannot_derive_is_one_line_naming_why(monkeypatch):
     cell = coverage.local_sweep(["kolibri1_1"])["kolibri1_1"]["features"]["logits"]
     assert cell.startswith("refused: no tiny config: Kolibri1_1Config's validator 'validate_architecture' rejects")
     assert "head_dim" in cell and "\n" not in cell
+
+
+# ----------------------------------------------------------- the tiny-config rules (one family each, no training)
+def test_per_layer_schedules_and_layer_index_lists_follow_the_tiny_layers():
+    # DeepSeek V4: its MLP schedule (hash-routed MoE, then learned routing) cycles over the tiny layers as the
+    # attention kinds do, so the tiny model has a router whose logits the balancing loss reads
+    values = coverage._tiny_values("deepseek_v4")
+    assert values["mlp_layer_types"] == ["hash_moe", "moe"]
+    assert values["layer_types"] == ["heavily_compressed_attention", "compressed_sparse_attention"]
+    # Zamba 2: hybrid_layer_ids names exactly the default layers of kind "hybrid": it names the tiny ones
+    values = coverage._tiny_values("zamba2")
+    assert values["layer_types"] == ["linear_attention", "hybrid"] and values["hybrid_layer_ids"] == [1]
+
+
+def test_sizes_under_unknown_keys_shrink_by_their_name_or_a_shared_default():
+    values = coverage._tiny_values("ergo")  # (named after intermediate_size)
+    assert values["first_dense_intermediate_size"] == values["shared_intermediate_size"] == 48
+    values = coverage._tiny_values("deepseek_v4")
+    assert values["index_head_dim"] == 8  # (named after head_dim)
+    # defaults equal to those of known sizes: o_lora_rank as q_lora_rank (1024), index_n_heads as the heads (64)
+    assert values["o_lora_rank"] == values["q_lora_rank"] == 16 and values["index_n_heads"] == 4
+    # a key that shares a size's default but sizes no parameter keeps its value: the indexer's top-k (512, as the
+    # head dim), Gemma 2's query scale (256, as the head dim)
+    assert "index_topk" not in values and "query_pre_attn_scalar" not in coverage._tiny_values("gemma2")
+
+
+def test_a_rotary_width_keeps_its_share_of_the_tiny_head():
+    # GPT-J rotates 64 of its 256 head channels: 2 of the tiny 8 (64 would not fit the tiny head)
+    assert coverage._tiny_values("gptj")["rotary_dim"] == 2
+    assert coverage.tiny_config("gptj").rotary_dim == 2  # (and its plain model runs with it)
+
+
+def test_relaxations_combine_and_per_layer_sizes_may_keep_the_tiny_ones():
+    values = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "per_layer_config": {}}
+    variants = coverage._variants(values)
+    # the relaxations alone come first, in the order a family that runs with one got before
+    assert variants[:6] == [values, {**values, "num_key_value_heads": 4}, {k: v for k, v in values.items()
+                            if k != "head_dim"}, {**values, "head_dim": 16}, {**values, "use_cache": False},
+                            {**values, coverage._FLAT: True}]
+    assert len(variants) == 3 * 2 * 2 * 2  # (every combination; head_dim dropped or 16, not both)
+    # Dots 3 Note: its sliding layers' scaled head widths break its rule head_dim = nope + rope width; as many key-
+    # value heads as query heads, head_dim 16 and the tiny sizes on every layer satisfy it
+    config = coverage.tiny_config("dots3_note_text")
+    assert (config.num_key_value_heads, config.head_dim, config.to_dict()["per_layer_config"]) == (4, 16, {})
+
+
+def test_sub_configs_and_open_choices_are_derived_too():
+    # GIT's vision tower is a sub-config: derived from its own class like the causal LM's
+    vision = coverage._tiny_values("git")["vision_config"]
+    assert (vision["hidden_size"], vision["num_hidden_layers"]) == (32, 2)
+    # Moshi's parent fills its depth decoder from its other fields: that sub-config keeps its default
+    assert "depth_decoder_config" not in coverage._tiny_values("moshi")
+    assert coverage._tiny_values("xmod")["default_language"] == "en_XX"  # (the first of its languages)
+
+
+def test_keys_that_are_not_the_tokens_are_refused_by_name():
+    import torch
+    from moe_lst.models.hf.attention import hf_attention, hf_dense_attention, set_attention
+
+    module = torch.nn.Module()
+    set_attention(module, hf_dense_attention)
+    q = torch.randn(1, 2, 6, 4)
+    out, _ = hf_attention(module, q, q, q, None)
+    assert out.shape == (1, 6, 2, 4)
+    kv = torch.randn(1, 2, 8, 4)  # (6 tokens' keys and 2 compressed slots, as DeepSeek V4's attention appends)
+    with pytest.raises(NotImplementedError, match="8 keys for 6 tokens"):
+        hf_attention(module, q, kv, kv, None)
+
+
+def test_experts_with_a_tensor_beside_their_fused_weights_refuse_expert_parallelism():
+    # Ergo's experts hold a per-expert output norm [experts, hidden] indexed by the global expert ids: sharding only
+    # the fused weights would leave it whole, its gradient reduced as one expert's; the shard is refused by name
+    from moe_lst.models.hf.experts import is_experts
+    from moe_lst.models.hf.model import HFCausalLM
+    from transformers import AutoModelForCausalLM
+
+    model = HFCausalLM(AutoModelForCausalLM.from_config(coverage.tiny_config("ergo")))
+    experts = next(m for m in model.modules() if is_experts(m))
+    with pytest.raises(NotImplementedError, match="ErgoExperts: post_expert_norm.weight is a tensor"):
+        experts.keep_experts(0, 2)
+
+
+def test_the_sweep_compares_expert_slices_and_whole_tensors_of_the_experts():
+    import torch
+
+    full = torch.arange(8.0).reshape(4, 2)
+    reference = {"losses": [1.0], "state": {"b.experts.down_proj": full, "b.experts.norm.weight": full}}
+    rank = {"losses": [1.0], "expert_ranges": {"b": (2, 4)},
+            "state": {"b.experts.down_proj": full[2:4], "b.experts.norm.weight": full}}
+    coverage.compare([rank], reference)  # (rank 1's experts 2 and 3, and the unsharded tensor whole)
+    rank["state"]["b.experts.down_proj"] = full[0:2]
+    with pytest.raises(AssertionError, match="down_proj"):
+        coverage.compare([rank], reference)
