@@ -554,7 +554,13 @@ def _layer_styles(model: HFCausalLM, styles: dict, refuse: Callable[[str], Contr
     """The styles of every layer's children (see HFCausalLM.tensor_parallel_styles), into `styles`."""
     from zero.parallel import tensor as ztp
 
+    hidden = getattr(model.config, "hidden_size", None)
     for name, block in model.blocks():
+        own = [(n, p) for n, p in block.named_parameters(recurse=False)]
+        if own and all(p.dim() == 1 and p.shape[0] == hidden for _, p in own):
+            # (per-channel scales the layer applies itself, e.g. nGPT's interpolation rates: on the hidden states'
+            # sequence shards, as a norm's weight)
+            styles[name] = ztp.SequenceParallelNorm(gather_output=False)
         for key, module in _layer_children(name, block):
             inner = {n: s for n, s in styles.items() if n == key or n.startswith(key + ".")}
             if inner and all(isinstance(s, ztp.ColwiseParallel) and s.gather_output for s in inner.values()):
@@ -604,6 +610,12 @@ def _end_styles(model: HFCausalLM, styles: dict, refuse: Callable[[str], Contrac
     styles[names[id(rest[0][1])]] = ztp.SequenceParallelNorm(gather_output=calls <= 1)
     tied = head.weight is embeddings.weight
     head_style = ztp.TiedHead(embeddings) if tied else ztp.ColwiseParallel()
+    extra = [(n, p) for n, p in head.named_parameters(recurse=False) if n not in ("weight", "bias")]
+    if extra:  # (a head's own per-token parameters, e.g. a logit scale [vocab]: this rank's vocabulary slice of them)
+        if not all(p.dim() >= 1 and p.shape[0] == head.out_features for _, p in extra):
+            raise refuse(f"its head {type(head).__name__} holds parameters ({', '.join(n for n, _ in extra)}) that "
+                         "are not per token of the vocabulary")
+        head_style = ztp.Chain(head_style, ztp.ColwiseParams([n for n, _ in extra]))
     styles[names[id(head)]] = head_style if calls <= 1 else ztp.Chain(head_style, ztp.SequenceGather())
 
 

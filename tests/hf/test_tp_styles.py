@@ -6,8 +6,10 @@ norms per layer) at tp=2 under ZeRO-3, with one parameter for both;
 norms after attention and MLP plus the plan's colwise_gather_output / rowwise_split_input projections with
 unplaced q / k norms between them (olmo2) at tp=2; layer children the plan leaves whole (lfm3: a short convolution
 whose parent reads its weight directly, an attention, an MLP) replicated on the gathered sequence at tp=2; a
-softcapped, tied, scaled-embedding family (gemma3_text) at pp=2, the last stage applying the softcap. What the adapter
-cannot repeat after the head is refused in one line."""
+softcapped, tied, scaled-embedding family (gemma3_text) at pp=2, the last stage applying the softcap; a layer's own
+per-channel rates and a head's per-token logit scale (dory: on the sequence shards, and this rank's vocabulary slice)
+at tp=2; per-layer inputs made on the first stage and sent on with the hidden states (gemma4_text) at pp=2. What the
+adapter cannot repeat after the head is refused in one line."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from tests.multirank import run_multirank
 from zero.contract import ContractError
 
 #: (family, layout) run by coverage.rank_run (ZeRO stage 0); the tied head also runs at ZeRO-3 (_tied_zero3).
-RUNS = [("olmo2", "tp2"), ("lfm3", "tp2"), ("gemma3_text", "pp2")]
+RUNS = [("olmo2", "tp2"), ("lfm3", "tp2"), ("gemma3_text", "pp2"), ("dory", "tp2"), ("gemma4_text", "pp2")]
 TIED = "gemma3_text"
 #: (the sweep's tiny gemma3_text leaves its softcapping off, as gemma3's default config does; a small cap bites)
 OVERRIDES = {"gemma3_text": dict(final_logit_softcapping=2.0)}
