@@ -289,7 +289,7 @@ class HFCausalLM(nn.Module, ModelContract):
         styles = _plan_styles(self, plan, refuse)
         expert_tensor_parallel(self, styles, tp, refuse)  # (MoE blocks split by hidden units, shared experts inside)
         _layer_styles(self, styles, refuse)
-        _end_styles(self, styles, refuse)
+        _end_styles(self, styles, tp, refuse)
         placed = {f"{n}.{p}" for n in styles
                   for p, _ in modules[n].named_parameters(recurse=getattr(styles[n], "places_submodules", False))}
         loose = [n for n, _ in self.named_parameters() if n not in placed]
@@ -577,7 +577,37 @@ def _layer_styles(model: HFCausalLM, styles: dict, refuse: Callable[[str], Contr
                 styles[key] = ztp.ReplicatedSequence()
 
 
-def _end_styles(model: HFCausalLM, styles: dict, refuse: Callable[[str], ContractError]) -> None:
+def _per_layer_input_styles(model: HFCausalLM, per_layer: list[str], styles: dict, tp: int,
+                            refuse: Callable[[str], ContractError]) -> None:
+    """Styles for Gemma's per-layer inputs (moe_lst.models.hf.pipeline.per_layer_input_modules): its forward adds a
+    lookup of the token ids, reshaped to their shape, to a projection of the embedding's output, reshaped to that
+    output's, so both are made over the whole sequence on every rank: the embeddings' outputs gathered
+    (VocabParallelEmbedding(gather_output)), the projection and its norm replicated on them with their gradients
+    summed (each rank's is its own positions'); every layer cuts its per-layer input, and the first its hidden
+    states too, to its sequence shard (SequenceShardArguments)."""
+    from zero.parallel import tensor as ztp
+
+    if not per_layer:
+        return
+    prefix = model.causal_lm.base_model_prefix
+    for name in per_layer:
+        module = getattr(model.base, name)
+        if isinstance(module, nn.Embedding):
+            if module.num_embeddings % tp:
+                raise refuse(f"tp={tp} does not divide the {module.num_embeddings} rows of {prefix}.{name}")
+            styles[f"{prefix}.{name}"] = ztp.VocabParallelEmbedding(scale=_embedding_scale(module, refuse),
+                                                                    gather_output=True)
+        elif isinstance(module, nn.Linear) or _norm_like(module):
+            styles[f"{prefix}.{name}"] = ztp.SequenceParallelNorm(gather_output=False)
+        else:
+            raise refuse(f"its per-layer inputs' module {prefix}.{name} ({type(module).__name__}) is not an "
+                         "embedding, a linear projection or a norm")
+    for k, (block, _) in enumerate(model.blocks()):
+        cut = ztp.SequenceShardArguments((0, 1) if k == 0 else (1,))
+        styles[block] = ztp.Chain(styles[block], cut) if block in styles else cut
+
+
+def _end_styles(model: HFCausalLM, styles: dict, tp: int, refuse: Callable[[str], ContractError]) -> None:
     """The styles of the embedding, the final norm and the head (see HFCausalLM.tensor_parallel_styles)."""
     from zero.parallel import tensor as ztp
 
@@ -588,16 +618,16 @@ def _end_styles(model: HFCausalLM, styles: dict, refuse: Callable[[str], Contrac
     if not isinstance(embeddings, nn.Embedding) or not isinstance(head, nn.Linear):
         raise refuse(f"its embedding ({type(embeddings).__name__}) or head ({type(head).__name__}) is not an "
                      "nn.Embedding / nn.Linear")
-    styles[names[id(embeddings)]] = ztp.VocabParallelEmbedding(scale=_embedding_scale(embeddings, refuse))
     from moe_lst.models.hf.pipeline import per_layer_input_modules
 
-    per_layer = per_layer_input_modules(model.base)
-    if per_layer:  # (get_per_layer_inputs reshapes its lookup to the token ids' shape, the projection to its input's)
-        raise refuse(f"its per-layer inputs ({', '.join(per_layer)}) add a lookup of the whole sequence's token ids "
-                     "to a projection of the embedding's output, whose sequence shards here do not match it")
+    per_layer = per_layer_input_modules(model.base) or []
+    # (with per-layer inputs the embedding's output is the whole sequence: see _per_layer_input_styles)
+    styles[names[id(embeddings)]] = ztp.VocabParallelEmbedding(scale=_embedding_scale(embeddings, refuse),
+                                                               gather_output=bool(per_layer))
+    _per_layer_input_styles(model, per_layer, styles, tp, refuse)
     blocks = {id(m) for _, m in model.blocks()}
     rest = [(n, m) for n, m in model.base.named_children()
-            if m is not embeddings and (any(True for _ in m.parameters()) or _norm_like(m))
+            if m is not embeddings and n not in per_layer and (any(True for _ in m.parameters()) or _norm_like(m))
             and not (isinstance(m, nn.ModuleList) and all(id(b) in blocks for b in m))]
     if len(rest) != 1 or not _norm_like(rest[0][1]):  # (the final norm: on shards, gathering for the head)
         found = ", ".join(f"{n} ({type(m).__name__})" for n, m in rest) or "none"

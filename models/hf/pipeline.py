@@ -355,10 +355,12 @@ def pack_ple(x: torch.Tensor, per_layer: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_ple(x: torch.Tensor, seq: int, layers: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden states [b, seq, h], per-layer inputs [b, seq, layers, d]) from an activation pack_ple made."""
-    b, _, h = x.shape
-    per_layer = x[:, seq:].reshape(b, -1)[:, :seq * layers * d].reshape(b, seq, layers, d)
-    return x[:, :seq], per_layer
+    """(hidden states [b, n, h], per-layer inputs [b, seq, layers, d]) from an activation pack_ple made of a
+    micro-batch of `seq` tokens (its hidden states may be a sequence shard of them: n <= seq)."""
+    b, total, h = x.shape
+    k = math.ceil(seq * layers * d / h)
+    per_layer = x[:, total - k:].reshape(b, -1)[:, :seq * layers * d].reshape(b, seq, layers, d)
+    return x[:, :total - k], per_layer
 
 
 class HFPipelineStage(nn.Module, ModelContract):

@@ -8,8 +8,9 @@ unplaced q / k norms between them (olmo2) at tp=2; layer children the plan leave
 whose parent reads its weight directly, an attention, an MLP) replicated on the gathered sequence at tp=2; a
 softcapped, tied, scaled-embedding family (gemma3_text) at pp=2, the last stage applying the softcap; a layer's own
 per-channel rates and a head's per-token logit scale (dory: on the sequence shards, and this rank's vocabulary slice)
-at tp=2; per-layer inputs made on the first stage and sent on with the hidden states (gemma4_text) at pp=2. What the
-adapter cannot repeat after the head is refused in one line."""
+at tp=2; per-layer inputs (gemma4_text) made on the first stage and sent on with the hidden states at pp=2, and made
+over the whole sequence on every rank, each layer cutting its shard, at tp=2. What the adapter cannot repeat around
+the head is refused in one line."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from tests.multirank import run_multirank
 from zero.contract import ContractError
 
 #: (family, layout) run by coverage.rank_run (ZeRO stage 0); the tied head also runs at ZeRO-3 (_tied_zero3).
-RUNS = [("olmo2", "tp2"), ("lfm3", "tp2"), ("gemma3_text", "pp2"), ("dory", "tp2"), ("gemma4_text", "pp2")]
+RUNS = [("olmo2", "tp2"), ("lfm3", "tp2"), ("gemma3_text", "pp2"), ("dory", "tp2"), ("gemma4_text", "pp2"),
+        ("gemma4_text", "tp2")]
 TIED = "gemma3_text"
 #: (the sweep's tiny gemma3_text leaves its softcapping off, as gemma3's default config does; a small cap bites)
 OVERRIDES = {"gemma3_text": dict(final_logit_softcapping=2.0)}
@@ -126,22 +128,13 @@ class _HalvedLlama(LlamaForCausalLM):
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
-def test_an_unknown_change_before_the_head_and_per_layer_inputs_are_refused_by_name():
+def test_an_unknown_change_before_the_head_is_refused_by_name():
     """A statement on the hidden states before the head the last stage cannot repeat refuses pipeline stages (and
-    tiled losses: the head is not plain); gemma4_text's per-layer inputs (a lookup of the whole sequence's token ids
-    added to a projection of the embedding's output) refuse tensor parallelism, whose embedding output is sequence
-    shards."""
-    from moe_lst.models.hf import HFCausalLM, build
-    from transformers import CONFIG_MAPPING
+    tiled losses: the head is not plain)."""
+    from moe_lst.models.hf import HFCausalLM
 
     model = HFCausalLM(_HalvedLlama(coverage.tiny_config("llama")))
     assert model.head_input_fn is None and not model.plain_head
     with pytest.raises(ContractError, match=r"^pipeline_stage: llama .*, but its forward changes the hidden states "
                                             r"before the head \(hidden_states = hidden_states.clamp\(-1.0, 1.0\)\)"):
         model.pipeline_stage(range(1), True, False)
-    config = CONFIG_MAPPING["gemma4_text"](
-        vocab_size=256, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, hidden_size=32,
-        intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    with pytest.raises(ContractError, match=r"its per-layer inputs \(embed_tokens_per_layer, .*\) add a lookup of the "
-                                            "whole sequence's token ids"):
-        build(config, meta=True).tensor_parallel_styles(2)

@@ -22,6 +22,8 @@ Styles (what `tensor_parallel_styles` maps each module name to):
   Replicated()                         replicated weights that each rank differentiates completely (on
                                        replicated activations): no gradient reduction
   VocabParallelEmbedding()             vocabulary rows sliced; output reduce-scattered over sequence
+                                       (`gather_output`: then all-gathered, the whole sequence on every rank)
+  SequenceShardArguments(positions)    whole-sequence positional arguments of a layer cut to its sequence shard
   TiedHead(embedding)                  an output projection reading the (vocabulary-parallel) embedding's own
                                        local weight: vocabulary-sliced logits, one parameter for both
   SequenceGather()                     a module whose input hidden states are sequence shards, all-gathered
@@ -494,9 +496,12 @@ class VocabParallelEmbedding(Style):
     and the partial embeddings are reduce-scattered to sequence shards. A tied output projection that
     reads the same weight then yields vocabulary-sliced logits (see vocab_parallel_cross_entropy)."""
 
-    def __init__(self, seq_dim: int = 1, scale: Callable[[nn.Module], torch.Tensor] | None = None) -> None:
+    def __init__(self, seq_dim: int = 1, scale: Callable[[nn.Module], torch.Tensor] | None = None,
+                 gather_output: bool = False) -> None:
         #: `scale(module)`: the scalar its lookup is multiplied by (a scaled embedding's), read at each forward
         self.seq_dim, self.scale = seq_dim, scale
+        #: the whole sequence out (its shards all-gathered after the reduce-scatter), for what runs replicated on it
+        self.gather_output = gather_output
 
     def apply(self, module, group):
         world, rank = group_size(group), group_rank(group)
@@ -513,6 +518,8 @@ class VocabParallelEmbedding(Style):
                               module.scale_grad_by_freq, module.sparse)
             out = out * inside.unsqueeze(-1).to(out.dtype)
             out = reduce_scatter_sequence(out, group, self.seq_dim)
+            if self.gather_output:
+                out = gather_sequence(out, group, self.seq_dim)
             return out if self.scale is None else out * self.scale(module).to(module.weight.dtype)
 
         module.forward = forward
@@ -562,6 +569,40 @@ class SequenceGather(Style):
             return args, kwargs
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
+        return {}
+
+
+class SequenceShardArguments(Style):
+    """A module (a layer) given whole-sequence tensors as positional arguments `positions` (e.g. per-layer inputs
+    made replicated outside the layers; the first layer's hidden states, `hidden_states=` too for position 0): each
+    is cut to this rank's sequence shard at its entry (None passes as it is). Its gradient is then this shard's, zero
+    elsewhere: whatever made the tensor replicated sums those over tp (a gathered sequence's reduce-scatter, summed
+    parameter gradients)."""
+
+    def __init__(self, positions: Sequence[int], seq_dim: int = 1) -> None:
+        self.positions, self.seq_dim = tuple(positions), seq_dim
+
+    def apply(self, module, group):
+        world, rank = group_size(group), group_rank(group)
+
+        def part(m, k, x):
+            if x is None:
+                return x
+            if x.shape[self.seq_dim] % world:
+                raise ValueError(f"{type(m).__name__}: argument {k}'s sequence of {x.shape[self.seq_dim]} does not "
+                                 f"split over tp={world}")
+            return x.chunk(world, self.seq_dim)[rank]
+
+        def cut(m, args, kwargs):
+            args = list(args)
+            for k in self.positions:
+                if k < len(args):
+                    args[k] = part(m, k, args[k])
+                elif k == 0 and "hidden_states" in kwargs:
+                    kwargs = {**kwargs, "hidden_states": part(m, k, kwargs["hidden_states"])}
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(cut, with_kwargs=True)
         return {}
 
 
