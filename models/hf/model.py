@@ -267,8 +267,11 @@ class HFCausalLM(nn.Module, ModelContract):
         split) run replicated on the gathered sequence, their gradients summed (or, between gathered and split
         features, whole on every rank). The embedding is vocabulary-parallel; the head column-parallel (an untied
         one) or the embedding's own local slice (a tied one), so the logits are vocabulary-sliced, the model's own
-        elementwise transform (scaling, softcapping) applied to them. ContractError naming what is missing where a
-        model does not fit this form."""
+        elementwise transform (scaling, softcapping) applied to them; a head's own per-token parameters (a logit
+        scale) take the same vocabulary slice, a layer's own per-channel parameters run on the shards with their
+        gradients summed. Gemma's per-layer inputs are made over the whole sequence on every rank, each layer
+        cutting its shard (_per_layer_input_styles). ContractError naming what is missing where a model does not fit
+        this form."""
         config, kind = self.config, self.config.model_type
         plan = getattr(config, "base_model_tp_plan", None) or {}
 

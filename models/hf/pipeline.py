@@ -1,8 +1,15 @@
 """Pipeline stages of an adapted Hugging Face causal LM, from its config's `base_model_pp_plan`: the plan's modules
 before `layers` (the embedding) on the first stage, a slice of the layers on each, the modules after `layers` (the
 final norm) and the causal LM's head on the last (with what the model's forward does to the head's logits: its
-scaling or softcapping, read from its source by moe_lst.models.hf.model.logit_transform), all under the model's own
-names, for the runtime's pipeline (zero.parallel.pipeline)."""
+scaling or softcapping, read from its source by moe_lst.models.hf.model.logit_transform, and to the hidden states
+before the head, head_input_transform), all under the model's own names, for the runtime's pipeline
+(zero.parallel.pipeline).
+
+What the base model's forward does around its layers is read from its source (`ast`) and repeated: the statements
+between the embedding and the layers (embedding multipliers, dropouts: _EMBEDDING_FORMS) on the first stage; the
+layer arguments it makes from the positions alone, by replaying its own statements (LayerReplay); a fresh dict for
+layers that share keys and values (a reuse layer and its source on one stage); Gemma's per-layer inputs, made on the
+first stage and sent on after the hidden states. Anything else is refused in one line naming it."""
 
 from __future__ import annotations
 
@@ -373,7 +380,10 @@ class HFPipelineStage(nn.Module, ModelContract):
     before; returns hidden states, or logits (vocabulary-sliced under tensor parallelism, the model's own transform
     applied) on the last stage. The layers are called as the base model calls them: hidden states, no attention mask
     (the adapter's attention is causal, with each layer's window), position ids and, where the base model has one,
-    the rotary embedding's tables of those positions.
+    the rotary embedding's tables of those positions, or what its replayed statements make of them (LayerReplay);
+    a fresh shared_kv_states dict per call where the base model gives one; each layer's slice of the per-layer
+    inputs where it has them (made on the first stage, sent on as `ple_rows` more positions after the hidden
+    states).
 
     With a balancing loss (moe_lst.models.hf.balance) the activation sent on carries, after the hidden states,
     `stats_rows` more positions holding the micro-batch's per-expert sums over the layers so far (top-k counts,
