@@ -120,7 +120,9 @@ _HEAD_INPUT_FORMS: dict[str, Callable[[PreTrainedModel, torch.Tensor], torch.Ten
 }
 _KEEP_SLICE = re.compile(r"hidden_states = slice_logits_to_keep\(hidden_states, logits_to_keep\)|"
                          r"slice_indices = .*|if hidden_states\.shape\[1\] == .*:")
-_LAST_HIDDEN = re.compile(r"hidden_states = outputs(\.last_hidden_state|\[0\])")
+#: Where a causal LM forward takes the base model's last hidden states (`outputs.last_hidden_state`,
+#: `transformer_outputs[0]`, sliced to logits_to_keep or not).
+_LAST_HIDDEN = re.compile(r"hidden_states = (slice_logits_to_keep\()?\w+(\.last_hidden_state|\[0\])")
 
 
 def head_input_transform(causal_lm: PreTrainedModel) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
@@ -133,9 +135,9 @@ def head_input_transform(causal_lm: PreTrainedModel) -> tuple[Callable[[torch.Te
         return None, "its forward's source cannot be read"
     lines = [re.sub(r"\s+", " ", line.split("#", 1)[0]).strip() for line in source.splitlines()]
     lines = [line for line in lines if line]
-    start = next((k for k, line in enumerate(lines) if _LAST_HIDDEN.fullmatch(line)), None)
-    head = next((k for k, line in enumerate(lines) if _HEAD_CALL.search(line) and line.startswith("logits =")), None)
-    if start is None or head is None or head < start:
+    head = next((k for k, line in enumerate(lines) if _HEAD_CALL.search(line)), None)
+    start = max((k for k, line in enumerate(lines[:head or 0]) if _LAST_HIDDEN.match(line)), default=None)
+    if start is None:
         return None, "no `hidden_states = outputs.last_hidden_state` before its head in its forward"
     statements = [line for line in lines[start + 1:head] if not _KEEP_SLICE.fullmatch(line)]
     unknown = [line for line in statements if line not in _HEAD_INPUT_FORMS]

@@ -30,7 +30,7 @@ from zero.contract import ContractError, ModelContract
 from zero.dist import comm
 from zero.plan import AttachedLossScale, attach_loss
 
-#: The plan's name for the repeated layers (every base_model_pp_plan of transformers names them so).
+#: The usual name of the plan's repeated layers (GPT-J's plan names them `h`: the stage takes the list it names).
 LAYERS = "layers"
 #: Modules of the base model outside its pp plan that a stage may share: they hold buffers only (rotary tables).
 ROTARY = "rotary_emb"
@@ -52,14 +52,18 @@ _EMBEDDING_FORMS: dict[str, Callable[[nn.Module, torch.Tensor, bool], torch.Tens
         lambda base, x, training: F.dropout(x, base.embed_dropout.p, training),
     "hidden_states = nn.functional.dropout(hidden_states, p=self.embedding_dropout, training=self.training)":
         lambda base, x, training: F.dropout(x, base.embedding_dropout, training),
+    # (token type embeddings: the adapter gives no token_type_ids, so this adds nothing)
+    "if token_type_ids is not None:\n    token_type_ids = token_type_ids.view(-1, seq_length)\n    hidden_states = "
+    "hidden_states + self.wte(token_type_ids)": lambda base, x, training: x,
 }
 #: The names a base model's forward holds its hidden states under before and between its layers.
 _HIDDEN = ("inputs_embeds", "hidden_states")
 
 
 def _forward_tree(base_class: type) -> tuple[ast.FunctionDef, int] | None:
-    """(`base_class.forward` parsed, the index in its body of the loop that calls `decoder_layer`), or None where
-    its source cannot be read or has no such loop."""
+    """(`base_class.forward` parsed, the index in its body of the loop over its layers: the first `for` whose
+    variable it calls, e.g. `decoder_layer(...)` or `block(...)`), or None where its source cannot be read or has no
+    such loop."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(base_class.forward)))
     except (OSError, TypeError, SyntaxError):
@@ -71,10 +75,23 @@ def _forward_tree(base_class: type) -> tuple[ast.FunctionDef, int] | None:
     return None if loop is None else (fn, loop)
 
 
-def _layer_call(node: ast.AST) -> ast.Call | None:
-    """The first `decoder_layer(...)` call under `node`."""
+def _loop_variable(loop: ast.For) -> str | None:
+    """The name a layers' loop binds each layer to (`for decoder_layer in ...`, `for i, block in enumerate(...)`)."""
+    target = loop.target
+    if isinstance(target, ast.Tuple) and target.elts:
+        target = target.elts[-1]
+    return target.id if isinstance(target, ast.Name) else None
+
+
+def _layer_call(node: ast.AST, name: str | None = None) -> ast.Call | None:
+    """The first call of the layer under `node` (a layers' loop, or with `name` its variable, a statement of its
+    body): `decoder_layer(...)`."""
+    if name is None and isinstance(node, ast.For):
+        name = _loop_variable(node)
+    if name is None:
+        return None
     return next((n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                 and n.func.id == "decoder_layer"), None)
+                 and n.func.id == name), None)
 
 
 def layer_arguments(base_class: type) -> set[str]:
@@ -197,7 +214,7 @@ class LayerReplay:
         self.index = target.elts[0].id if isinstance(target, ast.Tuple) and isinstance(target.elts[0], ast.Name) \
             else None
         needed = set().union(*(_names(v)[0] for v in values.values()))  # (what is read and not yet made)
-        body_at = next(k for k, st in enumerate(loop.body) if _layer_call(st) is not None)
+        body_at = next(k for k, st in enumerate(loop.body) if _layer_call(st, _loop_variable(loop)) is not None)
         per_layer = self._slice(loop.body[:body_at], needed)
         needed.discard(self.index)
         before = self._slice(fn.body[:at], needed)
@@ -259,9 +276,10 @@ def layer_replay(base: nn.Module) -> LayerReplay | None:
     return LayerReplay(type(base), keywords) if keywords else None
 
 
-def stage_plan(model) -> tuple[list[str], list[str]]:
-    """(the base model's modules before the layers, those after them) as the config's base_model_pp_plan orders
-    them; ContractError in one line naming what keeps the model from being staged."""
+def stage_plan(model) -> tuple[list[str], str, list[str]]:
+    """(the base model's modules before the layers, the name of its list of layers (`layers`, GPT-J's `h`), its
+    modules after them) as the config's base_model_pp_plan orders them; ContractError in one line naming what keeps
+    the model from being staged."""
     config = model.config
     plan = getattr(config, "base_model_pp_plan", None) or {}
 
@@ -272,13 +290,13 @@ def stage_plan(model) -> tuple[list[str], list[str]]:
     if not plan:
         raise refuse("there is no plan to map")
     names = list(plan)
-    if LAYERS not in names:
-        raise refuse(f"it names no `{LAYERS}`")
     base, prefix = model.base, model.causal_lm.base_model_prefix
-    layers = getattr(base, LAYERS, None)
     blocks = [m for _, m in model.blocks()]
-    if not isinstance(layers, nn.ModuleList) or list(layers) != blocks:
-        raise refuse(f"{prefix}.{LAYERS} is not the list of its repeated layers")
+    found = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList) and list(getattr(base, n)) == blocks]
+    if not found:
+        raise refuse(f"it names no list of its repeated layers ({prefix}.{LAYERS} or another)" if LAYERS not in names
+                     else f"{prefix}.{LAYERS} is not the list of its repeated layers")
+    layers_name = found[0]
     if model.logit_fn is None:
         raise refuse(f"its forward changes the logits after the head ({model.logit_statements}) in a way the last "
                      "stage does not repeat")
@@ -298,21 +316,21 @@ def stage_plan(model) -> tuple[list[str], list[str]]:
     for name, child in base.named_children():
         if name in (ple or ()):  # (the per-layer inputs' modules: on the first stage)
             continue
-        if name not in names and name not in shared - {LAYERS} and any(True for _ in child.parameters()):
+        if name not in names and name not in shared - {layers_name} and any(True for _ in child.parameters()):
             raise refuse(f"{prefix}.{name} holds parameters outside the plan")
-        if name not in names and name not in shared | {LAYERS} and any(True for _ in child.buffers()):
+        if name not in names and name not in shared | {layers_name} and any(True for _ in child.buffers()):
             raise refuse(f"{prefix}.{name} holds buffers outside the plan (only {ROTARY} and the modules that make "
                          "the layers' arguments from the positions are shared by stages)")
         if name in shared - {ROTARY} and any(True for _ in child.parameters()):
             raise refuse(f"{prefix}.{name}, which makes the layers' arguments from the positions, holds parameters")
     for name in names:
-        if name != LAYERS and getattr(base, name, None) is None:
+        if name != layers_name and getattr(base, name, None) is None:
             raise refuse(f"{prefix}.{name} is not a module of the base model")
-    at = names.index(LAYERS)
+    at = names.index(layers_name)
     _, problem = embedding_statements(type(base), names[:at], names[at + 1:])
     if problem:
         raise refuse(problem)
-    return names[:at], names[at + 1:]
+    return names[:at], layers_name, names[at + 1:]
 
 
 #: The layer argument of Gemma's per-layer inputs (PLE), the base model's methods that make them (from the token ids
@@ -393,7 +411,7 @@ class HFPipelineStage(nn.Module, ModelContract):
 
     def __init__(self, model, layers: range, first: bool, last: bool) -> None:
         super().__init__()
-        before, after = stage_plan(model)
+        before, self.layers_name, after = stage_plan(model)
         shared = _kv_sharing_problem(model.config, layers)
         if shared:
             raise ContractError(f"pipeline_stage: {model.config.model_type}: {shared}")
@@ -418,7 +436,7 @@ class HFPipelineStage(nn.Module, ModelContract):
         self.ple = per_layer_input_modules(base)
         for name in self.ple or () if first else ():
             inner.add_module(name, getattr(base, name))
-        inner.add_module(LAYERS, nn.ModuleDict({str(i): base.layers[i] for i in layers}))
+        inner.add_module(self.layers_name, nn.ModuleDict({str(i): getattr(base, self.layers_name)[i] for i in layers}))
         for name in after if last else ():
             inner.add_module(name, getattr(base, name))
         #: the layers' keyword arguments made from the positions by the base model's own statements (or None)
@@ -439,7 +457,10 @@ class HFPipelineStage(nn.Module, ModelContract):
             self.add_module(head_name, head)
 
     def blocks(self) -> list[tuple[str, nn.Module]]:
-        return [(f"{self.prefix}.{LAYERS}.{i}", layer) for i, layer in self._inner().layers.items()]
+        return [(f"{self.prefix}.{self.layers_name}.{i}", layer) for i, layer in self._layers().items()]
+
+    def _layers(self) -> nn.ModuleDict:
+        return getattr(self._inner(), self.layers_name)
 
     def _rotary_tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """The rotary embedding's tables of these positions: {None: table}, or {layer type: table} where its forward
@@ -490,7 +511,7 @@ class HFPipelineStage(nn.Module, ModelContract):
             kwargs["documents"] = Documents(position_ids)  # attention stays inside each packed document
         token = hf_attn.PACKED.set(packed)
         try:
-            for i, layer in inner.layers.items():
+            for i, layer in self._layers().items():
                 if tables:  # (per layer type where the base model keeps a table for each)
                     kwargs["position_embeddings"] = tables[self.layer_types[int(i)] if self.layer_types else None]
                 if replayed is not None:

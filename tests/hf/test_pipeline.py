@@ -172,3 +172,22 @@ def test_what_a_stage_cannot_make_for_its_layers_is_refused_by_name():
     replay = layer_replay(_UnstageableModel())
     assert replay.keywords == ["token_scale"]
     assert replay.problem == "its base model makes its layers' token_scale from input_ids"
+
+
+def test_a_plan_naming_its_layers_otherwise_is_staged_under_their_names():
+    """GPT-J's plan names its layers `h` (and a dropout after the embedding, its forward a token-type statement the
+    adapter never feeds and a layer loop over `block`): the stages hold `transformer.h.{i}` and chained give the
+    model's logits."""
+    from moe_lst.models.hf import coverage
+
+    torch.manual_seed(0)
+    model = build(coverage.tiny_config("gptj"))
+    n = len(model.blocks())
+    first, last = model.pipeline_stage(range(n // 2), True, False), model.pipeline_stage(range(n // 2, n), False, True)
+    assert [name for name, _ in last.blocks()] == [f"transformer.h.{i}" for i in range(n // 2, n)]
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        want = model(tokens)
+        got = last(first(tokens, positions), positions)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
