@@ -35,18 +35,28 @@ COMPOSED = {
     "tp2_dp2_zero3": (["parallel.tp=2", "parallel.dp=2", "zero.stage=3", "train.grad_accum=1"], "one"),
     "pp2_dp2_zero1": (["parallel.pp=2", "parallel.dp=2", "zero.stage=1", "train.micro_batch_size=2",
                        "train.grad_accum=2"], "one_mb2"),
+    "pp2_dp2_zero3": (["parallel.pp=2", "parallel.dp=2", "zero.stage=3", "train.micro_batch_size=2",
+                       "train.grad_accum=2"], "one_mb2"),
     "pp2_tp2": (["parallel.pp=2", "parallel.tp=2"], "one"),
+    "pp2_sp2": (["parallel.pp=2", "parallel.sp=2"], "one"),
     "sp2_dp2_zero3": (["parallel.sp=2", "parallel.dp=2", "zero.stage=3", "train.grad_accum=1"], "one"),
     "sp2_tp2": (["parallel.sp=2", "parallel.tp=2"], "one"),
+    "cp2_tp2": (["parallel.cp=2", "parallel.tp=2"], "one"),  # (ring attention over 2 x 2 chunks, heads over tp)
+    # MoE only: experts split over ep ranks borrowed from dp, from sp, or from both
     "ep2_tp2": (["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "train.grad_accum=1"], "one"),
     "pp2_ep2": (["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=2",
                  "train.grad_accum=2"], "one_mb2"),
+    "sp2_dp2_ep2": (["parallel.sp=2", "parallel.dp=2", "parallel.ep=2", "train.grad_accum=1"], "one"),
+    "sp2_ep2_tp2": (["parallel.sp=2", "parallel.ep=2", "parallel.tp=2"], "one"),
+    "pp2_sp2_ep2": (["parallel.pp=2", "parallel.sp=2", "parallel.ep=2"], "one"),
 }
-MOE_LAYOUTS = ("ep2_tp2", "pp2_ep2")
+MOE_LAYOUTS = ("ep2_tp2", "pp2_ep2", "sp2_dp2_ep2", "sp2_ep2_tp2", "pp2_sp2_ep2")
 DENSE = ("llama", "gemma3_text")
 MOE = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+#: Left out: ring attention does not run GPT-OSS's sinks (ACCEPTED_BAD below: refused only in the first forward).
+LEFT_OUT = {("gpt_oss", "cp2_tp2")}
 CASES = [(kind, layout) for kind in (*DENSE, *MOE) for layout in COMPOSED
-         if layout not in MOE_LAYOUTS or kind in MOE]
+         if (layout not in MOE_LAYOUTS or kind in MOE) and (kind, layout) not in LEFT_OUT]
 
 
 @pytest.fixture(scope="module")
@@ -128,24 +138,121 @@ def test_bf16_tracks_fp32_and_one_process_bf16(root, kind, layout):
 
 
 # -------------------------------------------------------------------------------------------------------------- resume
+RESUME_LAYOUT = ["parallel.tp=2", "parallel.dp=2", "train.grad_accum=1", "train.steps=3"]
+
+
+def _uninterrupted(root: Path, kind: str) -> list[str]:
+    """The overrides of a 3-step run of `kind` at tp2 x dp2 checkpointing every step (run_dir resume_full)."""
+    return _overrides(root, kind, "resume_full", [*RESUME_LAYOUT, "train.ckpt_every=1", "train.keep_checkpoints=0"])
+
+
+def _assert_continues(root: Path, kind: str, name: str) -> None:
+    """The run `name`, resumed from resume_full's step-2 checkpoint, is resume_full's step 3: loss, gradient norm
+    and final weights."""
+    a, b = _records(root / kind / name), _records(root / kind / "resume_full")
+    assert [r["step"] for r in a] == [3] and [r["step"] for r in b] == [1, 2, 3], name
+    for key in ("loss", "grad_norm"):
+        assert math.isclose(a[0][key], b[2][key], rel_tol=RTOL), f"{kind} {name} {key}: {a[0][key]} != {b[2][key]}"
+    mine, ref = _final_weights(root / kind / name), _final_weights(root / kind / "resume_full")
+    assert mine.keys() == ref.keys()
+    for n, value in ref.items():
+        torch.testing.assert_close(mine[n].reshape(value.shape), value, rtol=RTOL, atol=1e-6,
+                                   msg=lambda m, n=n: f"{kind} {name} {n}: {m}")
+
+
+def _step2(root: Path, kind: str) -> str:
+    return f"train.resume={root / kind / 'resume_full' / 'checkpoints' / 'step_0000002'}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", MOE)
 def test_moe_resume_at_tp2_dp2_continues_the_run(root, kind):
     """A 3-step run checkpointing every step, and a run in another directory resumed from its step-2 checkpoint: the
     resumed run's one step (loss, gradient norm) and final weights are the uninterrupted run's step 3."""
-    layout = ["parallel.tp=2", "parallel.dp=2", "train.grad_accum=1", "train.steps=3"]
-    full = _overrides(root, kind, "resume_full", [*layout, "train.ckpt_every=1", "train.keep_checkpoints=0"])
-    step2 = root / kind / "resume_full" / "checkpoints" / "step_0000002"
-    resumed = _overrides(root, kind, "resume_from_2", [*layout, f"train.resume={step2}"])
-    run_multirank(_train_each, 4, [full, resumed], timeout=600)
-    a, b = _records(root / kind / "resume_from_2"), _records(root / kind / "resume_full")
-    assert [r["step"] for r in a] == [3] and [r["step"] for r in b] == [1, 2, 3]
-    for key in ("loss", "grad_norm"):
-        assert math.isclose(a[0][key], b[2][key], rel_tol=RTOL), f"{kind} step 3 {key}: {a[0][key]} != {b[2][key]}"
-    mine, ref = _final_weights(root / kind / "resume_from_2"), _final_weights(root / kind / "resume_full")
-    assert mine.keys() == ref.keys()
-    for name, value in ref.items():
-        torch.testing.assert_close(mine[name], value, rtol=RTOL, atol=1e-7, msg=lambda m, n=name: f"{kind} {n}: {m}")
+    resumed = _overrides(root, kind, "resume_from_2", [*RESUME_LAYOUT, _step2(root, kind)])
+    run_multirank(_train_each, 4, [_uninterrupted(root, kind), resumed], timeout=600)
+    _assert_continues(root, kind, "resume_from_2")
+
+
+#: Layouts (beside tp2 x dp2's) a tp2 x dp2 checkpoint resumes under, on 4 processes; and one process.
+RESUME_ELSEWHERE = {"pp2_tp2": COMPOSED["pp2_tp2"][0], "sp2_dp2_zero3": COMPOSED["sp2_dp2_zero3"][0]}
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_of_tp2_dp2_resumes_under_other_layouts(root):
+    kind = "qwen3_moe"
+    runs = [] if (root / kind / "resume_full" / "metrics.jsonl").is_file() else [_uninterrupted(root, kind)]
+    runs += [_overrides(root, kind, f"resume_{name}", [*keys, "train.steps=3", _step2(root, kind)])
+             for name, keys in RESUME_ELSEWHERE.items()]
+    run_multirank(_train_each, 4, runs, timeout=600)
+    _train_each([_overrides(root, kind, "resume_one", ["train.steps=3", _step2(root, kind)])])
+    for name in (*RESUME_ELSEWHERE, "one"):
+        _assert_continues(root, kind, f"resume_{name}")
+
+
+# ------------------------------------------------------------------------------------------------------- expert bias
+#: DeepSeek-V3's routing correction bias: zero in a fresh model, so the layouts above never see it; these values pick
+#: other top-2 pairs of the 4 experts.
+BIAS = (0.0, 0.4, -0.4, 0.3)
+INIT_FROM_DROPS_BUFFERS = ("models/hf/streaming.py open_streaming reads only the model's parameters "
+                           "(_parameter_names), so train.init_from drops a source's persistent buffers: "
+                           "DeepSeek-V3's e_score_correction_bias starts at zero whatever the directory holds")
+
+
+def _biased_source(root: Path, bias: tuple[float, ...] = BIAS) -> Path:
+    """A save_pretrained directory of the tiny DeepSeek-V3 with `bias` as every layer's correction bias."""
+    from moe_lst.models.hf.coverage import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    directory = root / f"deepseek_v3_bias_{'_'.join(map(str, bias))}"
+    if not (directory / "config.json").is_file():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v3"), dtype=torch.float32)
+        biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+        assert biases
+        for b in biases:
+            b.copy_(torch.tensor(bias))
+        model.save_pretrained(directory)
+    return directory
+
+
+def _source_biases(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {n: t for n, t in load_file(str(directory / "model.safetensors")).items()
+            if n.endswith("e_score_correction_bias")}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=INIT_FROM_DROPS_BUFFERS)
+def test_init_from_keeps_the_expert_bias(root):
+    """One process from a directory with a correction bias and from the same weights with a zero bias: the bias
+    ends as the directory holds it (a buffer no optimizer touches), and the two runs differ from the first loss."""
+    biased, zeroed = _biased_source(root), _biased_source(root, (0.0,) * len(BIAS))
+    one = _reference(root, "deepseek_v3", "bias_one", [f"train.init_from={biased}"])
+    unbiased = _reference(root, "deepseek_v3", "bias_zero_one", [f"train.init_from={zeroed}"])
+    final = _final_weights(one)
+    for name, value in _source_biases(biased).items():
+        torch.testing.assert_close(final[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    assert _records(unbiased)[0]["loss"] != _records(one)[0]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=f"(the layouts would run with a zero bias) {INIT_FROM_DROPS_BUFFERS}")
+def test_deepseek_v3_expert_bias_at_composed_layouts(root):
+    """A DeepSeek-V3 with a correction bias, loaded by train.init_from, at ep2 x tp2 and sp2 x tp2 equals one process,
+    and runs with that bias."""
+    kind, source = "deepseek_v3", _biased_source(root)
+    init = [f"train.init_from={source}"]
+    layouts = {"bias_ep2_tp2": COMPOSED["ep2_tp2"][0], "bias_sp2_tp2": COMPOSED["sp2_tp2"][0]}
+    run_multirank(_train_each, 4, [_overrides(root, kind, name, [*init, *keys]) for name, keys in layouts.items()],
+                  timeout=600)
+    one = _reference(root, kind, "bias_one", init)
+    for name in layouts:
+        assert_same_run(root / kind / name, one, f"{kind} {name}")
+        final = _final_weights(root / kind / name)
+        for n, value in _source_biases(source).items():
+            torch.testing.assert_close(final[n], value, rtol=0, atol=0, msg=lambda m, n=n, r=name: f"{r} {n}: {m}")
 
 
 # ----------------------------------------------------------------------------------------------------------- refusals
@@ -206,6 +313,12 @@ ACCEPTED_BAD = [
                      "models/hf/config.py: an override under an attribute_map alias (num_experts) of a key the "
                      "config.json holds (num_local_experts) is silently dropped by transformers; the model keeps 4 "
                      "experts")), id="override-of-an-aliased-key"),
+    pytest.param("gpt_oss", 4, ["parallel.cp=2", "parallel.tp=2"],
+                 r"parallel.cp=2 .*attention sinks",
+                 marks=pytest.mark.xfail(strict=True, reason=(
+                     "the config check lets parallel.cp through for a model with attention sinks; "
+                     "sequence_parallel/ring.py RingAttention.forward raises NotImplementedError in the first "
+                     "forward (the family's check_layout, models/hf/spec.py, does not ask)")), id="ring-with-sinks"),
 ]
 
 
