@@ -87,16 +87,21 @@ def test_composed_layout_equals_one_process(root, kind, layout):
 
 
 # ---------------------------------------------------------------------------------------------------------------- bf16
-#: bf16 against fp32 (one process): the loss and gradient norm of each step (measured at most 1.3e-4 and 2.2e-3 apart
-#: over llama and qwen3_moe at tp2 and pp2).
+#: bf16 against fp32 (one process): the loss and gradient norm of each step (measured at most 1.7e-4 and 4.1e-3 apart
+#: over the five families at tp2 and pp2).
 BF16_VS_FP32 = {"loss": 2e-3, "grad_norm": 1e-2}
-#: bf16 at tp=2 against bf16 on one process: losses and gradient norms (measured at most 5.1e-5 and 6.1e-4 apart), and
-#: the whole model's update (final - initial weights), |du| / |u| (measured 4.8e-3 for llama, 1.1e-2 for qwen3_moe).
-#: The control, bf16 against fp32 on one process, is 9e-2 to 1e-1 apart: outside it. At pp=2 no sum is split (each
-#: stage computes its layers as one process does), so bf16 runs equal one process to fp32 rounding (measured: equal).
-BF16_VS_BF16 = {"tp2": {"loss": 5e-4, "grad_norm": 5e-3, "update": 3e-2},
+#: bf16 at tp=2 against bf16 on one process: losses and gradient norms (measured at most 1.1e-4 and 1.3e-3 apart), and
+#: the whole model's update (final - initial weights), |du| / |u| (measured 4.8e-3 for llama to 2.4e-2 for gpt_oss).
+#: The control, bf16 against fp32 on one process, is 6.4e-2 (gemma3_text) to 1e-1 (qwen3_moe) apart: outside it. At
+#: pp=2 no sum is split (each stage computes its layers as one process does), so bf16 runs equal one process to fp32
+#: rounding (measured: equal).
+BF16_VS_BF16 = {"tp2": {"loss": 5e-4, "grad_norm": 5e-3, "update": 4e-2},
                 "pp2": {"loss": RTOL, "grad_norm": RTOL, "update": 1e-4}}
-BF16_CASES = [(kind, layout) for kind in ("llama", "qwen3_moe") for layout in ("tp2", "pp2")]
+#: Gemma 3's tied head: under pp its two gradient parts (embedding on the first stage, head on the last) are summed
+#: across the stages rather than accumulated into one bf16 gradient, so it rounds as tp does (measured 6.7e-4 on the
+#: gradient norm, 2.7e-3 on the update).
+BF16_TOLERANCE = {("gemma3_text", "pp2"): BF16_VS_BF16["tp2"]}
+BF16_CASES = [(kind, layout) for kind in (*DENSE, *MOE) for layout in ("tp2", "pp2")]
 
 
 def _steps_close(got: Path, want: Path, tolerance: dict[str, float], label: str) -> None:
@@ -129,7 +134,7 @@ def test_bf16_tracks_fp32_and_one_process_bf16(root, kind, layout):
     # the initial weights: a run whose updates round away in fp32 (lr=1e-30; the recipe refuses lr=0)
     initial = _reference(root, kind, "initial", ["optim.lr=1e-30"])
     _steps_close(got, fp32, BF16_VS_FP32, f"{kind} {layout} bf16 vs fp32")
-    tolerance = BF16_VS_BF16[layout]
+    tolerance = BF16_TOLERANCE.get((kind, layout), BF16_VS_BF16[layout])
     _steps_close(got, one_bf16, tolerance, f"{kind} {layout} bf16 vs one-process bf16")
     distance = _update_distance(got, one_bf16, initial)
     assert distance < tolerance["update"], f"{kind} {layout} bf16 update vs one-process bf16: {distance:.3e}"
