@@ -213,6 +213,12 @@ class Checkpoint:
 
         return read
 
+    def read_whole(self, parts: list[Source], shape: tuple[int, ...]) -> torch.Tensor:
+        """The whole tensor of `shape` that `parts` make, fp32 on the CPU."""
+        out = torch.empty(shape, dtype=torch.float32)
+        self._fill_global(parts, (0,) * len(shape), shape, out)
+        return out
+
     def _fill_global(self, parts: list[Source], gstart, gsize, target: torch.Tensor) -> None:
         """Write the parameter's global box (gstart, gsize) into `target` from the file tensors of `parts`."""
         for s in parts:
@@ -329,11 +335,25 @@ class StreamingWeights:
 
     checkpoint: Checkpoint
     sources: dict[str, list[Source]]
+    #: The model's persistent buffers the directory holds (whole on every rank that holds them, e.g. a router's
+    #: correction bias): read whole into the module's buffers after the parameters.
+    buffers: dict[str, list[Source]] = field(default_factory=dict)
 
     def load_into(self, engine) -> None:
         shapes = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
         try:
             engine.load_parameters(self.checkpoint.reader(self.sources, engine.placements, shapes))
+            held = dict(engine.module.named_buffers())
+            for name, parts in self.buffers.items():
+                if name not in held:  # (on another pipeline stage)
+                    continue
+                target = held[name]
+                if tuple(target.shape) != parts[0].size:
+                    raise CheckpointError(f"{self.checkpoint.directory}: buffer {name} is {list(parts[0].size)} "
+                                          f"in the directory but {list(target.shape)} on this rank; a buffer split "
+                                          "over ranks is not loaded by train.init_from")
+                with torch.no_grad():
+                    target.copy_(self.checkpoint.read_whole(parts, tuple(target.shape)))
         finally:
             self.checkpoint.close()
 

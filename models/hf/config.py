@@ -166,7 +166,9 @@ def _load(file: str, stamp: float, overrides_json: str) -> PreTrainedConfig:
     raw = _read(path)
     base = _build(raw, str(path))
     overrides = json.loads(overrides_json)
-    checked = {key: _check_override(key, value, base, path) for key, value in overrides.items()}
+    # (a key under an alias, e.g. num_experts for num_local_experts, overrides the key the config.json holds)
+    checked = {base.attribute_map.get(key, key): _check_override(key, value, base, path)
+               for key, value in overrides.items()}
     where = f"{path} with model.hf.overrides" if overrides else str(path)
     config = _build({**raw, **_relayered(raw, checked), **checked}, where) if overrides else base
     problems = _unsupported(config)

@@ -141,7 +141,25 @@ class HFSpec(FamilySpec):
             raise ConfigError(f"parallel.pp_schedule={par.pp_schedule} places several stages on a rank, which model=hf "
                               "does not offer (each stage holds its own part of the base model); use parallel."
                               "pp_schedule=1f1b or gpipe")
-        check_ulysses_heads(config.num_attention_heads, par.sp, keys=PARALLEL_KEYS)
+        check_ulysses_heads(config.num_attention_heads, par.sp, par.tp, keys=PARALLEL_KEYS)
+        cp, packed = par.get("cp", 1), cfg.data.get("packing", "concat") == "document"
+        if par.sp > 1 or cp > 1 or packed:
+            outside, numbering, sinks = _sequence_structure(config.to_json_string())
+            what = (f"parallel.sp={par.sp}" if par.sp > 1 else f"parallel.cp={cp}" if cp > 1
+                    else "data.packing=document")
+            if outside:
+                raise ConfigError(f"{what} with model=hf is refused: its layer {outside} mixes tokens outside "
+                                  "transformers' AttentionInterface, so sequence shards and packed documents do not "
+                                  "reach it; train it with parallel.sp=1, parallel.cp=1 and data.packing=concat")
+            if numbering:
+                raise ConfigError(f"{what} with model=hf is refused: {numbering} takes no position_ids (it numbers "
+                                  "the positions of the sequence it is given from 0), so sequence shards and packed "
+                                  "documents would get other positions; train it with parallel.sp=1, parallel.cp=1 "
+                                  "and data.packing=concat")
+            if cp > 1 and sinks:
+                raise ConfigError(f"parallel.cp={cp} with model=hf is refused: {sinks} has attention sinks (a sink "
+                                  "logit per head joins every query's softmax), which ring attention does not run; "
+                                  "use parallel.sp for this model")
         if par.sp > 1 and rope_type(config) in LENGTH_DEPENDENT_ROPE:
             raise ConfigError(f"rope_type={rope_type(config)} scales its tables by the longest position a forward "
                               f"sees, which differs per rank under parallel.sp={par.sp}; use parallel.sp=1 or "
@@ -281,6 +299,27 @@ class HFSpec(FamilySpec):
 
     def check_plannable(self, cfg: Any) -> None:
         raise NotImplementedError("the planner covers the project's Llama family (model=hf is not planned yet)")
+
+
+@functools.lru_cache(maxsize=16)
+def _sequence_structure(config_json: str) -> tuple[str | None, str | None, str | None]:
+    """What of this config.json's model sequence shards and packed documents cannot reach, read from its modules
+    on the meta device: (a repeated layer holding no AttentionInterface module, the module numbering positions
+    itself, an attention module with sinks), each None where there is none."""
+    import copy
+    import json
+
+    from moe_lst.models.hf.structure import attention_modules, blocks_outside_attention, positions_from_length
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+
+    values = PreTrainedConfig._decode_special_floats(json.loads(config_json))
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    with torch.device("meta"):
+        causal_lm = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    outside = blocks_outside_attention(causal_lm)
+    sinks = next((name for name, module in attention_modules(causal_lm)
+                  if isinstance(getattr(module, "sinks", None), torch.Tensor)), None)
+    return (outside[0] if outside else None), positions_from_length(causal_lm), sinks
 
 
 @functools.lru_cache(maxsize=16)

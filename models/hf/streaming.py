@@ -95,8 +95,29 @@ def open_streaming(directory: str | Path, config: PreTrainedConfig) -> Streaming
 
     checkpoint = Checkpoint.open(directory)
     meta = parameter_shapes(config)
-    shapes = {n: s for n, s in meta.items() if n in _parameter_names(config)}
-    return StreamingWeights(checkpoint, hf_sources(checkpoint, config, shapes))
+    parameters = _parameter_names(config)
+    shapes = {n: s for n, s in meta.items() if n in parameters}
+    buffers = {n: s for n, s in meta.items() if n not in parameters}
+    return StreamingWeights(checkpoint, hf_sources(checkpoint, config, shapes),
+                            buffer_sources(checkpoint, config, buffers))
+
+
+def buffer_sources(checkpoint: Checkpoint, config: PreTrainedConfig,
+                   shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
+    """The file tensors of the model's persistent buffers (`shapes`: DeepSeek-V3's routing correction bias, ...),
+    under their names or transformers' renamings, checked like the parameters' (shape, floating dtype). A buffer
+    the directory does not hold keeps the value the build gave it, as transformers' from_pretrained does."""
+    renames, _ = _conversions(config.model_type)
+    found: dict[str, str] = {}
+    for t in checkpoint.where:
+        renamed = t
+        for pattern, dst in renames:
+            renamed = pattern.sub(dst, renamed)
+        found[renamed] = t
+    sources = {name: [Source(found[name], (0,) * len(shape), tuple(shape), tuple(range(len(shape))))]
+               for name, shape in shapes.items() if name in found}
+    checkpoint.check(sources)
+    return sources
 
 
 def _parameter_names(config: PreTrainedConfig) -> set[str]:

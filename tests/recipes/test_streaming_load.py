@@ -421,3 +421,33 @@ def _check_streaming_export(family: str, run_dir: Path, out: Path) -> dict:
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours.eval()(tokens), rtol=1e-4, atol=1e-4)
     return {"peak": peak, "shard": shard, "largest": largest, "whole": whole}
+
+
+def test_a_hugging_face_directory_s_persistent_buffers_load(tmp_path):
+    """A router's correction bias (DeepSeek-V3's e_score_correction_bias: a persistent buffer, not a parameter)
+    comes from the directory, not from the build (zeros), read from the file like the parameters."""
+    from moe_lst.models.hf import build, load_config
+    from moe_lst.models.hf.coverage import tiny_config
+    from moe_lst.models.hf.streaming import open_streaming
+    from transformers import AutoModelForCausalLM
+
+    import zero
+
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(tiny_config("deepseek_v3"), dtype=torch.float32)
+    bias = torch.tensor([0.0, 0.4, -0.4, 0.3])
+    names = [n for n, b in source.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert names
+    for name in names:
+        source.get_buffer(name).copy_(bias)
+    source.save_pretrained(tmp_path)
+    config = load_config(tmp_path)
+    weights = open_streaming(tmp_path, config)
+    assert set(weights.buffers) == set(names)
+    model = build(config)
+    engine = zero.initialize(model, lambda params: torch.optim.SGD(params, lr=0.1), zero.ZeroConfig(stage=0),
+                             zero.ParallelDims(dp=1), plans=[model.loss_plan()])
+    assert not any(torch.equal(engine.module.get_buffer(n), bias) for n in names)
+    weights.load_into(engine)
+    for name in names:
+        assert torch.equal(engine.module.get_buffer(name), bias), name
