@@ -86,6 +86,34 @@ def test_composed_layout_equals_one_process(root, kind, layout):
     assert_same_run(root / kind / layout, _reference(root, kind, reference), f"{kind} {layout}")
 
 
+#: Switches a researcher turns on with a composed layout (the runs above keep them off): setting -> (its keys, the
+#: (family, layout) runs); each is compared with one process under the same setting (REFERENCE_KEYS: and these).
+SWITCHES = {
+    # the default clip of 1.0 is above these tiny models' gradient norms (about 2 to 3.4); 0.5 clips every step, so
+    # the global norm must cover every tp, pp and ep shard
+    "clip": (["optim.grad_clip=0.5"], [("qwen3_moe", "tp2_dp2_zero3"), ("gpt_oss", "pp2_tp2"),
+                                        ("deepseek_v3", "pp2_ep2")]),
+    "checkpointing": (["train.activation_checkpointing=true"], [("qwen3_moe", "sp2_tp2"), ("gpt_oss", "tp2_dp2_zero3"),
+                                                               ("deepseek_v3", "pp2_ep2")]),
+    "offload_decay": (["zero.offload_optimizer=cpu", "optim.weight_decay=0.1"], [("qwen3_moe", "tp2_dp2_zero3")]),
+}
+#: (an offloaded optimizer steps the fp32 master shards of ZeRO stage 1 at least)
+REFERENCE_KEYS = {"offload_decay": ["zero.stage=1"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", SWITCHES)
+def test_composed_layouts_with_training_switches_equal_one_process(root, setting):
+    keys, runs = SWITCHES[setting]
+    run_multirank(_train_each, 4, [_overrides(root, kind, f"{setting}_{layout}", [*keys, *COMPOSED[layout][0]])
+                                   for kind, layout in runs], timeout=600)
+    for kind, layout in runs:
+        reference = COMPOSED[layout][1]
+        one = _reference(root, kind, f"{setting}_{reference}",
+                         [*keys, *REFERENCE_KEYS.get(setting, []), *REFERENCES[reference]])
+        assert_same_run(root / kind / f"{setting}_{layout}", one, f"{kind} {layout} {setting}")
+
+
 # ---------------------------------------------------------------------------------------------------------------- bf16
 #: bf16 against fp32 (one process): the loss and gradient norm of each step (measured at most 1.7e-4 and 4.1e-3 apart
 #: over the five families at tp2 and pp2).
