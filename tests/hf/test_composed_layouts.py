@@ -1,14 +1,17 @@
-"""`python -m recipes.pretrain model=hf` at layouts that compose two kinds of parallelism on 4 processes (tensor x
-data at ZeRO-3, pipeline x data at ZeRO-1, pipeline x tensor, sequence x data at ZeRO-3, sequence x tensor, and for
-MoE models expert x tensor and pipeline x expert) equals one process of the same run: per-step losses and gradient
-norms, then every final weight (tests/hf/test_recipe_layouts.py's comparison, at the equivalence tolerance).
-Families: a dense Llama, Gemma 3 (sliding windows, tied head), Qwen3-MoE (transformers' balancing loss), DeepSeek-V3
-(latent attention, shared experts, grouped routing with a correction bias) and GPT-OSS (sinks, expert biases).
+"""`python -m recipes.pretrain model=hf` at layouts that compose two or three kinds of parallelism on 4 processes
+(COMPOSED: tensor x data at ZeRO-3, pipeline x data at ZeRO-1 and 3, pipeline x tensor, pipeline x sequence, sequence x
+data at ZeRO-3, sequence x tensor, ring x tensor, and for MoE models expert parallelism with tensor, pipeline and
+sequence parallelism) equals one process of the same run: per-step losses and gradient norms, then every final weight
+(tests/hf/test_recipe_layouts.py's comparison, at the equivalence tolerance). Families: a dense Llama, Gemma 3
+(sliding windows, tied head), Qwen3-MoE (transformers' balancing loss), DeepSeek-V3 (latent attention, shared experts,
+grouped routing with a correction bias) and GPT-OSS (sinks, expert biases).
 
-Also: bf16 (zero.dtype=bf16) at tp=2 and pp=2 tracks its one-process bf16 run and the fp32 run within stated
-tolerances; resuming an MoE run at tp2 x dp2 from its step-2 checkpoint gives the uninterrupted run's step 3; and a
-composed layout a family cannot run is refused by the recipe's config check in one line, before any process group or
-model exists. Every run is under -m slow but the refusals (the default suite's one case)."""
+Also: composed layouts with clipping, activation checkpointing and an offloaded optimizer; bf16 (zero.dtype=bf16) at
+tp=2 and pp=2 against its one-process bf16 run and the fp32 run within stated tolerances; resuming an MoE run of tp2 x
+dp2 from its step-2 checkpoint, under that layout and others, gives the uninterrupted run's step 3; and a composed
+layout a family cannot run is refused by the recipe's config check in one line, before any process group or model
+exists. Strict xfail cases name what the config check still lets through, and train.init_from dropping DeepSeek-V3's
+correction bias. Every run is under -m slow; the refusals are the default suite's one case (under a second)."""
 
 from __future__ import annotations
 
