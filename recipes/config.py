@@ -698,6 +698,13 @@ def check_layout(cfg: DictConfig) -> None:
     if pp > 1 and cfg.train.tiled_loss:
         raise ConfigError("train.tiled_loss with parallel.pp > 1 is not supported (the last stage computes the "
                           "loss from its logits); turn it off")
+    # The recipe's tiles (recipes/losses.py's tiled loss over the head's weight, recipes/parallelize.py's MLP tiles)
+    # know no tensor-parallel split: the loss would run over a tp rank's vocabulary slice alone (a wrong loss, no
+    # error), the MLP tiles fail in the first forward. (The Llama family's check_layout refuses both first.)
+    for key in ("tiled_loss", "tiled_mlp"):
+        if tp > 1 and cfg.train[key]:
+            raise ConfigError(f"train.{key} with parallel.tp > 1 is not supported (the tensor-parallel MLP and "
+                              "vocabulary-parallel loss already split that work); turn it off")
     if pp > 1:
         split = None if par.pp_split is None else list(par.pp_split)
         check_pipeline_layout(par.pp_schedule, pp, par.pp_virtual_stages, family.num_layers(cfg), cfg.train.grad_accum,
