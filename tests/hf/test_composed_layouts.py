@@ -10,8 +10,8 @@ Also: composed layouts with clipping, activation checkpointing and an offloaded 
 tp=2 and pp=2 against its one-process bf16 run and the fp32 run within stated tolerances; resuming an MoE run of tp2 x
 dp2 from its step-2 checkpoint, under that layout and others, gives the uninterrupted run's step 3; and a composed
 layout a family cannot run is refused by the recipe's config check in one line, before any process group or model
-exists. Strict xfail cases name what the config check still lets through, and train.init_from dropping DeepSeek-V3's
-correction bias. Every run is under -m slow; the refusals are the default suite's one case (under a second)."""
+exists (a strict xfail case names one it still lets through); train.init_from keeps DeepSeek-V3's correction bias,
+which the layouts then run with. Every run is under -m slow; the refusals are the default suite's one case."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ COMPOSED = {
 MOE_LAYOUTS = ("ep2_tp2", "pp2_ep2", "sp2_dp2_ep2", "sp2_ep2_tp2", "pp2_sp2_ep2")
 DENSE = ("llama", "gemma3_text")
 MOE = ("qwen3_moe", "deepseek_v3", "gpt_oss")
-#: Left out: ring attention does not run GPT-OSS's sinks (ACCEPTED_BAD below: refused only in the first forward).
+#: Left out: ring attention does not run GPT-OSS's sinks (refused by the config check: LATE_REFUSALS below).
 LEFT_OUT = {("gpt_oss", "cp2_tp2")}
 CASES = [(kind, layout) for kind in (*DENSE, *MOE) for layout in COMPOSED
          if (layout not in MOE_LAYOUTS or kind in MOE) and (kind, layout) not in LEFT_OUT]
@@ -230,9 +230,6 @@ def test_moe_checkpoint_of_tp2_dp2_resumes_under_other_layouts(root):
 #: DeepSeek-V3's routing correction bias: zero in a fresh model, so the layouts above never see it; these values pick
 #: other top-2 pairs of the 4 experts.
 BIAS = (0.0, 0.4, -0.4, 0.3)
-INIT_FROM_DROPS_BUFFERS = ("models/hf/streaming.py open_streaming reads only the model's parameters "
-                           "(_parameter_names), so train.init_from drops a source's persistent buffers: "
-                           "DeepSeek-V3's e_score_correction_bias starts at zero whatever the directory holds")
 
 
 def _biased_source(root: Path, bias: tuple[float, ...] = BIAS) -> Path:
@@ -260,7 +257,6 @@ def _source_biases(directory: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=INIT_FROM_DROPS_BUFFERS)
 def test_init_from_keeps_the_expert_bias(root):
     """One process from a directory with a correction bias and from the same weights with a zero bias: the bias
     ends as the directory holds it (a buffer no optimizer touches), and the two runs differ from the first loss."""
@@ -274,7 +270,6 @@ def test_init_from_keeps_the_expert_bias(root):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=f"(the layouts would run with a zero bias) {INIT_FROM_DROPS_BUFFERS}")
 def test_deepseek_v3_expert_bias_at_composed_layouts(root):
     """A DeepSeek-V3 with a correction bias, loaded by train.init_from, at ep2 x tp2 and sp2 x tp2 equals one process,
     and runs with that bias."""
@@ -341,31 +336,28 @@ def test_composed_layouts_a_family_cannot_run_are_refused_in_one_line(tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
-#: Composed bad input the config check lets through today (each fails later or trains another model).
-ACCEPTED_BAD = [
+#: Composed bad input the config check once let through (each failed in the first forward or trained another model),
+#: now refused before any work; and one it still lets through.
+LATE_REFUSALS = [
     pytest.param("llama", 8, ["parallel.sp=4", "parallel.tp=2"],
                  r"parallel.sp=4 cannot exceed the number of query heads \(4 / parallel.tp=2 = 2 per rank\)",
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "models/hf/spec.py check_layout calls check_ulysses_heads without tp: sp past n_heads / tp "
-                     "passes the config check and fails in the first forward (sequence_parallel/ulysses.py "
-                     "head_split)")), id="sp-past-heads-per-tp-rank"),
+                 id="sp-past-heads-per-tp-rank"),
+    # (config.json holds num_local_experts; the override under its alias was dropped, the model kept 4 experts)
     pytest.param("qwen3_moe", 4, ["parallel.ep=4", "parallel.dp=4", "model.hf.overrides={num_experts: 6}"],
-                 r"parallel.ep=4 must divide the 6 experts",
+                 r"parallel.ep=4 must divide the 6 experts", id="override-of-an-aliased-key"),
+    pytest.param("gpt_oss", 4, ["parallel.cp=2", "parallel.tp=2"], r"parallel.cp=2 .*attention sinks",
+                 id="ring-with-sinks"),
+    pytest.param("gemma3_text", 1, ["train.tiled_loss=true"], r"train.tiled_loss",
                  marks=pytest.mark.xfail(strict=True, reason=(
-                     "models/hf/config.py: an override under an attribute_map alias (num_experts) of a key the "
-                     "config.json holds (num_local_experts) is silently dropped by transformers; the model keeps 4 "
-                     "experts")), id="override-of-an-aliased-key"),
-    pytest.param("gpt_oss", 4, ["parallel.cp=2", "parallel.tp=2"],
-                 r"parallel.cp=2 .*attention sinks",
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "the config check lets parallel.cp through for a model with attention sinks; "
-                     "sequence_parallel/ring.py RingAttention.forward raises NotImplementedError in the first "
-                     "forward (the family's check_layout, models/hf/spec.py, does not ask)")), id="ring-with-sinks"),
+                     "models/hf/model.py refuses return_hidden (the tiled loss) for a head whose forward may change "
+                     "its logits (Gemma 3's softcapping branch, taken or not) with NotImplementedError in the first "
+                     "forward; the family's config check (models/hf/spec.py) does not ask plain_head")),
+                 id="tiled-loss-after-a-transformed-head"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,world,keys,message", ACCEPTED_BAD)
+@pytest.mark.parametrize("kind,world,keys,message", LATE_REFUSALS)
 def test_composed_bad_input_is_refused_in_one_line(tmp_path, monkeypatch, kind, world, keys, message):
     with pytest.raises(ConfigError, match=message):
         _check(tmp_path, kind, world, keys, monkeypatch)
