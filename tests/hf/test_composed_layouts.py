@@ -286,6 +286,54 @@ def test_deepseek_v3_expert_bias_at_composed_layouts(root):
             torch.testing.assert_close(final[n], value, rtol=0, atol=0, msg=lambda m, n=n, r=name: f"{r} {n}: {m}")
 
 
+# -------------------------------------------------------------------------------------------------------------- export
+#: Composed runs exported (python -m recipes.export: their checkpoints' tp / pp / ep shards consolidated) and loaded by
+#: transformers give the logits of the one-process run's export (measured at most 5.1e-7 apart).
+EXPORTED = (("qwen3_moe", "ep2_tp2"), ("gpt_oss", "pp2_ep2"), ("gemma3_text", "pp2_tp2"))
+
+
+def _exported_logits(run_dir: Path, out_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    from recipes.export import export
+
+    export(run_dir, out_dir)
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()(tokens).logits
+
+
+@pytest.mark.slow
+def test_exports_of_composed_runs_give_the_one_process_logits(root):
+    missing = [(kind, layout) for kind, layout in EXPORTED if not (root / kind / layout / "metrics.jsonl").is_file()]
+    if missing:
+        run_multirank(_train_each, 4, [_overrides(root, kind, layout, COMPOSED[layout][0]) for kind, layout in missing],
+                      timeout=600)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for kind, layout in EXPORTED:
+        reference = _reference(root, kind, COMPOSED[layout][1])
+        got = _exported_logits(root / kind / layout, root / "exported" / kind / layout, tokens)
+        want = _exported_logits(reference, root / "exported" / kind / reference.name, tokens)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m, k=kind, n=layout: f"{k} {n}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "models/hf/spec.py HFSpec.export writes no buffers (`buffers and a tied head are not written`): DeepSeek-V3's "
+    "e_score_correction_bias, which train.init_from now loads, is left out and transformers starts it at zero"))
+def test_export_keeps_the_expert_bias(root):
+    from transformers import AutoModelForCausalLM
+
+    from recipes.export import export
+
+    run = _reference(root, "deepseek_v3", "bias_one", [f"train.init_from={_biased_source(root)}"])
+    out = root / "exported" / "deepseek_v3_bias_one"
+    export(run, out)
+    exported = dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_buffers())
+    final = _final_weights(run)
+    for name in _source_biases(_biased_source(root)):
+        torch.testing.assert_close(exported[name], final[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # ----------------------------------------------------------------------------------------------------------- refusals
 #: (family, processes, the recipe's keys, the one-line refusal): composed layouts a family or the runtime cannot run.
 REFUSED = [
