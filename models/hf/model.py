@@ -153,6 +153,27 @@ def head_input_transform(causal_lm: PreTrainedModel) -> tuple[Callable[[torch.Te
     return transform, "; ".join(statements)
 
 
+def head_problem(causal_lm: PreTrainedModel) -> str | None:
+    """None where `causal_lm`'s logits are its head applied to the base model's last hidden states and nothing more
+    under its config (what a tiled loss computes from the hidden states: a known logit transform that leaves the
+    logits as they are counts, e.g. Gemma's softcapping with final_logit_softcapping=None), else what it does
+    beyond that (one phrase, for a refusal)."""
+    head_fn, head_statements = head_input_transform(causal_lm)
+    if head_fn is None or head_statements:
+        return f"it changes the hidden states before its head ({head_statements})"
+    if plain_head(causal_lm):
+        return None
+    logit_fn, statements = logit_transform(causal_lm)
+    if logit_fn is not None:
+        probe = torch.linspace(-3.0, 3.0, 13)
+        try:
+            if torch.equal(logit_fn(probe), probe):
+                return None
+        except (RuntimeError, TypeError, NotImplementedError):  # (a transform by a parameter on the meta device)
+            pass
+    return f"it changes its logits after the head ({statements})"
+
+
 def structure_problems(causal_lm: PreTrainedModel) -> list[str]:
     """What keeps the adapter from running `causal_lm` (empty when nothing does), each a short phrase."""
     problems = []
@@ -221,7 +242,7 @@ class HFCausalLM(nn.Module, ModelContract):
         #: what it does to the last hidden states before the head (None: not a known form), and those statements
         self.head_input_fn, self.head_input_statements = head_input_transform(causal_lm)
         # (tiled losses get the base model's hidden states: only where the head is applied to them as they are)
-        self.plain_head = plain_head(causal_lm) and self.head_input_fn is not None and not self.head_input_statements
+        self.plain_head = head_problem(causal_lm) is None
         self.init_seed = torch.initial_seed() if init_seed is None else init_seed
         self.moe_blocks: tuple[str, ...] = ()
         #: (a meta build of an MoE model: the eager build's fills, replayed per parameter by init_parameter)
@@ -435,8 +456,8 @@ class HFCausalLM(nn.Module, ModelContract):
         # packed: the position ids restart at each packed document, and attention stays inside each of them.
         documents = Documents(positions) if packed else None
         if return_hidden and not self.plain_head:
-            raise NotImplementedError(f"{type(self.causal_lm).__name__} changes its logits after the head "
-                                      "(softcapping or scaling): return_hidden (tiled loss) is not supported")
+            raise NotImplementedError(f"{type(self.causal_lm).__name__}: {head_problem(self.causal_lm)}: "
+                                      "return_hidden (tiled loss) is not supported")
         if self.outside_attention and (packed or self._sequence_split()):
             raise NotImplementedError(
                 f"{type(self.causal_lm).__name__}: layers {', '.join(self.outside_attention[:2])} mix tokens outside "

@@ -117,6 +117,12 @@ class HFSpec(FamilySpec):
             raise ConfigError(f"parallel.ep={cfg.parallel.ep} needs an MoE model (model_type {config.model_type} is "
                               "dense)")
         check_tiled_mlp(cfg, len(dense_mlp_layers(config)), f"model_type {config.model_type}")
+        if cfg.train.get("tiled_loss", False):
+            problem = _head_problem(config.to_json_string())
+            if problem:
+                raise ConfigError(f"train.tiled_loss with model=hf computes logits from the last hidden states with "
+                                  f"the head alone, but model_type {config.model_type}: {problem}; set "
+                                  "train.tiled_loss=false")
         if positive_int(cfg, "train.crop_check_tokens", minimum=0):
             raise ConfigError("train.crop_check_tokens needs the project's Llama with sliding-window sparse "
                               "attention; set it to 0 with model=hf")
@@ -262,10 +268,11 @@ class HFSpec(FamilySpec):
 
     def export(self, run_dir: Path, run_cfg: Any, checkpoint: Path, out_dir: str | Path, experts: str,
                consolidate: Callable[[Path], dict[str, torch.Tensor]], max_shard_bytes: int = 5 * 2**30) -> Path:
-        """The run's config.json (its run_dir's hf_config.json) and its weights, which already carry Hugging Face's
-        names, as save_pretrained lays them out (MoE experts per expert, the published layout, or fused), streamed:
-        each parameter read whole from the checkpoint's shards and written into safetensors shards of at most
-        `max_shard_bytes` (moe_lst.models.loading.ShardedWriter): the whole model is never in memory."""
+        """The run's config.json (its run_dir's hf_config.json) and its weights and persistent buffers (a router's
+        correction bias), which already carry Hugging Face's names, as save_pretrained lays them out (MoE experts per
+        expert, the published layout, or fused), streamed: each tensor read whole from the checkpoint's shards and
+        written into safetensors shards of at most `max_shard_bytes` (moe_lst.models.loading.ShardedWriter): the
+        whole model is never in memory."""
         from moe_lst.models.hf import HFConfigError, load_config, parameter_shapes
         from moe_lst.models.hf.streaming import export_parts
         from moe_lst.models.loading import ShardedWriter
@@ -288,11 +295,13 @@ class HFSpec(FamilySpec):
         if missing:
             raise ExportError(f"{run_dir}: the checkpoint lacks {', '.join(missing[:3])}")
         writer = ShardedWriter(out_dir, max_shard_bytes)
-        for name in shapes:  # (the state dict's order; buffers and a tied head are not written)
-            if name in held:
-                for file_name, part in export_parts(name, reader.full(name).reshape(shapes[name]), config,
-                                                    original_format=experts == "per_expert"):
-                    writer.add(file_name, part)
+        for name in shapes:  # (the state dict's order: parameters and persistent buffers; a tied head is not written)
+            value = reader.full(name) if name in held else reader.buffer(name)
+            if value is None:
+                continue
+            for file_name, part in export_parts(name, value.reshape(shapes[name]), config,
+                                                original_format=experts == "per_expert"):
+                writer.add(file_name, part)
         out = writer.close()
         config.save_pretrained(out)
         return out
@@ -301,21 +310,41 @@ class HFSpec(FamilySpec):
         raise NotImplementedError("the planner covers the project's Llama family (model=hf is not planned yet)")
 
 
+def _config_from_json(config_json: str):
+    """The transformers config of a config.json as PreTrainedConfig.to_json_string writes it."""
+    import json
+
+    from transformers import AutoConfig, PreTrainedConfig
+
+    values = PreTrainedConfig._decode_special_floats(json.loads(config_json))  # (to_json_string tags Infinity)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def _meta_causal_lm(config_json: str) -> nn.Module:
+    """The plain transformers model of a config.json on the meta device, for reading its structure (torch's
+    global generator left as it was, like _meta_buildable)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return AutoModelForCausalLM.from_config(_config_from_json(config_json))
+
+
+@functools.lru_cache(maxsize=16)
+def _head_problem(config_json: str) -> str | None:
+    """moe_lst.models.hf.model.head_problem of this config.json's model."""
+    from moe_lst.models.hf.model import head_problem
+
+    return head_problem(_meta_causal_lm(config_json))
+
+
 @functools.lru_cache(maxsize=16)
 def _sequence_structure(config_json: str) -> tuple[str | None, str | None, str | None]:
     """What of this config.json's model sequence shards and packed documents cannot reach, read from its modules
     on the meta device: (a repeated layer holding no AttentionInterface module, the module numbering positions
     itself, an attention module with sinks), each None where there is none."""
-    import copy
-    import json
-
     from moe_lst.models.hf.structure import attention_modules, blocks_outside_attention, positions_from_length
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-    values = PreTrainedConfig._decode_special_floats(json.loads(config_json))
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    with torch.device("meta"):
-        causal_lm = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    causal_lm = _meta_causal_lm(config_json)
     outside = blocks_outside_attention(causal_lm)
     sinks = next((name for name, module in attention_modules(causal_lm)
                   if isinstance(getattr(module, "sinks", None), torch.Tensor)), None)
@@ -328,13 +357,9 @@ def _meta_buildable(config_json: str) -> bool:
     one's per-name init fills every module; an MoE one's every parameter is a replayable fill or a constant),
     tried once per config on the meta device, leaving torch's global generator as it was (the build draws from
     it, and whether this cached check ran must not change what the run's own build draws)."""
-    import json
-
     from moe_lst.models.hf import build
-    from transformers import AutoConfig, PreTrainedConfig
 
-    values = PreTrainedConfig._decode_special_floats(json.loads(config_json))  # (to_json_string tags Infinity)
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    config = _config_from_json(config_json)
     try:
         with torch.random.fork_rng(devices=[]):
             build(config, meta=True)

@@ -3,6 +3,7 @@ meta device, and tiling / checkpointing that change nothing."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -143,6 +144,39 @@ def test_tiled_mlp_tiled_loss_and_checkpointing_change_nothing(kind):
     for name, g in plain_grads.items():
         assert g is not None and g.abs().max() > 0, name
         torch.testing.assert_close(tiled_grads[name], g, rtol=RTOL, atol=1e-6, msg=name)
+
+
+def test_a_logit_transform_that_changes_nothing_leaves_the_head_plain_for_tiled_losses():
+    """Gemma 3's softcapping branch with final_logit_softcapping=None: the tiled loss (hidden states and the head
+    alone) equals the model's loss and gradients; with a softcap set, return_hidden is refused naming it."""
+    from moe_lst.models.hf import HFCausalLM
+    from moe_lst.models.hf.coverage import tiny_config as sweep_config
+    from moe_lst.models.hf.model import head_problem
+    from transformers import AutoModelForCausalLM
+
+    x, y = _batch(2, b=2, s=12)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(sweep_config("gemma3_text"), dtype=torch.float32)
+    assert ref.config.final_logit_softcapping is None and head_problem(ref) is None
+    results = []
+    for tiled in (False, True):
+        model = HFCausalLM(copy.deepcopy(ref))
+        if tiled:
+            loss_sum, count = tiled_cross_entropy(model(x, return_hidden=True), model.output_weight, y, tile_size=5)
+            loss = loss_sum / count
+        else:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    (plain, plain_grads), (tiled, tiled_grads) = results
+    assert tiled == pytest.approx(plain, rel=RTOL)
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(tiled_grads[name], g, rtol=RTOL, atol=1e-6, msg=name)
+    capped = copy.deepcopy(ref)
+    capped.config.final_logit_softcapping = 30.0
+    assert "changes its logits after the head" in head_problem(capped)
+    with pytest.raises(NotImplementedError, match="final_logit_softcapping.*return_hidden"):
+        HFCausalLM(capped)(x, return_hidden=True)
 
 
 def test_contract_parts_and_refusals():

@@ -10,7 +10,7 @@ Also: composed layouts with clipping, activation checkpointing and an offloaded 
 tp=2 and pp=2 against its one-process bf16 run and the fp32 run within stated tolerances; resuming an MoE run of tp2 x
 dp2 from its step-2 checkpoint, under that layout and others, gives the uninterrupted run's step 3; and a composed
 layout a family cannot run is refused by the recipe's config check in one line, before any process group or model
-exists (a strict xfail case names one it still lets through); train.init_from keeps DeepSeek-V3's correction bias,
+exists; train.init_from keeps DeepSeek-V3's correction bias,
 which the layouts then run with. Every run is under -m slow; the refusals are the default suite's one case."""
 
 from __future__ import annotations
@@ -316,10 +316,6 @@ def test_exports_of_composed_runs_give_the_one_process_logits(root):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m, k=kind, n=layout: f"{k} {n}: {m}")
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "models/hf/spec.py HFSpec.export writes no buffers (`buffers and a tied head are not written`): DeepSeek-V3's "
-    "e_score_correction_bias, which train.init_from now loads, is left out and transformers starts it at zero"))
 def test_export_keeps_the_expert_bias(root):
     from transformers import AutoModelForCausalLM
 
@@ -385,7 +381,7 @@ def test_composed_layouts_a_family_cannot_run_are_refused_in_one_line(tmp_path, 
 
 
 #: Composed bad input the config check once let through (each failed in the first forward or trained another model),
-#: now refused before any work; and one it still lets through.
+#: now refused before any work.
 LATE_REFUSALS = [
     pytest.param("llama", 8, ["parallel.sp=4", "parallel.tp=2"],
                  r"parallel.sp=4 cannot exceed the number of query heads \(4 / parallel.tp=2 = 2 per rank\)",
@@ -395,16 +391,17 @@ LATE_REFUSALS = [
                  r"parallel.ep=4 must divide the 6 experts", id="override-of-an-aliased-key"),
     pytest.param("gpt_oss", 4, ["parallel.cp=2", "parallel.tp=2"], r"parallel.cp=2 .*attention sinks",
                  id="ring-with-sinks"),
-    pytest.param("gemma3_text", 1, ["train.tiled_loss=true"], r"train.tiled_loss",
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "models/hf/model.py refuses return_hidden (the tiled loss) for a head whose forward may change "
-                     "its logits (Gemma 3's softcapping branch, taken or not) with NotImplementedError in the first "
-                     "forward; the family's config check (models/hf/spec.py) does not ask plain_head")),
+    pytest.param("gemma3_text", 1, ["train.tiled_loss=true", "model.hf.overrides={final_logit_softcapping: 30.0}"],
+                 r"^train.tiled_loss with model=hf .*: it changes its logits after the head .*softcapping",
                  id="tiled-loss-after-a-transformed-head"),
+    pytest.param("bamba", 2, ["parallel.sp=2"], r"^parallel.sp=2 with model=hf is refused: its layer model.layers.0 "
+                 r"mixes tokens outside transformers' AttentionInterface", id="sp-of-a-state-space-layer"),
+    pytest.param("plbart", 1, ["data=tokenized", "data.path=tokens.bin", "data.packing=document"],
+                 r"^data.packing=document with model=hf is refused: model.decoder \(PLBartDecoder\) takes no "
+                 r"position_ids", id="packing-of-a-self-numbering-decoder"),
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind,world,keys,message", LATE_REFUSALS)
 def test_composed_bad_input_is_refused_in_one_line(tmp_path, monkeypatch, kind, world, keys, message):
     with pytest.raises(ConfigError, match=message):

@@ -54,12 +54,14 @@ def test_the_last_stage_applies_the_models_logit_softcapping():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind, overrides", [("granite", dict(embedding_multiplier=3.0)), ("minicpm3", {})])
+@pytest.mark.parametrize("kind, overrides", [("granite", dict(embedding_multiplier=3.0, logits_scaling=2.0)),
+                                              ("minicpm3", {})])
 def test_the_stages_repeat_what_the_model_does_around_its_layers(kind, overrides):
     """What the base model does to the embedding before its layers (granite's embedding_multiplier, on the first
-    stage) and what the causal LM does to the hidden states before its head (minicpm3's division by logits_scaling,
-    on the last) is repeated: the stages chained give the model's logits; a head so preceded is not plain (tiled
-    losses, which apply the head to the base model's hidden states, are refused)."""
+    stage), what the causal LM does to the hidden states before its head (minicpm3's division by logits_scaling,
+    on the last) and to its logits after it (granite's) is repeated: the stages chained give the model's logits; a
+    head so preceded or followed is not plain (tiled losses, which apply the head to the base model's hidden
+    states, are refused)."""
     from moe_lst.models.hf import coverage
 
     torch.manual_seed(0)

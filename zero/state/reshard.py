@@ -118,6 +118,11 @@ class CheckpointReader:
         out = torch.cat(parts) if len(parts) != 1 else parts[0]
         return out.to(torch.float32)
 
+    def buffer(self, name: str) -> torch.Tensor | None:
+        """Module buffer `name` as the first rank holding it wrote it (buffers are whole on every rank that holds
+        them), or None where no rank's state holds it."""
+        return next((s["engine"]["buffers"][name] for s in self.states if name in s["engine"]["buffers"]), None)
+
     # ------------------------------------------------------------------ parameters
     def names(self) -> list[str]:
         return list(self.holders)
