@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from moe_lst.models.llama.model import ModelConfig, Transformer
+from moe_lst.models.loading import StreamingWeights
 from moe_lst.models.spec import ConfigError, ExportError, FamilySpec, check_tiled_mlp, positive_int, register
 from omegaconf import OmegaConf
 from torch import nn
@@ -154,14 +155,15 @@ class LlamaSpec(FamilySpec):
     def shape_model(self, cfg: Any, dims: zero.ParallelDims) -> nn.Module:
         return Transformer(model_config(cfg), device="meta")  # (no generator to continue: nothing trains it)
 
-    def init_from(self, cfg: Any, source: str) -> dict[str, torch.Tensor]:
-        """A Hugging Face Llama / Mixtral directory (as recipes.export writes), refused in one line naming every
-        model key on which it differs from the run's model."""
+    def init_from(self, cfg: Any, source: str) -> StreamingWeights:
+        """A Hugging Face Llama / Mixtral / GLM-4.5 MoE directory (as recipes.export writes), streamed: each rank
+        reads its slices of the parameters and, whole, the expert biases of the layers it holds. Refused in one
+        line naming every model key on which it differs from the run's model, or the tensor that does not fit."""
         from moe_lst.models.llama.state_dict import open_hf_checkpoint
-        from moe_lst.models.loading import CheckpointError, StreamingWeights
+        from moe_lst.models.loading import CheckpointError
 
         try:
-            return StreamingWeights(*open_hf_checkpoint(source, model_config(cfg)))
+            return open_hf_checkpoint(source, model_config(cfg))
         except ExportError as e:
             sep = " " if str(e).startswith("holds another model") else ": "
             raise ConfigError(f"train.init_from={source}{sep}{e}") from None

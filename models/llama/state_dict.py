@@ -380,26 +380,25 @@ def weight_mismatches(ours: ModelConfig, theirs: ModelConfig) -> dict[str, tuple
     return {k: (a.get(k), b.get(k)) for k in list(a) + [k for k in b if k not in a] if a.get(k) != b.get(k)}
 
 
-def hf_sources(cfg: ModelConfig, names: set[str] | dict) -> dict[str, list]:
-    """How each parameter of our model is made of the tensors of a Hugging Face directory holding `names`
-    (weight_sources, the parameters' entries), for streaming loads that read only a rank's slices. A buffer the
-    directory holds (GLM-4.5 MoE's expert bias) is not a parameter the engine loads: NotImplementedError."""
+def hf_sources(cfg: ModelConfig, names: set[str] | dict) -> tuple[dict[str, list], dict[str, list]]:
+    """How each tensor of our model is made of the tensors of a Hugging Face directory holding `names`
+    (weight_sources), for streaming loads that read only a rank's slices: (the parameters' sources, the persistent
+    buffers' sources). The buffers are GLM-4.5 MoE's expert biases (`mlp.gate.e_score_correction_bias` of each MoE
+    layer), read whole on every rank that holds the layer (moe_lst.models.loading.StreamingWeights.buffers); a
+    Llama / Mixtral directory has none."""
     model = Transformer(cfg, device="meta")
     params, tensors = dict(model.named_parameters()), model.state_dict()
     table = {n: sources for n, sources in weight_sources(cfg, names).items() if n in tensors}
-    buffers = [n for n in table if n not in params]
-    if buffers:
-        raise NotImplementedError(f"streaming load of {buffers[0]} (a buffer, not a parameter) is not implemented: "
-                                  "load this GLM-4.5 MoE directory whole (import_hf) instead")
-    return table
+    return ({n: s for n, s in table.items() if n in params}, {n: s for n, s in table.items() if n not in params})
 
 
 def open_hf_checkpoint(directory: str | Path, ours: ModelConfig):
-    """A Hugging Face Llama / Mixtral directory checked against the run's model without reading any weight: its
-    config.json (every weight-shaping key that differs is named), its shards and every tensor's shape and dtype.
-    Returns (the moe_lst.models.loading.Checkpoint, the sources of each parameter); raises ExportError for a config
-    that differs and CheckpointError for the files."""
-    from moe_lst.models.loading import Checkpoint
+    """A Hugging Face Llama / Mixtral / GLM-4.5 MoE directory checked against the run's model without reading any
+    weight: its config.json (every weight-shaping key that differs is named), its shards and every tensor's shape
+    and dtype, the expert biases' as the parameters'. Returns the moe_lst.models.loading.StreamingWeights (its
+    Checkpoint, the sources of each parameter and of each expert bias); raises ExportError for a config that
+    differs and CheckpointError for the files."""
+    from moe_lst.models.loading import Checkpoint, StreamingWeights
 
     directory = Path(directory)
     if not (directory / "config.json").is_file():
@@ -412,6 +411,7 @@ def open_hf_checkpoint(directory: str | Path, ours: ModelConfig):
                                                              differ.items())
                           + "; set those keys to the directory's values or choose another directory")
     checkpoint = Checkpoint.open(directory)
-    sources = hf_sources(ours, checkpoint.where)
+    sources, buffers = hf_sources(ours, checkpoint.where)
     checkpoint.check(sources)
-    return checkpoint, sources
+    checkpoint.check(buffers)
+    return StreamingWeights(checkpoint, sources, buffers)

@@ -9,6 +9,7 @@ import torch
 from moe_lst.models.llama import ModelConfig, MoEConfig, Transformer
 
 from recipes.export import ExportError, export, import_hf, save_hf
+from tests.multirank import run_multirank
 from tests.recipes.test_pretrain import TINY, _cfg, _losses, _run_cli
 
 transformers = pytest.importorskip("transformers")
@@ -140,21 +141,28 @@ def test_moe_without_a_mixtral_equivalent_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """Two-step runs (dense with untied head, MoE) exported with recipes.export: model args, val loss, dir."""
+    """Short runs (dense with untied head, MoE as Mixtral and as GLM-4.5 MoE) exported with recipes.export: model
+    args, val loss, dir."""
     from recipes.pretrain import train
 
     out = {}
-    for name, args in {"dense": ["model.tie_embeddings=false"], "moe": ["model=moe_tiny"]}.items():
+    # glm: model=moe_small shrunk, exported as GLM-4.5 MoE; three steps of aux-loss-free balancing at a high rate
+    # (each a sign step: an odd number leaves every expert's bias off zero) move its biases far enough to change the
+    # experts chosen
+    for name, args, steps in [("dense", ["model.tie_embeddings=false"], 2), ("moe", ["model=moe_tiny"], 2),
+                              ("glm", [*MOE_SMALL_SHRUNK, "model.moe.bias_update_rate=0.05"], 3)]:
         run = tmp_path_factory.mktemp(name)
-        result = train(_cfg(run, "train.steps=2", *args))
+        result = train(_cfg(run, f"train.steps={steps}", *args))
         out[name] = (args, result["val_loss"], export(run, run / "hf"))
     return out
 
 
-@pytest.mark.parametrize("name, layout", [("dense", ["zero.stage=3"]), ("moe", ["zero.stage=2"])])
+@pytest.mark.parametrize("name, layout", [("dense", ["zero.stage=3"]), ("moe", ["zero.stage=2"]),
+                                          ("glm", ["zero.stage=3"])])
 def test_a_fresh_run_initialised_from_an_export_starts_with_its_weights(exported, tmp_path, name, layout):
-    """Its validation loss before any step is the exported run's last one, bit for bit (stage 3 dense models
-    are built on the meta device and take the weights from the engine; the others before parallelism)."""
+    """Its validation loss before any step is the exported run's last one, bit for bit (the model is built on the
+    meta device and the engine streams the weights in; GLM-4.5 MoE's expert biases too, which change the experts
+    chosen)."""
     from recipes.pretrain import Run, evaluate
 
     args, val_loss, hf = exported[name]
@@ -323,14 +331,37 @@ def test_sigmoid_routing_exports_as_glm4_moe_with_its_bias_and_the_same_logits(t
         torch.testing.assert_close(again.eval()(TOKENS), ours_logits, rtol=0, atol=0)
 
 
-def test_a_glm4_moe_directory_is_refused_by_the_streaming_load_naming_its_bias(tmp_path):
-    """The streaming load reads parameters only: GLM-4.5 MoE's expert bias (a buffer) is named, not dropped."""
+def test_a_glm4_moe_directory_streams_its_expert_bias_and_one_of_another_length_is_refused(tmp_path):
+    """The streaming load reads GLM-4.5 MoE's expert biases (buffers, each MoE layer's own) with the parameters:
+    the loaded model holds the directory's weights and biases exactly; a bias of another length is refused in one
+    line naming the tensor and the file, before any weight is read."""
     from moe_lst.models.llama.state_dict import open_hf_checkpoint
+    from moe_lst.models.loading import CheckpointError
+
+    import zero
 
     model = _sigmoid_model()
-    save_hf(model.state_dict(), model.cfg, tmp_path)
-    with pytest.raises(NotImplementedError, match=r"streaming load of layers\.1\.feed_forward\.router\.expert_bias"):
-        open_hf_checkpoint(tmp_path, model.cfg)
+    save_hf(model.state_dict(), model.cfg, tmp_path / "glm")
+    weights = open_hf_checkpoint(tmp_path / "glm", model.cfg)
+    assert sorted(weights.buffers) == [f"layers.{i}.feed_forward.router.expert_bias" for i in (1, 2)]
+    fresh = Transformer(model.cfg)
+    engine = zero.initialize(fresh, lambda params: torch.optim.SGD(params, lr=0.1), zero.ZeroConfig(stage=0),
+                             zero.ParallelDims(dp=1))
+    weights.load_into(engine)
+    loaded = engine.full_state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded[name], value), name
+    bad, name = tmp_path / "bad", "model.layers.2.mlp.gate.e_score_correction_bias"
+    bad.mkdir()
+    tensors = safetensors_torch.load_file(str(tmp_path / "glm" / "model.safetensors"))
+    safetensors_torch.save_file({**tensors, name: tensors[name][:-1].clone()}, str(bad / "model.safetensors"),
+                                metadata={"format": "pt"})
+    (bad / "config.json").write_text((tmp_path / "glm" / "config.json").read_text())
+    with pytest.raises(CheckpointError) as refused:
+        open_hf_checkpoint(bad, model.cfg)
+    assert str(refused.value) == (f"{bad / 'model.safetensors'}: tensor {name} has shape [7] where the run's model "
+                                  "needs [8] (for layers.2.feed_forward.router.expert_bias); the directory holds "
+                                  "another model")
 
 
 def test_sigmoid_routing_that_glm4_moe_cannot_express_is_refused(tmp_path):
@@ -389,3 +420,85 @@ def test_the_full_size_moe_small_exports_with_the_recipes_logits(tmp_path):
     tokens = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------ train.init_from of a GLM-4.5 MoE export: streamed, under any layout
+# One step from the directory (tests.recipes.test_streaming_load's STEP: AdamW whose first update is the gradient),
+# the bias frozen (bias_update_rate=0: the re-export below must give it back as it was) and no balancing losses
+# (over each data-parallel rank's tokens: a known difference from one process).
+GLM_STEP = ["model.moe.bias_update_rate=0", "model.moe.aux_loss_coef=0", "model.moe.z_loss_coef=0",
+            "train.steps=1", "optim.warmup_steps=1", "optim.lr=1.0", "optim.eps=1.0", "optim.weight_decay=0",
+            "optim.grad_clip=0", "train.micro_batch_size=2", "train.eval_batches=0"]
+# (ep=2 borrows its ranks from dp=2: one row per rank; pp=2 runs its two micro-batches of one row)
+GLM_LAYOUTS = {"ep2_zero3": ["parallel.ep=2", "zero.stage=3", "train.micro_batch_size=1"],
+               "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2", "train.micro_batch_size=1", "train.grad_accum=2"],
+               "dp2_zero3": ["zero.stage=3", "train.micro_batch_size=1"]}
+BIAS = "router.expert_bias"
+
+
+def _first_step(overrides: list[str], run_dir: str, whole: bool = False, save: bool = False) -> dict:
+    """One rank of a one-step recipe run initialised from train.init_from (streamed); with `whole`, of a run without
+    it whose engine then takes the directory's weights and biases as import_hf reads them whole (the non-streaming
+    import). Its equivalence record (tests.equivalence.Recorder: the initial state, buffers included); with `save`,
+    its checkpoint after the step, in run_dir."""
+    from omegaconf import open_dict
+
+    from recipes.pretrain import Run, train_step
+    from tests.equivalence import Recorder
+
+    cfg = _cfg(run_dir, *overrides)
+    source = cfg.train.init_from
+    if whole:
+        with open_dict(cfg):
+            cfg.train.init_from = None
+    run = Run(cfg)
+    try:
+        if whole:
+            run.engine.load_full_state_dict(import_hf(source)[1])
+        recorder = Recorder(run.engine)
+        recorder.step(train_step(run.engine, run.train_stream, 0, cfg, run.dims, run.pipe))
+        if save:
+            run.save(1)
+        return recorder.result()
+    finally:
+        run.logger.finish()
+        if run.lock is not None:  # (rank 0's)
+            run.lock.close()
+
+
+@pytest.mark.parametrize("layout", ["ep2_zero3", *(pytest.param(k, marks=pytest.mark.slow)
+                                                   for k in ("tp2", "pp2", "dp2_zero3"))])
+def test_a_glm4_moe_export_initialises_a_layout_with_its_weights_and_expert_bias(exported, tmp_path, layout):
+    """A model=moe_small run initialised from its GLM-4.5 MoE export streams the weights and each MoE layer's expert
+    bias: one process starts from the directory's weights and biases exactly, and its first step (loss, gradient
+    norm, every parameter's update) is the one of a process that took them through the non-streaming import_hf; two
+    ranks (ep x ZeRO-3, tp, pp, ZeRO-3) each hold the directory's biases for their layers and train as one process
+    does. The ep x ZeRO-3 run's checkpoint exports again with the same biases (export -> init_from -> export)."""
+    from tests.equivalence import as_reference, assert_equivalent
+
+    args, _, hf = exported["glm"]
+    run = [*args, *GLM_STEP, f"train.init_from={hf}"]
+    want = import_hf(hf)[1]
+    biases = {n for n in want if n.endswith(BIAS)}
+    assert len(biases) == 2 and all(want[n].abs().max() > 0 for n in biases)  # (MoE layers 1, 2; trained off zero)
+    streamed = _first_step(run, str(tmp_path / "one"))
+    whole = _first_step(run, str(tmp_path / "whole"), whole=True)
+    assert streamed["first"]["initial"].keys() == want.keys()
+    for name, value in streamed["first"]["initial"].items():
+        assert torch.equal(value, want[name].reshape(value.shape)), name
+    assert_equivalent([streamed], as_reference(whole), rtol=0, atol=0, label="streamed, one process")
+    save = layout == "ep2_zero3"
+    results = run_multirank(_first_step, 2, [*run, *GLM_LAYOUTS[layout]], str(tmp_path / "many"), False, save)
+    assert_equivalent(results, as_reference(streamed), label=f"glm4_moe {layout}")
+    held = [n for r in results for n in r["first"]["initial"] if n.endswith(BIAS)]
+    assert set(held) == biases, held  # (under pp each on the rank holding its layer)
+    for rank, r in enumerate(results):
+        for name in biases & r["first"]["initial"].keys():
+            assert torch.equal(r["first"]["initial"][name], want[name]), (layout, rank, name)
+    if save:
+        again = safetensors_torch.load_file(str(export(tmp_path / "many", tmp_path / "again") / "model.safetensors"))
+        first = safetensors_torch.load_file(str(hf / "model.safetensors"))
+        assert again.keys() == first.keys()
+        moved = [n for n in first if not torch.equal(again[n], first[n])]
+        assert not [n for n in moved if n.endswith("e_score_correction_bias")], moved  # the biases as they were
+        assert len(moved) > len(first) // 2, moved  # (the weights the step moved: an expert no token chose did not)

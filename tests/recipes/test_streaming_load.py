@@ -50,7 +50,8 @@ def test_a_slice_read_is_the_imported_slice_and_reads_only_its_bytes(tmp_path, e
     torch.manual_seed(0)
     save_hf(Transformer(cfg).state_dict(), cfg, tmp_path, experts=experts)
     _, state = import_hf(tmp_path)
-    checkpoint, sources = open_hf_checkpoint(tmp_path, cfg)
+    weights = open_hf_checkpoint(tmp_path, cfg)
+    checkpoint, sources = weights.checkpoint, weights.sources
     shapes = {n: tuple(v.shape) for n, v in state.items()}
     rng = random.Random(0)
     for name, whole in state.items():
