@@ -52,6 +52,21 @@ def check_layout(model: Any, *, tp: int = 1, ep: int = 1, pp: int = 1, microbatc
                              "parallelize_hf's microbatches, the Accelerate example's --grad-accum)")
 
 
+def trains_balancing_loss(model: Any) -> bool:
+    """Whether `model` (a transformers causal LM, or its config) adds transformers' balancing loss to its loss: an MoE
+    config with output_router_logits and router_aux_loss_coef > 0 of a model type the adapter covers. Its own forward
+    adds that term once per call, so a loop that divides the loss per micro-batch by the accumulation (or sums it over
+    the tokens of the whole step, the Trainer's num_items_in_batch) leaves the balancing term undivided: its weight in
+    the objective would grow with the micro-batches and processes of a step. Through the adapter it is scaled like the
+    next-token loss (HFCausalLM's loss_plan), at every layout."""
+    from moe_lst.models.hf import MODEL_TYPES
+
+    config = getattr(model, "config", model)
+    coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    return bool(getattr(config, "output_router_logits", False) and coef > 0
+                and MODEL_TYPES.get(getattr(config, "model_type", None), False))
+
+
 def parallelize_hf(model: nn.Module, dims: zero.ParallelDims,
                    microbatches: int | None = None) -> tuple[nn.Module, list[zero.Plan]]:
     """(the module the engine wraps, the plans, in order, for zero.initialize): the adapter around `model`,
@@ -136,12 +151,17 @@ def pipeline_loss(pipe: Pipeline, engine: zero.Engine, tokens: torch.Tensor, lab
 
 
 def full_state_dict(engine: zero.Engine, plans: list[zero.Plan]) -> dict[str, torch.Tensor]:
-    """The whole model's fp32 weights under the model's names: the engine's (gathered from ZeRO shards) with the
-    tensor-parallel slices assembled and, under pp, every stage's (collective: every rank calls it)."""
+    """The whole model's fp32 weights under the model's names: the engine's (gathered from ZeRO shards) with every
+    rank's experts under ep, the tensor-parallel slices assembled and, under pp, every stage's (collective: every
+    rank calls it)."""
+    from moe.parallel import ExpertParallel
     from zero.dist import comm
     from zero.parallel.tensor import TensorParallel
 
     state = engine.full_state_dict()
+    for plan in plans:
+        if isinstance(plan, ExpertParallel):
+            state = _with_all_experts(state, plan, engine.dims)
     for plan in plans:
         if isinstance(plan, TensorParallel):
             state = plan.full_state_dict(state)
@@ -150,3 +170,25 @@ def full_state_dict(engine: zero.Engine, plans: list[zero.Plan]) -> dict[str, to
         state = {name: value for stage in comm.all_gather_object(state, pipe.dims.pp_group)
                  for name, value in stage.items()}
     return state
+
+
+def _with_all_experts(state: dict[str, torch.Tensor], plan: zero.Plan,
+                      dims: zero.ParallelDims) -> dict[str, torch.Tensor]:
+    """`state` with each routed-expert tensor (this rank's experts, `plan.placements`) replaced by every ep rank's, in
+    expert order (collective over the ep group). Without it the whole model held only this rank's experts."""
+    from zero.dist import comm
+    from zero.dist.topology import group_rank
+
+    rank, out = group_rank(dims.ep_group), dict(state)
+    for name, placement in sorted(plan.placements.items()):
+        if name not in state:
+            continue
+        local = state[name].contiguous()
+        (piece,) = placement.pieces  # (rank r holds experts [r * n, (r + 1) * n), n = this rank's count)
+        if piece.start[0] != rank * local.shape[0]:
+            raise RuntimeError(f"{name}: this ep rank's experts start at {piece.start[0]}, not at rank {rank} x "
+                               f"{local.shape[0]}")
+        flat = torch.empty(dims.ep * local.numel(), dtype=local.dtype, device=local.device)
+        comm.all_gather_into_tensor(flat, local.view(-1), dims.ep_group)
+        out[name] = flat.view(dims.ep * local.shape[0], *local.shape[1:])
+    return out

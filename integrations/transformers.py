@@ -22,6 +22,7 @@ from moe_lst.integrations.hf_parallel import (
     pipeline_loss,
     pipeline_microbatches,
     pipeline_of,
+    trains_balancing_loss,
 )
 from torch import nn
 
@@ -86,7 +87,10 @@ class ZeroTrainer(transformers.Trainer):
     sp, tp, ep, pp: Ulysses sequence-, tensor-, expert-parallel and pipeline degrees (data parallelism takes the
         rest of the processes); any of them > 1 runs the model through moe_lst.models.hf.HFCausalLM (its covered
         model types; tp and pp where the config's plans map, ep for MoE models) with the loss over the whole
-        sequences and the vocabulary slices.
+        sequences and the vocabulary slices. An MoE model whose config adds transformers' balancing loss
+        (output_router_logits, router_aux_loss_coef > 0) runs through the adapter at every layout, one process
+        included: the Trainer's own loss adds that term undivided to every micro-batch (its weight would grow with
+        gradient_accumulation_steps); the adapter scales it as the next-token loss, whose value is what is logged.
     pp_microbatches: under pp, each training step (one batch of per_device_train_batch_size rows) runs forward and
         backward of this many micro-batches of consecutive rows under the 1F1B schedule (default pp), each loss
         scaled by 1/pp_microbatches; the Trainer's own accumulation is then 1 (gradient_accumulation_steps > 1 is
@@ -106,14 +110,16 @@ class ZeroTrainer(transformers.Trainer):
         self._check_arguments()
         if pp > 1:
             self._check_pipeline(pp, pipeline_microbatches(pp, pp_microbatches))
-        if max(sp, tp, ep, pp) > 1:
+        # (an MoE model's balancing loss goes through the adapter at one process too: scaled as the recipe's)
+        adapted = max(sp, tp, ep, pp) > 1 or trains_balancing_loss(self.model)
+        if adapted:
             check_layout(self.model, tp=tp, ep=ep, pp=pp, microbatches=pp_microbatches)
         self.dims = zero.ParallelDims(sp=sp, tp=tp, ep=ep, pp=pp)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer_factory, lr_scheduler_factory
         self.engine: zero.Engine | None = None
-        self.sequence_model: nn.Module | None = None  # the adapter under sp, tp or ep > 1; this rank's stages under pp
+        self.sequence_model: nn.Module | None = None  # the adapter (see above); this rank's stages under pp
         self.plans: list[zero.Plan] = []
-        if max(sp, tp, ep, pp) > 1:
+        if adapted:
             self.sequence_model, self.plans = parallelize_hf(self.model, self.dims, microbatches=pp_microbatches)
         self.pipe = pipeline_of(self.plans)
         if self.lr_scheduler is not None:
@@ -262,22 +268,23 @@ class ZeroTrainer(transformers.Trainer):
             raise NotImplementedError(f"compute_loss under pp={self.dims.pp}: the stages run a whole batch through "
                                       "the pipeline's schedule (training_step; prediction_step for evaluation)")
         if return_outputs:
-            raise NotImplementedError("outputs under sp, tp or ep > 1 are this rank's sequence shards and "
-                                      "vocabulary slices: evaluate with prediction_loss_only=True")
+            raise NotImplementedError("outputs through the adapter (sp, tp, ep or pp > 1, or an MoE model's balancing "
+                                      "loss) are this rank's sequence shards and vocabulary slices: evaluate with "
+                                      "prediction_loss_only=True")
         self._check_unpadded(inputs)
         return next_token_loss(self.sequence_model, inputs["input_ids"], inputs.get("labels"), self.dims,
                                inputs.get("position_ids"))
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None):
-        """Under sp, tp, ep or pp > 1: the loss alone (outputs would be sequence shards, vocabulary slices or the
-        last stage's), forward only; under pp through the stages."""
+        """Through the adapter (sp, tp, ep or pp > 1, an MoE model's balancing loss): the loss alone (outputs would be
+        sequence shards, vocabulary slices or the last stage's), forward only; under pp through the stages."""
         if self.sequence_model is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         if not prediction_loss_only:
-            raise NotImplementedError("outputs under sp, tp, ep or pp > 1 are this rank's sequence shards, vocabulary "
-                                      "slices or the last stage's: evaluate with prediction_loss_only=True and no "
-                                      "compute_metrics")
+            raise NotImplementedError("outputs through the adapter (sp, tp, ep or pp > 1, or an MoE model's balancing "
+                                      "loss) are this rank's sequence shards, vocabulary slices or the last stage's: "
+                                      "evaluate with prediction_loss_only=True and no compute_metrics")
         model.eval()
         inputs = self._prepare_inputs(inputs)
         self._check_unpadded(inputs)
