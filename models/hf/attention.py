@@ -9,9 +9,19 @@ function (`attention_fn`: dense attention, Ulysses around it, block-sparse layou
   transformers' masks say) and attention sinks (`s_aux` / `sinks`: one logit per head that joins every query's
   softmax and takes no value) go to the site function as `window=` and `sinks=` ([b, s, h, 1] per token and head,
   so Ulysses hands each rank its heads' sinks and sums their gradients back); `hf_dense_attention` computes them;
+- `softcap` (attention logit softcapping, Gemma 2: scaled scores -> softcap * tanh(scores / softcap), before the
+  mask, as transformers' eager attention does) goes on as `softcap=`, one number per layer;
+- chunked attention (Llama 4: a layer whose `config.layer_types[layer_idx]` is "chunked_attention" attends causally
+  within fixed chunks of `config.attention_chunk_size` positions; transformers builds that mask, which this
+  attention never receives) goes on as `chunk=`: chunks count from each row's first token, or from each packed
+  document's first token (transformers numbers a packed row's chunks by its position ids, which restart there);
+- Llama 4's attention temperature tuning numbers the positions of the tokens it is given from 0: exact only while the
+  sequence is shorter than its floor_scale under Ulysses shards and packed documents, refused beyond;
+- only the dense attention computes these, and a wrapper (Ulysses, ring attention) must take the argument to pass
+  it on: anything else refuses it by name (ring attention and block-sparse layouts take no softcap or chunks);
 - a value head width other than the query's (multi-head latent attention) is padded with zeros and cut back;
 - `scaling` is the softmax scale; `dropout` must be 0 (not trained here), `is_causal` True, an attention mask,
-  `softcap`, `position_bias` and any other tensor argument are refused with their names, as are keys that are not
+  `position_bias` and any other tensor argument are refused with their names, as are keys that are not
   the queries' tokens (more or fewer of them: compressed KV slots appended to the keys).
 """
 
@@ -40,15 +50,19 @@ _IGNORED = ("position_ids", "output_attentions", "use_cache", "cache_position", 
 
 
 def _banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
-            window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T * scale + mask [, sink]) v on [b, s, h, d] (k/v with h_kv heads): causal, keys limited to
-    the last `window` positions, each query's softmax joined by its head's sink logit. Scores are materialised
-    ([b, h, s, s]): windows and sinks are computed exactly, not fast."""
+            window: int | None, sinks: torch.Tensor | None, softcap: float | None = None,
+            chunk: int | None = None) -> torch.Tensor:
+    """softmax(mask(cap(q k^T * scale)) [, sink]) v on [b, s, h, d] (k/v with h_kv heads): the scaled scores
+    softcapped (softcap * tanh(scores / softcap)), then causal, keys limited to the last `window` positions and to
+    the query's own chunk of `chunk` positions (counted from the first token), each query's softmax joined by its
+    head's sink logit. Scores are materialised ([b, h, s, s]): these are computed exactly, not fast."""
     b, s, h, d = q.shape
     if k.shape[2] != h:
         k, v = (t.repeat_interleave(h // k.shape[2], dim=2) for t in (k, v))
     scale = d ** -0.5 if scale is None else scale
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap is not None:  # (transformers' order: divide, tanh, multiply; before the mask)
+        scores = torch.tanh(scores / softcap) * softcap
     qi = torch.arange(s, device=q.device)[:, None]
     ki = torch.arange(k.shape[1], device=q.device)[None, :]
     allowed = torch.ones(s, k.shape[1], dtype=torch.bool, device=q.device)
@@ -56,6 +70,8 @@ def _banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         allowed &= ki <= qi
     if window is not None:
         allowed &= ki > qi - window
+    if chunk is not None:
+        allowed &= ki // chunk == qi // chunk
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         sink = sinks[..., 0].permute(0, 2, 1).unsqueeze(-1).to(scores.dtype)  # [b, s, h, 1] -> [b, h, s, 1]
@@ -70,19 +86,36 @@ def _banded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
 
 def hf_dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                        scale: float | None = None, documents: Documents | None = None, window: int | None = None,
-                       sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The dense attention of adapted models (moe_lst.kernels.attention), with sliding windows and attention
-    sinks computed exactly where a layer has them (per packed document, like the rest)."""
-    if window is None and sinks is None:
+                       sinks: torch.Tensor | None = None, softcap: float | None = None,
+                       chunk: int | None = None) -> torch.Tensor:
+    """The dense attention of adapted models (moe_lst.kernels.attention), with sliding windows, attention sinks,
+    logit softcapping and chunks computed exactly where a layer has them (per packed document, like the rest)."""
+    if window is None and sinks is None and softcap is None and chunk is None:
         return attention(q, k, v, causal=causal, scale=scale, documents=documents)
     if documents is not None and not documents.single:
+        if chunk is not None:
+            _check_chunk_origins(documents, chunk)
         return per_document(hf_dense_attention, q, k, v, documents, causal=causal, scale=scale, window=window,
-                            sinks=sinks)
-    return _banded(q, k, v, causal, scale, window, sinks)
+                            sinks=sinks, softcap=softcap, chunk=chunk)
+    return _banded(q, k, v, causal, scale, window, sinks, softcap, chunk)
 
 
 hf_dense_attention.handles_documents = True
 hf_dense_attention.takes_window_and_sinks = True
+hf_dense_attention.takes_softcap_and_chunks = True
+
+
+def _check_chunk_origins(documents: Documents, chunk: int) -> None:
+    """Chunks run per packed document count from its first token; transformers numbers them by position ids
+    (position // chunk), the same only where every document's positions start at 0."""
+    positions = documents.position_ids
+    for row, bounds in enumerate(documents.bounds()):
+        firsts = positions[row, list(bounds[:-1])]
+        if bool((firsts != 0).any()):
+            at = bounds[int((firsts != 0).nonzero()[0, 0])]
+            raise NotImplementedError(f"chunked attention (chunk={chunk}) over packed documents needs each document's "
+                                      f"position ids to start at 0 (transformers counts chunks by position), but row "
+                                      f"{row}'s document at token {at} starts at position {int(positions[row, at])}")
 
 
 def _innermost(fn: Callable) -> Callable:
@@ -120,9 +153,10 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     sinks = kwargs.pop("s_aux", None)
     if sinks is None:
         sinks = kwargs.pop("sinks", None)
+    softcap = kwargs.pop("softcap", None)
     if kwargs.pop("is_causal", True) is False or getattr(module, "is_causal", True) is False:
         raise NotImplementedError(f"{name}: bidirectional attention (is_causal=False) is not supported")
-    for key_name, value_ in kwargs.items():  # varlen metadata, softcap, position biases, ...: not computed here
+    for key_name, value_ in kwargs.items():  # varlen metadata, position biases, ...: not computed here
         if key_name not in _IGNORED and value_ is not None and value_ is not False:
             raise NotImplementedError(f"{name}: attention argument {key_name}={_show(value_)} is not supported by "
                                       "the Hugging Face adapter")
@@ -133,17 +167,19 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if fn is None:
         raise RuntimeError(f"{name} runs attn_implementation={ATTENTION!r} but was not adapted: build the model "
                            "with moe_lst.models.hf.HFCausalLM")
+    chunk = chunk_size_of(module)
+    _check_temperature_positions(module, fn, query.shape[2])
     extra = {}
-    if sliding_window is not None or sinks is not None:
-        if not getattr(_innermost(fn), "takes_window_and_sinks", False):
-            what = "sliding_window" if sliding_window is not None else "attention sinks"
-            raise NotImplementedError(f"{name}: {what} with attention function {_innermost(fn)!r}: only the dense "
-                                      "attention (model.attention=dense) computes windows and sinks")
-        if sliding_window is not None:
-            extra["window"] = int(sliding_window)
-        if sinks is not None:  # one logit per head -> [b, s, h, 1], per token like q (Ulysses splits its heads)
-            b, h, s, _ = query.shape
-            extra["sinks"] = sinks.reshape(1, 1, h, 1).expand(b, s, h, 1)
+    if sliding_window is not None:
+        extra["window"] = int(sliding_window)
+    if sinks is not None:  # one logit per head -> [b, s, h, 1], per token like q (Ulysses splits its heads)
+        b, h, s, _ = query.shape
+        extra["sinks"] = sinks.reshape(1, 1, h, 1).expand(b, s, h, 1)
+    if softcap is not None:
+        extra["softcap"] = float(softcap)
+    if chunk is not None:
+        extra["chunk"] = chunk
+    _check_arguments(name, fn, extra)
     if key.shape[2] != query.shape[2]:  # (no cache in training: every key is one of the queries' tokens)
         raise NotImplementedError(f"{name}: {key.shape[2]} keys for {query.shape[2]} tokens (keys that are not the "
                                   "tokens, e.g. compressed KV slots): not supported")
@@ -153,6 +189,73 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         v = F.pad(v, (0, q.shape[-1] - dv))
     out = attend(fn, q, k, v, causal=True, scale=scaling, documents=documents, **extra)
     return (out[..., :dv] if dv != out.shape[-1] else out).contiguous(), None  # (callers .view() it)
+
+
+#: What each argument the dense attention computes is, for refusals.
+_WHAT = {"window": "sliding_window", "sinks": "attention sinks", "softcap": "attention logit softcapping",
+         "chunk": "chunked attention"}
+
+
+def _check_arguments(name: str, fn: Callable, extra: dict) -> None:
+    """Refuse, by name, an argument the site's attention does not compute: every wrapper on the way (Ulysses, ring
+    attention) must take it, and the innermost function must compute it (only the dense attention does)."""
+    if not extra:
+        return
+    wrapper = fn
+    while isinstance(wrapper, nn.Module) and hasattr(wrapper, "attn_fn"):
+        params = inspect.signature(wrapper.forward).parameters
+        passes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        for key in extra:
+            if key not in params and not passes_any:
+                raise NotImplementedError(f"{name}: {_WHAT[key]} ({key}={_show(extra[key])}) with "
+                                          f"{type(wrapper).__name__}, which does not take it (ring attention, "
+                                          "parallel.cp, computes no softcap or chunks); use parallel.sp (Ulysses) "
+                                          "with the dense attention for this model")
+        wrapper = wrapper.attn_fn
+    inner = _innermost(fn)
+    for key in extra:
+        flag = "takes_window_and_sinks" if key in ("window", "sinks") else "takes_softcap_and_chunks"
+        if not getattr(inner, flag, False):
+            raise NotImplementedError(f"{name}: {_WHAT[key]} with attention function {inner!r}: only the dense "
+                                      f"attention (model.attention=dense) computes {_WHAT[key]}")
+
+
+def chunk_size_of(module: nn.Module) -> int | None:
+    """The chunk size of an attention module's layer where its config makes it a chunked-attention layer
+    (`config.layer_types[module.layer_idx] == "chunked_attention"`, of `config.attention_chunk_size` positions)."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if not isinstance(index, int) or not isinstance(types, (list, tuple)) or index >= len(types):
+        return None
+    if types[index] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
+
+
+def softcap_of(module: nn.Module) -> float | None:
+    """The attention logit softcap an attention module passes (`softcap=`), read from its own attributes (Gemma 2:
+    `attn_logit_softcapping`, from its config): None where it has none set."""
+    for key, value in vars(module).items():
+        if "softcap" in key and isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+            return float(value)
+    return None
+
+
+def _check_temperature_positions(module: nn.Module, fn: Callable, tokens: int) -> None:
+    """Llama 4's attention temperature tuning (NoPE layers: queries scaled by log1p(floor((i + 1) / floor_scale)),
+    i numbered 0.. over the tokens the module is given) sees other positions under Ulysses shards (a shard's own)
+    and packed documents (the row's, where a document alone would count its own): the scales are all 1, the same,
+    only while the sequence is shorter than floor_scale."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return
+    sp = getattr(fn, "sp", 1)
+    seq_len, floor_scale = tokens * sp, getattr(module, "floor_scale", None)
+    if (sp > 1 or PACKED.get()) and isinstance(floor_scale, (int, float)) and seq_len >= floor_scale:
+        what = f"Ulysses sequence shards (sp={sp})" if sp > 1 else "packed documents"
+        raise NotImplementedError(f"{type(module).__name__}: attention temperature tuning numbers positions from 0 "
+                                  f"over the tokens it is given, so {what} of a {seq_len}-token sequence (at least "
+                                  f"floor_scale={floor_scale}) would get other query scales; train sequences shorter "
+                                  "than floor_scale, or set attn_temperature_tuning=false")
 
 
 def _show(value) -> str:

@@ -174,6 +174,36 @@ def head_problem(causal_lm: PreTrainedModel) -> str | None:
     return f"it changes its logits after the head ({statements})"
 
 
+def chunked_layers_problem(causal_lm: PreTrainedModel) -> str | None:
+    """None where the config sets no attention_chunk_size, or where the attention modules of exactly the layers its
+    `layer_types` calls "chunked_attention" (transformers builds those layers' chunked mask) read it
+    (moe_lst.models.hf.attention.chunk_size_of); else why not (one phrase)."""
+    config = causal_lm.config
+    if not getattr(config, "attention_chunk_size", None):
+        return None
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, (list, tuple)):
+        return "its config has no layer_types to say which layers are chunked"
+    chunked = {i for i, kind in enumerate(types) if kind == "chunked_attention"}
+    read = {m.layer_idx for _, m in attention_modules(causal_lm) if hf_attn.chunk_size_of(m) is not None}
+    if read != chunked:
+        return (f"its attention modules read chunks for layers {sorted(read)}, but layer_types makes layers "
+                f"{sorted(chunked)} chunked")
+    return None
+
+
+def _fix_base_model_prefix(causal_lm: PreTrainedModel) -> None:
+    """Name the base model where the class's base_model_prefix names no child (Llama4ForCausalLM says
+    "language_model", the prefix of the multimodal model, and holds its text model as `model`): the one child that
+    is a PreTrainedModel, set on this instance only, so everything reading the prefix finds it."""
+    prefix = causal_lm.base_model_prefix
+    if prefix in causal_lm._modules:
+        return
+    bases = [n for n, child in causal_lm.named_children() if isinstance(child, PreTrainedModel)]
+    if len(bases) == 1:
+        causal_lm.base_model_prefix = bases[0]
+
+
 def structure_problems(causal_lm: PreTrainedModel) -> list[str]:
     """What keeps the adapter from running `causal_lm` (empty when nothing does), each a short phrase."""
     problems = []
@@ -216,6 +246,7 @@ class HFCausalLM(nn.Module, ModelContract):
                  init_seed: int | None = None, sp_group: ProcessGroup | None = None) -> None:
         super().__init__()
         config = causal_lm.config
+        _fix_base_model_prefix(causal_lm)
         problems = structure_problems(causal_lm)
         if problems:
             raise NotImplementedError(f"model_type={config.model_type!r} ({type(causal_lm).__name__}) is not covered "
@@ -224,10 +255,11 @@ class HFCausalLM(nn.Module, ModelContract):
         if sampled is not None:
             raise NotImplementedError(f"model_type={config.model_type!r}: {type(sampled).__name__} "
                                       f"{SAMPLED_ROUTING[type(sampled).__name__]}: not supported")
-        if getattr(config, "attention_chunk_size", None):
+        chunk_problem = chunked_layers_problem(causal_lm)
+        if chunk_problem:
             raise NotImplementedError(f"model_type={config.model_type!r}: attention_chunk_size="
-                                      f"{config.attention_chunk_size} (chunked attention, through the mask): not "
-                                      "supported")
+                                      f"{config.attention_chunk_size} (chunked attention, through the mask): "
+                                      f"{chunk_problem}: not supported")
         indexer = next((m for m in causal_lm.modules() if type(m).__name__.endswith("Indexer")), None)
         if indexer is not None:
             raise NotImplementedError(f"model_type={config.model_type!r}: {type(indexer).__name__} (a sparse "
@@ -258,7 +290,7 @@ class HFCausalLM(nn.Module, ModelContract):
                                          sp_group, logits_index=index)
         causal_lm.set_attn_implementation(ATTENTION)
         if attention_fn is attention:
-            attention_fn = hf_dense_attention  # the same, with sliding windows and sinks
+            attention_fn = hf_dense_attention  # the same, with sliding windows, sinks, softcaps and chunks
         self._sites = [n for n, _ in attention_modules(causal_lm)]
         self.outside_attention = blocks_outside_attention(causal_lm)
         self.positions_from_length = positions_from_length(causal_lm)

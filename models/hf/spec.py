@@ -150,7 +150,7 @@ class HFSpec(FamilySpec):
         check_ulysses_heads(config.num_attention_heads, par.sp, par.tp, keys=PARALLEL_KEYS)
         cp, packed = par.get("cp", 1), cfg.data.get("packing", "concat") == "document"
         if par.sp > 1 or cp > 1 or packed:
-            outside, numbering, sinks = _sequence_structure(config.to_json_string())
+            outside, numbering, sinks, ring_refused = _sequence_structure(config.to_json_string())
             what = (f"parallel.sp={par.sp}" if par.sp > 1 else f"parallel.cp={cp}" if cp > 1
                     else "data.packing=document")
             if outside:
@@ -166,6 +166,9 @@ class HFSpec(FamilySpec):
                 raise ConfigError(f"parallel.cp={cp} with model=hf is refused: {sinks} has attention sinks (a sink "
                                   "logit per head joins every query's softmax), which ring attention does not run; "
                                   "use parallel.sp for this model")
+            if cp > 1 and ring_refused:
+                raise ConfigError(f"parallel.cp={cp} with model=hf is refused: {ring_refused}, which ring attention "
+                                  "does not compute; use parallel.sp for this model")
         if par.sp > 1 and rope_type(config) in LENGTH_DEPENDENT_ROPE:
             raise ConfigError(f"rope_type={rope_type(config)} scales its tables by the longest position a forward "
                               f"sees, which differs per rank under parallel.sp={par.sp}; use parallel.sp=1 or "
@@ -338,17 +341,23 @@ def _head_problem(config_json: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _sequence_structure(config_json: str) -> tuple[str | None, str | None, str | None]:
+def _sequence_structure(config_json: str) -> tuple[str | None, str | None, str | None, str | None]:
     """What of this config.json's model sequence shards and packed documents cannot reach, read from its modules
     on the meta device: (a repeated layer holding no AttentionInterface module, the module numbering positions
-    itself, an attention module with sinks), each None where there is none."""
+    itself, an attention module with sinks, an attention module whose softcapping or chunks only the dense attention
+    computes, named with what it has), each None where there is none."""
+    from moe_lst.models.hf.attention import chunk_size_of, softcap_of
     from moe_lst.models.hf.structure import attention_modules, blocks_outside_attention, positions_from_length
 
     causal_lm = _meta_causal_lm(config_json)
     outside = blocks_outside_attention(causal_lm)
-    sinks = next((name for name, module in attention_modules(causal_lm)
-                  if isinstance(getattr(module, "sinks", None), torch.Tensor)), None)
-    return (outside[0] if outside else None), positions_from_length(causal_lm), sinks
+    sites = attention_modules(causal_lm)
+    sinks = next((name for name, module in sites if isinstance(getattr(module, "sinks", None), torch.Tensor)), None)
+    dense_only = next((f"{name} has attention logit softcapping ({softcap_of(module)})" for name, module in sites
+                       if softcap_of(module) is not None), None)
+    dense_only = dense_only or next((f"{name} has chunked attention (chunks of {chunk_size_of(module)} positions)"
+                                     for name, module in sites if chunk_size_of(module) is not None), None)
+    return (outside[0] if outside else None), positions_from_length(causal_lm), sinks, dense_only
 
 
 @functools.lru_cache(maxsize=16)

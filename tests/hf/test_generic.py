@@ -21,7 +21,10 @@ REPRESENTATIVE = ("deepseek_v3", "gpt_oss", "glm4_moe")
 
 @pytest.fixture(scope="module")
 def configs() -> dict:
-    return {kind: coverage.tiny_config(kind) for kind in (*REPRESENTATIVE, "llama")}
+    return {**{kind: coverage.tiny_config(kind) for kind in (*REPRESENTATIVE, "llama")},
+            # (a softcap that bends the tiny model's scores, beside its sliding windows; chunks inside a shard)
+            "gemma2": coverage.tiny_config("gemma2", attn_logit_softcapping=0.05),
+            "llama4_text": coverage.tiny_config("llama4_text", attention_chunk_size=4)}
 
 
 @pytest.mark.parametrize("kind", REPRESENTATIVE)
@@ -70,8 +73,9 @@ def test_unsupported_attention_arguments_are_refused_by_name(configs):
     model = HFCausalLM(coverage._plain(configs["gpt_oss"]))
     attn = model.model.layers[0].self_attn
     q = torch.zeros(1, 4, 5, 8)
-    with pytest.raises(NotImplementedError, match=r"GptOssAttention: attention argument softcap=30.0 is not supported"):
-        hf_attention(attn, q, q[:, :2], q[:, :2], None, softcap=30.0)
+    with pytest.raises(NotImplementedError,
+                       match=r"GptOssAttention: attention argument position_bias=tensor\(1, 4, 5, 5\) is not supp"):
+        hf_attention(attn, q, q[:, :2], q[:, :2], None, position_bias=torch.zeros(1, 4, 5, 5))
     with pytest.raises(NotImplementedError, match=r"attention dropout=0.1 is not supported"):
         hf_attention(attn, q, q[:, :2], q[:, :2], None, dropout=0.1)
     with pytest.raises(NotImplementedError, match=r"an attention mask is not supported"):
@@ -85,9 +89,10 @@ def test_unsupported_attention_arguments_are_refused_by_name(configs):
 
 
 # ------------------------------------------------------------------------------------------ 2 ranks
-#: Ulysses over sinks and sliding windows, expert parallelism of latent-attention DeepSeek-V3, Llama's tensor-parallel
-#: plan (ZeRO-3 data parallel: tests/hf/test_multirank.py; every layout of the three under -m slow).
-DEFAULT_RUNS = [("gpt_oss", "sp2"), ("deepseek_v3", "ep2"), ("llama", "tp2")]
+#: Ulysses over sinks and sliding windows, and over Gemma 2's logit softcapping and Llama 4's chunked attention
+#: (tests/hf/test_attention_args.py), expert parallelism of latent-attention DeepSeek-V3, Llama's tensor-parallel plan
+#: (ZeRO-3 data parallel: tests/hf/test_multirank.py; every layout of the three under -m slow).
+DEFAULT_RUNS = [("gpt_oss", "sp2"), ("deepseek_v3", "ep2"), ("llama", "tp2"), ("gemma2", "sp2"), ("llama4_text", "sp2")]
 SLOW_RUNS = [(k, layout) for k in REPRESENTATIVE for layout in coverage.MULTIRANK
              if (k, layout) not in DEFAULT_RUNS and layout != "tp2"]  # (their experts: tp2 is refused)
 
