@@ -241,16 +241,24 @@ def softcap_of(module: nn.Module) -> float | None:
     return None
 
 
-def _check_temperature_positions(module: nn.Module, fn: Callable, tokens: int) -> None:
-    """Llama 4's attention temperature tuning (NoPE layers: queries scaled by log1p(floor((i + 1) / floor_scale)),
-    i numbered 0.. over the tokens the module is given) sees other positions under Ulysses shards (a shard's own)
-    and packed documents (the row's, where a document alone would count its own): the scales are all 1, the same,
-    only while the sequence is shorter than floor_scale."""
+def temperature_floor_of(module: nn.Module) -> int | None:
+    """The floor_scale of an attention module that scales its queries by the positions it numbers itself (Llama 4's
+    attention temperature tuning on NoPE layers: log1p(floor((i + 1) / floor_scale)), i = 0.. over the tokens it is
+    given), None for any other."""
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
-        return
+        return None
+    floor_scale = getattr(module, "floor_scale", None)
+    return int(floor_scale) if isinstance(floor_scale, (int, float)) else None
+
+
+def _check_temperature_positions(module: nn.Module, fn: Callable, tokens: int) -> None:
+    """Temperature tuning (temperature_floor_of) sees other positions under Ulysses shards (a shard's own) and packed
+    documents (the row's, where a document alone counts its own): its scales are all 1, the same, only while the
+    sequence is shorter than floor_scale."""
+    floor_scale = temperature_floor_of(module)
     sp = getattr(fn, "sp", 1)
-    seq_len, floor_scale = tokens * sp, getattr(module, "floor_scale", None)
-    if (sp > 1 or PACKED.get()) and isinstance(floor_scale, (int, float)) and seq_len >= floor_scale:
+    seq_len = tokens * sp
+    if floor_scale is not None and (sp > 1 or PACKED.get()) and seq_len >= floor_scale:
         what = f"Ulysses sequence shards (sp={sp})" if sp > 1 else "packed documents"
         raise NotImplementedError(f"{type(module).__name__}: attention temperature tuning numbers positions from 0 "
                                   f"over the tokens it is given, so {what} of a {seq_len}-token sequence (at least "

@@ -150,7 +150,7 @@ class HFSpec(FamilySpec):
         check_ulysses_heads(config.num_attention_heads, par.sp, par.tp, keys=PARALLEL_KEYS)
         cp, packed = par.get("cp", 1), cfg.data.get("packing", "concat") == "document"
         if par.sp > 1 or cp > 1 or packed:
-            outside, numbering, sinks, ring_refused = _sequence_structure(config.to_json_string())
+            outside, numbering, sinks, ring_refused, temperature = _sequence_structure(config.to_json_string())
             what = (f"parallel.sp={par.sp}" if par.sp > 1 else f"parallel.cp={cp}" if cp > 1
                     else "data.packing=document")
             if outside:
@@ -169,6 +169,19 @@ class HFSpec(FamilySpec):
             if cp > 1 and ring_refused:
                 raise ConfigError(f"parallel.cp={cp} with model=hf is refused: {ring_refused}, which ring attention "
                                   "does not compute; use parallel.sp for this model")
+            seq_len = cfg.train.seq_len
+            if temperature is not None and (par.sp > 1 or packed) and seq_len >= temperature[1]:
+                what = f"parallel.sp={par.sp}" if par.sp > 1 else "data.packing=document"
+                raise ConfigError(f"{what} with model=hf is refused at train.seq_len={seq_len}: {temperature[0]} "
+                                  "scales its queries by positions it numbers from 0 over the tokens it is given "
+                                  f"(attention temperature tuning, floor_scale={temperature[1]}), so sequence shards "
+                                  "and packed documents would get other scales; use a train.seq_len below floor_scale "
+                                  "or set model.hf.overrides.attn_temperature_tuning=false")
+        if cfg.model.attention == "sparse":
+            dense_only = _sequence_structure(config.to_json_string())[3]
+            if dense_only:
+                raise ConfigError(f"model.attention=sparse with model=hf is refused: {dense_only}, which only the "
+                                  "dense attention computes; use model.attention=dense for this model")
         if par.sp > 1 and rope_type(config) in LENGTH_DEPENDENT_ROPE:
             raise ConfigError(f"rope_type={rope_type(config)} scales its tables by the longest position a forward "
                               f"sees, which differs per rank under parallel.sp={par.sp}; use parallel.sp=1 or "
@@ -341,12 +354,15 @@ def _head_problem(config_json: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _sequence_structure(config_json: str) -> tuple[str | None, str | None, str | None, str | None]:
-    """What of this config.json's model sequence shards and packed documents cannot reach, read from its modules
-    on the meta device: (a repeated layer holding no AttentionInterface module, the module numbering positions
-    itself, an attention module with sinks, an attention module whose softcapping or chunks only the dense attention
-    computes, named with what it has), each None where there is none."""
-    from moe_lst.models.hf.attention import chunk_size_of, softcap_of
+def _sequence_structure(config_json: str) -> tuple[str | None, str | None, str | None, str | None,
+                                                   tuple[str, int] | None]:
+    """What of this config.json's model sequence shards, packed documents, ring attention or block-sparse layouts
+    cannot reach, read from its modules on the meta device: (a repeated layer holding no AttentionInterface module,
+    the module numbering positions itself, an attention module with sinks, an attention module whose softcapping or
+    chunks only the dense attention computes, named with what it has, and (an attention module scaling its queries
+    by positions it numbers itself, its floor_scale): moe_lst.models.hf.attention.temperature_floor_of), each None
+    where there is none."""
+    from moe_lst.models.hf.attention import chunk_size_of, softcap_of, temperature_floor_of
     from moe_lst.models.hf.structure import attention_modules, blocks_outside_attention, positions_from_length
 
     causal_lm = _meta_causal_lm(config_json)
@@ -357,7 +373,10 @@ def _sequence_structure(config_json: str) -> tuple[str | None, str | None, str |
                        if softcap_of(module) is not None), None)
     dense_only = dense_only or next((f"{name} has chunked attention (chunks of {chunk_size_of(module)} positions)"
                                      for name, module in sites if chunk_size_of(module) is not None), None)
-    return (outside[0] if outside else None), positions_from_length(causal_lm), sinks, dense_only
+    floors = [(f"{name} ({type(module).__name__})", temperature_floor_of(module)) for name, module in sites
+              if temperature_floor_of(module) is not None]
+    temperature = min(floors, key=lambda x: x[1]) if floors else None
+    return (outside[0] if outside else None), positions_from_length(causal_lm), sinks, dense_only, temperature
 
 
 @functools.lru_cache(maxsize=16)

@@ -139,3 +139,38 @@ def test_ring_attention_is_refused_by_the_config_check(tmp_path, monkeypatch, ki
     with pytest.raises(ConfigError, match=rf"^parallel.cp=2 with model=hf is refused: {what}.*use parallel.sp"):
         _check(tmp_path, kind, 2, ["parallel.cp=2"], monkeypatch)
     assert not (tmp_path / "run").exists()
+
+
+def test_sparse_attention_is_refused_by_the_config_check(tmp_path, monkeypatch):
+    from tests.hf.test_composed_layouts import _check
+
+    with pytest.raises(ConfigError, match=r"^model.attention=sparse with model=hf is refused: model.layers.0.self_attn "
+                       r"has attention logit softcapping \(50.0\), which only the dense attention computes"):
+        _check(tmp_path, "gemma2", 1, ["model.attention=sparse"], monkeypatch)
+
+
+#: Llama 4 with a NoPE layer 0 (its queries scaled by attention temperature tuning) and a small floor_scale.
+NOPE = dict(no_rope_layers=[0, 1], attention_chunk_size=4)
+
+
+def test_temperature_tuning_under_shards_and_packed_documents_is_refused_from_floor_scale_on(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from moe_lst.models.hf import HFCausalLM
+    from moe_lst.models.hf.attention import _check_temperature_positions
+
+    from tests.hf.test_composed_layouts import _check
+
+    _equal_to_plain(coverage.tiny_config("llama4_text", floor_scale=17, **NOPE), packed=True)  # (16 tokens: scales 1)
+    model = HFCausalLM(coverage._plain(coverage.tiny_config("llama4_text", floor_scale=16, **NOPE)))
+    with pytest.raises(NotImplementedError, match=r"Llama4TextAttention: attention temperature tuning .* packed "
+                       r"documents of a 16-token sequence \(at least floor_scale=16\)"):
+        model(_tokens()[:, :-1], _packed_positions(), packed=True)
+    attn = model.model.layers[0].self_attn
+    _check_temperature_positions(attn, SimpleNamespace(sp=2), 7)  # (14 tokens over 2 shards: all scales 1)
+    with pytest.raises(NotImplementedError, match=r"Ulysses sequence shards \(sp=2\) of a 16-token sequence"):
+        _check_temperature_positions(attn, SimpleNamespace(sp=2), 8)
+    with pytest.raises(ConfigError, match=r"^parallel.sp=2 with model=hf is refused at train.seq_len=16: "
+                       r"model.layers.0.self_attn \(Llama4TextAttention\) scales its queries .*floor_scale=16"):
+        _check(tmp_path, "llama4_text", 2, ["parallel.sp=2", "model.hf.overrides={no_rope_layers: [0, 1], "
+               "floor_scale: 16}"], monkeypatch)
