@@ -64,6 +64,42 @@ def router_modules(causal_lm: nn.Module) -> tuple[list[nn.Module], int]:
     return routers, index
 
 
+#: The attributes a transformers causal LM's own __init__ sets to the factor its forward scales the balancing loss by
+#: (from whichever config key holds it: router_aux_loss_coef, JetMoE's aux_loss_coef, DBRX's
+#: ffn_config.moe_loss_weight), and to its routers' top-k.
+COEFFICIENT_ATTRIBUTES = ("router_aux_loss_coef", "aux_loss_coef")
+TOP_K_ATTRIBUTES = ("num_experts_per_tok",)
+
+
+def _number(causal_lm: nn.Module, names: tuple[str, ...]) -> float | int | None:
+    for name in names:
+        for owner in (causal_lm, causal_lm.config):
+            value = getattr(owner, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def balancing_coefficient(causal_lm: nn.Module) -> float:
+    """The factor a causal LM's forward scales its balancing loss (`aux_loss`) by: the value its __init__ read into
+    `router_aux_loss_coef` or `aux_loss_coef` (else the config's key of that name); NotImplementedError where it has
+    none of them."""
+    coef = _number(causal_lm, COEFFICIENT_ATTRIBUTES)
+    if coef is None:
+        raise NotImplementedError(f"{type(causal_lm).__name__} holds none of {', '.join(COEFFICIENT_ATTRIBUTES)}: the "
+                                  "factor its balancing loss is scaled by is not known")
+    return float(coef)
+
+
+def balancing_top_k(causal_lm: nn.Module) -> int:
+    """The top-k a causal LM's balancing loss counts (its `num_experts_per_tok`, else the config's)."""
+    top_k = _number(causal_lm, TOP_K_ATTRIBUTES)
+    if top_k is None:
+        raise NotImplementedError(f"{type(causal_lm).__name__} holds no num_experts_per_tok: the top-k its balancing "
+                                  "loss counts is not known")
+    return int(top_k)
+
+
 class BalancingLoss:
     """Hooks on the routers of a model's MoE blocks (their output holds the logits [N, E] at `logits_index`) that
     add `coef` times transformers' balancing loss to its training gradient. Call `begin()` before each forward

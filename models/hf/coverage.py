@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,7 +42,7 @@ TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_lay
             num_experts=4, num_local_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
             topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
             sliding_window=6, attention_chunk_size=8, router_aux_loss_coef=0.1, output_router_logits=True,
-            decoder_sparse_step=1, moe_layer_freq=1, num_nextn_predict_layers=0, rope_theta=10000.0,
+            decoder_sparse_step=1, moe_layer_freq=1, num_nextn_predict_layers=0, rope_theta=10000.0, num_dense_layers=1,
             linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
             encoder_attention_heads=4, decoder_attention_heads=4, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
             d_head=8, d_inner=48, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
@@ -75,6 +77,17 @@ def _read_only(cls, key: str) -> bool:
     return isinstance(attr, property) and attr.fset is None
 
 
+def _construct(cls, values: dict[str, Any]):
+    """`cls` built from `values` (a copy) with each value under the config's own key, not its attribute_map alias:
+    an alias is applied after the config's own __post_init__, which may already have read the key it names (DBRX
+    copies d_model into its ffn_config there, so `hidden_size=32` left its experts 2048 wide), as a config.json
+    holding the key itself is read."""
+    aliases = getattr(cls, "attribute_map", {})
+    own = {k: v for k, v in values.items() if k not in aliases}
+    own.update({aliases[k]: v for k, v in values.items() if k in aliases})  # (an alias wins, as it did when set last)
+    return cls(**copy.deepcopy(own))
+
+
 def _tiny_values(kind: str) -> dict[str, Any]:
     from transformers import CONFIG_MAPPING
 
@@ -106,6 +119,10 @@ def _derive(cls, base) -> dict[str, Any]:
     if isinstance(getattr(base, "layer_types", None), list) and not _read_only(cls, "layer_types"):
         kinds = list(dict.fromkeys(base.layer_types))  # (each kind, cycled over the tiny layers)
         values["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
+    elif "layer_types" in base.to_dict() and getattr(base, "layer_types", None) is None:
+        kinds = _kinds_left_open(cls, values)
+        if kinds:
+            values["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
     if isinstance(getattr(base, "attention_types", None), list):  # ([[kinds, repeats]] spelling the layers)
         kinds = list(dict.fromkeys(k for group, _ in base.attention_types for k in group))[:layers]
         values["attention_types"] = [[kinds, layers // len(kinds)]]
@@ -137,12 +154,27 @@ def _derive(cls, base) -> dict[str, Any]:
             continue
         try:
             derived = _derive(type(sub), sub)
-            cls(**copy.deepcopy({**values, key: derived}))
+            _construct(cls, {**values, key: derived})
         except Exception:  # noqa: BLE001 - the parent derives this sub-config from others: its default is kept
             continue
         values[key] = derived
     values.update(_tiny_unknown_sizes(cls, base, defaults, values))
     return values
+
+
+def _kinds_left_open(cls, values: dict[str, Any]) -> list[str]:
+    """The layer kinds of a config that leaves `layer_types` at None (none derived from other keys either) while its
+    model indexes it (LFM2-MoE): the kinds its modeling module compares `layer_types[...]` with, then full
+    attention; [] where the config derives its own or the module names none."""
+    try:
+        if _construct(cls, values).layer_types is not None:
+            return []
+        module = importlib.import_module(cls.__module__.replace(".configuration_", ".modeling_"))
+        source = Path(module.__file__).read_text()
+    except Exception:  # noqa: BLE001 - the config refuses these values or has no modeling module: nothing to add
+        return []
+    named = re.findall(r"layer_types\[[^\]]+\]\s*[!=]=\s*[\"'](\w+)[\"']", source)
+    return list(dict.fromkeys(named + ["full_attention"])) if named else []
 
 
 def _default(base, key: str) -> Any:
@@ -201,10 +233,13 @@ def _tiny_unknown_sizes(cls, base, defaults: dict[str, Any], values: dict[str, A
     sizes shrink, as DeepSeek's qk_head_dim) and token ids are left alone."""
     aliases = set(getattr(base, "attribute_map", {}).values())
     try:
-        probe = cls(**copy.deepcopy(values))
+        probe = _construct(cls, values)
+    except Exception:  # noqa: BLE001 - the config refuses these values: nothing is known to be derived or counted
+        probe = None
+    try:
         derived = {k for k, v in probe.to_dict().items() if k in defaults and v != defaults[k]}
         count = _meta_size(probe)
-    except Exception:  # noqa: BLE001 - the config refuses these values: nothing is known to be derived or counted
+    except Exception:  # noqa: BLE001 - or the model does not build from them
         derived, count = set(), None
     named = sorted((k for k, v in TINY.items() if type(v) is int), key=len, reverse=True)
     shrunk: dict[int, int] = {}
@@ -224,12 +259,30 @@ def _tiny_unknown_sizes(cls, base, defaults: dict[str, Any], values: dict[str, A
             continue
         if count is not None:
             try:
-                if _meta_size(cls(**copy.deepcopy({**values, key: size}))) >= count:
+                if _meta_size(_construct(cls, {**values, key: size})) >= count:
                     continue  # (not a size of the model: a window, a scale, a length)
             except Exception:  # noqa: BLE001 - the config or model refuses it shrunk alone: leave it
                 continue
         out[key] = size
+    if probe is None:  # (the config refuses the tiny sizes: a full-size optional key it can derive itself may be why)
+        out.update(_left_to_derive(cls, defaults, {**values, **out}))
     return out
+
+
+def _left_to_derive(cls, defaults: dict[str, Any], values: dict[str, Any]) -> dict[str, None]:
+    """{key: None} for the first full-size key (an int of 16 or more) left at its default whose None lets the config
+    accept the tiny sizes: an optional size the config derives from others when unset (Falcon-H1's mamba_d_ssm of
+    1024 against the tiny mamba_expand * hidden_size); {} where none does."""
+    named = {getattr(cls, "attribute_map", {}).get(k, k) for k in values}
+    for key, full in defaults.items():
+        if type(full) is not int or full < 16 or key in named or _read_only(cls, key):
+            continue
+        try:
+            _construct(cls, {**values, key: None})
+        except Exception:  # noqa: BLE001 - not this key (or it takes no None)
+            continue
+        return {key: None}
+    return {}
 
 
 def _tiny_layer_overrides(defaults: dict[str, Any], values: dict[str, Any], layers: int,
@@ -293,14 +346,15 @@ def tiny_config(kind: str, **overrides):
             attempt["per_layer_config"] = _tiny_layer_overrides(defaults, attempt,
                                                                 attempt.get("num_hidden_layers", 2), flat)
         try:
-            config = cls(**copy.deepcopy(attempt))
+            config = _construct(cls, attempt)
         except Exception as e:  # noqa: BLE001 - a variant the config's own checks refuse: try the next one
             problem = problem or _config_problem(cls, e)
             continue
         try:
-            size = _meta_size(config)
+            config, size = _built(cls, config, attempt)
         except Exception as e:  # noqa: BLE001 - a variant the model class does not build from: try the next one
-            problem = problem or f"{cls.__name__}'s model does not build from the derived sizes ({_one_line(e)})"
+            problem = problem or (f"{cls.__name__}'s model does not build from the derived sizes ({_one_line(e)}"
+                                  f"{_where(e)})")
             continue
         if size > MAX_PARAMS:  # (a variant that restores a full-size default: the next one may not)
             too_big = max(too_big, size)
@@ -315,7 +369,53 @@ def tiny_config(kind: str, **overrides):
                                   "the sweep does not know)")
     if error is None:
         raise NoTinyConfig(problem)
-    raise NotImplementedError(f"no tiny config runs in plain transformers ({_one_line(error)})")
+    raise NoTinyConfig(f"no variant runs in plain transformers ({_one_line(error)}{_where(error)})")
+
+
+def _built(cls, config, values: dict[str, Any]):
+    """(config, its parameter count), as long as the model asks for more: a model that reads a key its sub-config's
+    class does not declare (DBRX's attention reads attn_config.rope_theta, which its checkpoints carry as an extra
+    key) gets the parent config's value of that key (its own, or in its rope_parameters) in that sub-config; one that
+    reads rotary parameters per layer kind from a config that leaves them empty (Cohere Compass) gets the default
+    rotary embedding for each kind."""
+    for _ in range(4):
+        try:
+            return config, _meta_size(config)
+        except KeyError as e:
+            rope, kinds = getattr(config, "rope_parameters", None), getattr(config, "layer_types", None) or []
+            if not (isinstance(rope, dict) and e.args and e.args[0] in kinds and e.args[0] not in rope):
+                raise
+            values["rope_parameters"] = {**rope, **{k: {"rope_type": "default", "rope_theta": TINY["rope_theta"]}
+                                                    for k in kinds if k not in rope}}
+            config = _construct(cls, values)
+        except AttributeError as e:
+            found = re.fullmatch(r"'(\w+)' object has no attribute '(\w+)'", str(e))
+            subs = {k: getattr(config, k, None) for k in getattr(cls, "sub_configs", None) or {}}
+            key = next((k for k, v in subs.items() if found and type(v).__name__ == found[1]), None)
+            rope = getattr(config, "rope_parameters", None)
+            value = getattr(config, found[2], None) if found else None
+            if value is None and found and isinstance(rope, dict):
+                value = rope.get(found[2])
+            if key is None or value is None:
+                raise
+            sub = values.get(key)
+            values[key] = {**(sub if isinstance(sub, dict) else subs[key].to_dict()), found[2]: value}
+            config = _construct(cls, values)
+    return config, _meta_size(config)
+
+
+def _where(error: BaseException) -> str:
+    """Where in transformers' modeling code `error` was raised (`, in Class.method: the statement`), or ""."""
+    import traceback
+
+    frames = [(f, t) for f, t in zip(traceback.extract_tb(error.__traceback__), traceback.walk_tb(error.__traceback__))
+              if "/transformers/models/" in f.filename]
+    if not frames:
+        return ""
+    frame, (code, _) = frames[-1]
+    owner = code.f_locals.get("self")
+    where = f"{type(owner).__name__}.{frame.name}" if owner is not None else f"{Path(frame.filename).stem}.{frame.name}"
+    return f", in {where}: `{(frame.line or '').strip()}`"
 
 
 #: A variant's marker (not a config key): its per-layer overrides keep the tiny sizes (_tiny_layer_overrides flat).
@@ -327,13 +427,16 @@ def _variants(values: dict[str, Any]) -> list[dict[str, Any]]:
     that runs with one keeps the config it had): as many key-value heads as query heads, no head_dim (the config
     derives it), head_dim 16, no cache (a hybrid whose 2 layers hold no attention gives none), per-layer overrides
     that keep the tiny sizes (a heterogeneous layer whose scaled sizes break the config's own rules, as a head
-    width that must equal the sum of its rotary and plain parts)."""
+    width that must equal the sum of its rotary and plain parts), top-1 routing (a config that routes each token to
+    one expert only: ZAYA)."""
     relaxations = [("num_key_value_heads", values.get("num_attention_heads", 4)), ("head_dim", None),
-                   ("head_dim", 16), ("use_cache", False), (_FLAT, True)]
+                   ("head_dim", 16), ("use_cache", False), (_FLAT, True), ("num_experts_per_tok", 1)]
     if "head_dim" not in values:
         relaxations = [r for r in relaxations if r[0] != "head_dim"]
     if "per_layer_config" not in values:
         relaxations = [r for r in relaxations if r[0] != _FLAT]
+    if values.get("num_experts_per_tok", 1) == 1:
+        relaxations = [r for r in relaxations if r[0] != "num_experts_per_tok"]
     out = []
     for n in range(len(relaxations) + 1):
         for combo in itertools.combinations(relaxations, n):
@@ -385,18 +488,41 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _plain_loss(model, x: torch.Tensor, y: torch.Tensor, value_only_ce: bool = False) -> torch.Tensor:
-    """Cross-entropy of the plain model, plus router_aux_loss_coef * its aux loss where it computes one (its
-    value left out with `value_only_ce`: the gradient joins, the recorded loss is the cross-entropy)."""
+    """Cross-entropy of the plain model, plus its aux loss where it computes one, scaled as its own forward scales it
+    (moe_lst.models.hf.balance.balancing_coefficient; its value left out with `value_only_ce`: the gradient joins,
+    the recorded loss is the cross-entropy)."""
     out = model(input_ids=x)
     loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
     aux = getattr(out, "aux_loss", None)
     if aux is not None:
-        if getattr(model.config, "router_aux_loss_coef", None) is None:
-            raise NotImplementedError(f"{type(model.config).__name__} has no router_aux_loss_coef: the balancing loss "
-                                      "its model returns is scaled by a key the adapter does not read")
-        term = model.config.router_aux_loss_coef * aux
+        from moe_lst.models.hf.balance import balancing_coefficient
+
+        term = balancing_coefficient(model) * aux
         loss = loss + (term - term.detach() if value_only_ce else term)
     return loss
+
+
+def untrained_balancing_loss(causal_lm, ours, x: torch.Tensor) -> str | None:
+    """Why the adapter `ours` does not train the balancing loss that plain `causal_lm`'s forward adds to its loss
+    (one line), or None: it trains it, or the model adds none (no aux_loss, or a zero coefficient)."""
+    from moe_lst.models.hf.balance import COEFFICIENT_ATTRIBUTES, balancing_coefficient
+
+    with torch.no_grad():
+        if getattr(causal_lm(input_ids=x[:1]), "aux_loss", None) is None:
+            return None
+    coef = balancing_coefficient(causal_lm)
+    if not coef or ours.balance is not None:
+        return None
+    name = type(causal_lm).__name__
+    if not ours.moe_blocks:
+        routers = type(causal_lm.get_submodule(causal_lm.base_model_prefix))._can_record_outputs["router_logits"]
+        router = getattr(getattr(routers, "target_class", routers), "__name__", routers)
+        return (f"{name} trains no balancing loss here: its experts (routed by {router}) are not ExpertsInterface "
+                "experts")
+    held = next(a for a in COEFFICIENT_ATTRIBUTES if getattr(causal_lm, a, None) is not None
+                or getattr(causal_lm.config, a, None) is not None)
+    return (f"{name} scales its balancing loss by {coef:g} ({held}), which the adapter does not read: it "
+            "reads the config's router_aux_loss_coef")
 
 
 def check_logits(config) -> None:
@@ -410,6 +536,9 @@ def check_logits(config) -> None:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
     ours = HFCausalLM(copy.deepcopy(ref))
     x, y = _batch(0)
+    problem = untrained_balancing_loss(ref, ours, x)
+    if problem:
+        raise NotImplementedError(problem)
     want = _plain_loss(ref, x, y)
     want.backward()
     logits = ours(x)

@@ -27,10 +27,12 @@ def attention_modules(causal_lm: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def blocks_outside_attention(causal_lm: nn.Module) -> list[str]:
     """The repeated layers holding no AttentionInterface module (linear attention, convolutions, state-space
-    mixers): they mix tokens along the sequence themselves, so neither Ulysses shards nor packed documents reach
-    them."""
+    mixers), or holding a convolution along the sequence beside or inside one (an nn.Conv1d of kernel over 1:
+    Falcon-H1's Mamba mixer in parallel with its attention, ZAYA's convolved queries and keys): they mix tokens
+    along the sequence themselves, so neither Ulysses shards nor packed documents reach them."""
     sites = [n for n, _ in attention_modules(causal_lm)]
-    return [b for b, _ in decoder_blocks(causal_lm) if not any(s.startswith(b + ".") for s in sites)]
+    return [b for b, block in decoder_blocks(causal_lm) if not any(s.startswith(b + ".") for s in sites)
+            or any(isinstance(m, nn.Conv1d) and m.kernel_size[0] > 1 for m in block.modules())]
 
 
 def positions_from_length(causal_lm: nn.Module) -> str | None:

@@ -214,3 +214,68 @@ def test_the_sweep_compares_expert_slices_and_whole_tensors_of_the_experts():
     rank["state"]["b.experts.down_proj"] = full[0:2]
     with pytest.raises(AssertionError, match="down_proj"):
         coverage.compare([rank], reference)
+
+
+def test_aliases_and_layer_kinds_follow_the_tiny_model():
+    from transformers import CONFIG_MAPPING
+
+    # DBRX copies d_model into its ffn_config in its own init, before an alias (hidden_size) is applied: the tiny
+    # width goes under the config's own key, so its experts are 32 wide, not 2048
+    dbrx = coverage._construct(CONFIG_MAPPING["dbrx"], {"hidden_size": 32, "ffn_config": {"ffn_hidden_size": 48}})
+    assert (dbrx.d_model, dbrx.ffn_config.hidden_size) == (32, 32)
+    # LFM2-MoE leaves layer_types at None and its model indexes it: the kinds its model compares them with, and its
+    # leading dense layers (num_dense_layers) leave one MoE layer of 2
+    values = coverage._tiny_values("lfm2_moe")
+    assert values["layer_types"] == ["conv", "full_attention"] and values["num_dense_layers"] == 1
+    # Falcon-H1's mamba_d_ssm (1024) breaks its rule against the tiny mamba heads: left for the config to derive
+    assert coverage._tiny_values("falcon_h1")["mamba_d_ssm"] is None
+
+
+def test_configs_whose_model_reads_what_they_leave_out_get_it_or_a_refusal_naming_the_statement():
+    # ZAYA routes to one expert only: the top-1 relaxation
+    assert coverage.tiny_config("zaya").num_experts_per_tok == 1
+    # Cohere Compass reads rotary parameters per layer kind and leaves them empty: the default rotary for each kind
+    assert coverage.tiny_config("cohere_compass_text").rope_parameters["full_attention"]["rope_type"] == "default"
+    # DBRX's attention reads attn_config.rope_theta (given the parent's); its defaults then clamp by clip_qkv=None,
+    # which the refusal names by its statement
+    with pytest.raises(NotImplementedError, match=r"in DbrxAttention\.forward: `qkv_states = .*self\.clip_qkv\)`"):
+        coverage.tiny_config("dbrx")
+
+
+def test_the_balancing_loss_is_scaled_by_the_factor_the_model_reads():
+    import copy
+
+    import torch
+    from moe_lst.models.hf.balance import balancing_coefficient, balancing_top_k
+    from moe_lst.models.hf.model import HFCausalLM
+    from transformers import AutoModelForCausalLM
+
+    config = coverage.tiny_config("jetmoe")  # (JetMoE reads aux_loss_coef; no router_aux_loss_coef)
+    config.aux_loss_coef = 0.25
+    plain = AutoModelForCausalLM.from_config(config)
+    assert (balancing_coefficient(plain), balancing_top_k(plain)) == (0.25, 2)
+    x, y = coverage._batch(0)
+    out = plain(input_ids=x)
+    ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    torch.testing.assert_close(coverage._plain_loss(plain, x, y), ce + 0.25 * out.aux_loss)
+    # its experts are not ExpertsInterface experts, so the adapter trains no balancing loss for them: refused by name
+    ours = HFCausalLM(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
+    problem = coverage.untrained_balancing_loss(plain, ours, x)
+    assert problem == ("JetMoeForCausalLM trains no balancing loss here: its experts (routed by JetMoeTopKGating) "
+                       "are not ExpertsInterface experts")
+    config.output_router_logits = False  # (the model then adds none)
+    assert coverage.untrained_balancing_loss(AutoModelForCausalLM.from_config(config), ours, x) is None
+
+
+def test_a_convolution_along_the_sequence_beside_attention_keeps_ulysses_and_packing_out():
+    import torch
+    from moe_lst.models.hf.structure import blocks_outside_attention
+    from transformers import AutoModelForCausalLM
+
+    # Falcon-H1 runs a Mamba mixer (a causal convolution and a scan) in parallel with attention in every layer, ZAYA
+    # convolves its queries and keys before attention: a Ulysses shard or a packed document would reach neither
+    for kind in ("falcon_h1", "zaya"):
+        config = coverage.tiny_config(kind)
+        with torch.device("meta"):
+            causal_lm = AutoModelForCausalLM.from_config(config)
+        assert blocks_outside_attention(causal_lm) == ["model.layers.0", "model.layers.1"], kind
