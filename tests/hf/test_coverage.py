@@ -10,8 +10,8 @@ from moe_lst.models.hf.config import coverage as recorded
 
 REQUIRED = ("deepseek_v3", "gpt_oss", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "llama", "qwen3",
             "mistral", "qwen2", "olmoe")
-#: Rows checked again in the default suite: an MLA model, one with sinks, sliding windows and expert biases, and
-#: refused ones (bidirectional attention, attention logit softcapping).
+#: Rows checked again in the default suite: an MLA model, one with sinks, sliding windows and expert biases, a refused
+#: one (bidirectional attention) and one with attention logit softcapping.
 RECHECKED = ("deepseek_v3", "gpt_oss", "bert", "gemma2")
 
 
