@@ -88,7 +88,7 @@ def _construct(cls, values: dict[str, Any]):
     return cls(**copy.deepcopy(own))
 
 
-def _tiny_values(kind: str) -> dict[str, Any]:
+def _tiny_values(kind: str, layers: int = 2) -> dict[str, Any]:
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[kind]
@@ -101,16 +101,19 @@ def _tiny_values(kind: str) -> dict[str, Any]:
         raise NoTinyConfig(f"{cls.__name__}() with its defaults gives no text config ({_one_line(e)})") from e
     if text is not base:
         raise NotImplementedError("a composite config (its causal LM is a sub-config of another model)")
-    return _derive(cls, base)
+    return _derive(cls, base, layers)
 
 
-def _derive(cls, base) -> dict[str, Any]:
-    """The tiny values of config class `cls` (its default instance `base`); its sub-configs (a vision or audio tower
-    of the causal LM, a patcher, a depth decoder) derived the same way from their own classes."""
+def _derive(cls, base, layers: int = 2) -> dict[str, Any]:
+    """The tiny values of config class `cls` (its default instance `base`) with `layers` layers; its sub-configs (a
+    vision or audio tower of the causal LM, a patcher, a depth decoder) derived the same way from their own
+    classes."""
     from transformers import PreTrainedConfig
 
     known = set(base.to_dict()) | set(getattr(base, "attribute_map", {}))
     values = {k: v for k, v in TINY.items() if k in known}
+    if "num_hidden_layers" in values:
+        values["num_hidden_layers"] = layers
     values.update({k: 0.0 for k in DROPOUT if isinstance(getattr(base, k, None), float)})
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
         if isinstance(getattr(base, key, None), int):
@@ -330,11 +333,26 @@ def _config_problem(cls, error: BaseException, what: str = "the derived sizes") 
 def tiny_config(kind: str, **overrides):
     """A tiny config of model type `kind` (2 layers, width 32, 4 heads, 4 experts top-2 for MoE, 256 tokens),
     derived from its config class; variants are tried until the plain transformers model runs a forward. Where none
-    can be derived: NoTinyConfig naming the key, validator or model class that stops it."""
+    can be derived: NoTinyConfig naming the key, validator or model class that stops it. A family none of whose
+    2-layer variants runs is derived again with 4 layers, its layer kinds cycled over them (Zamba ties one shared
+    transformer across its hybrid layers: a single hybrid layer leaves nothing to tie, which its model refuses); the
+    2-layer reason stands where that fails too."""
+    if "num_hidden_layers" in overrides:
+        return _tiny_config(kind, overrides["num_hidden_layers"], overrides)
+    try:
+        return _tiny_config(kind, 2, overrides)
+    except NotImplementedError as first:
+        try:
+            return _tiny_config(kind, 4, overrides)
+        except NotImplementedError:
+            raise first from None
+
+
+def _tiny_config(kind: str, layers: int, overrides: dict[str, Any]):
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[kind]
-    values = {**_tiny_values(kind), **overrides}
+    values = {**_tiny_values(kind, layers), **overrides}
     defaults = cls().to_dict()
     scaled = defaults.get("per_layer_config") and "per_layer_config" not in overrides
     error: Exception | None = None

@@ -279,3 +279,11 @@ def test_a_convolution_along_the_sequence_beside_attention_keeps_ulysses_and_pac
         with torch.device("meta"):
             causal_lm = AutoModelForCausalLM.from_config(config)
         assert blocks_outside_attention(causal_lm) == ["model.layers.0", "model.layers.1"], kind
+
+
+def test_a_family_two_layers_cannot_build_gets_four():
+    # Zamba ties one shared transformer across its hybrid layers: with 2 layers there is one hybrid layer and nothing
+    # to tie (its model refuses that); 4 layers cycle its kinds twice
+    config = coverage.tiny_config("zamba")
+    assert config.num_hidden_layers == 4 and config.layer_types.count("hybrid") == 2, config.layer_types
+    assert coverage.tiny_config("llama").num_hidden_layers == 2  # (2 wherever they build)
