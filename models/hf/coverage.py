@@ -505,13 +505,16 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _plain_loss(model, x: torch.Tensor, y: torch.Tensor, value_only_ce: bool = False) -> torch.Tensor:
+def _plain_loss(model, x: torch.Tensor, y: torch.Tensor, value_only_ce: bool = False,
+                record: dict[str, Any] | None = None) -> torch.Tensor:
     """Cross-entropy of the plain model, plus its aux loss where it computes one, scaled as its own forward scales it
     (moe_lst.models.hf.balance.balancing_coefficient; its value left out with `value_only_ce`: the gradient joins,
-    the recorded loss is the cross-entropy)."""
+    the recorded loss is the cross-entropy); `record` gets the forward's aux_loss."""
     out = model(input_ids=x)
     loss = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
     aux = getattr(out, "aux_loss", None)
+    if record is not None:
+        record["aux_loss"] = aux
     if aux is not None:
         from moe_lst.models.hf.balance import balancing_coefficient
 
@@ -520,14 +523,14 @@ def _plain_loss(model, x: torch.Tensor, y: torch.Tensor, value_only_ce: bool = F
     return loss
 
 
-def untrained_balancing_loss(causal_lm, ours, x: torch.Tensor) -> str | None:
+def untrained_balancing_loss(causal_lm, ours, aux_loss: torch.Tensor | None) -> str | None:
     """Why the adapter `ours` does not train the balancing loss that plain `causal_lm`'s forward adds to its loss
-    (one line), or None: it trains it, or the model adds none (no aux_loss, or a zero coefficient)."""
+    (one line), or None: it trains it, or the model adds none (its forward gave no `aux_loss`, or a zero
+    coefficient)."""
     from moe_lst.models.hf.balance import COEFFICIENT_ATTRIBUTES, balancing_coefficient
 
-    with torch.no_grad():
-        if getattr(causal_lm(input_ids=x[:1]), "aux_loss", None) is None:
-            return None
+    if aux_loss is None:
+        return None
     coef = balancing_coefficient(causal_lm)
     if not coef or ours.balance is not None:
         return None
@@ -554,10 +557,11 @@ def check_logits(config) -> None:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
     ours = HFCausalLM(copy.deepcopy(ref))
     x, y = _batch(0)
-    problem = untrained_balancing_loss(ref, ours, x)
+    seen: dict[str, Any] = {}
+    want = _plain_loss(ref, x, y, record=seen)
+    problem = untrained_balancing_loss(ref, ours, seen["aux_loss"])
     if problem:
         raise NotImplementedError(problem)
-    want = _plain_loss(ref, x, y)
     want.backward()
     logits = ours(x)
     got = F.cross_entropy(logits.flatten(0, 1), y.flatten())

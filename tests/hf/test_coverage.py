@@ -260,11 +260,12 @@ def test_the_balancing_loss_is_scaled_by_the_factor_the_model_reads():
     torch.testing.assert_close(coverage._plain_loss(plain, x, y), ce + 0.25 * out.aux_loss)
     # its experts are not ExpertsInterface experts, so the adapter trains no balancing loss for them: refused by name
     ours = HFCausalLM(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
-    problem = coverage.untrained_balancing_loss(plain, ours, x)
+    problem = coverage.untrained_balancing_loss(plain, ours, out.aux_loss)
     assert problem == ("JetMoeForCausalLM trains no balancing loss here: its experts (routed by JetMoeTopKGating) "
                        "are not ExpertsInterface experts")
     config.output_router_logits = False  # (the model then adds none)
-    assert coverage.untrained_balancing_loss(AutoModelForCausalLM.from_config(config), ours, x) is None
+    plain = AutoModelForCausalLM.from_config(config)
+    assert coverage.untrained_balancing_loss(plain, ours, plain(input_ids=x).aux_loss) is None
 
 
 def test_a_convolution_along_the_sequence_beside_attention_keeps_ulysses_and_packing_out():
