@@ -22,6 +22,7 @@ import math
 import re
 import zlib
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -414,11 +415,34 @@ class HFCausalLM(nn.Module, ModelContract):
         seed = (self.init_seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.causal_lm._init_weights(stand_in)
+            initialiser = self._initialiser(owner)
+            initialiser._init_weights(stand_in)
+        if values.isnan().all():  # (left alone by the init: what its module's constructor made, as in eager builds)
+            made = self._constructed().get(name)
+            if made is not None and made.shape == values.shape:
+                values = made.float()
         if values.isnan().any():
-            raise NotImplementedError(f"{name}: {type(self.causal_lm).__name__}._init_weights does not initialise "
+            raise NotImplementedError(f"{name}: {type(initialiser).__name__}._init_weights does not initialise "
                                       f"{type(module).__name__}.{leaf}; build this model on a real device")
         tensor.copy_(values)
+
+    def _initialiser(self, name: str) -> PreTrainedModel:
+        """The model whose `_init_weights` initialises module `name`: as transformers' own init dispatches it, the
+        innermost PreTrainedModel holding the module (itself, if it is one: Gemma 3n's text model reads its own
+        hidden_size there, which the causal LM around it lacks)."""
+        owner: PreTrainedModel = self.causal_lm
+        module: nn.Module = self.causal_lm
+        for part in name.split(".") if name else ():
+            module = module.get_submodule(part)
+            if isinstance(module, PreTrainedModel):
+                owner = module
+        return owner
+
+    def _constructed(self) -> dict[str, torch.Tensor]:
+        """The constructor's values of the model's buffers and small parameters (_constructor_values), made once."""
+        if self.__dict__.get("_constructor_values") is None:
+            self.__dict__["_constructor_values"] = _constructor_values(self.config)
+        return self.__dict__["_constructor_values"]
 
     def continue_global_generator(self) -> None:
         """After a meta build of an MoE model: torch's global generator where the eager build would leave it."""
@@ -435,7 +459,8 @@ class HFCausalLM(nn.Module, ModelContract):
     @torch.no_grad()
     def materialise_buffers(self, device: torch.device | str | None = None) -> None:
         """Give meta-device buffers (the rotary embedding's frequencies) their values on `device`, through the
-        model's `_init_weights` of their module."""
+        model's `_init_weights` of their module; one the init leaves alone, through its module's constructor."""
+        names = {id(m): n for n, m in self.named_modules()}
         for module in self.modules():
             meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
             if not meta:
@@ -448,23 +473,33 @@ class HFCausalLM(nn.Module, ModelContract):
                                       for k, p in module._parameters.items()}
                 target._buffers = dict(module._buffers)
             # Filled with a value the init must overwrite (NaN; an integer or bool buffer is initialised again from
-            # a second fill, under a forked generator, and must come out the same), so an unset buffer shows.
+            # a second fill, and must come out the same), so an unset buffer shows.
             fills = {n: _unset_values(module._buffers[n].dtype, f"{type(module).__name__}.{n}") for n in meta}
-            done = _init_buffers(self.causal_lm, target, {n: (module._buffers[n].shape, module._buffers[n].dtype,
+            initialiser = self._initialiser(names[id(module)])
+            done = _init_buffers(initialiser, target, {n: (module._buffers[n].shape, module._buffers[n].dtype,
                                                              fills[n][0]) for n in meta}, device)
-            again = done
-            if any(len(f) == 2 for f in fills.values()):
-                with torch.random.fork_rng(devices=[]):
-                    again = _init_buffers(self.causal_lm, target, {n: (module._buffers[n].shape,
-                                                                       module._buffers[n].dtype, fills[n][-1])
-                                                                   for n in meta}, device)
-            unset = [n for n in meta if (done[n].isnan().any() if len(fills[n]) == 1
-                                         else not torch.equal(done[n], again[n]))]
+            # (a second init, from where the first left the generator: an init that draws the buffer gives it
+            # values other than the eager build's, and is refused)
+            with torch.random.fork_rng(devices=[]):
+                again = _init_buffers(initialiser, target, {n: (module._buffers[n].shape, module._buffers[n].dtype,
+                                                                fills[n][-1]) for n in meta}, device)
+            unset = [n for n in meta if done[n].isnan().any() or not torch.equal(done[n], again[n])]
             for n in meta:
                 module._buffers[n] = done[n]
+            # A buffer the init leaves alone keeps what its module's constructor made (XIELU's beta, Falcon-H1's
+            # mup_vector), as in an eager build: that value, from a build with real buffers, where the init left
+            # the whole of it as it found it and the constructor gives it without drawing from the generator.
+            left = [n for n in unset if _left_alone(done[n], again[n], fills[n])]
+            if left:
+                owner = names[id(module)]
+                for n in left:
+                    value = self._constructed().get(f"{owner}.{n}" if owner else n)
+                    if value is not None:
+                        module._buffers[n] = value.to(device)
+                        unset.remove(n)
             if unset:
                 raise NotImplementedError(f"{type(module).__name__}: its buffers have no init in "
-                                          f"{type(self.causal_lm).__name__}._init_weights; build it on a real device")
+                                          f"{type(initialiser).__name__}._init_weights; build it on a real device")
 
     @torch.no_grad()
     def materialise_parameters(self, device: torch.device | str | None = None) -> None:
@@ -791,6 +826,42 @@ def _unset_values(dtype: torch.dtype, name: str) -> tuple:
     if dtype == torch.bool:
         return (True, False)
     return (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+
+
+def _left_alone(done: torch.Tensor, again: torch.Tensor, fills: tuple) -> bool:
+    """Whether the init left a buffer filled with `fills` (NaN; or the two integer / bool fills) wholly as it was."""
+    if len(fills) == 1:
+        return bool(done.isnan().all())
+    return bool((done == fills[0]).all() and (again == fills[1]).all())
+
+
+#: The most elements a parameter may have to be made on the CPU (with its constructor's values) by _constructor_values.
+SMALL_PARAMETER = 1 << 16
+
+
+def _constructor_values(config: PreTrainedConfig) -> dict[str, torch.Tensor]:
+    """The buffers and small parameters (by name) as the modules of `config`'s causal LM make them in their
+    constructors, from a build whose larger parameters go to the meta device as each is registered (so nothing of
+    their size is made) and whose buffers and small parameters (at most SMALL_PARAMETER elements) are made on the
+    CPU; built twice from different generator states, a value that comes out differently (drawn from the
+    generator, so not the eager build's) is left out."""
+    register = nn.Module.register_parameter
+
+    def register_large_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta and param.numel() > SMALL_PARAMETER:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    builds = []
+    for seed in (0, 1):
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad(), \
+                mock.patch.object(nn.Module, "register_parameter", register_large_on_meta):
+            torch.manual_seed(seed)
+            causal_lm = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+        made = dict(causal_lm.named_buffers())
+        made.update(causal_lm.named_parameters())
+        builds.append({n: t.detach() for n, t in made.items() if not t.is_meta})
+    return {n: t for n, t in builds[0].items() if n in builds[1] and torch.equal(t, builds[1][n])}
 
 
 def _init_buffers(causal_lm: nn.Module, target: nn.Module, buffers: dict, device) -> dict[str, torch.Tensor]:

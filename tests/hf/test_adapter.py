@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
@@ -238,11 +239,53 @@ def test_a_meta_build_checks_that_the_init_sets_integer_and_bool_buffers(monkeyp
         meta.materialise_buffers()
         assert {k: b.dtype for k, b in meta.named_buffers()} == {k: b.dtype for k, b in eager.items()}
         assert all(torch.equal(b, eager[k]) for k, b in meta.named_buffers()), kind
-    from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeForCausalLM
+    from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodePreTrainedModel
 
     config = swept_config("gpt_bigcode")
-    monkeypatch.setattr(GPTBigCodeForCausalLM, "_init_weights", lambda self, module: None)
-    with pytest.raises(NotImplementedError, match=r"its buffers have no init in GPTBigCodeForCausalLM._init_weights"):
+
+    def drawn(self, module):  # (an init that draws the mask: an eager build would get other values)
+        if "bias" in module._buffers:
+            module._buffers["bias"].copy_(torch.rand(module._buffers["bias"].shape) > 0.5)
+
+    # (the mask is GPTBigCodeModel's, so its own _init_weights sets it, as transformers' init dispatches it)
+    monkeypatch.setattr(GPTBigCodePreTrainedModel, "_init_weights", drawn)
+    with pytest.raises(NotImplementedError, match=r"its buffers have no init in GPTBigCodeModel._init_weights"):
+        build(config, meta=True)
+
+
+def test_a_meta_build_keeps_the_constructor_values_the_init_leaves_alone(monkeypatch):
+    # Apertus' XIELU activation (its beta and eps buffers, its alpha parameters) and Falcon-H1's mup_vector are made
+    # by their modules' constructors and left alone by _init_weights: a meta build gives them the eager build's
+    # values; one the constructor draws from the generator is refused by name
+    from moe_lst.models.hf import build
+    from moe_lst.models.hf.coverage import tiny_config as swept_config
+    from transformers import AutoModelForCausalLM
+
+    for kind, names in (("apertus", ("mlp.act_fn.beta", "mlp.act_fn.eps", "mlp.act_fn.alpha_p")),
+                        ("falcon_h1", ("mamba.mup_vector",))):
+        config = swept_config(kind)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        eager = {**dict(plain.named_buffers()), **plain.state_dict()}
+        meta = build(config, meta=True)
+        meta.materialise_parameters("cpu")
+        meta.reset_parameters()
+        got = {**dict(meta.named_buffers()), **meta.state_dict()}
+        kept = [k for k in got if any(k.endswith(n) for n in names)]
+        assert len(kept) == 2 * len(names), (kind, kept)
+        for k in kept:
+            assert torch.equal(got[k], eager[k]), (kind, k)
+        assert all(torch.equal(b, eager[k]) for k, b in meta.named_buffers()), kind
+    from transformers.activations import XIELUActivation
+
+    config = swept_config("apertus")
+    made = XIELUActivation.__init__
+
+    def drawn(self, *args, **kwargs):  # (a constructor that draws its buffer: no value an eager build shares)
+        made(self, *args, **kwargs)
+        self.beta = nn.Buffer(torch.rand(()))
+
+    monkeypatch.setattr(XIELUActivation, "__init__", drawn)
+    with pytest.raises(NotImplementedError, match=r"XIELUActivation: its buffers have no init in ApertusModel"):
         build(config, meta=True)
 
 
