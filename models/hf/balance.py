@@ -13,6 +13,8 @@ rides on the router's gate weights (the output its block uses), so it reaches th
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -98,6 +100,33 @@ def balancing_top_k(causal_lm: nn.Module) -> int:
         raise NotImplementedError(f"{type(causal_lm).__name__} holds no num_experts_per_tok: the top-k its balancing "
                                   "loss counts is not known")
     return int(top_k)
+
+
+def balancing_num_experts(causal_lm: nn.Module) -> int:
+    """The number of experts a causal LM's balancing loss counts over (its `num_experts`, JetMoE's from
+    num_local_experts, else the config's num_local_experts, num_experts or n_routed_experts)."""
+    experts = _number(causal_lm, ("num_experts", "num_local_experts", "n_routed_experts"))
+    if experts is None:
+        raise NotImplementedError(f"{type(causal_lm).__name__} holds no num_experts: the experts its balancing loss "
+                                  "counts over are not known")
+    return int(experts)
+
+
+def records_router_logits(causal_lm: nn.Module) -> bool:
+    """Whether the causal LM's base model records its routers' output as `router_logits` (what its forward's
+    balancing loss is computed from)."""
+    base = causal_lm.get_submodule(causal_lm.base_model_prefix)
+    return (getattr(base, "_can_record_outputs", None) or {}).get("router_logits") is not None
+
+
+def forward_adds_balancing_loss(causal_lm: nn.Module) -> bool:
+    """Whether the causal LM's forward computes transformers' balancing loss (calls its load_balancing_loss_func):
+    JetMoE's does; Llama 4's records its routers' logits and adds none."""
+    try:
+        source = inspect.getsource(type(causal_lm).forward)
+    except (OSError, TypeError):  # (no source to read: not known to add one)
+        return False
+    return "load_balancing_loss_func(" in source
 
 
 class BalancingLoss:

@@ -144,6 +144,7 @@ def _derive(cls, base, layers: int = 2) -> dict[str, Any]:
     for key in ("mlp_only_layers",):
         if isinstance(getattr(base, key, None), list):
             values[key] = []
+    values.update(_tiny_layer_counts(cls, base, values, layers))
     _tiny_layer_schedules(base, defaults, values, layers)
     for key, value in defaults.items():  # (a choice left open among listed ones: X-MOD's default_language)
         choices = defaults.get(key.removeprefix("default_") + "s")
@@ -163,6 +164,30 @@ def _derive(cls, base, layers: int = 2) -> dict[str, Any]:
         values[key] = derived
     values.update(_tiny_unknown_sizes(cls, base, defaults, values))
     return values
+
+
+def _tiny_layer_counts(cls, base, values: dict[str, Any], layers: int) -> dict[str, int]:
+    """Where the model does not build from the tiny values: each count of some of the default layers (a
+    `num_*_layers` key up to num_hidden_layers that TINY does not name) scaled as the layers are, rounded down
+    (Gemma 3n's num_kv_shared_layers, 15 of 35, gives 0 of 2: a key of 15 shared layers left at 15 of 2 layers
+    leaves none to make the caches they share); {} where it builds, or the scaled counts do not make it build."""
+    full = getattr(base, "num_hidden_layers", None)
+    aliases = set(getattr(base, "attribute_map", {}).values())
+    counts = {k: v * layers // full for k, v in base.to_dict().items()
+              if k.startswith("num_") and k.endswith("_layers") and k not in values and k not in aliases
+              and type(v) is int and type(full) is int and 0 < v <= full}
+    if not counts:
+        return {}
+    try:
+        _meta_size(_construct(cls, values))
+        return {}
+    except Exception:  # noqa: BLE001 - the model does not build from the tiny values: the scaled counts may be why
+        pass
+    try:
+        _meta_size(_construct(cls, {**values, **counts}))
+    except Exception:  # noqa: BLE001 - nor from the scaled counts: the tiny values stay as they are
+        return {}
+    return counts
 
 
 def _kinds_left_open(cls, values: dict[str, Any]) -> list[str]:
@@ -527,23 +552,15 @@ def untrained_balancing_loss(causal_lm, ours, aux_loss: torch.Tensor | None) -> 
     """Why the adapter `ours` does not train the balancing loss that plain `causal_lm`'s forward adds to its loss
     (one line), or None: it trains it, or the model adds none (its forward gave no `aux_loss`, or a zero
     coefficient)."""
-    from moe_lst.models.hf.balance import COEFFICIENT_ATTRIBUTES, balancing_coefficient
+    from moe_lst.models.hf.balance import balancing_coefficient
 
     if aux_loss is None:
         return None
     coef = balancing_coefficient(causal_lm)
     if not coef or ours.balance is not None:
         return None
-    name = type(causal_lm).__name__
-    if not ours.moe_blocks:
-        routers = type(causal_lm.get_submodule(causal_lm.base_model_prefix))._can_record_outputs["router_logits"]
-        router = getattr(getattr(routers, "target_class", routers), "__name__", routers)
-        return (f"{name} trains no balancing loss here: its experts (routed by {router}) are not ExpertsInterface "
-                "experts")
-    held = next(a for a in COEFFICIENT_ATTRIBUTES if getattr(causal_lm, a, None) is not None
-                or getattr(causal_lm.config, a, None) is not None)
-    return (f"{name} scales its balancing loss by {coef:g} ({held}), which the adapter does not read: it "
-            "reads the config's router_aux_loss_coef")
+    return (f"{type(causal_lm).__name__} trains no balancing loss here: the adapter found no router_logits it "
+            "records (moe_lst.models.hf.balance.records_router_logits)")
 
 
 def check_logits(config) -> None:

@@ -31,7 +31,8 @@ from moe_lst.kernels.documents import Documents
 from moe_lst.kernels.positions import position_ids_for
 from moe_lst.models.hf import attention as hf_attn
 from moe_lst.models.hf.attention import ATTENTION, attention_of, hf_attention, hf_dense_attention, set_attention
-from moe_lst.models.hf.balance import BalancingLoss, router_modules
+from moe_lst.models.hf.balance import (BalancingLoss, balancing_coefficient, balancing_num_experts, balancing_top_k,
+                                       forward_adds_balancing_loss, records_router_logits, router_modules)
 from moe_lst.models.hf.experts import adopt_experts, expert_tensor_parallel, is_experts
 from moe_lst.models.hf.structure import (attention_modules, blocks_outside_attention, decoder_blocks,
                                         positions_from_length)
@@ -284,11 +285,20 @@ class HFCausalLM(nn.Module, ModelContract):
         if any(is_experts(m) for m in causal_lm.modules()):
             self.moe_blocks = tuple(adopt_experts(causal_lm))
         self.balance: BalancingLoss | None = None
-        coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
-        if self.moe_blocks and getattr(config, "output_router_logits", False) and coef > 0:
-            routers, index = router_modules(causal_lm)
-            self.balance = BalancingLoss(routers, _num_experts(config, causal_lm), config.num_experts_per_tok, coef,
-                                         sp_group, logits_index=index)
+        # (where the forward adds one: its routers' logits recorded, scaled by the factor the causal LM reads, for
+        # adopted ExpertsInterface experts or, where the forward computes load_balancing_loss_func, the model's own
+        # (JetMoE's); a model that holds no such factor (DeepSeek-V3) or computes none (Llama 4) adds none)
+        if getattr(config, "output_router_logits", False) and records_router_logits(causal_lm) \
+                and (self.moe_blocks or forward_adds_balancing_loss(causal_lm)):
+            try:
+                coef = balancing_coefficient(causal_lm)
+            except NotImplementedError:
+                coef = 0.0
+            if coef > 0:
+                routers, index = router_modules(causal_lm)
+                experts = _num_experts(config, causal_lm) if self.moe_blocks else balancing_num_experts(causal_lm)
+                self.balance = BalancingLoss(routers, experts, balancing_top_k(causal_lm), coef, sp_group,
+                                             logits_index=index)
         causal_lm.set_attn_implementation(ATTENTION)
         if attention_fn is attention:
             attention_fn = hf_dense_attention  # the same, with sliding windows, sinks, softcaps and chunks

@@ -307,3 +307,53 @@ def test_a_sliding_window_model_in_float64_equals_plain_transformers_exactly():
     with torch.no_grad():
         want, got = plain.double()(input_ids=x).logits, copy.deepcopy(ours).double()(x)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_balancing_loss_of_experts_outside_experts_interface_is_trained():
+    # JetMoE's experts (routed by JetMoeTopKGating, in its MLPs and its mixture of attention heads) are its own, not
+    # ExpertsInterface ones: the adapter trains the balancing loss its forward adds (aux_loss_coef times
+    # load_balancing_loss_func over every router's recorded logits), so every gradient equals plain transformers'
+    from moe_lst.models.hf.coverage import _batch, _plain_loss
+    from moe_lst.models.hf.coverage import tiny_config as swept_config
+    from moe_lst.models.hf.model import HFCausalLM
+    from transformers import AutoModelForCausalLM
+
+    config = swept_config("jetmoe")
+    config.aux_loss_coef = 0.5  # (the swept 0.01 leaves the term's gradient near the tolerance)
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config)
+    ours = HFCausalLM(copy.deepcopy(plain))
+    assert not ours.moe_blocks and ours.balance is not None
+    assert (ours.balance.coef, ours.balance.num_experts, ours.balance.top_k) == (0.5, 4, 2)
+    x, y = _batch(0)
+    _plain_loss(plain, x, y).backward()
+    F.cross_entropy(ours(x).flatten(0, 1), y.flatten()).backward()
+    want = dict(plain.named_parameters())
+    assert sum(n.endswith("router.layer.weight") for n, _ in ours.named_parameters()) == 4  # (2 per layer)
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    assert ours.balance.last_value == pytest.approx(float(plain(input_ids=x).aux_loss.detach()), rel=1e-5)
+    # Llama 4 records its routers' logits too, but its forward adds no balancing loss: none is trained
+    llama4 = swept_config("llama4_text")
+    assert llama4.output_router_logits and llama4.router_aux_loss_coef > 0
+    assert HFCausalLM(AutoModelForCausalLM.from_config(llama4)).balance is None
+
+
+def test_a_meta_build_initialises_each_module_by_its_innermost_pretrained_model():
+    # Gemma 3n's _init_weights reads self.hidden_size, which only its text model holds: each module is initialised
+    # by the innermost PreTrainedModel holding it (as transformers dispatches its init), so the text model's own
+    # scales get the eager build's values. Its tiny config scales num_kv_shared_layers as the layers (15 of 35: 0)
+    from moe_lst.models.hf import build
+    from moe_lst.models.hf.coverage import tiny_config as swept_config
+    from transformers import AutoModelForCausalLM
+
+    config = swept_config("gemma3n_text")
+    assert (config.num_hidden_layers, config.num_kv_shared_layers) == (2, 0)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    eager = {**dict(plain.named_buffers()), **dict(plain.named_parameters())}
+    meta = build(config, meta=True)
+    meta.materialise_parameters("cpu")
+    meta.reset_parameters()
+    for name in ("model.per_layer_projection_scale", "model.per_layer_input_scale"):
+        assert torch.equal(dict(meta.named_buffers())[name], eager[name]), name
+    assert all(torch.equal(b, eager[k]) for k, b in meta.named_buffers())

@@ -258,14 +258,17 @@ def test_the_balancing_loss_is_scaled_by_the_factor_the_model_reads():
     out = plain(input_ids=x)
     ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
     torch.testing.assert_close(coverage._plain_loss(plain, x, y), ce + 0.25 * out.aux_loss)
-    # its experts are not ExpertsInterface experts, so the adapter trains no balancing loss for them: refused by name
+    # its experts are not ExpertsInterface experts; the adapter trains its balancing loss from the routers' recorded
+    # logits all the same (tests/hf/test_adapter.py compares the gradients)
     ours = HFCausalLM(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
-    problem = coverage.untrained_balancing_loss(plain, ours, out.aux_loss)
-    assert problem == ("JetMoeForCausalLM trains no balancing loss here: its experts (routed by JetMoeTopKGating) "
-                       "are not ExpertsInterface experts")
-    config.output_router_logits = False  # (the model then adds none)
-    plain = AutoModelForCausalLM.from_config(config)
-    assert coverage.untrained_balancing_loss(plain, ours, plain(input_ids=x).aux_loss) is None
+    assert coverage.untrained_balancing_loss(plain, ours, out.aux_loss) is None
+    config.output_router_logits = False  # (the adapter then builds none: against a forward that adds one, refused)
+    unbalanced = HFCausalLM(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
+    problem = coverage.untrained_balancing_loss(plain, unbalanced, out.aux_loss)
+    assert problem == ("JetMoeForCausalLM trains no balancing loss here: the adapter found no router_logits it "
+                       "records (moe_lst.models.hf.balance.records_router_logits)")
+    plain = AutoModelForCausalLM.from_config(config)  # (the model then adds none)
+    assert coverage.untrained_balancing_loss(plain, unbalanced, plain(input_ids=x).aux_loss) is None
 
 
 def test_a_convolution_along_the_sequence_beside_attention_keeps_ulysses_and_packing_out():
