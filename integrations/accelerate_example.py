@@ -41,6 +41,7 @@ from accelerate import Accelerator  # noqa: E402
 from moe_lst.data.build import build_streams  # noqa: E402
 from moe_lst.data.streams import BatchSpec, TokenStream  # noqa: E402
 from moe_lst.models.llama import ModelConfig, Transformer  # noqa: E402
+from torch import nn  # noqa: E402
 
 import zero  # noqa: E402
 from zero.parallel.pipeline import Pipeline  # noqa: E402
@@ -81,14 +82,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", type=Path, default=None, help="a checkpoint directory this script wrote")
     p.add_argument("--metrics", type=Path, default=None, help="append one JSON line per step (main process)")
     p.add_argument("--hf-config", type=Path, default=None, help="a Hugging Face config.json (or a directory with one)")
+    p.add_argument("--save-pretrained", type=Path, default=None,
+                   help="with --hf-config: write the trained model there at the end, for transformers' from_pretrained")
     for key, what in (("tp", "tensor"), ("sp", "Ulysses sequence"), ("ep", "expert"), ("pp", "pipeline (1F1B)")):
         p.add_argument(f"--{key}", type=int, default=1, help=f"{what}-parallel degree (with --hf-config)")
     return p.parse_args(argv)
 
 
-def build_engine(args: argparse.Namespace, dims: zero.ParallelDims) -> tuple[zero.Engine, Pipeline | None]:
+def build_engine(args: argparse.Namespace,
+                 dims: zero.ParallelDims) -> tuple[zero.Engine, Pipeline | None, nn.Module, list[zero.Plan]]:
     """The recipe's model=tiny (or, with --hf-config, model=hf of that config, parallelised through the adapter),
-    AdamW as the recipe's (lr constant), clipping at 1.0; and this rank's pipeline under --pp."""
+    AdamW as the recipe's (lr constant), clipping at 1.0; and this rank's pipeline under --pp, the model as built
+    and the plans."""
     torch.manual_seed(args.seed)  # the same model on every process
     plans: list[zero.Plan] = []
     if args.hf_config is not None:
@@ -96,16 +101,16 @@ def build_engine(args: argparse.Namespace, dims: zero.ParallelDims) -> tuple[zer
         from moe_lst.models.hf import build, load_config
 
         # (under pp: this rank's stages, the pipeline's micro-batches the step's grad_accum ones)
-        model, plans = parallelize_hf(build(load_config(args.hf_config), sp_group=dims.sequence_group), dims,
-                                      microbatches=args.grad_accum)
+        built = build(load_config(args.hf_config), sp_group=dims.sequence_group)
+        model, plans = parallelize_hf(built, dims, microbatches=args.grad_accum)
     else:
-        model = Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                                        max_seq_len=512))
+        model = built = Transformer(ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                                ffn_dim=128, max_seq_len=512))
     config = zero.ZeroConfig(stage=args.stage, grad_accum_steps=args.grad_accum, clip_grad_norm=1.0,
                              offload_optimizer=args.offload, offload_params=args.offload if args.stage == 3 else "none")
     optimizer = zero.FastAdamW(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     pipe = next((plan for plan in plans if isinstance(plan, Pipeline)), None)
-    return zero.initialize(model, optimizer, config, dims, plans=plans), pipe
+    return zero.initialize(model, optimizer, config, dims, plans=plans), pipe, built, plans
 
 
 def loss_of(engine: zero.Engine, tokens: torch.Tensor, labels: torch.Tensor, dims: zero.ParallelDims,
@@ -121,16 +126,18 @@ def loss_of(engine: zero.Engine, tokens: torch.Tensor, labels: torch.Tensor, dim
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.hf_config is None and max(args.tp, args.sp, args.ep, args.pp) > 1:
-        raise SystemExit("--tp, --sp, --ep and --pp apply with --hf-config (the Llama here trains data parallel)")
+    if args.hf_config is None and (max(args.tp, args.sp, args.ep, args.pp) > 1 or args.save_pretrained):
+        raise SystemExit("--tp, --sp, --ep, --pp and --save-pretrained apply with --hf-config (the Llama here trains "
+                         "data parallel, and its checkpoints are the whole model)")
     if args.hf_config is not None:  # (refused before the processes join)
         from moe_lst.integrations.hf_parallel import check_layout
         from moe_lst.models.hf import load_config
 
-        check_layout(load_config(args.hf_config), tp=args.tp, ep=args.ep, pp=args.pp, microbatches=args.grad_accum)
+        check_layout(load_config(args.hf_config), tp=args.tp, ep=args.ep, pp=args.pp, sp=args.sp,
+                     microbatches=args.grad_accum)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # joins the launcher's processes (gloo on CPUs)
     dims = zero.ParallelDims(tp=args.tp, sp=args.sp, ep=args.ep, pp=args.pp)  # data parallel over the rest
-    engine, pipe = build_engine(args, dims)
+    engine, pipe, built, plans = build_engine(args, dims)
     spec = BatchSpec(args.micro_batch_size, args.grad_accum, dims.dp, args.seq_len)
     stream, _ = build_streams({"kind": "stdlib", "max_bytes": args.max_bytes}, spec, seed=args.seed, vocab_size=256)
     loader = accelerator.prepare(torch.utils.data.DataLoader(StreamRows(stream, args.steps), spec.micro_batch_size))
@@ -165,6 +172,10 @@ def main(argv: list[str] | None = None) -> None:
         done = step + 1
         if args.ckpt_dir is not None and ((args.save_every and done % args.save_every == 0) or done == args.steps):
             engine.save_checkpoint(str(args.ckpt_dir / f"step_{done}"), client_state={"step": done})
+    if args.save_pretrained is not None:  # (every shard, expert, slice and stage gathered; the first rank writes)
+        from moe_lst.integrations.hf_parallel import save_pretrained
+
+        save_pretrained(built, engine, plans, str(args.save_pretrained))
     accelerator.end_training()
 
 

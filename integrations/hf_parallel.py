@@ -25,22 +25,36 @@ def pipeline_microbatches(pp: int, microbatches: int | None) -> int:
     return pp if microbatches is None else microbatches
 
 
-def check_layout(model: Any, *, tp: int = 1, ep: int = 1, pp: int = 1, microbatches: int | None = None) -> None:
+#: How the refusals name the degrees: the loops' own arguments (ZeroTrainer(ep=...), --ep, ZeroStrategy(ep=...)).
+DEGREE_KEYS = {"ep": "ep", "sp": "sp", "tp": "tp", "num_experts": "the config's experts per layer"}
+
+
+def check_layout(model: Any, *, tp: int = 1, ep: int = 1, pp: int = 1, sp: int = 1,
+                 microbatches: int | None = None) -> None:
     """Refuse, in one line and before any process group or plan exists, what the adapter does not offer `model`
-    (a transformers model, or its config) at these degrees: ep for a dense model, tp and pp where the config's
-    tensor- or pipeline-parallel plan does not map (moe_lst.models.hf.model.layout_problem), fewer layers than
-    stages, and fewer micro-batches per batch than stages (1F1B needs at least pp)."""
-    from moe_lst.models.hf import is_moe
+    (a transformers model, or its config) at these degrees: ep for a dense model or one that does not divide its
+    experts, tp and pp where the config's tensor- or pipeline-parallel plan does not map
+    (moe_lst.models.hf.model.layout_problem), sp past the query heads a tp rank holds, fewer layers than stages, and
+    fewer micro-batches per batch than stages (1F1B needs at least pp)."""
+    from moe_lst.models.hf import is_moe, num_experts
     from moe_lst.models.hf.model import layout_problem
+
+    from moe.dispatch import check_expert_parallel
+    from sequence_parallel.ulysses import check_ulysses_heads
 
     config = getattr(model, "config", model)
     if ep > 1 and not is_moe(config):
         raise ValueError(f"ep={ep} needs an MoE model (model_type {config.model_type} is dense); use ep=1")
+    if ep > 1:
+        check_expert_parallel(num_experts(config), ep, DEGREE_KEYS)
     for key, degree in (("tp", tp), ("pp", pp)):
         problem = layout_problem(config, key, degree) if degree > 1 else None
         if problem:
             raise NotImplementedError(f"{key}={degree} with model_type {config.model_type} is refused: {problem}; "
                                       f"use {key}=1")
+    heads = getattr(config, "num_attention_heads", None)
+    if sp > 1 and isinstance(heads, int):  # (the heads a tp rank holds, split over sp)
+        check_ulysses_heads(heads, sp, tp, DEGREE_KEYS)
     if pp > 1:
         layers, m = config.num_hidden_layers, pipeline_microbatches(pp, microbatches)
         if layers < pp:
@@ -83,7 +97,7 @@ def parallelize_hf(model: nn.Module, dims: zero.ParallelDims,
     from zero.parallel.pipeline import apply_pipeline
     from zero.parallel.tensor import apply_tensor_parallel
 
-    check_layout(model, tp=dims.tp, ep=dims.ep, pp=dims.pp, microbatches=microbatches)
+    check_layout(model, tp=dims.tp, ep=dims.ep, pp=dims.pp, sp=dims.sp, microbatches=microbatches)
     adapter = model if isinstance(model, HFCausalLM) else HFCausalLM(model, sp_group=dims.sequence_group)
     plans = [adapter.loss_plan()]
     if adapter.moe_blocks:
@@ -192,3 +206,26 @@ def _with_all_experts(state: dict[str, torch.Tensor], plan: zero.Plan,
         comm.all_gather_into_tensor(flat, local.view(-1), dims.ep_group)
         out[name] = flat.view(dims.ep * local.shape[0], *local.shape[1:])
     return out
+
+
+def save_pretrained(model: nn.Module, engine: zero.Engine, plans: list[zero.Plan], directory: str) -> None:
+    """Write the trained model into `directory` as transformers' save_pretrained does, for from_pretrained: `model` the
+    transformers causal LM parallelize_hf was given (or the adapter around it), its weights and persistent buffers
+    (e.g. DeepSeek-V3's routing correction bias) from full_state_dict (every ZeRO shard, ep rank, tp slice and pp
+    stage). Collective: every rank calls it; the first rank of the world writes."""
+    from moe_lst.models.hf import HFCausalLM
+
+    from zero.dist import comm
+
+    state = full_state_dict(engine, plans)
+    causal_lm = model.causal_lm if isinstance(model, HFCausalLM) else model
+    problem = None
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        try:
+            causal_lm.save_pretrained(directory, state_dict=state)
+        except Exception as error:  # noqa: BLE001 - raised on every rank below, which would otherwise wait on
+            problem = f"{type(error).__name__}: {error}"
+    world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+    problem = comm.all_gather_object(problem, world)[0]
+    if problem is not None:
+        raise RuntimeError(f"save_pretrained into {directory} failed on the first rank: {problem}")

@@ -113,7 +113,7 @@ class ZeroTrainer(transformers.Trainer):
         # (an MoE model's balancing loss goes through the adapter at one process too: scaled as the recipe's)
         adapted = max(sp, tp, ep, pp) > 1 or trains_balancing_loss(self.model)
         if adapted:
-            check_layout(self.model, tp=tp, ep=ep, pp=pp, microbatches=pp_microbatches)
+            check_layout(self.model, tp=tp, ep=ep, pp=pp, sp=sp, microbatches=pp_microbatches)
         self.dims = zero.ParallelDims(sp=sp, tp=tp, ep=ep, pp=pp)
         self.optimizer_factory, self.lr_scheduler_factory = optimizer_factory, lr_scheduler_factory
         self.engine: zero.Engine | None = None
