@@ -38,8 +38,8 @@ ROTARY = "rotary_emb"
 
 #: The keyword arguments a stage gives (or leaves at their defaults for) the layers it calls; `shared_kv_states` is a
 #: fresh dict per stage call (see _kv_sharing_problem for the layers that read another layer's keys and values).
-LAYER_ARGUMENTS = {"attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "cache_position",
-                   "position_embeddings", "shared_kv_states"}
+LAYER_ARGUMENTS = {"attention_mask", "position_ids", "cache", "past_key_values", "layer_past", "use_cache",
+                   "cache_position", "position_embeddings", "shared_kv_states"}
 #: Statements between a base model's embedding and its layers that change the hidden states, which the first stage
 #: repeats (as transformers writes them, unparsed by `ast`), each with the transform of (base model, hidden states,
 #: training): the input multipliers and dropouts transformers' families use.

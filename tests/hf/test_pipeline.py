@@ -193,3 +193,20 @@ def test_a_plan_naming_its_layers_otherwise_is_staged_under_their_names():
         want = model(tokens)
         got = last(first(tokens, positions), positions)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_layer_cache_argument_is_left_to_its_default():
+    """GPT-NeoX gives its layers `layer_past=cache` (the key/value cache, None in training): a stage leaves it at its
+    default instead of refusing to make it, and the stages chained give the model's logits."""
+    from moe_lst.models.hf import coverage
+    from moe_lst.models.hf.pipeline import layer_arguments
+
+    torch.manual_seed(0)
+    model = build(coverage.tiny_config("gpt_neox"))
+    assert "layer_past" in layer_arguments(type(model.base))
+    n = len(model.blocks())
+    first, last = model.pipeline_stage(range(n // 2), True, False), model.pipeline_stage(range(n // 2, n), False, True)
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(tokens, positions), positions), model(tokens), rtol=0, atol=0)
