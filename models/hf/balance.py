@@ -82,34 +82,33 @@ def _number(causal_lm: nn.Module, names: tuple[str, ...]) -> float | int | None:
     return None
 
 
+def _required(causal_lm: nn.Module, names: tuple[str, ...], what: str) -> int | float:
+    """The first of `names` the causal LM holds as a number (else its config's); NotImplementedError naming `what`
+    is not known where it holds none of them."""
+    value = _number(causal_lm, names)
+    if value is None:
+        raise NotImplementedError(f"{type(causal_lm).__name__} holds none of {', '.join(names)}: {what} is not "
+                                  "known")
+    return value
+
+
 def balancing_coefficient(causal_lm: nn.Module) -> float:
     """The factor a causal LM's forward scales its balancing loss (`aux_loss`) by: the value its __init__ read into
     `router_aux_loss_coef` or `aux_loss_coef` (else the config's key of that name); NotImplementedError where it has
     none of them."""
-    coef = _number(causal_lm, COEFFICIENT_ATTRIBUTES)
-    if coef is None:
-        raise NotImplementedError(f"{type(causal_lm).__name__} holds none of {', '.join(COEFFICIENT_ATTRIBUTES)}: the "
-                                  "factor its balancing loss is scaled by is not known")
-    return float(coef)
+    return float(_required(causal_lm, COEFFICIENT_ATTRIBUTES, "the factor its balancing loss is scaled by"))
 
 
 def balancing_top_k(causal_lm: nn.Module) -> int:
     """The top-k a causal LM's balancing loss counts (its `num_experts_per_tok`, else the config's)."""
-    top_k = _number(causal_lm, TOP_K_ATTRIBUTES)
-    if top_k is None:
-        raise NotImplementedError(f"{type(causal_lm).__name__} holds no num_experts_per_tok: the top-k its balancing "
-                                  "loss counts is not known")
-    return int(top_k)
+    return int(_required(causal_lm, TOP_K_ATTRIBUTES, "the top-k its balancing loss counts"))
 
 
 def balancing_num_experts(causal_lm: nn.Module) -> int:
     """The number of experts a causal LM's balancing loss counts over (its `num_experts`, JetMoE's from
     num_local_experts, else the config's num_local_experts, num_experts or n_routed_experts)."""
-    experts = _number(causal_lm, ("num_experts", "num_local_experts", "n_routed_experts"))
-    if experts is None:
-        raise NotImplementedError(f"{type(causal_lm).__name__} holds no num_experts: the experts its balancing loss "
-                                  "counts over are not known")
-    return int(experts)
+    return int(_required(causal_lm, ("num_experts", "num_local_experts", "n_routed_experts"),
+                         "the number of experts its balancing loss counts over"))
 
 
 def records_router_logits(causal_lm: nn.Module) -> bool:

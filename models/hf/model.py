@@ -92,15 +92,23 @@ def _softcap(logits: torch.Tensor, config: PreTrainedConfig, to_float: bool) -> 
     return torch.tanh((logits.float() if to_float else logits) / cap) * cap
 
 
-def logit_transform(causal_lm: PreTrainedModel) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
-    """(what `causal_lm`'s forward does to the head's logits, as a function of them, or None where it is none of the
-    known elementwise forms; the statements it runs after the head, as read, for a refusal)."""
+def _forward_lines(causal_lm: PreTrainedModel) -> list[str] | None:
+    """The lines of `causal_lm`'s forward, comments and blank lines dropped and spaces collapsed (None where its
+    source cannot be read)."""
     try:
         source = inspect.getsource(type(causal_lm).forward)
     except (OSError, TypeError):
-        return None, "its forward's source cannot be read"
+        return None
     lines = [re.sub(r"\s+", " ", line.split("#", 1)[0]).strip() for line in source.splitlines()]
-    lines = [line for line in lines if line]
+    return [line for line in lines if line]
+
+
+def logit_transform(causal_lm: PreTrainedModel) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
+    """(what `causal_lm`'s forward does to the head's logits, as a function of them, or None where it is none of the
+    known elementwise forms; the statements it runs after the head, as read, for a refusal)."""
+    lines = _forward_lines(causal_lm)
+    if lines is None:
+        return None, "its forward's source cannot be read"
     at = next((k for k, line in enumerate(lines) if _HEAD_CALL.search(line) and line.startswith("logits =")), None)
     if at is None:
         return None, "no `logits = self.lm_head(hidden_states)` in its forward"
@@ -131,12 +139,9 @@ def head_input_transform(causal_lm: PreTrainedModel) -> tuple[Callable[[torch.Te
     """(what `causal_lm`'s forward does to the base model's last hidden states before its head, as a function of
     them (the identity where nothing), or None where it is not one of _HEAD_INPUT_FORMS; those statements, for a
     refusal)."""
-    try:
-        source = inspect.getsource(type(causal_lm).forward)
-    except (OSError, TypeError):
+    lines = _forward_lines(causal_lm)
+    if lines is None:
         return None, "its forward's source cannot be read"
-    lines = [re.sub(r"\s+", " ", line.split("#", 1)[0]).strip() for line in source.splitlines()]
-    lines = [line for line in lines if line]
     head = next((k for k, line in enumerate(lines) if _HEAD_CALL.search(line)), None)
     start = max((k for k, line in enumerate(lines[:head or 0]) if _LAST_HIDDEN.match(line)), default=None)
     if start is None:

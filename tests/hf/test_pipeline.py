@@ -14,6 +14,20 @@ from torch import nn
 from tests.hf.tiny import tiny_config
 
 
+def _halves(model) -> tuple[nn.Module, nn.Module]:
+    """The model's first and last pipeline stages, its layers split in two."""
+    n = len(model.blocks())
+    return model.pipeline_stage(range(n // 2), True, False), model.pipeline_stage(range(n // 2, n), False, True)
+
+
+def _assert_chained(model, first: nn.Module, last: nn.Module) -> None:
+    """The stages chained give the model's logits exactly."""
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(tokens, positions), positions), model(tokens), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])  # (qwen3's tiny config ties its head to the embedding)
 def test_chained_stages_give_the_models_logits_and_gradients(kind):
     torch.manual_seed(0)
@@ -44,14 +58,8 @@ def test_the_last_stage_applies_the_models_logit_softcapping():
     torch.manual_seed(0)
     model = build(coverage.tiny_config("gemma3_text", final_logit_softcapping=2.0))
     assert model.config.final_logit_softcapping and not model.plain_head
-    n = len(model.blocks())
-    first, last = model.pipeline_stage(range(n // 2), True, False), model.pipeline_stage(range(n // 2, n), False, True)
-    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(12).expand(2, 12)
-    with torch.no_grad():
-        want = model(tokens)
-        got = last(first(tokens, positions), positions)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    first, last = _halves(model)
+    _assert_chained(model, first, last)
 
 
 @pytest.mark.parametrize("kind, overrides", [("granite", dict(embedding_multiplier=3.0, logits_scaling=2.0)),
@@ -67,14 +75,8 @@ def test_the_stages_repeat_what_the_model_does_around_its_layers(kind, overrides
     torch.manual_seed(0)
     model = build(coverage.tiny_config(kind, **overrides))
     assert not model.plain_head
-    n = len(model.blocks())
-    first, last = model.pipeline_stage(range(n // 2), True, False), model.pipeline_stage(range(n // 2, n), False, True)
-    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(12).expand(2, 12)
-    with torch.no_grad():
-        want = model(tokens)
-        got = last(first(tokens, positions), positions)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    first, last = _halves(model)
+    _assert_chained(model, first, last)
 
 
 def test_layers_sharing_keys_and_values_are_staged_together_or_refused():
@@ -93,12 +95,7 @@ def test_layers_sharing_keys_and_values_are_staged_together_or_refused():
     torch.manual_seed(0)
     model = build(config)
     first, last = model.pipeline_stage(range(2), True, False), model.pipeline_stage(range(2, 6), False, True)
-    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(12).expand(2, 12)
-    with torch.no_grad():
-        want = model(tokens)
-        got = last(first(tokens, positions), positions)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _assert_chained(model, first, last)
     with pytest.raises(ContractError, match="layer 4 reuses the keys and values of layer 2 .* on another stage"):
         model.pipeline_stage(range(3, 6), False, True)
 
@@ -146,15 +143,9 @@ def test_layer_arguments_made_from_the_positions_are_replayed(kind, overrides):
 
     torch.manual_seed(0)
     model = build(coverage.tiny_config(kind, **overrides))
-    n = len(model.blocks())
-    first, last = model.pipeline_stage(range(n // 2), True, False), model.pipeline_stage(range(n // 2, n), False, True)
+    first, last = _halves(model)
     assert first.replay is not None and "position_embeddings" in first.replay.keywords
-    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(12).expand(2, 12)
-    with torch.no_grad():
-        want = model(tokens)
-        got = last(first(tokens, positions), positions)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _assert_chained(model, first, last)
 
 
 class _UnstageableModel(nn.Module):
@@ -184,15 +175,10 @@ def test_a_plan_naming_its_layers_otherwise_is_staged_under_their_names():
 
     torch.manual_seed(0)
     model = build(coverage.tiny_config("gptj"))
+    first, last = _halves(model)
     n = len(model.blocks())
-    first, last = model.pipeline_stage(range(n // 2), True, False), model.pipeline_stage(range(n // 2, n), False, True)
     assert [name for name, _ in last.blocks()] == [f"transformer.h.{i}" for i in range(n // 2, n)]
-    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(12).expand(2, 12)
-    with torch.no_grad():
-        want = model(tokens)
-        got = last(first(tokens, positions), positions)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _assert_chained(model, first, last)
 
 
 def test_a_layer_cache_argument_is_left_to_its_default():
@@ -204,9 +190,5 @@ def test_a_layer_cache_argument_is_left_to_its_default():
     torch.manual_seed(0)
     model = build(coverage.tiny_config("gpt_neox"))
     assert "layer_past" in layer_arguments(type(model.base))
-    n = len(model.blocks())
-    first, last = model.pipeline_stage(range(n // 2), True, False), model.pipeline_stage(range(n // 2, n), False, True)
-    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(12).expand(2, 12)
-    with torch.no_grad():
-        torch.testing.assert_close(last(first(tokens, positions), positions), model(tokens), rtol=0, atol=0)
+    first, last = _halves(model)
+    _assert_chained(model, first, last)
