@@ -125,9 +125,10 @@ def test_loops_at_composed_layouts_equal_one_process(root, kind):
 
 # ---------------------------------------------------------------------------------------------------------------- bf16
 #: bf16 on 2 processes against the loop's one-process bf16 run. At tp=2 the bf16 sums split over the ranks round
-#: differently (measured at most ... on the loss, ... on the gradient norm); at pp=2 no sum is split.
-BF16_VS_BF16 = {"tp2": {"loss": 5e-4, "grad_norm": 5e-3}, "pp2": {"loss": RTOL, "grad_norm": 1e-5}}
-#: bf16 against fp32 on one process (measured at most ... and ...): bf16 ran, and no further off than its rounding.
+#: differently (measured at most 7.8e-5 on the loss, 7.5e-4 on the gradient norm, where fp32 is 1.6e-3 to 1.9e-3 off,
+#: which the test checks as a control); at pp=2 no sum is split (measured: equal, 4.3e-8 on Lightning's loss).
+BF16_VS_BF16 = {"tp2": {"loss": 2e-4, "grad_norm": 1.5e-3}, "pp2": {"loss": RTOL, "grad_norm": 1e-5}}
+#: bf16 against fp32 on one process (measured at most 1.2e-4 and 2.2e-3): no further off than its rounding.
 BF16_VS_FP32 = {"loss": 2e-3, "grad_norm": 2e-2}
 BF16_CASES = [(loop, kind, layout) for loop in ("trainer", "lightning") for kind in ("llama", "qwen3_moe")
               for layout in ("tp2", "pp2")]
@@ -148,7 +149,10 @@ def test_bf16_at_tp2_and_pp2_tracks_one_process(root):
         got, label = two[f"{loop}_{kind}_{layout}_bf16"], f"{loop} {kind} {layout} bf16"
         _assert_steps(got, one[f"{loop}_{kind}_one_bf16"], f"{label} vs one-process bf16", BF16_VS_BF16[layout])
         _assert_steps(got, one[f"{loop}_{kind}_one"], f"{label} vs one-process fp32", BF16_VS_FP32)
-        assert got["loss"] != one[f"{loop}_{kind}_one"]["loss"], f"{label}: the same losses as fp32"
+        # the control: bf16 ran (nearer one-process bf16 than fp32 in the gradient norms)
+        near, far = (max(abs(a - b) / b for a, b in zip(got["grad_norm"], one[f"{loop}_{kind}_{ref}"]["grad_norm"]))
+                     for ref in ("one_bf16", "one"))
+        assert near < far, f"{label}: {near:.1e} from one-process bf16, {far:.1e} from fp32"
 
 
 # ------------------------------------------------------------------------------------------------- resume and export
