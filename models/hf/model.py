@@ -233,6 +233,49 @@ def structure_problems(causal_lm: PreTrainedModel) -> list[str]:
 SAMPLED_ROUTING = {"PhimoeTopKRouter": "samples its experts in training (sparsemixer's Gumbel draws, new per call)"}
 
 
+def _refuse_uncovered(causal_lm: PreTrainedModel) -> None:
+    """NotImplementedError in one line naming what of `causal_lm` the adapter does not cover: its structure, routing
+    that samples, chunked attention it cannot place, a sparse attention's indexer."""
+    config = causal_lm.config
+    problems = structure_problems(causal_lm)
+    if problems:
+        raise NotImplementedError(f"model_type={config.model_type!r} ({type(causal_lm).__name__}) is not covered "
+                                  f"by the Hugging Face adapter: {'; '.join(problems)}")
+    sampled = next((m for m in causal_lm.modules() if type(m).__name__ in SAMPLED_ROUTING), None)
+    if sampled is not None:
+        raise NotImplementedError(f"model_type={config.model_type!r}: {type(sampled).__name__} "
+                                  f"{SAMPLED_ROUTING[type(sampled).__name__]}: not supported")
+    chunk_problem = chunked_layers_problem(causal_lm)
+    if chunk_problem:
+        raise NotImplementedError(f"model_type={config.model_type!r}: attention_chunk_size="
+                                  f"{config.attention_chunk_size} (chunked attention, through the mask): "
+                                  f"{chunk_problem}: not supported")
+    indexer = next((m for m in causal_lm.modules() if type(m).__name__.endswith("Indexer")), None)
+    if indexer is not None:
+        raise NotImplementedError(f"model_type={config.model_type!r}: {type(indexer).__name__} (a sparse "
+                                  "attention's top-k indexer) needs an attention mask: not supported")
+
+
+def _balancing_loss(causal_lm: PreTrainedModel, adopted: bool, sp_group: ProcessGroup | None) -> BalancingLoss | None:
+    """The balancing loss where the causal LM's forward adds one: its routers' logits recorded, scaled by the factor
+    the causal LM reads, for adopted ExpertsInterface experts (`adopted`) or, where the forward computes
+    load_balancing_loss_func, the model's own (JetMoE's); None for a model that holds no such factor (DeepSeek-V3)
+    or computes none (Llama 4)."""
+    config = causal_lm.config
+    if not (getattr(config, "output_router_logits", False) and records_router_logits(causal_lm)
+            and (adopted or forward_adds_balancing_loss(causal_lm))):
+        return None
+    try:
+        coef = balancing_coefficient(causal_lm)
+    except NotImplementedError:
+        return None
+    if coef <= 0:
+        return None
+    routers, index = router_modules(causal_lm)
+    experts = _num_experts(config, causal_lm) if adopted else balancing_num_experts(causal_lm)
+    return BalancingLoss(routers, experts, balancing_top_k(causal_lm), coef, sp_group, logits_index=index)
+
+
 class HFCausalLM(nn.Module, ModelContract):
     """A transformers causal LM under the model contract: blocks are its `_no_split_modules` layers, attention
     sites its AttentionInterface modules, MLP sites the blocks' dense `mlp` children; `init_parameter` is the
@@ -254,23 +297,7 @@ class HFCausalLM(nn.Module, ModelContract):
         super().__init__()
         config = causal_lm.config
         _fix_base_model_prefix(causal_lm)
-        problems = structure_problems(causal_lm)
-        if problems:
-            raise NotImplementedError(f"model_type={config.model_type!r} ({type(causal_lm).__name__}) is not covered "
-                                      f"by the Hugging Face adapter: {'; '.join(problems)}")
-        sampled = next((m for m in causal_lm.modules() if type(m).__name__ in SAMPLED_ROUTING), None)
-        if sampled is not None:
-            raise NotImplementedError(f"model_type={config.model_type!r}: {type(sampled).__name__} "
-                                      f"{SAMPLED_ROUTING[type(sampled).__name__]}: not supported")
-        chunk_problem = chunked_layers_problem(causal_lm)
-        if chunk_problem:
-            raise NotImplementedError(f"model_type={config.model_type!r}: attention_chunk_size="
-                                      f"{config.attention_chunk_size} (chunked attention, through the mask): "
-                                      f"{chunk_problem}: not supported")
-        indexer = next((m for m in causal_lm.modules() if type(m).__name__.endswith("Indexer")), None)
-        if indexer is not None:
-            raise NotImplementedError(f"model_type={config.model_type!r}: {type(indexer).__name__} (a sparse "
-                                      "attention's top-k indexer) needs an attention mask: not supported")
+        _refuse_uncovered(causal_lm)
         self.__dict__["causal_lm"] = causal_lm  # not a child: its children are ours, under the same names
         self.config = config
         for name, child in causal_lm.named_children():
@@ -289,21 +316,7 @@ class HFCausalLM(nn.Module, ModelContract):
         self.fills: dict[str, Fill | None] = {}
         if any(is_experts(m) for m in causal_lm.modules()):
             self.moe_blocks = tuple(adopt_experts(causal_lm))
-        self.balance: BalancingLoss | None = None
-        # (where the forward adds one: its routers' logits recorded, scaled by the factor the causal LM reads, for
-        # adopted ExpertsInterface experts or, where the forward computes load_balancing_loss_func, the model's own
-        # (JetMoE's); a model that holds no such factor (DeepSeek-V3) or computes none (Llama 4) adds none)
-        if getattr(config, "output_router_logits", False) and records_router_logits(causal_lm) \
-                and (self.moe_blocks or forward_adds_balancing_loss(causal_lm)):
-            try:
-                coef = balancing_coefficient(causal_lm)
-            except NotImplementedError:
-                coef = 0.0
-            if coef > 0:
-                routers, index = router_modules(causal_lm)
-                experts = _num_experts(config, causal_lm) if self.moe_blocks else balancing_num_experts(causal_lm)
-                self.balance = BalancingLoss(routers, experts, balancing_top_k(causal_lm), coef, sp_group,
-                                             logits_index=index)
+        self.balance = _balancing_loss(causal_lm, bool(self.moe_blocks), sp_group)
         causal_lm.set_attn_implementation(ATTENTION)
         if attention_fn is attention:
             attention_fn = hf_dense_attention  # the same, with sliding windows, sinks, softcaps and chunks
