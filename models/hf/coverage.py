@@ -526,7 +526,11 @@ def _one_line(error: BaseException | None, prefix: str | None = None) -> str:
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s tokens and targets: random ids past the special ones, and in each batch the first id of the
+    second half of the vocabulary (the first row a second tensor-parallel rank holds: a row its split misplaces,
+    e.g. a padding row counted from its own first, shows)."""
     tokens = torch.randint(3, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
+    tokens[0, 0] = TINY["vocab_size"] // 2
     return tokens[:, :-1], tokens[:, 1:]
 
 

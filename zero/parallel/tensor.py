@@ -510,11 +510,16 @@ class VocabParallelEmbedding(Style):
         _replace(module, "weight", module.weight[sl])
         start, stop = sl.start, sl.stop
         module.num_embeddings = stop - start
+        # (the padding row, whose lookups get no gradient, by its index in this rank's rows: another rank's, none)
+        padding = module.padding_idx
+        if padding is not None:
+            padding = padding % vocab - start if start <= padding % vocab < stop else None
+        module.padding_idx = padding
 
         def forward(tokens):
             inside = (tokens >= start) & (tokens < stop)
             local = torch.where(inside, tokens - start, torch.zeros_like(tokens))
-            out = F.embedding(local, module.weight, module.padding_idx, module.max_norm, module.norm_type,
+            out = F.embedding(local, module.weight, padding, module.max_norm, module.norm_type,
                               module.scale_grad_by_freq, module.sparse)
             out = out * inside.unsqueeze(-1).to(out.dtype)
             out = reduce_scatter_sequence(out, group, self.seq_dim)
