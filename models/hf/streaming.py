@@ -61,16 +61,24 @@ def _expert_sources(name: str, shape: tuple[int, ...], converter, found: dict[st
     return sources
 
 
-def hf_sources(checkpoint: Checkpoint, config: PreTrainedConfig,
-               shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
-    """How each parameter of `shapes` is made of the checkpoint's tensors (checked: Checkpoint.check)."""
-    renames, converters = _conversions(config.model_type)
-    found: dict[str, str] = {}  # the name transformers gives a file tensor -> its name in the file
+def _renamed(checkpoint: Checkpoint, config: PreTrainedConfig) -> dict[str, str]:
+    """The name transformers gives each file tensor of `checkpoint` (its checkpoint renamings applied) -> its name in
+    the file."""
+    renames, _ = _conversions(config.model_type)
+    found: dict[str, str] = {}
     for t in checkpoint.where:
         renamed = t
         for pattern, dst in renames:
             renamed = pattern.sub(dst, renamed)
         found[renamed] = t
+    return found
+
+
+def hf_sources(checkpoint: Checkpoint, config: PreTrainedConfig,
+               shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
+    """How each parameter of `shapes` is made of the checkpoint's tensors (checked: Checkpoint.check)."""
+    _, converters = _conversions(config.model_type)
+    found = _renamed(checkpoint, config)
     sources: dict[str, list[Source]] = {}
     for name, shape in shapes.items():
         if name in found:
@@ -107,13 +115,7 @@ def buffer_sources(checkpoint: Checkpoint, config: PreTrainedConfig,
     """The file tensors of the model's persistent buffers (`shapes`: DeepSeek-V3's routing correction bias, ...),
     under their names or transformers' renamings, checked like the parameters' (shape, floating dtype). A buffer
     the directory does not hold keeps the value the build gave it, as transformers' from_pretrained does."""
-    renames, _ = _conversions(config.model_type)
-    found: dict[str, str] = {}
-    for t in checkpoint.where:
-        renamed = t
-        for pattern, dst in renames:
-            renamed = pattern.sub(dst, renamed)
-        found[renamed] = t
+    found = _renamed(checkpoint, config)
     sources = {name: [Source(found[name], (0,) * len(shape), tuple(shape), tuple(range(len(shape))))]
                for name, shape in shapes.items() if name in found}
     checkpoint.check(sources)
