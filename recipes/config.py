@@ -700,7 +700,7 @@ def check_layout(cfg: DictConfig) -> None:
                           "loss from its logits); turn it off")
     # The recipe's tiles (recipes/losses.py's tiled loss over the head's weight, recipes/parallelize.py's MLP tiles)
     # know no tensor-parallel split: the loss would run over a tp rank's vocabulary slice alone (a wrong loss, no
-    # error), the MLP tiles fail in the first forward. (The Llama family's check_layout refuses both first.)
+    # error), the MLP tiles fail in the first forward; this holds for every family.
     for key in ("tiled_loss", "tiled_mlp"):
         if tp > 1 and cfg.train[key]:
             raise ConfigError(f"train.{key} with parallel.tp > 1 is not supported (the tensor-parallel MLP and "

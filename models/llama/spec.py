@@ -103,10 +103,6 @@ class LlamaSpec(FamilySpec):
                 check_tensor_parallel(model_config(cfg), tp)
             except ValueError as e:
                 raise ConfigError(f"{e}; e.g. parallel.tp={tp_that_works(cfg, tp)}") from None
-            for key in ("tiled_loss", "tiled_mlp"):
-                if cfg.train[key]:
-                    raise ConfigError(f"train.{key} with parallel.tp > 1 is not supported (the tensor-parallel MLP "
-                                      "and vocabulary-parallel loss already split that work); turn it off")
         from moe_lst.models.spec import PARALLEL_KEYS
 
         from sequence_parallel.ulysses import check_ulysses_heads, head_split
